@@ -1,0 +1,28 @@
+# Two commands: `make run` (the main job on its embedded default) and `make test`.
+# Both create .venv at the repository root and install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# CPU machines get the CPU build of torch (on local disk here); GPU machines a CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/primerl-node train-local --task reverse --out runs/train-local
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
