@@ -1,0 +1,107 @@
+"""Mixture-of-Experts block: router, dispatch, grouped expert compute, combine.
+
+The three stages are separate so that parallelism is applied from outside the model: expert
+parallelism replaces `dispatch`/`combine` with an all-to-all and gives each rank a slice of
+`GroupedExperts`; FP8 replaces `GroupedExperts` with a quantised twin. The block never assumes
+all experts live in this process beyond calling `self.experts(x_sorted, counts)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked weights (transformers-5 fused layout).
+
+    `gate_up_proj[e]` is [2I, H] (gate rows first, then up rows); `down_proj[e]` is [H, I].
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of `x_sorted` are grouped by expert, `counts[e]` rows for expert e, in order."""
+        if x_sorted.is_cuda and x_sorted.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            gu = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(-2, -1), offs=offs)
+            gate, up = gu.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        out = torch.empty_like(x_sorted)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                rows = x_sorted[start : start + n]
+                gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+                out[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                start += n
+        return out
+
+
+@dataclass
+class Routing:
+    logits: torch.Tensor  # [N, E] router logits
+    experts: torch.Tensor  # [N, k] chosen expert ids
+    weights: torch.Tensor  # [N, k] combine weights
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, hidden, inter)
+
+    def route(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
+        """Top-k routing; with `replay` ([N, k] expert ids) the given experts are used and only
+        their weights come from this router (router replay)."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if replay is None:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            experts = replay.to(device=x.device, dtype=torch.long)
+            weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(logits, experts, weights.to(x.dtype))
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copy each token once per chosen expert, grouped by expert. Returns (x_sorted, counts, order)."""
+        flat = routing.experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        return x[order // self.top_k], counts, order
+
+    def combine(self, y_sorted: torch.Tensor, routing: Routing, order: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        y = y_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(n_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
+        return out.index_add_(0, order // self.top_k, y)
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = self.route(x, replay)
+        x_sorted, counts, order = self.dispatch(x, routing)
+        y_sorted = self.experts(x_sorted, counts)
+        return self.combine(y_sorted, routing, order, x.shape[0]).reshape(shape), routing
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], experts: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss: E * sum_e f_e * P_e, averaged over MoE layers, where f_e
+    is the share of routed token-slots sent to e and P_e the mean router probability of e."""
+    total = router_logits[0].new_zeros((), dtype=torch.float32)
+    for logits, chosen in zip(router_logits, experts):
+        probs = torch.softmax(logits.float(), dim=-1)
+        f = torch.bincount(chosen.reshape(-1), minlength=num_experts).float() / chosen.numel()
+        total = total + num_experts * (f * probs.mean(0)).sum()
+    return total / max(len(router_logits), 1)

@@ -1,0 +1,178 @@
+"""One causal LM in plain PyTorch: the Qwen3-MoE layout (dense Qwen3 and Llama as special cases).
+
+Read top to bottom: embeddings -> N x [RMSNorm -> attention (GQA, per-head q/k RMSNorm, RoPE)
+-> residual -> RMSNorm -> MLP or MoE -> residual] -> RMSNorm -> LM head. Parameter names are
+Hugging Face's, so checkpoints load in `transformers` and vLLM. Parallelism and quantisation are
+applied from outside (see moe.py); the KV cache is optional and passed in by the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from node.model.cache import KVCache
+from node.model.config import ModelConfig
+from node.model.moe import MoEBlock, load_balancing_loss
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of x [B, H, T, D] at positions [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                slots: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q.transpose(1, 2), positions, self.theta)
+        k = rope(k.transpose(1, 2), positions, self.theta)
+        if cache is None:
+            mask = None
+        else:
+            k, v = cache.write_and_read(self.layer, slots, positions, k, v)
+            key_pos = torch.arange(k.shape[2], device=x.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_heads != self.n_kv
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, cache, slots, replay):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, slots)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoEBlock):
+            y, routing = self.mlp(h, replay)
+            return x + y, routing
+        return x + self.mlp(h), None
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    hidden: torch.Tensor  # [B, T, H] final hidden states (after the last norm)
+    router_logits: list[torch.Tensor]  # per MoE layer, [B*T, E]
+    routed_experts: torch.Tensor | None  # [B, T, n_moe_layers, k]
+    aux_loss: torch.Tensor  # load-balancing loss (0 for dense models)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None,
+                routed_experts: torch.Tensor | None = None) -> ModelOutput:
+        """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay)."""
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        x = self.model.embed_tokens(input_ids)
+        router_logits, chosen = [], []
+        moe_i = 0
+        for layer in self.model.layers:
+            replay = None
+            if routed_experts is not None and isinstance(layer.mlp, MoEBlock):
+                replay = routed_experts[:, :, moe_i].reshape(b * t, -1)
+            x, routing = layer(x, positions, cache, slots, replay)
+            if routing is not None:
+                router_logits.append(routing.logits)
+                chosen.append(routing.experts)
+                moe_i += 1
+        hidden = self.model.norm(x)
+        logits = self.lm_head(hidden)
+        if chosen:
+            experts = torch.stack([c.view(b, t, -1) for c in chosen], dim=2)
+            aux = load_balancing_loss(router_logits, chosen, self.config.num_experts)
+        else:
+            experts, aux = None, hidden.new_zeros(())
+        return ModelOutput(logits, hidden, router_logits, experts, aux)
