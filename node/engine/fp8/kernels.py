@@ -1,0 +1,222 @@
+"""Triton kernels: activation quantisation, block-scaled FP8 GEMM, grouped (per-expert) GEMM.
+
+Imported only when Triton is present (CUDA machines, or CPU with TRITON_INTERPRET=1 for tests).
+Every kernel accumulates in float32 and applies the two scales once per 128-wide K block, the
+DeepSeek-V3 recipe: the tensor cores see e4m3 x e4m3, the scales are applied on the way out of
+each block, so a 128x128 weight scale costs one multiply per output element per K block.
+
+The grouped kernel takes rows already sorted by expert and a tile table built on the device
+(`expert_tile_table`), so it launches a fixed grid with no host synchronisation: a decode step
+that calls it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from node.engine.fp8.quantize import BLOCK, FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, GROUP)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+    scale = amax / 448.0
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, scale)
+
+
+def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `quantize.quantize_act` for a 2-D tensor with unit stride on K."""
+    m, k = x.shape
+    kb = triton.cdiv(k, BLOCK)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, kb), dtype=torch.float32, device=x.device)
+    if m:
+        _quant_act_kernel[(m, kb)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=BLOCK)
+    return q, s
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
+    M, N, K,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    B_GROUP_N: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped launch order: GROUP_M row tiles share each column tile while it is in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_left = K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        if SCALED:
+            sa = tl.load(as_ptr + offs_m * stride_asm + kb, mask=mask_m, other=0.0)
+            sb = tl.load(bs_ptr + (offs_n // B_GROUP_N) * stride_bsn + kb, mask=mask_n, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _gemm_tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by problem size: decode rows are few."""
+    if m <= 16:
+        return 16, 64, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def gemm_triton(
+    a: torch.Tensor, b: torch.Tensor, a_s: torch.Tensor | None = None, b_s: torch.Tensor | None = None,
+    b_group_n: int = BLOCK, out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """c [M, N] = a [M, K] @ b [N, K]^T; scaled FP8 when scales are given, plain otherwise."""
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return c
+    scaled = a_s is not None
+    bm, bn, warps, stages = _gemm_tiles(m, n)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _gemm_kernel[grid](
+        a, b, c, a_s if scaled else a, b_s if scaled else b,
+        m, n, k,
+        a.stride(0), b.stride(0), c.stride(0),
+        a_s.stride(0) if scaled else 0, b_s.stride(0) if scaled else 0,
+        B_GROUP_N=b_group_n, SCALED=scaled,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=8,
+        num_warps=warps, num_stages=stages,
+    )
+    return c
+
+
+@triton.jit
+def _grouped_kernel(
+    x_ptr, w_ptr, c_ptr, xs_ptr, ws_ptr,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    N, K,
+    stride_xm, stride_we, stride_wn, stride_cm, stride_xsm, stride_wse, stride_wsn,
+    SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < 0:
+        return
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < end
+    mask_n = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_left = K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        if SCALED:
+            sx = tl.load(xs_ptr + offs_m * stride_xsm + kb, mask=mask_m, other=0.0)
+            sw = tl.load(ws_ptr + e * stride_wse + (offs_n // BLOCK_K) * stride_wsn + kb, mask=mask_n, other=0.0)
+            acc += tl.dot(x, w) * sx[:, None] * sw[None, :]
+        else:
+            acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def grouped_block_m(rows: int, experts: int) -> int:
+    """Row-tile height for the grouped kernel: small when each expert sees few rows (decode)."""
+    per_expert = rows / max(experts, 1)
+    for bm in (16, 32, 64):
+        if per_expert <= bm:
+            return bm
+    return 128
+
+
+def expert_tile_table(counts: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, ...]:
+    """Map each of `max_tiles` row tiles to (expert, first row, end row), on the device.
+
+    Tiles past the last expert's get expert -1 and exit at once. No host synchronisation.
+    """
+    counts = counts.to(torch.int32)
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles, 0)
+    ids = torch.arange(max_tiles, device=counts.device, dtype=torch.int32)
+    expert = torch.searchsorted(tile_ends, ids, right=True).to(torch.int32)
+    valid = expert < counts.numel()
+    e_safe = expert.clamp(max=counts.numel() - 1).long()
+    local = ids - (tile_ends[e_safe] - tiles[e_safe])
+    row_start = starts[e_safe] + local * block_m
+    tile_expert = torch.where(valid, expert, torch.full_like(expert, -1))
+    return tile_expert, row_start.to(torch.int32), ends[e_safe].to(torch.int32)
+
+
+def grouped_gemm_triton(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+    x_s: torch.Tensor | None = None, w_s: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """c [T, N]: rows of x [T, K] (sorted by expert, counts [E]) times w[e] [N, K]^T."""
+    t, k = x.shape
+    e, n, _ = w.shape
+    c = torch.empty((t, n), dtype=out_dtype, device=x.device)
+    if t == 0:
+        return c
+    bm = grouped_block_m(t, e)
+    bn = 64 if bm <= 32 else 128
+    max_tiles = triton.cdiv(t, bm) + e
+    tile_expert, tile_start, tile_end = expert_tile_table(counts, bm, max_tiles)
+    scaled = x_s is not None
+    _grouped_kernel[(max_tiles, triton.cdiv(n, bn))](
+        x, w, c, x_s if scaled else x, w_s if scaled else w,
+        tile_expert, tile_start, tile_end,
+        n, k,
+        x.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        x_s.stride(0) if scaled else 0, w_s.stride(0) if scaled else 0, w_s.stride(1) if scaled else 0,
+        SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
+        num_warps=4 if bm <= 32 else 8, num_stages=4 if bm <= 64 else 3,
+    )
+    return c
+
+
+__all__ = [
+    "FP8_MAX", "expert_tile_table", "gemm_triton", "grouped_block_m", "grouped_gemm_triton", "quantize_act_triton",
+]

@@ -1,0 +1,90 @@
+"""FP8 operations with one signature on every device: Triton on CUDA, the torch reference elsewhere.
+
+Invariant: the CUDA and CPU paths compute the same function (same quantisation, same per-block
+scaling, float32 accumulation); only the summation order differs. CPU tests of the model path
+therefore exercise the numerics that the GPU runs.
+Set PRIMERL_FP8_TRITON=1 to force the Triton path (with TRITON_INTERPRET=1 it runs on CPU, slowly).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from node.engine.fp8.quantize import BLOCK, UnsupportedTensor, quantize_act, reference_gemm
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run for tensors on this machine's default device."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if os.environ.get("PRIMERL_FP8_TRITON") == "1":
+        return triton_available()
+    return t.is_cuda and triton_available()
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)])."""
+    if _use_triton(x):
+        from node.engine.fp8.kernels import quantize_act_triton
+
+        return quantize_act_triton(x.contiguous())
+    return quantize_act(x)
+
+
+def scaled_gemm(
+    a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
+    b_group_n: int = BLOCK, out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """[M, N] = dequant(a_q, a_s) @ dequant(b_q, b_s)^T; b has 128x128 blocks or (b_group_n=1) row groups."""
+    if a_q.shape[1] != b_q.shape[1]:
+        raise UnsupportedTensor(f"contraction mismatch: {tuple(a_q.shape)} x {tuple(b_q.shape)}^T")
+    if _use_triton(a_q):
+        from node.engine.fp8.kernels import gemm_triton
+
+        return gemm_triton(a_q, b_q, a_s, b_s, b_group_n=b_group_n, out_dtype=out_dtype)
+    return reference_gemm(a_q, a_s, b_q, b_s, b_group_n).to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T with W block-quantised; x is quantised per token per group."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    x_q, x_s = quantize_activation(x2)
+    return scaled_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype).view(*lead, w_q.shape[0])
+
+
+def grouped_linear(
+    x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows of x [T, K] sorted by expert (counts [E]) times w[e] [N, K]^T.
+
+    With w_s the weight is e4m3 with 128x128 block scales and x is quantised per row per group;
+    without it this is the plain (bf16) grouped product, the comparison path.
+    """
+    if _use_triton(x):
+        from node.engine.fp8.kernels import grouped_gemm_triton
+
+        x = x.contiguous()
+        if w_s is None:
+            return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype)
+        x_q, x_s = quantize_activation(x)
+        return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype)
+    out = x.new_empty((x.shape[0], w.shape[1]))
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            rows = x[start : start + c]
+            if w_s is None:
+                out[start : start + c] = rows @ w[e].t()
+            else:
+                out[start : start + c] = fp8_linear(rows, w[e], w_s[e])
+        start += c
+    return out

@@ -1,0 +1,82 @@
+"""Seeded sampling that a validator can re-derive.
+
+Every decision is Gumbel-max over the temperature-scaled, top-p-filtered log-probabilities, with
+the uniforms drawn from a generator seeded by `token_seed(seed, position)`: given the same logits,
+anyone re-derives the same token. Where the top two perturbed scores are closer than numerical
+noise (the reported `margin`), a validator cannot hold a node to the choice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    max_new_tokens: int = 32
+    """Length limit of the completion."""
+    seed: int = 0
+    """Per-request sampling seed (derived from the work id by the coordinator)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the completion besides EOS (kept in the completion)."""
+    stop_strings: tuple[str, ...] = field(default=())
+    """Strings that end the completion when the decoded text ends with one."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ValueError(f"invalid sampling params {self}")
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at absolute `position` of a request seeded `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(token_seed(seed, position))
+    u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    return -torch.log(-torch.log(u)).float()
+
+
+def top_p_mask(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, V]: tokens inside each row's nucleus (the smallest set reaching mass top_p)."""
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()
+    keep_sorted = mass_before < top_p[:, None]
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+@dataclass
+class Samples:
+    tokens: torch.Tensor  # [B] long
+    logprobs: torch.Tensor  # [B] log_softmax(logits / T)[token]
+    margins: torch.Tensor  # [B] top-1 minus top-2 perturbed score
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> Samples:
+    """One token per row of `logits` [B, V]; row b uses params[b] at absolute position positions[b]."""
+    logits = logits.float()
+    b, v = logits.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    scores = logp.clone()
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    if bool((top_p < 1).any()):
+        scores = scores.masked_fill(~top_p_mask(logp, top_p), float("-inf"))
+    noise = torch.stack([
+        torch.zeros(v) if p.temperature == 0 else gumbel_noise(p.seed, pos, v) for p, pos in zip(params, positions)
+    ])
+    top2 = (scores + noise).topk(2, dim=-1)
+    tokens = top2.indices[:, 0]
+    return Samples(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])
