@@ -1,0 +1,112 @@
+"""Byte layout of a policy version and the shard codec (zstd, XOR deltas).
+
+A state dict becomes one flat payload: each tensor's bytes at a 64-byte-aligned offset, zero
+padding between. A shard is a fixed range of that payload. On the wire a full shard is
+zstd(raw); a delta shard is zstd(raw XOR parent_raw) over the same range, which is why a delta
+needs the parent's layout to be identical (same names, dtypes, shapes, offsets). Consecutive RL
+steps change few bits of most bf16 weights (sign and exponent stay), so XOR leaves long zero
+runs that zstd squeezes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import zstandard
+
+from shardcast.errors import CorruptShard, TruncatedShard
+from shardcast.hashing import content_hash
+from shardcast.manifest import ShardEntry, TensorEntry
+
+ALIGN = 64
+"""Tensor offsets are multiples of this, so every tensor view over the payload is aligned."""
+DEFAULT_SHARD_SIZE = 64 << 20
+"""64 MiB: big enough that per-request overhead is <1% on loopback, small enough to spread a
+1 GiB version over 16 shards for parallel, multi-source fetch."""
+DEFAULT_ZSTD_LEVEL = 1
+"""Level 1 compresses bf16 weights to ~0.78 at ~1 GB/s per core here; level 3 gives the same
+ratio at ~0.77 GB/s (the entropy is in the mantissa bits, which no level removes)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CorruptShard(f"unknown dtype {name!r}")
+    return dt
+
+
+def layout(state: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    """Tensor index and total payload length for `state` (insertion order kept)."""
+    entries, offset = [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
+        offset = -(-(offset + nbytes) // ALIGN) * ALIGN
+    total = entries[-1].offset + entries[-1].nbytes if entries else 0
+    return entries, total
+
+
+def flatten(state: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], np.ndarray]:
+    """The flat payload of `state` as a uint8 array (one copy of each tensor)."""
+    entries, total = layout(state)
+    buf = np.zeros(total, dtype=np.uint8)
+    for e, t in zip(entries, state.values()):
+        if e.nbytes:
+            src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            buf[e.offset : e.offset + e.nbytes] = src
+    return entries, buf
+
+
+def unflatten(tensors: list[TensorEntry], payload: np.ndarray) -> dict[str, torch.Tensor]:
+    """Tensors viewing `payload` (no copy), ready for `load_weights` / `load_state_dict`."""
+    base = torch.from_numpy(payload)
+    out = {}
+    for e in tensors:
+        dt = _dtype(e.dtype)
+        out[e.name] = base[e.offset : e.offset + e.nbytes].view(dt).reshape(e.shape)
+    return out
+
+
+def shard_ranges(total: int, shard_size: int) -> list[tuple[int, int]]:
+    return [(s, min(s + shard_size, total)) for s in range(0, total, shard_size)]
+
+
+def xor_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """out = a XOR b, 8 bytes at a time where lengths allow."""
+    n8 = len(a) // 8 * 8
+    np.bitwise_xor(a[:n8].view(np.uint64), b[:n8].view(np.uint64), out=out[:n8].view(np.uint64))
+    np.bitwise_xor(a[n8:], b[n8:], out=out[n8:])
+    return out
+
+
+def encode_shard(index: int, raw: np.ndarray, parent_raw: np.ndarray | None, level: int = DEFAULT_ZSTD_LEVEL) -> tuple[ShardEntry, bytes]:
+    """Wire bytes of one shard (delta against `parent_raw` if given) and its manifest entry."""
+    body = raw if parent_raw is None else xor_into(np.empty_like(raw), raw, parent_raw)
+    wire = zstandard.ZstdCompressor(level=level).compress(memoryview(body))
+    entry = ShardEntry(index=index, raw_size=len(raw), wire_size=len(wire), wire_hash=content_hash(wire), raw_hash=content_hash(memoryview(raw)))
+    return entry, wire
+
+
+def check_wire(entry: ShardEntry, wire: bytes | bytearray | memoryview) -> None:
+    """Raise unless `wire` is exactly the shard the manifest promises."""
+    if len(wire) < entry.wire_size:
+        raise TruncatedShard(f"shard {entry.index}: {len(wire)} of {entry.wire_size} bytes")
+    if len(wire) != entry.wire_size or content_hash(wire) != entry.wire_hash:
+        raise CorruptShard(f"shard {entry.index}: wire bytes do not match the manifest hash")
+
+
+def decode_shard(entry: ShardEntry, wire: bytes | bytearray | memoryview, out: np.ndarray, parent_raw: np.ndarray | None) -> None:
+    """Decode verified wire bytes into `out` (the shard's payload range) and check the raw hash."""
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(wire, max_output_size=entry.raw_size)
+    except zstandard.ZstdError as exc:
+        raise CorruptShard(f"shard {entry.index}: zstd frame does not decode: {exc}") from exc
+    if len(raw) != entry.raw_size:
+        raise CorruptShard(f"shard {entry.index}: decoded {len(raw)} bytes, manifest says {entry.raw_size}")
+    body = np.frombuffer(raw, dtype=np.uint8)
+    if parent_raw is None:
+        out[:] = body
+    else:
+        xor_into(out, body, parent_raw)
+    if content_hash(memoryview(out)) != entry.raw_hash:
+        raise CorruptShard(f"shard {entry.index}: reconstructed bytes do not match the full version's hash")

@@ -1,0 +1,271 @@
+"""Fetching a version from several sources at once into a store, verified shard by shard.
+
+Invariant: no byte enters the store or the returned tensors unless it hashes to what a trusted
+publisher's manifest says. A corrupt, truncated or stalled source costs a retry elsewhere, never
+a wrong weight; a fetch either returns the exact published tensors or raises `FetchFailed`
+naming the shards and the reasons. Shards already in the store (an interrupted earlier fetch)
+are re-verified and reused, so a killed fetch resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from shardcast.codec import check_wire, decode_shard, unflatten
+from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
+                              TruncatedShard, UnknownPublisher, VersionNotFound)
+from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
+from shardcast.sources import Source, SourcePool
+from shardcast.store import Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PARALLEL = 4
+"""Shards downloaded at once: enough to overlap network, hashing and zstd on 2+ cores."""
+DEFAULT_STALL_TIMEOUT = 10.0
+"""Seconds without a byte before a source counts as stalled."""
+DEFAULT_MAX_ATTEMPTS = 6
+"""Attempts per shard (across all sources) before the fetch fails."""
+HAVE_REFRESH_S = 0.25
+"""How often peers' shard lists are re-read while a shard has no holder yet."""
+
+
+@dataclass
+class FetchedVersion:
+    manifest: Manifest
+    payload: np.ndarray
+    wire_bytes_downloaded: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors over the payload (no copy), keyed by parameter name, for `load_weights`."""
+        return unflatten(self.manifest.tensors, self.payload)
+
+
+class Fetcher:
+    """Downloads versions of one run from a pool of sources into `store`."""
+
+    def __init__(self, store: Store, sources: list[str], trusted: TrustedPublishers, *, parallel: int = DEFAULT_PARALLEL,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: bool = False):
+        if not sources:
+            raise ValueError("at least one source URL is required")
+        self.store, self.trusted = store, trusted
+        self.pool = SourcePool.of(sources)
+        self.parallel, self.stall_timeout, self.max_attempts, self.progress = parallel, stall_timeout, max_attempts, progress
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "Fetcher":
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.stall_timeout, sock_read=self.stall_timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=64), auto_decompress=False)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    # -- small requests -------------------------------------------------------------------
+    async def _get(self, src: Source, path: str) -> bytes:
+        assert self._session is not None, "use `async with Fetcher(...)`"
+        try:
+            async with self._session.get(f"{src.url}/shardcast/{path}") as r:
+                if r.status == 404:
+                    raise VersionNotFound(f"{src.url}: {path} not found")
+                if r.status != 200:
+                    raise SourceUnavailable(f"{src.url}: HTTP {r.status} for {path}")
+                return await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise SourceUnavailable(f"{src.url}: {type(exc).__name__}: {exc}") from exc
+
+    async def versions(self, run_id: str) -> list[int]:
+        """Complete versions held by any live source."""
+        found: set[int] = set()
+        for src in self.pool.alive():
+            try:
+                found.update(int(v) for v in json.loads(await self._get(src, f"{run_id}/versions"))["complete"])
+            except (ShardcastError, ValueError, KeyError, TypeError) as exc:
+                log.info("no version list from %s: %s", src.url, exc)
+        return sorted(found)
+
+    async def _refresh_have(self, run_id: str, version: int) -> None:
+        for src in self.pool.alive():
+            try:
+                src.have = {int(i) for i in json.loads(await self._get(src, f"{run_id}/{version}/have"))["shards"]}
+            except (ShardcastError, ValueError, KeyError, TypeError):
+                src.have = set()
+
+    async def manifest(self, run_id: str, version: int) -> Manifest:
+        """The verified manifest: from the store if held, else the first source with a valid one."""
+        held = self.store.manifest(run_id, version)
+        if held is not None:
+            return held.verified(self.trusted)
+        errors: list[ShardcastError] = []
+        for src in sorted(self.pool.alive(), key=lambda s: -(s.throughput or 0)):
+            try:
+                signed = SignedManifest.from_json(await self._get(src, f"{run_id}/{version}/manifest"))
+                m = signed.verified(self.trusted)
+                if (m.run_id, m.version) != (run_id, version):
+                    raise InvalidManifest(f"asked for {run_id} v{version}, got {m.run_id} v{m.version}")
+            except (InvalidSignature, UnknownPublisher, InvalidManifest) as exc:
+                src.drop(f"bad manifest: {exc}")
+                errors.append(exc)
+                continue
+            except ShardcastError as exc:
+                errors.append(exc)
+                continue
+            self.store.put_manifest(signed)
+            return m
+        trust_errors = [e for e in errors if not isinstance(e, (VersionNotFound, SourceUnavailable))]
+        if trust_errors:
+            raise trust_errors[0]
+        raise VersionNotFound(f"{run_id} v{version}: no source has it ({'; '.join(map(str, errors)) or 'no live sources'})")
+
+    # -- the fetch ------------------------------------------------------------------------
+    async def fetch(self, run_id: str, version: int) -> FetchedVersion:
+        """Fetch (or reuse) `version`, and first its delta chain back to the keyframe."""
+        if self.store.payload_path(run_id, version).exists() and self.store.manifest(run_id, version):
+            m = self.store.manifest(run_id, version).verified(self.trusted)  # type: ignore[union-attr]
+            return FetchedVersion(m, self.store.payload(run_id, version), 0)
+        m = await self.manifest(run_id, version)
+        parent_payload = None
+        if m.encoding == "delta":
+            assert m.parent is not None
+            parent_payload = (await self.fetch(run_id, m.parent)).payload
+        return await self._fetch_shards(m, parent_payload)
+
+    async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
+        loop = asyncio.get_running_loop()
+        payload = np.empty(m.total_bytes, dtype=np.uint8)
+        rng = lambda i: slice(i * m.shard_size, i * m.shard_size + m.shards[i].raw_size)  # noqa: E731
+        par = lambda i: None if parent is None else np.asarray(parent[rng(i)])  # noqa: E731
+
+        def reuse(i: int) -> bool:
+            try:
+                wire = self.store.read_shard(m.run_id, m.version, i)
+                check_wire(m.shards[i], wire)
+                decode_shard(m.shards[i], wire, payload[rng(i)], par(i))
+                return True
+            except (OSError, CorruptShard):
+                self.store.shard_path(m.run_id, m.version, i).unlink(missing_ok=True)
+                return False
+
+        held = self.store.held_shards(m.run_id, m.version)
+        reused = {i for i in held if i < len(m.shards) and await loop.run_in_executor(None, reuse, i)}
+        if reused:
+            log.info("%s v%d: resuming; %d of %d shards already held and verified", m.run_id, m.version, len(reused), len(m.shards))
+        todo = [i for i in range(len(m.shards)) if i not in reused]
+        attempts = {i: 0 for i in todo}
+        last_error: dict[int, str] = {}
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in todo:
+            queue.put_nowait(i)
+        remaining = len(todo)
+        downloaded = 0
+        bar = tqdm(total=sum(m.shards[i].wire_size for i in todo), unit="B", unit_scale=True,
+                   desc=f"{m.run_id} v{m.version}", disable=not self.progress)
+        await self._refresh_have(m.run_id, m.version)
+        failed: FetchFailed | None = None
+
+        async def worker() -> None:
+            nonlocal remaining, downloaded, failed
+            while remaining > 0 and failed is None:
+                try:
+                    i = await asyncio.wait_for(queue.get(), 0.2)
+                except asyncio.TimeoutError:
+                    continue
+                src = self.pool.pick(i)
+                if src is None:
+                    if not self.pool.alive():
+                        failed = FetchFailed(f"{m.run_id} v{m.version}: every source dropped; shard {i}: {last_error.get(i, 'no holder')}")
+                        return
+                    await asyncio.sleep(HAVE_REFRESH_S)  # peers may get it soon
+                    await self._refresh_have(m.run_id, m.version)
+                    queue.put_nowait(i)
+                    continue
+                try:
+                    wire = await self._download(src, m, i)
+                    await loop.run_in_executor(None, self.store.put_shard, m.run_id, m.version, i, wire)
+                    await loop.run_in_executor(None, decode_shard, m.shards[i], wire, payload[rng(i)], par(i))
+                except ShardcastError as exc:
+                    last_error[i] = f"{src.url}: {exc}"
+                    self.pool.exclude(i, src)
+                    if isinstance(exc, CorruptShard):
+                        self.store.shard_path(m.run_id, m.version, i).unlink(missing_ok=True)
+                        src.drop(str(exc))
+                    elif isinstance(exc, VersionNotFound):
+                        if src.have is not None:
+                            src.have.discard(i)
+                        else:
+                            src.have = set()
+                    else:
+                        src.fail(str(exc))
+                    attempts[i] += 1
+                    if attempts[i] >= self.max_attempts:
+                        failed = FetchFailed(f"{m.run_id} v{m.version}: shard {i} failed {attempts[i]} times; last: {last_error[i]}")
+                        return
+                    queue.put_nowait(i)
+                    continue
+                downloaded += len(wire)
+                bar.update(len(wire))
+                remaining -= 1
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(max(1, min(self.parallel, len(todo) or 1)))))
+        finally:
+            bar.close()
+        if failed is not None:
+            raise failed
+        await loop.run_in_executor(None, self.store.put_payload, m.run_id, m.version, payload)
+        log.info("%s v%d verified: %.1f MiB downloaded from %s", m.run_id, m.version, downloaded / 2**20,
+                 ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
+        return FetchedVersion(m, payload, downloaded)
+
+    async def _download(self, src: Source, m: Manifest, i: int) -> bytes:
+        """Exactly shard `i`'s wire bytes from `src`, hash-checked; typed errors otherwise."""
+        assert self._session is not None, "use `async with Fetcher(...)`"
+        entry = m.shards[i]
+        src.inflight += 1
+        t0 = time.perf_counter()
+        try:
+            async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}") as r:
+                if r.status == 404:
+                    raise VersionNotFound(f"shard {i} not held by {src.url}")
+                if r.status == 503:
+                    await asyncio.sleep(float(r.headers.get("Retry-After", "1")) / 4)
+                    raise SourceUnavailable(f"{src.url} busy")
+                if r.status != 200:
+                    raise SourceUnavailable(f"HTTP {r.status}")
+                try:
+                    wire = await r.content.readexactly(entry.wire_size)
+                except asyncio.IncompleteReadError as exc:
+                    raise TruncatedShard(f"shard {i}: source sent {len(exc.partial)} of {entry.wire_size} bytes") from exc
+                if not r.content.at_eof() and await r.content.read(1):
+                    raise CorruptShard(f"shard {i}: source sent more than {entry.wire_size} bytes")
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            raise TruncatedShard(f"shard {i}: connection cut: {exc}") from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise SourceUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            src.inflight -= 1
+        await asyncio.get_running_loop().run_in_executor(None, check_wire, entry, wire)
+        src.record(len(wire), time.perf_counter() - t0)
+        return wire
+
+
+async def fetch_version(store: Store, sources: list[str], trusted: TrustedPublishers, run_id: str,
+                        version: int | None = None, **kw) -> FetchedVersion:
+    """One-shot helper: fetch `version` (default: the newest any source holds)."""
+    async with Fetcher(store, sources, trusted, **kw) as f:
+        if version is None:
+            held = await f.versions(run_id)
+            if not held:
+                raise VersionNotFound(f"no source holds any version of {run_id}")
+            version = held[-1]
+        return await f.fetch(run_id, version)

@@ -1,0 +1,168 @@
+"""HTTP serving of a store: the same server is an origin (publisher's store), a relay (a store
+a mirror loop fills from upstream) or a peer (a store a fetch is filling).
+
+Endpoints (all GET, under /shardcast):
+  /runs                                -> {"runs": [...]}
+  /{run}/versions                      -> {"versions": [held manifests], "complete": [verified payloads]}
+  /{run}/{version}/manifest            -> the signed manifest JSON
+  /{run}/{version}/have                -> {"shards": [indices held]}
+  /{run}/{version}/shard/{index}       -> wire bytes (Range supported; sendfile)
+Invariant: only files with final names are served, and those were verified before renaming
+(see store.py), so a peer never relays bytes it has not checked. At most `max_concurrent`
+shard bodies are in flight; a request that waits longer than `queue_timeout` for a slot gets
+503 with Retry-After, which fetchers read as "busy, try another source".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from pathlib import Path
+
+from aiohttp import web
+
+from shardcast.store import Store
+
+log = logging.getLogger(__name__)
+
+_RUN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+DEFAULT_MAX_CONCURRENT = 16
+"""Shard bodies sent at once: 16 x 64 MiB keeps a 10 Gbit/s uplink busy without thrashing disk."""
+DEFAULT_QUEUE_TIMEOUT = 2.0
+"""Seconds a shard request may wait for a slot before a 503 sends the client elsewhere."""
+
+
+def _run(request: web.Request) -> str:
+    run = request.match_info["run"]
+    if not _RUN.match(run) or run.startswith("."):
+        raise web.HTTPBadRequest(text="bad run id")
+    return run
+
+
+def _int(request: web.Request, name: str) -> int:
+    s = request.match_info[name]
+    if not s.isdigit() or len(s) > 12:
+        raise web.HTTPBadRequest(text=f"bad {name}")
+    return int(s)
+
+
+class ShardServer:
+    """aiohttp application over a `Store`."""
+
+    def __init__(self, store: Store, max_concurrent: int = DEFAULT_MAX_CONCURRENT, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
+                 uplink_bytes_per_s: float | None = None):
+        self.store = store
+        self.uplink_bytes_per_s = uplink_bytes_per_s
+        """If set, all shard bodies together are paced to this rate (emulates a thin uplink)."""
+        self._uplink_free_at = 0.0
+        self.queue_timeout = queue_timeout
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self.bytes_served = 0
+        self.app = web.Application()
+        self.app.add_routes([
+            web.get("/shardcast/runs", self._runs),
+            web.get("/shardcast/{run}/versions", self._versions),
+            web.get("/shardcast/{run}/{version}/manifest", self._manifest),
+            web.get("/shardcast/{run}/{version}/have", self._have),
+            web.get("/shardcast/{run}/{version}/shard/{index}", self._shard),
+        ])
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen; returns the bound port (pass 0 for any free port)."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        log.info("shardcast server on http://%s:%d serving %s", host, self.port, self.store.root)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _runs(self, request: web.Request) -> web.Response:
+        return web.json_response({"runs": self.store.runs()})
+
+    async def _versions(self, request: web.Request) -> web.Response:
+        run = _run(request)
+        return web.json_response({"versions": self.store.versions(run), "complete": self.store.complete_versions(run)})
+
+    async def _manifest(self, request: web.Request) -> web.StreamResponse:
+        path = self.store.manifest_path(_run(request), _int(request, "version"))
+        if not path.exists():
+            raise web.HTTPNotFound(text="no such version")
+        return web.FileResponse(path, headers={"Content-Type": "application/json"})
+
+    async def _have(self, request: web.Request) -> web.Response:
+        return web.json_response({"shards": self.store.held_shards(_run(request), _int(request, "version"))})
+
+    async def _shard(self, request: web.Request) -> web.StreamResponse:
+        path = self.store.shard_path(_run(request), _int(request, "version"), _int(request, "index"))
+        if not path.exists():
+            raise web.HTTPNotFound(text="shard not held")
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout)
+        except asyncio.TimeoutError:
+            raise web.HTTPServiceUnavailable(text="busy", headers={"Retry-After": "1"}) from None
+        try:
+            # prepare() sends the whole body (sendfile), so the slot is held for the transfer.
+            if self.uplink_bytes_per_s:
+                return await self._send_paced(request, path)
+            resp = _PreparedOnce(path, headers={"Content-Type": "application/octet-stream"})
+            await resp.prepare(request)
+            self.bytes_served += resp.content_length or 0
+            return resp
+        finally:
+            self._slots.release()
+
+    async def _send_paced(self, request: web.Request, path: Path) -> web.StreamResponse:
+        """Send the file (or its requested range) in chunks, paced to the shared uplink rate."""
+        size = path.stat().st_size
+        rng = request.http_range
+        start = rng.start or 0
+        stop = size if rng.stop is None else min(rng.stop, size)
+        if start < 0:
+            start = max(0, size + start)
+        if start >= stop and size:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        partial = rng.start is not None or rng.stop is not None
+        resp = web.StreamResponse(status=206 if partial else 200, headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = stop - start
+        if partial:
+            resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
+            while pos < stop:
+                chunk = f.read(min(_PACE_CHUNK, stop - pos))
+                now = loop.time()
+                begin = max(now, self._uplink_free_at)
+                self._uplink_free_at = begin + len(chunk) / float(self.uplink_bytes_per_s or 1)
+                if begin > now:
+                    await asyncio.sleep(begin - now)
+                await resp.write(chunk)
+                pos += len(chunk)
+                self.bytes_served += len(chunk)
+        await resp.write_eof()
+        return resp
+
+
+_PACE_CHUNK = 256 << 10
+"""Paced sends go out in 256 KiB chunks: fine-grained enough to share the uplink fairly."""
+
+
+class _PreparedOnce(web.FileResponse):
+    """A FileResponse that may be prepared inside the handler (to hold a slot for the whole
+    transfer) and then returned; aiohttp's second prepare() becomes a no-op."""
+
+    async def prepare(self, request):  # type: ignore[override]
+        if self.prepared:
+            return self._payload_writer
+        return await super().prepare(request)

@@ -1,0 +1,88 @@
+"""The sources a fetcher may download from, and how it picks among them.
+
+A source is an origin, relay or peer base URL. Each carries a throughput estimate (EWMA of
+bytes/s over its completed shards), how many downloads it has in flight, and which shards it
+holds (unknown = assume all, as for an origin). Choice: the source with the highest estimated
+throughput per in-flight download, among those that hold the shard and have not failed it;
+an unmeasured source counts as fastest so every source gets measured once.
+A source that sends bytes that fail a hash is dropped at once (it lied or is broken); one that
+stalls or errors is dropped after `MAX_SOURCE_FAILURES`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+MAX_SOURCE_FAILURES = 2
+"""Stalls/errors before a source is dropped: one may be a transient hiccup, two is a pattern."""
+EWMA_ALPHA = 0.5
+"""Weight of the newest shard's throughput: shards are large, so each sample is informative."""
+
+
+@dataclass
+class Source:
+    url: str
+    throughput: float | None = None
+    """Bytes/s, EWMA over completed shards; None until measured."""
+    inflight: int = 0
+    failures: int = 0
+    dropped: str | None = None
+    """Why the source was dropped, or None while usable."""
+    have: set[int] | None = None
+    """Shard indices held for the version being fetched; None = unknown (assume all)."""
+    bytes_received: int = 0
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        rate = nbytes / max(seconds, 1e-6)
+        self.throughput = rate if self.throughput is None else EWMA_ALPHA * rate + (1 - EWMA_ALPHA) * self.throughput
+        self.bytes_received += nbytes
+
+    def drop(self, reason: str) -> None:
+        if self.dropped is None:
+            self.dropped = reason
+            log.warning("dropping source %s: %s", self.url, reason)
+
+    def fail(self, reason: str) -> None:
+        self.failures += 1
+        log.info("source %s failed (%d/%d): %s", self.url, self.failures, MAX_SOURCE_FAILURES, reason)
+        if self.failures >= MAX_SOURCE_FAILURES:
+            self.drop(f"{self.failures} failures, last: {reason}")
+
+
+@dataclass
+class SourcePool:
+    sources: list[Source]
+    excluded: dict[int, set[str]] = field(default_factory=dict)
+    """Per shard: sources that already failed it (tried elsewhere first)."""
+
+    @classmethod
+    def of(cls, urls: list[str]) -> "SourcePool":
+        seen, out = set(), []
+        for u in urls:
+            u = u.rstrip("/")
+            if u not in seen:
+                seen.add(u)
+                out.append(Source(u))
+        return cls(out)
+
+    def alive(self) -> list[Source]:
+        return [s for s in self.sources if s.dropped is None]
+
+    def pick(self, index: int) -> Source | None:
+        """Best live source for shard `index`, or None if no live source holds it now."""
+        tried = self.excluded.get(index, set())
+        holders = [s for s in self.alive() if s.have is None or index in s.have]
+        fresh = [s for s in holders if s.url not in tried] or holders
+        if not fresh:
+            return None
+
+        def score(s: Source) -> float:
+            return float("inf") if s.throughput is None else s.throughput / (s.inflight + 1)
+
+        return max(fresh, key=lambda s: (score(s), -s.inflight))
+
+    def exclude(self, index: int, source: Source) -> None:
+        self.excluded.setdefault(index, set()).add(source.url)

@@ -1,0 +1,112 @@
+"""On-disk store of versions: what a node holds, serves, and decodes deltas against.
+
+Layout: `<root>/<run_id>/<version:08d>/{manifest.json, shard_00000.zst, ..., payload.bin}`.
+Invariant: every file in the store was verified before it got its final name (written to a
+temporary name, then renamed), so a server never serves a partial or unverified shard, and a
+crashed fetch leaves only whole, verified shards behind to resume from. `payload.bin` (the
+reconstructed full version) exists only once all raw hashes matched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from shardcast.manifest import SignedManifest
+
+log = logging.getLogger(__name__)
+
+
+def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class Store:
+    """Versions of one or more runs under a root directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def version_dir(self, run_id: str, version: int) -> Path:
+        return self.root / run_id / f"{version:08d}"
+
+    def shard_path(self, run_id: str, version: int, index: int) -> Path:
+        return self.version_dir(run_id, version) / f"shard_{index:05d}.zst"
+
+    def manifest_path(self, run_id: str, version: int) -> Path:
+        return self.version_dir(run_id, version) / "manifest.json"
+
+    def payload_path(self, run_id: str, version: int) -> Path:
+        return self.version_dir(run_id, version) / "payload.bin"
+
+    # -- writes (each atomic) -------------------------------------------------------------
+    def put_manifest(self, signed: SignedManifest) -> None:
+        m = signed.manifest
+        self.version_dir(m.run_id, m.version).mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.manifest_path(m.run_id, m.version), signed.to_json())
+
+    def put_shard(self, run_id: str, version: int, index: int, wire: bytes | bytearray | memoryview) -> None:
+        self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.shard_path(run_id, version, index), wire)
+
+    def put_payload(self, run_id: str, version: int, payload: np.ndarray) -> None:
+        _atomic_write(self.payload_path(run_id, version), memoryview(payload))
+
+    # -- reads ------------------------------------------------------------------------------
+    def runs(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def versions(self, run_id: str) -> list[int]:
+        """Versions whose manifest we hold (possibly with only some shards)."""
+        d = self.root / run_id
+        if not d.is_dir():
+            return []
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "manifest.json").exists())
+
+    def complete_versions(self, run_id: str) -> list[int]:
+        """Versions whose full payload was reconstructed and verified."""
+        return [v for v in self.versions(run_id) if self.payload_path(run_id, v).exists()]
+
+    def manifest(self, run_id: str, version: int) -> SignedManifest | None:
+        p = self.manifest_path(run_id, version)
+        return SignedManifest.from_json(p.read_bytes()) if p.exists() else None
+
+    def held_shards(self, run_id: str, version: int) -> list[int]:
+        d = self.version_dir(run_id, version)
+        if not d.is_dir():
+            return []
+        return sorted(int(p.name[6:11]) for p in d.iterdir() if p.name.startswith("shard_") and p.name.endswith(".zst"))
+
+    def read_shard(self, run_id: str, version: int, index: int) -> bytes:
+        return self.shard_path(run_id, version, index).read_bytes()
+
+    def payload(self, run_id: str, version: int) -> np.ndarray:
+        """The verified full payload, memory-mapped read-only."""
+        return np.memmap(self.payload_path(run_id, version), dtype=np.uint8, mode="r")
+
+    # -- retention -------------------------------------------------------------------------
+    def retain(self, run_id: str, keep_last: int) -> list[int]:
+        """Delete versions older than the newest `keep_last`, except keyframes and parents a
+        kept delta still needs to be rebuilt by a late joiner. Returns the deleted versions."""
+        if keep_last < 1:
+            raise ValueError("keep_last must be >= 1")
+        held = self.versions(run_id)
+        keep = set(held[-keep_last:])
+        for v in list(keep):
+            m = self.manifest(run_id, v)
+            while m is not None and m.manifest.parent is not None and m.manifest.encoding == "delta":
+                keep.add(m.manifest.parent)
+                m = self.manifest(run_id, m.manifest.parent)
+        doomed = [v for v in held if v not in keep]
+        for v in doomed:
+            shutil.rmtree(self.version_dir(run_id, v), ignore_errors=True)
+            log.info("retention: deleted %s v%d", run_id, v)
+        return doomed
