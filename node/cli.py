@@ -15,6 +15,7 @@ import sys
 COMMAND_MODULES = [
     "node.rl.train_local",
     "protocol.cli",
+    "shardcast.cli",
 ]
 
 

@@ -1,0 +1,53 @@
+"""Relay: mirror a run's versions from upstream sources as they appear, and serve them onward.
+
+Invariant: a relay serves only what it fetched and verified itself (it is a `Fetcher` into the
+store its `ShardServer` serves), so a compromised upstream cannot make it relay bad bytes.
+Versions are mirrored in ascending order, so every delta's parent is held before the delta and
+downstream late joiners find the whole chain back to a keyframe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from shardcast.errors import ShardcastError
+from shardcast.fetch import Fetcher
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLL_S = 2.0
+"""How often upstream version lists are read; gossip announcements can wake the relay sooner."""
+
+
+async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: float = DEFAULT_POLL_S,
+                 stop: asyncio.Event | None = None, wake: asyncio.Event | None = None) -> None:
+    """Fetch every new upstream version of `run_id` until `stop` is set; apply retention."""
+    stop = stop or asyncio.Event()
+    wake = wake or asyncio.Event()
+    while not stop.is_set():
+        try:
+            upstream = await fetcher.versions(run_id)
+            held = set(fetcher.store.complete_versions(run_id))
+            newest_held = max(held, default=-1)
+            for v in [v for v in upstream if v > newest_held]:
+                await fetcher.fetch(run_id, v)
+                log.info("relay: mirrored %s v%d", run_id, v)
+                fetcher.store.retain(run_id, keep_last)
+        except ShardcastError as exc:
+            # An upstream that lies or vanishes must not kill the relay; try again next round.
+            log.warning("relay: %s; retrying in %.1fs", exc, poll_s)
+        try:
+            await asyncio.wait_for(_first(stop, wake), poll_s)
+        except asyncio.TimeoutError:
+            pass
+        wake.clear()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
