@@ -45,6 +45,13 @@ class GroupedExperts(nn.Module):
         return out
 
 
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert. Unlike `torch.bincount`, no host synchronisation on CUDA, so a decode
+    step that routes tokens can be captured in a CUDA graph."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat))
+
+
 @dataclass
 class Routing:
     logits: torch.Tensor  # [N, E] router logits
@@ -79,7 +86,7 @@ class MoEBlock(nn.Module):
         """Copy each token once per chosen expert, grouped by expert. Returns (x_sorted, counts, order)."""
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         return x[order // self.top_k], counts, order
 
     def combine(self, y_sorted: torch.Tensor, routing: Routing, order: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -102,6 +109,6 @@ def load_balancing_loss(router_logits: list[torch.Tensor], experts: list[torch.T
     total = router_logits[0].new_zeros((), dtype=torch.float32)
     for logits, chosen in zip(router_logits, experts):
         probs = torch.softmax(logits.float(), dim=-1)
-        f = torch.bincount(chosen.reshape(-1), minlength=num_experts).float() / chosen.numel()
+        f = expert_counts(chosen.reshape(-1), num_experts).float() / chosen.numel()
         total = total + num_experts * (f * probs.mean(0)).sum()
     return total / max(len(router_logits), 1)

@@ -1,0 +1,136 @@
+"""The engine's FP8 model path, applied from outside the model: `quantize_model_fp8(model)`.
+
+Swaps every projection `nn.Linear` of the decoder layers for `FP8Linear` and every
+`GroupedExperts` for `FP8GroupedExperts`. The embedding, the router gates, the norms and the LM
+head stay in the model's dtype (they are small, or decide routing and logprobs directly).
+
+Invariant: parameter names are unchanged. `load_state_dict` with ordinary high-precision
+tensors under the usual HF names quantises them on arrival, so a new policy version fetched
+through shardcast is served in FP8 by the same `engine.load_weights` call, without a restart;
+`state_dict()` gives back dequantised tensors under the same names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from node.engine.fp8.ops import fp8_linear, grouped_linear
+from node.engine.fp8.quantize import dequantize_weight, quantize_weight
+from node.model.moe import GroupedExperts, MoEBlock
+
+
+class _QuantizedWeights(nn.Module):
+    """Holds e4m3 weights plus float32 block scales as buffers, named after the original params."""
+
+    names: tuple[str, ...] = ()
+
+    def _set(self, name: str, w: torch.Tensor) -> None:
+        q, s = quantize_weight(w.detach())
+        setattr(self, name, q)
+        setattr(self, name + "_scale", s)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
+        for name in self.names:
+            destination[prefix + name] = dequantize_weight(
+                getattr(self, name), getattr(self, name + "_scale")
+            ).to(self.dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # noqa: ANN001
+                              unexpected_keys, error_msgs):
+        for name in self.names:
+            key = prefix + name
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            w = state_dict[key]
+            old = getattr(self, name)
+            if tuple(w.shape) != tuple(old.shape):
+                error_msgs.append(f"size mismatch for {key}: {tuple(w.shape)} vs {tuple(old.shape)}")
+                continue
+            q, s = quantize_weight(w.to(old.device))
+            old.copy_(q)
+            getattr(self, name + "_scale").copy_(s)
+
+
+class FP8Linear(_QuantizedWeights):
+    """y = x W^T with W in e4m3, 128x128 block scales; x quantised per token per 128 channels."""
+
+    names = ("weight",)
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("FP8Linear takes bias-free projections only")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        self.register_buffer("weight", torch.empty(0), persistent=False)
+        self.register_buffer("weight_scale", torch.empty(0), persistent=False)
+        self._set("weight", linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale)
+
+
+class FP8GroupedExperts(_QuantizedWeights):
+    """SwiGLU experts with both stacked projections in e4m3 and 128x128 block scales per expert."""
+
+    names = ("gate_up_proj", "down_proj")
+
+    def __init__(self, experts: GroupedExperts):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.dtype = experts.gate_up_proj.dtype
+        for name in self.names:
+            self.register_buffer(name, torch.empty(0), persistent=False)
+            self.register_buffer(name + "_scale", torch.empty(0), persistent=False)
+            self._set(name, getattr(experts, name))
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale)
+        gate, up = gu.chunk(2, dim=-1)
+        return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj, self.down_proj_scale)
+
+
+class TritonGroupedExperts(nn.Module):
+    """bf16 experts through our grouped Triton kernel: the like-for-like comparison path for FP8."""
+
+    def __init__(self, experts: GroupedExperts):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gu = grouped_linear(x_sorted, counts, self.gate_up_proj.data)
+        gate, up = gu.chunk(2, dim=-1)
+        return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj.data)
+
+
+def _is_projection(name: str) -> bool:
+    return ".layers." in f".{name}" and not name.endswith("mlp.gate") and not name.endswith("lm_head")
+
+
+@torch.no_grad()
+def quantize_model_fp8(model: nn.Module) -> nn.Module:
+    """Swap decoder projections and experts for FP8 twins, in place; returns the model."""
+    swaps: list[tuple[str, nn.Module]] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and _is_projection(name):
+            swaps.append((name, FP8Linear(mod)))
+        elif isinstance(mod, GroupedExperts):
+            swaps.append((name, FP8GroupedExperts(mod)))
+    for name, new in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    return model
+
+
+def use_triton_bf16_experts(model: nn.Module) -> nn.Module:
+    """Route bf16 experts through our grouped kernel (for comparisons); returns the model."""
+    for mod in model.modules():
+        if isinstance(mod, MoEBlock) and isinstance(mod.experts, GroupedExperts):
+            mod.experts = TritonGroupedExperts(mod.experts)
+    return model
