@@ -1,0 +1,210 @@
+"""Coordinator state: members, policy versions, work leases, accepted rollouts, bans (durable).
+
+Invariants:
+- every work id's result is accepted at most once; an identical retry by the holder gets the same
+  positive answer (idempotent), any other later submission is refused with `DuplicateSubmission`;
+- a lease past its deadline, of a member that died or left, or that can no longer yield an
+  admissible rollout, goes back to the pool and is granted again with the same task and seed;
+- a rollout enters a batch only within the off-policy bound (checked at submission and again
+  at batch time, see `protocol.ledger`).
+All methods are synchronous and called from one thread (the node's asyncio loop); `now` is
+passed in so tests can drive time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from protocol.envelope import open_envelope
+from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, NotLeaseHolder,
+                             NotMember, SpecMismatch, UnknownLease)
+from protocol.ledger import OffPolicyLedger
+from protocol.membership import MembershipConfig, MembershipView
+from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutSubmission, RunSpec,
+                               SubmissionReceipt)
+from protocol.store import AcceptedRollout, CoordinatorStore, dumps
+from protocol.work import derive_work
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(self, directory: str | Path, spec: RunSpec, synchronous: str = "FULL", now: float | None = None):
+        self.store = CoordinatorStore(directory, synchronous)
+        saved = self.store.get_meta("run_spec")
+        if saved is None:
+            with self.store:
+                self.store.set_meta("run_spec", spec.model_dump_json())
+                self.store.set_meta("policy_version", "-1")
+        elif RunSpec.model_validate_json(saved) != spec:
+            raise SpecMismatch(f"{directory} holds another run's state ({json.loads(saved)['run_id']})")
+        self.spec = spec
+        self.spec_hash = spec.spec_hash()
+        self.ledger = OffPolicyLedger(spec.max_off_policy_steps, int(self.store.get_meta("policy_version")))
+        self.view = MembershipView(MembershipConfig(spec.heartbeat_interval_s, spec.dead_after_missed))
+        # Heartbeats are not persisted: after a restart every member gets a fresh full interval.
+        restart = time.time() if now is None else now
+        for peer_id, role, addrs, _joined, _last_seen, seq in self.store.q("SELECT * FROM members"):
+            self.view.observe(peer_id, role, json.loads(addrs), seq, restart)
+
+    # ---- membership ------------------------------------------------------------------------
+    def join(self, peer_id: str, msg: Join, now: float) -> JoinAccepted:
+        self._check_not_banned(peer_id, now)
+        if msg.spec_hash != self.spec_hash:
+            raise SpecMismatch(f"joiner agrees to spec {msg.spec_hash[:12]}, the run is {self.spec_hash[:12]}")
+        self.view.leave(peer_id)  # a re-join is a fresh sighting
+        self.view.observe(peer_id, msg.role, msg.addrs, 0, now)
+        with self.store as db:
+            db.execute("INSERT OR REPLACE INTO members VALUES(?,?,?,?,?,?)",
+                       (peer_id, msg.role, dumps(msg.addrs), now, now, 0))
+        members = [PeerAddress(peer_id=m.peer_id, addrs=m.addrs) for m in self.view.alive(now) if m.peer_id != peer_id]
+        return JoinAccepted(spec=self.spec, policy_version=self.ledger.current_version, members=members[:4096])
+
+    def heartbeat(self, peer_id: str, msg: Heartbeat, now: float) -> None:
+        if peer_id not in self.view.members:
+            raise NotMember(f"heartbeat from {peer_id}, which has not joined (or was ejected)")
+        self.view.observe(peer_id, msg.role, msg.addrs, msg.seq, now)
+        # Heartbeats are frequent; persisting them is not needed for safety (on restart every
+        # member gets a fresh full interval), so only join/leave/death touch the database.
+
+    def leave(self, peer_id: str, now: float) -> list[int]:
+        self.view.leave(peer_id)
+        with self.store as db:
+            db.execute("DELETE FROM members WHERE peer_id=?", (peer_id,))
+            return self._release_leases_of(db, peer_id)
+
+    def sweep(self, now: float) -> tuple[list[str], list[int]]:
+        """Eject dead members and return (dead peer ids, work ids put back in the pool)."""
+        dead = self.view.sweep(now)
+        with self.store as db:
+            released: list[int] = []
+            for peer_id in dead:
+                log.info("member %s missed %d heartbeats: dead, ejected", peer_id, self.spec.dead_after_missed)
+                db.execute("DELETE FROM members WHERE peer_id=?", (peer_id,))
+                released += self._release_leases_of(db, peer_id)
+            expired = [r[0] for r in db.execute("SELECT work_id FROM work WHERE state='leased' AND deadline<?", (now,))]
+            db.execute("UPDATE work SET state='pending', holder=NULL WHERE state='leased' AND deadline<?", (now,))
+        return dead, released + expired
+
+    def _release_leases_of(self, db, peer_id: str) -> list[int]:
+        ids = [r[0] for r in db.execute("SELECT work_id FROM work WHERE state='leased' AND holder=?", (peer_id,))]
+        db.execute("UPDATE work SET state='pending', holder=NULL WHERE state='leased' AND holder=?", (peer_id,))
+        return ids
+
+    # ---- policy versions ---------------------------------------------------------------------
+    def advance_policy(self, version: int, manifest_hash: str, now: float) -> list[int]:
+        """Record a new version; cancel leases that can no longer yield an admissible rollout."""
+        self.ledger.advance(version)
+        with self.store as db:
+            db.execute("INSERT INTO policy_versions VALUES(?,?,?)", (version, manifest_hash, now))
+            self.store.set_meta("policy_version", str(version))
+            stale = [r[0] for r in db.execute("SELECT work_id, lease_version FROM work WHERE state='leased'")
+                     if not self.ledger.lease_can_finish(r[1])]
+            db.executemany("UPDATE work SET state='pending', holder=NULL WHERE work_id=?", [(w,) for w in stale])
+        return stale
+
+    # ---- leases ------------------------------------------------------------------------------
+    def grant_lease(self, peer_id: str, now: float) -> LeaseGrant:
+        self._check_member(peer_id, now)
+        version = self.ledger.current_version
+        deadline = now + self.spec.lease_ttl_s
+        with self.store as db:
+            row = db.execute("SELECT work_id, mint_version, task_index, seed FROM work WHERE state='pending' "
+                             "ORDER BY work_id LIMIT 1").fetchone()
+            if row is None:
+                work_id = int(self.store.get_meta("next_work_id", "0"))
+                self.store.set_meta("next_work_id", str(work_id + 1))
+                task, seed = derive_work(self.spec.run_id, version, work_id, self.spec.tasks_per_step)
+                db.execute("INSERT INTO work VALUES(?,?,?,?,'leased',?,?,?,1)",
+                           (work_id, version, task, str(seed), peer_id, version, deadline))
+            else:
+                work_id, _mint, task, seed = row
+                seed = int(seed)
+                db.execute("UPDATE work SET state='leased', holder=?, lease_version=?, deadline=?, grants=grants+1 "
+                           "WHERE work_id=?", (peer_id, version, deadline, work_id))
+        return LeaseGrant(work_id=work_id, holder=peer_id, policy_version=version, task_index=task, seed=seed,
+                          deadline=deadline)
+
+    # ---- submissions ---------------------------------------------------------------------------
+    def submit(self, peer_id: str, sub: RolloutSubmission, envelope: bytes, now: float) -> SubmissionReceipt:
+        """Accept a rollout exactly once; raises a `Refused` subclass with the reason otherwise.
+        `envelope` is the signed wire form, stored as is."""
+        body_sha = hashlib.sha256(sub.model_dump_json().encode()).hexdigest()
+        done = self.store.accepted(sub.work_id)
+        if done:
+            if done[0].submitter == peer_id and done[0].body_sha256 == body_sha:
+                return SubmissionReceipt(work_id=sub.work_id, accepted=True, duplicate=True)
+            raise DuplicateSubmission(f"work {sub.work_id} was already accepted from {done[0].submitter}")
+        self._check_not_banned(peer_id, now)
+        rows = self.store.q("SELECT state, holder, deadline FROM work WHERE work_id=?", sub.work_id)
+        if not rows:
+            raise UnknownLease(f"work {sub.work_id} was never granted")
+        state, holder, deadline = rows[0]
+        if state == "pending" or (holder == peer_id and now > deadline):
+            raise LeaseExpired(f"lease on work {sub.work_id} ended (deadline {deadline:.1f}, now {now:.1f}); "
+                               "it was expired, cancelled as stale, or its holder was dropped")
+        if holder != peer_id:
+            raise NotLeaseHolder(f"work {sub.work_id} is leased to another member now")
+        if sub.min_version < 0:
+            raise InconsistentRollout("negative policy version")
+        self.ledger.check_submission(sub.min_version)  # raises StaleRollout
+        path = self.store.write_rollout_file(sub.work_id, envelope)
+        with self.store as db:
+            self.store.insert_accepted(sub.work_id, peer_id, body_sha, sub.min_version, len(sub.token_ids),
+                                       sub.reward, path, now)
+            db.execute("UPDATE work SET state='accepted' WHERE work_id=?", (sub.work_id,))
+        return SubmissionReceipt(work_id=sub.work_id, accepted=True)
+
+    def accepted_rollouts(self) -> list[AcceptedRollout]:
+        return self.store.accepted()
+
+    def load_rollout(self, record: AcceptedRollout) -> RolloutSubmission:
+        """Read an accepted rollout back from disk, re-verifying its signature."""
+        opened = open_envelope(record.path.read_bytes(), self.spec.run_id, None, max_skew_s=float("inf"))
+        assert opened.signer == record.submitter and isinstance(opened.message, RolloutSubmission)
+        return opened.message
+
+    def build_batch(self, step: int, size: int) -> list[AcceptedRollout]:
+        """Take up to `size` unbatched rollouts for trainer step `step`, re-checking the bound:
+        a rollout now too stale is marked dropped and never enters any batch."""
+        banned = {r[0] for r in self.store.q("SELECT peer_id FROM bans")}
+        out: list[AcceptedRollout] = []
+        with self.store as db:
+            for rec in self.store.accepted():
+                if len(out) >= size:
+                    break
+                if rec.batch_step is not None or rec.dropped is not None:
+                    continue
+                reason = ("stale" if not self.ledger.admissible(rec.min_version, step)
+                          else "banned" if rec.submitter in banned else None)
+                if reason:
+                    db.execute("UPDATE accepted SET dropped=? WHERE work_id=?", (reason, rec.work_id))
+                    continue
+                db.execute("UPDATE accepted SET batch_step=? WHERE work_id=?", (step, rec.work_id))
+                out.append(rec)
+        return out
+
+    # ---- bans --------------------------------------------------------------------------------
+    def ban(self, peer_id: str, reason: str, now: float, until: float | None = None) -> list[int]:
+        self.view.leave(peer_id)
+        with self.store as db:
+            db.execute("INSERT OR REPLACE INTO bans VALUES(?,?,?,?)", (peer_id, reason, until, now))
+            db.execute("DELETE FROM members WHERE peer_id=?", (peer_id,))
+            return self._release_leases_of(db, peer_id)
+
+    def _check_not_banned(self, peer_id: str, now: float) -> None:
+        rows = self.store.q("SELECT reason, until FROM bans WHERE peer_id=?", peer_id)
+        if rows and (rows[0][1] is None or rows[0][1] > now):
+            raise BannedPeer(f"{peer_id} is banned: {rows[0][0]}")
+
+    def _check_member(self, peer_id: str, now: float) -> None:
+        self._check_not_banned(peer_id, now)
+        if self.view.state(peer_id, now) == "dead":
+            raise NotMember(f"{peer_id} has not joined, left, or was ejected as dead; join again")
+
+    def close(self) -> None:
+        self.store.close()
