@@ -1,0 +1,99 @@
+"""The node's side of verification: the torch model, seeded sampler and environments as a
+`verification.Reference`, and the prover hook that turns engine completions into proofs.
+
+Kept here (not in `verification/`) because `verification` may import only `protocol`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from node.engine.sampling import SamplingParams, sample
+from node.model.qwen3_moe import CausalLM
+from verification.claim import SamplingSpec
+from verification.reference import Reference, Replay
+
+
+def sampling_params(spec: SamplingSpec) -> SamplingParams:
+    return SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=spec.max_new_tokens,
+                          seed=spec.seed, stop_token_ids=tuple(spec.stop_token_ids),
+                          stop_strings=tuple(spec.stop_strings))
+
+
+class TorchReference(Reference):
+    """Recompute with our `CausalLM`. `policies` maps version -> (model, 32-byte manifest hash);
+    a model may be shared and reloaded by a `load` hook instead (large models)."""
+
+    def __init__(self, policies: dict[int, tuple[CausalLM, bytes]], eos_id: int, max_seq_len: int,
+                 decode: Callable[[list[int]], str], tasks: Callable[[str, int], list[int]] | None = None,
+                 reward: Callable[[str, int, list[int]], float] | None = None, batch_tokens: int = 65_536):
+        self.policies = policies
+        any_model = next(iter(policies.values()))[0]
+        self.hidden_size = any_model.config.hidden_size
+        self.vocab_size = any_model.config.vocab_size
+        self.eos_id, self.max_seq_len = eos_id, max_seq_len
+        self._decode, self._tasks, self._reward = decode, tasks, reward
+        self.batch_tokens = batch_tokens
+
+    def manifest_hash(self, version: int) -> bytes | None:
+        p = self.policies.get(version)
+        return None if p is None else p[1]
+
+    @torch.inference_mode()
+    def prefill(self, version: int, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        model = self.policies[version][0]
+        device = next(model.parameters()).device
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
+        start = 0
+        while start < len(order):
+            # Batches of similar length, bounded in padded tokens (right padding; causal, so exact).
+            t = len(sequences[order[start]])
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= self.batch_tokens:
+                end += 1
+            members = order[start:end]
+            t = max(len(sequences[i]) for i in members)
+            ids = torch.zeros(len(members), t, dtype=torch.long)
+            for row, i in enumerate(members):
+                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            res = model(ids.to(device))
+            for row, i in enumerate(members):
+                n = len(sequences[i])
+                out[i] = (res.logits[row, :n].float().cpu(), res.hidden[row, :n].cpu())
+            start = end
+        return out  # type: ignore[return-value]
+
+    def replay_sampling(self, logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
+        params = sampling_params(spec)
+        s = sample(logits, [params] * len(positions), positions)
+        return Replay(s.tokens, s.logprobs, s.margins)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(ids)
+
+    def prompt_ids(self, env: str, task_seed: int) -> list[int]:
+        if self._tasks is None:
+            raise KeyError("this reference has no environments")
+        return self._tasks(env, task_seed)
+
+    def reward(self, env: str, task_seed: int, completion_ids: list[int]) -> float:
+        if self._reward is None:
+            raise KeyError("this reference has no environments")
+        return self._reward(env, task_seed, completion_ids)
+
+
+def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[str, int, list[int]], float]]:
+    """(prompt_ids, reward) callables over the built-in environments, as the rollout driver uses them."""
+    from node.envs import get_env
+
+    def prompt_ids(env: str, seed: int) -> list[int]:
+        return tokenizer.encode(get_env(env).sample_task(seed).prompt, bos=True)
+
+    def reward(env: str, seed: int, completion_ids: list[int]) -> float:
+        e = get_env(env)
+        return float(e.reward(e.sample_task(seed), tokenizer.decode(completion_ids)))
+
+    return prompt_ids, reward

@@ -1,0 +1,61 @@
+"""Checking chunk proofs against recomputed hidden states, with named, calibrated thresholds.
+
+For each chunk the validator takes ITS OWN top-k indices of the recomputed block, evaluates the
+committed polynomial there, and compares the claimed bf16 values with its own: exponent
+mismatches (a sign flip counts as one: toploc ignores signs, we do not), and over the entries
+whose exponents match, the mean and median absolute mantissa difference in bf16 ulps (0..127).
+An index the prover did not commit evaluates to noise, so a different top-k set shows up as
+exponent mismatches. The thresholds below were derived by `verification/calibration/calibrate.py`
+from honest variation; `thresholds.json` next to it holds the measured maxima they bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verification.poly import evaluate
+from verification.proof import Commitment, topk_points
+
+MAX_EXP_MISMATCHES = 8
+"""Per chunk, of 128. Honest maximum measured: see calibration/thresholds.json (`exp_mismatches`)."""
+MAX_MANT_ERR_MEAN = 1.0
+"""Per chunk, bf16 ulps. Honest maximum measured: see calibration/thresholds.json (`mant_err_mean`)."""
+MAX_MANT_ERR_MEDIAN = 1.0
+"""Per chunk, bf16 ulps. Honest maximum measured: see calibration/thresholds.json (`mant_err_median`)."""
+
+
+@dataclass(frozen=True)
+class ChunkStats:
+    exp_mismatches: int
+    mant_err_mean: float
+    mant_err_median: float
+
+    def passes(self) -> bool:
+        return (self.exp_mismatches <= MAX_EXP_MISMATCHES and self.mant_err_mean <= MAX_MANT_ERR_MEAN
+                and self.mant_err_median <= MAX_MANT_ERR_MEDIAN)
+
+
+def compare_blocks(blocks: list[torch.Tensor], commitments: list[Commitment]) -> list[ChunkStats]:
+    """Stats of each recomputed flat block (bf16) against its commitment; equal sizes batched."""
+    points = topk_points(blocks, topk=max(len(c.coeffs) for c in commitments) if commitments else 1)
+    out: list[ChunkStats | None] = [None] * len(blocks)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, ((x, _), c) in enumerate(zip(points, commitments)):
+        groups.setdefault((len(x), len(c.coeffs)), []).append(i)
+    for _, members in groups.items():
+        xs = np.stack([points[i][0] % commitments[i].modulus for i in members])
+        claimed = evaluate(np.stack([commitments[i].coeffs for i in members]), xs)
+        ours = np.stack([points[i][1] for i in members])
+        exp_mis = ((claimed >> 7) & 0x1FF) != ((ours >> 7) & 0x1FF)  # exponent and sign bits
+        mant_err = np.abs((claimed & 0x7F) - (ours & 0x7F)).astype(np.float64)
+        for row, i in enumerate(members):
+            errs = np.sort(mant_err[row][~exp_mis[row]])
+            if len(errs):
+                mean, median = float(errs.mean()), float(errs[len(errs) // 2])
+            else:
+                mean = median = float(2**64)
+            out[i] = ChunkStats(int(exp_mis[row].sum()), mean, median)
+    return out  # type: ignore[return-value]

@@ -1,0 +1,59 @@
+"""What a validator recomputes against, behind one small interface.
+
+`verification` must not import the node's model or environments (dependency direction: only
+`protocol`), so the node hands the validator a `Reference`: the claimed policy versions (prefill
+and the seeded sampling rule), the tokenizer's end markers, and the environments.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from verification.claim import SamplingSpec
+
+
+@dataclass
+class Replay:
+    """The validator's own sampling decisions at some positions."""
+
+    tokens: torch.Tensor  # [N] long
+    logprobs: torch.Tensor  # [N] log_softmax(logits / T)[token]
+    margins: torch.Tensor  # [N] top-1 minus top-2 perturbed score
+
+
+class Reference(ABC):
+    eos_id: int
+    """Token that ends a turn."""
+    max_seq_len: int
+    """Engine sequence limit (prompt + completion), also a length stop."""
+    hidden_size: int
+    """Width of the final hidden states the proofs commit to."""
+    vocab_size: int
+    """Token ids must lie below this."""
+
+    @abstractmethod
+    def manifest_hash(self, version: int) -> bytes | None:
+        """32-byte manifest hash of `version`, or None if the validator does not hold it."""
+
+    @abstractmethod
+    def prefill(self, version: int, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(logits [T, V], final hidden [T, H]) of each full sequence under `version`'s weights."""
+
+    @abstractmethod
+    def replay_sampling(self, logits: torch.Tensor, sampling: SamplingSpec, positions: list[int]) -> Replay:
+        """The seeded sampling rule applied to rows of `logits` [N, V] at absolute `positions`."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (for stop strings)."""
+
+    @abstractmethod
+    def prompt_ids(self, env: str, task_seed: int) -> list[int]:
+        """Prompt tokens of the task `env` draws from `task_seed`; raise KeyError for an unknown env."""
+
+    @abstractmethod
+    def reward(self, env: str, task_seed: int, completion_ids: list[int]) -> float:
+        """The environment's reward for a completion of that task."""

@@ -1,0 +1,113 @@
+"""Verifying a batch of rollout claims: cheap checks first, then one prefill per policy version.
+
+Invariant: every claim gets exactly one verdict, and nothing a claim holds can raise out of
+`verify_claims` (a bad claim is a `malformed` rejection, never a crash). Claims that share a policy
+version are prefilled together; a rollout whose tokens came from several versions is checked
+segment by segment, each against its own version.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol.errors import InvalidProof
+from protocol.identity import NodeKey
+from verification.checks import Failure, Reason, check_segment, check_task, check_termination
+from verification.claim import RolloutClaim
+from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
+from verification.reference import Reference
+from verification.verdict import Verdict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Plan:
+    """Per claim: sampled token indices of each version, their chunk spans and commitments."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    spans: dict[int, list[ChunkSpan]] = field(default_factory=dict)
+    commitments: dict[int, list[Commitment]] = field(default_factory=dict)
+    chunk_offsets: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _plan(claim: RolloutClaim, ref: Reference) -> _Plan | Failure:
+    if max(claim.prompt_ids + claim.token_ids) >= ref.vocab_size:
+        return Failure(Reason.MALFORMED, f"token id outside the vocabulary of {ref.vocab_size}")
+    idx = [i for i, s in enumerate(claim.sampled_mask) if s]
+    versions = [claim.versions[i] for i in idx]
+    try:
+        runs = decode_rollout_proof(claim.proof, ref.hidden_size)
+        commitments = [Commitment.from_bytes(c) for r in runs for c in r.chunks]
+    except InvalidProof as exc:
+        return Failure(Reason.MALFORMED, str(exc))
+    spans = chunk_spans(versions)
+    run_versions = [v for r in runs for v in [r.version] * r.n_tokens]
+    if run_versions != versions or len(commitments) != len(spans):
+        return Failure(Reason.MALFORMED, "proof runs do not match the claimed per-token versions")
+    for r in runs:
+        known = ref.manifest_hash(r.version)
+        if known is None or known != r.manifest_hash:
+            return Failure(Reason.UNKNOWN_VERSION, f"version {r.version} with manifest hash "
+                           f"{r.manifest_hash.hex()[:16]}.. is not a published policy")
+    plan = _Plan()
+    for n, (span, c) in enumerate(zip(spans, commitments)):
+        rows = plan.tokens.setdefault(span.version, [])
+        local = ChunkSpan(span.version, len(rows), len(rows) + span.end - span.start)
+        rows.extend(idx[span.start : span.end])
+        plan.spans.setdefault(span.version, []).append(local)
+        plan.commitments.setdefault(span.version, []).append(c)
+        plan.chunk_offsets.setdefault(span.version, []).append(n)
+    return plan
+
+
+def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None) -> list[Verdict]:
+    """One verdict per claim, in order; signed when `key` is given."""
+    failures: list[Failure | None] = [None] * len(claims)
+    plans: list[_Plan | None] = [None] * len(claims)
+    for i, claim in enumerate(claims):
+        try:
+            p = _plan(claim, ref)
+            if isinstance(p, Failure):
+                failures[i] = p
+                continue
+            failures[i] = check_task(claim, ref) or check_termination(claim, ref)
+            plans[i] = p
+        except Exception as exc:  # a claim must never take the validator down
+            log.warning("claim %s: unexpected error in cheap checks: %r", claim.work_id, exc)
+            failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+    by_version: dict[int, list[int]] = {}
+    for i, p in enumerate(plans):
+        if p is not None and failures[i] is None:
+            for v in p.tokens:
+                by_version.setdefault(v, []).append(i)
+    for v, members in sorted(by_version.items()):
+        seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
+        try:
+            outs = ref.prefill(v, seqs)
+        except Exception as exc:
+            log.warning("prefill of version %d failed: %r", v, exc)
+            for i in members:
+                failures[i] = failures[i] or Failure(Reason.MALFORMED, f"prefill failed: {exc!r}"[:500])
+            continue
+        for i, (logits, hidden) in zip(members, outs):
+            if failures[i] is not None:
+                continue
+            p, claim = plans[i], claims[i]
+            rows = torch.tensor([len(claim.prompt_ids) - 1 + t for t in p.tokens[v]])
+            try:
+                failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v],
+                                            p.commitments[v], p.chunk_offsets[v])
+            except Exception as exc:
+                log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
+                failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+    verdicts = []
+    for claim, f in zip(claims, failures):
+        v = Verdict(work_id=claim.work_id, claim_digest=claim.digest(), accepted=f is None,
+                    reason=Reason.OK if f is None else f.reason, chunk=f and f.chunk, token=f and f.token,
+                    detail="" if f is None else f.detail[:512])
+        verdicts.append(v.signed(key) if key is not None else v)
+    return verdicts
