@@ -1,0 +1,156 @@
+"""A run member (inference, trainer, validator, relay): join, heartbeat, discover peers, lease, submit, leave.
+
+Bootstrap is one multiaddr (the coordinator's); the join reply lists live members and every
+heartbeat carries its sender's addresses, so a member dials peers it learns of through the network
+(up to `max_peers`) and its view of the membership converges through gossip after churn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from protocol.envelope import Opened
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.membership import MembershipConfig, MembershipView
+from protocol.messages import (Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, LeaseRequest, Leave, PolicyAnnounce,
+                               Role, RolloutSubmission, RunSpec, SubmissionReceipt, WorkCancel)
+from protocol.network import RunNetwork
+from protocol.transport import PeerHost
+
+log = logging.getLogger(__name__)
+
+
+class RunMember:
+    def __init__(self, key: NodeKey, host: PeerHost, spec: RunSpec, role: Role, max_peers: int = 32,
+                 request_timeout: float = 10.0):
+        self.key = key
+        self.host = host
+        self.spec = spec
+        self.role = role
+        self.max_peers = max_peers
+        self.request_timeout = request_timeout
+        self.net = RunNetwork(host, key, spec.run_id)
+        self.view = MembershipView(MembershipConfig(spec.heartbeat_interval_s, spec.dead_after_missed))
+        self.policy_version = -1
+        self.cancelled: set[int] = set()
+        """Work ids the coordinator cancelled as too stale to finish (stop working on them)."""
+        self.banned: dict[str, str] = {}
+        self.on_policy: list[Callable[[PolicyAnnounce], Awaitable[None]]] = []
+        self._seq = 0
+        self._tasks: list[asyncio.Task] = []
+        self._dialing: set[str] = set()
+
+    @property
+    def coordinator(self) -> str:
+        return self.spec.coordinator
+
+    async def join(self, bootstrap: str) -> JoinAccepted:
+        """Dial the bootstrap multiaddr, join the run, dial the members it lists, start beating."""
+        await self.host.connect(bootstrap)
+        self.net.on_gossip(self._on_gossip)
+        await self.net.start_gossip()
+        reply = await self.net.request(self.coordinator, Join(spec_hash=self.spec.spec_hash(), role=self.role,
+                                                              addrs=self._addrs()), self.request_timeout)
+        assert isinstance(reply, JoinAccepted)
+        if reply.spec != self.spec:
+            raise ProtocolError("coordinator answered with another run spec")
+        self.policy_version = max(self.policy_version, reply.policy_version)
+        now = time.time()
+        for m in reply.members:
+            self.view.observe(m.peer_id, "?", m.addrs, -1, now)
+            self._discover(m.peer_id, m.addrs)
+        self._tasks.append(asyncio.create_task(self._beat(), name=f"heartbeat-{self.key.peer_id[-6:]}"))
+        return reply
+
+    async def leave(self, reason: str = "shutting down") -> None:
+        """Graceful leave: the coordinator returns our leases to the pool at once."""
+        await self._stop_tasks()
+        try:
+            await self.net.publish(Leave(reason=reason))
+        except ProtocolError as exc:
+            log.warning("leave not announced: %s", exc)
+        await self.net.close()
+
+    async def crash(self) -> None:
+        """Stop without a word (tests: a member that dies)."""
+        await self._stop_tasks()
+        await self.net.close()
+
+    async def request_lease(self) -> LeaseGrant:
+        reply = await self.net.request(self.coordinator, LeaseRequest(policy_version=self.policy_version),
+                                       self.request_timeout)
+        assert isinstance(reply, LeaseGrant)
+        return reply
+
+    async def submit(self, submission: RolloutSubmission) -> SubmissionReceipt:
+        """Submit a rollout; raises the coordinator's typed refusal (`StaleRollout`, `DuplicateSubmission`, ...)."""
+        reply = await self.net.request(self.coordinator, submission, self.request_timeout)
+        assert isinstance(reply, SubmissionReceipt)
+        return reply
+
+    def alive_peers(self) -> set[str]:
+        return {m.peer_id for m in self.view.alive(time.time())}
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _addrs(self) -> list[str]:
+        return [a.split("/p2p/")[0] for a in self.host.addrs][:16]
+
+    async def _beat(self) -> None:
+        while True:
+            self._seq += 1
+            try:
+                await self.net.publish(Heartbeat(seq=self._seq, role=self.role, addrs=self._addrs()))
+            except ProtocolError as exc:
+                log.warning("heartbeat not sent: %s", exc)
+            dead = self.view.sweep(time.time())
+            if dead:
+                log.info("peers dead in our view: %s", dead)
+            await asyncio.sleep(self.spec.heartbeat_interval_s)
+
+    async def _on_gossip(self, o: Opened) -> None:
+        msg, now = o.message, time.time()
+        if isinstance(msg, Heartbeat):
+            if self.view.observe(o.signer, msg.role, msg.addrs, msg.seq, now):
+                self._discover(o.signer, msg.addrs)
+        elif isinstance(msg, Leave):
+            self.view.leave(o.signer)
+        elif o.signer != self.coordinator:
+            log.info("ignoring %s from %s: only the coordinator announces it", msg.type, o.signer)
+        elif isinstance(msg, PolicyAnnounce):
+            self.policy_version = max(self.policy_version, msg.version)
+            for cb in self.on_policy:
+                await cb(msg)
+        elif isinstance(msg, WorkCancel):
+            self.cancelled.update(msg.work_ids)
+        elif isinstance(msg, Ban):
+            self.banned[msg.peer_id] = msg.reason
+            self.view.leave(msg.peer_id)
+
+    def _discover(self, peer_id: str, addrs: list[str]) -> None:
+        """Dial a peer learnt from the network, unless we have enough or already do."""
+        if (peer_id == self.key.peer_id or peer_id in self._dialing or not addrs
+                or peer_id in self.host.connected_peers() or len(self.host.connected_peers()) >= self.max_peers):
+            return
+        self._dialing.add(peer_id)
+
+        async def dial() -> None:
+            try:
+                for addr in addrs:
+                    try:
+                        await self.host.connect(f"{addr}/p2p/{peer_id}", timeout=5)
+                        return
+                    except ProtocolError as exc:
+                        log.debug("dial %s at %s failed: %s", peer_id, addr, exc)
+            finally:
+                self._dialing.discard(peer_id)
+        self._tasks.append(asyncio.create_task(dial()))
+
+    async def _stop_tasks(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
