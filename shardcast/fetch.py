@@ -176,15 +176,14 @@ class Fetcher:
         async def worker() -> None:
             nonlocal remaining, downloaded, failed
             while remaining > 0 and failed is None:
-                try:
-                    i = await asyncio.wait_for(queue.get(), 0.2)
-                except asyncio.TimeoutError:
-                    continue
+                i = await queue.get()
+                if i < 0:  # finished or failed: wake-up sentinel
+                    return
                 src = self.pool.pick(i)
                 if src is None:
                     if not self.pool.alive():
                         failed = FetchFailed(f"{m.run_id} v{m.version}: every source dropped; shard {i}: {last_error.get(i, 'no holder')}")
-                        return
+                        return stop_all()
                     await asyncio.sleep(HAVE_REFRESH_S)  # peers may get it soon
                     await self._refresh_have(m.run_id, m.version)
                     queue.put_nowait(i)
@@ -209,15 +208,23 @@ class Fetcher:
                     attempts[i] += 1
                     if attempts[i] >= self.max_attempts:
                         failed = FetchFailed(f"{m.run_id} v{m.version}: shard {i} failed {attempts[i]} times; last: {last_error[i]}")
-                        return
+                        return stop_all()
                     queue.put_nowait(i)
                     continue
                 downloaded += len(wire)
                 bar.update(len(wire))
                 remaining -= 1
+            stop_all()
 
+        def stop_all() -> None:
+            for _ in range(n_workers):
+                queue.put_nowait(-1)
+
+        n_workers = max(1, min(self.parallel, len(todo)))
+        if not todo:
+            stop_all()
         try:
-            await asyncio.gather(*(worker() for _ in range(max(1, min(self.parallel, len(todo) or 1)))))
+            await asyncio.gather(*(worker() for _ in range(n_workers)))
         finally:
             bar.close()
         if failed is not None:
