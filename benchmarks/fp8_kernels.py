@@ -1,0 +1,122 @@
+"""FP8 kernel checks and speeds on CUDA: `python -m benchmarks.fp8_kernels`.
+
+Correctness against float64 (relative Frobenius error) for the block-scaled GEMM, the row-group
+GEMM used by weight gradients, the grouped expert GEMM and activation quantisation; then TFLOP/s
+of ours against torch's bf16 matmul, torch's row-scaled `_scaled_mm`, and `_grouped_mm` (bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.fp8_common import cuda_time, log, machine_facts, write_result
+from node.engine.fp8.kernels import gemm_triton, grouped_gemm_triton, quantize_act_triton
+from node.engine.fp8.quantize import (
+    FP8_DTYPE, dequantize_act, dequantize_weight, quantize_act, quantize_weight,
+)
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def check_gemm(m: int, n: int, k: int) -> dict:
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") * 0.02
+    ref = x.double() @ w.double().t()
+    xq, xs = quantize_act_triton(x)
+    wq, ws = quantize_weight(w)
+    out = gemm_triton(xq, wq, xs, ws, out_dtype=torch.float32)
+    exact = dequantize_act(xq, xs).double() @ dequantize_weight(wq, ws).double().t()
+    rq, rs = quantize_act(x)
+    bq, bs = quantize_act(w)
+    g1 = gemm_triton(xq, bq, xs, bs, b_group_n=1, out_dtype=torch.float32)
+    return {
+        "shape": [m, n, k],
+        "rel_err_vs_fp64": rel(out, ref),
+        "rel_err_vs_fp64_of_quantised_inputs": rel(out, exact),
+        "rowgroup_rel_err_vs_fp64": rel(g1, ref),
+        "act_quant_matches_torch": bool(torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)))
+        and bool(torch.allclose(xs, rs)),
+        "bf16_rel_err_vs_fp64": rel((x.bfloat16() @ w.bfloat16().t()).float(), ref),
+    }
+
+
+def check_grouped(tokens: int, experts: int, n: int, k: int) -> dict:
+    counts = torch.bincount(torch.randint(0, experts, (tokens,), device="cuda"), minlength=experts)
+    x = torch.randn(tokens, k, device="cuda")
+    w = torch.randn(experts, n, k, device="cuda") * 0.02
+    wq, ws = quantize_weight(w)
+    xq, xs = quantize_act_triton(x)
+    out = grouped_gemm_triton(xq, wq, counts, xs, ws, out_dtype=torch.float32)
+    outb = grouped_gemm_triton(x.bfloat16(), w.bfloat16(), counts, out_dtype=torch.float32)
+    refs, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        refs.append(x[start : start + c].double() @ w[e].double().t())
+        start += c
+    ref = torch.cat(refs)
+    return {"tokens": tokens, "rel_err_vs_fp64": rel(out, ref), "bf16_kernel_rel_err_vs_fp64": rel(outb, ref)}
+
+
+def time_gemm(m: int, n: int, k: int) -> dict:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * m * n * k
+    xq, xs = quantize_act_triton(x)
+    wq, ws = quantize_weight(w)
+    t_ours = cuda_time(lambda: gemm_triton(xq, wq, xs, ws))
+    t_bf16 = cuda_time(lambda: x @ w.t())
+    row = {"shape": [m, n, k], "ours_fp8_block_tflops": flops / t_ours / 1e12, "torch_bf16_tflops": flops / t_bf16 / 1e12}
+    try:
+        xr = x.float().abs().amax(1, keepdim=True) / 448
+        wr = w.float().abs().amax(1, keepdim=True) / 448
+        xr8, wr8 = (x / xr).to(FP8_DTYPE), (w / wr).to(FP8_DTYPE)
+        t_sc = cuda_time(lambda: torch._scaled_mm(xr8, wr8.t(), xr, wr.t(), out_dtype=torch.bfloat16))
+        row["torch_scaled_mm_rowwise_tflops"] = flops / t_sc / 1e12
+    except Exception as exc:  # noqa: BLE001 - a peer we could not run is reported, not fatal
+        row["torch_scaled_mm_rowwise_error"] = str(exc)[:200]
+    return row
+
+
+def time_grouped(tokens: int, experts: int = 128, n: int = 1536, k: int = 2048) -> dict:
+    counts = torch.bincount(torch.randint(0, experts, (tokens,), device="cuda"), minlength=experts)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq, ws = quantize_weight(w)
+    xq, xs = quantize_act_triton(x)
+    flops = 2 * tokens * n * k
+    t8 = cuda_time(lambda: grouped_gemm_triton(xq, wq, counts, xs, ws))
+    tb = cuda_time(lambda: grouped_gemm_triton(x, w, counts))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    wt = w.transpose(-2, -1)
+    tg = cuda_time(lambda: torch._grouped_mm(x, wt, offs=offs))
+    touched = int((counts > 0).sum())
+    return {
+        "tokens": tokens, "ours_fp8_tflops": flops / t8 / 1e12, "ours_bf16_tflops": flops / tb / 1e12,
+        "torch_grouped_mm_bf16_tflops": flops / tg / 1e12,
+        "ours_fp8_weight_bytes_per_s": touched * n * k / t8, "ours_fp8_us": t8 * 1e6, "torch_bf16_us": tg * 1e6,
+    }
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    result: dict = {"machine": machine_facts()}
+    log("correctness")
+    result["gemm_checks"] = [check_gemm(*s) for s in [(1, 4096, 2048), (77, 1000, 300), (512, 2048, 4096)]]
+    result["grouped_checks"] = [check_grouped(t, 16, 384, 512) for t in (5, 300, 4000)]
+    log("dense speed")
+    result["gemm_speed"] = [time_gemm(*s) for s in [(1, 4096, 2048), (256, 4096, 2048), (4096, 7168, 2048),
+                                                      (16384, 4096, 2048), (8192, 8192, 8192)]]
+    log("grouped speed")
+    result["grouped_speed"] = [time_grouped(t) for t in (8, 2048, 32768)]
+    big = result["gemm_speed"][-1]
+    result["ratio_fp8_block_vs_bf16_at_8192"] = big["ours_fp8_block_tflops"] / big["torch_bf16_tflops"]
+    g = result["grouped_speed"]
+    result["ratio_grouped_fp8_vs_torch_bf16"] = [r["ours_fp8_tflops"] / r["torch_grouped_mm_bf16_tflops"] for r in g]
+    for r in result["gemm_speed"] + result["grouped_speed"]:
+        log(str({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}))
+    write_result("fp8_kernels", result)
+
+
+if __name__ == "__main__":
+    main()
