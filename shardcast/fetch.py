@@ -142,7 +142,7 @@ class Fetcher:
 
     async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
         loop = asyncio.get_running_loop()
-        payload = np.empty(m.total_bytes, dtype=np.uint8)
+        payload = self.store.open_partial_payload(m.run_id, m.version, m.total_bytes)
         rng = lambda i: slice(i * m.shard_size, i * m.shard_size + m.shards[i].raw_size)  # noqa: E731
         par = lambda i: None if parent is None else np.asarray(parent[rng(i)])  # noqa: E731
 
@@ -229,7 +229,7 @@ class Fetcher:
             bar.close()
         if failed is not None:
             raise failed
-        await loop.run_in_executor(None, self.store.put_payload, m.run_id, m.version, payload)
+        await loop.run_in_executor(None, self.store.commit_partial_payload, m.run_id, m.version, payload)
         log.info("%s v%d verified: %.1f MiB downloaded from %s", m.run_id, m.version, downloaded / 2**20,
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
         return FetchedVersion(m, payload, downloaded)

@@ -60,6 +60,24 @@ class Store:
     def put_payload(self, run_id: str, version: int, payload: np.ndarray) -> None:
         _atomic_write(self.payload_path(run_id, version), memoryview(payload))
 
+    def open_partial_payload(self, run_id: str, version: int, total: int) -> np.ndarray:
+        """A writable, file-backed buffer a fetch decodes shards into (page cache, not heap)."""
+        self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
+        if total == 0:
+            return np.empty(0, dtype=np.uint8)
+        for stale in self.version_dir(run_id, version).glob(".payload.*.partial"):
+            stale.unlink(missing_ok=True)  # left by a killed fetch; its shards are reused, not this
+        path = self.payload_path(run_id, version).with_name(f".payload.{os.getpid()}.partial")
+        return np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,))
+
+    def commit_partial_payload(self, run_id: str, version: int, buf: np.ndarray) -> None:
+        """Give a fully verified partial payload its final name (atomic rename)."""
+        if isinstance(buf, np.memmap):
+            buf.flush()
+            os.replace(buf.filename, self.payload_path(run_id, version))
+        else:
+            self.put_payload(run_id, version, buf)
+
     # -- reads ------------------------------------------------------------------------------
     def runs(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
