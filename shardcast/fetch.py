@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass
 
@@ -35,8 +36,10 @@ DEFAULT_STALL_TIMEOUT = 10.0
 """Seconds without a byte before a source counts as stalled."""
 DEFAULT_MAX_ATTEMPTS = 6
 """Attempts per shard (across all sources) before the fetch fails."""
+HAVE_TIMEOUT_S = 2.0
+"""A shard list is a few bytes; a source that takes longer is treated as holding nothing for now."""
 HAVE_REFRESH_S = 0.25
-"""How often peers' shard lists are re-read while a shard has no holder yet."""
+"""How often sources' shard lists are re-read during a fetch (peers gain shards as they fetch)."""
 
 
 @dataclass
@@ -95,11 +98,14 @@ class Fetcher:
         return sorted(found)
 
     async def _refresh_have(self, run_id: str, version: int) -> None:
-        for src in self.pool.alive():
+        async def one(src: Source) -> None:
             try:
-                src.have = {int(i) for i in json.loads(await self._get(src, f"{run_id}/{version}/have"))["shards"]}
-            except (ShardcastError, ValueError, KeyError, TypeError):
-                src.have = set()
+                body = await asyncio.wait_for(self._get(src, f"{run_id}/{version}/have"), HAVE_TIMEOUT_S)
+                src.have = {int(i) for i in json.loads(body)["shards"]}
+            except (ShardcastError, ValueError, KeyError, TypeError, asyncio.TimeoutError):
+                src.have = set()  # cannot tell: treat as holding nothing until the next refresh
+
+        await asyncio.gather(*(one(s) for s in self.pool.alive()))
 
     async def manifest(self, run_id: str, version: int) -> Manifest:
         """The verified manifest: from the store if held, else the first source with a valid one."""
@@ -161,6 +167,9 @@ class Fetcher:
         if reused:
             log.info("%s v%d: resuming; %d of %d shards already held and verified", m.run_id, m.version, len(reused), len(m.shards))
         todo = [i for i in range(len(m.shards)) if i not in reused]
+        # Random order: clients that start together hold different shards early and can
+        # serve them to each other instead of all pulling shard 0 from the origin first.
+        random.shuffle(todo)
         attempts = {i: 0 for i in todo}
         last_error: dict[int, str] = {}
         queue: asyncio.Queue[int] = asyncio.Queue()
@@ -220,12 +229,20 @@ class Fetcher:
             for _ in range(n_workers):
                 queue.put_nowait(-1)
 
+        async def refresh_forever() -> None:
+            # Peers gain shards while we fetch; re-read who holds what so they become sources.
+            while True:
+                await asyncio.sleep(HAVE_REFRESH_S)
+                await self._refresh_have(m.run_id, m.version)
+
         n_workers = max(1, min(self.parallel, len(todo)))
         if not todo:
             stop_all()
+        refresher = asyncio.create_task(refresh_forever())
         try:
             await asyncio.gather(*(worker() for _ in range(n_workers)))
         finally:
+            refresher.cancel()
             bar.close()
         if failed is not None:
             raise failed
