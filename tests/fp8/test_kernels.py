@@ -17,13 +17,15 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _cases(device: str):
+    # Against the exact product of the quantised inputs: Hopper's FP8 tensor cores keep fewer
+    # accumulator bits than fp32 within each 128-wide block (measured 1.2e-4 on an H200), hence 1e-3.
     from node.engine.fp8.kernels import gemm_triton, grouped_gemm_triton
 
     x, w = torch.randn(37, 300, device=device), torch.randn(150, 300, device=device) * 0.05
     xq, xs = quantize_act(x)
     wq, ws = quantize_weight(w)
     exact = dequantize_act(xq, xs).double() @ dequantize_weight(wq, ws).double().t()
-    assert rel(gemm_triton(xq, wq, xs, ws, out_dtype=torch.float32), exact) < 1e-4
+    assert rel(gemm_triton(xq, wq, xs, ws, out_dtype=torch.float32), exact) < 1e-3
     assert rel(gemm_triton(xq, wq, xs, ws, out_dtype=torch.float32), x.double() @ w.double().t()) < 0.08
     counts = torch.tensor([3, 0, 17, 1, 9], device=device)
     xe, we = torch.randn(30, 300, device=device), torch.randn(5, 150, 300, device=device) * 0.05
@@ -33,10 +35,10 @@ def _cases(device: str):
     xd, wd = dequantize_act(xq, xs).double(), dequantize_weight(wq, ws).double()
     bounds = [0, 3, 3, 20, 21, 30]
     ref = torch.cat([xd[bounds[e]:bounds[e + 1]] @ wd[e].t() for e in range(5)])
-    assert rel(out, ref) < 1e-4
+    assert rel(out, ref) < 1e-3
     plain = grouped_gemm_triton(xe, we, counts, out_dtype=torch.float32)  # unscaled path, fp32 here
     ref = torch.cat([xe[bounds[e]:bounds[e + 1]].double() @ we[e].double().t() for e in range(5)])
-    assert rel(plain, ref) < 1e-3
+    assert rel(plain, ref) < 5e-3  # tf32 on CUDA
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
