@@ -33,6 +33,7 @@ class TorchReference(Reference):
         any_model = next(iter(policies.values()))[0]
         self.hidden_size = any_model.config.hidden_size
         self.vocab_size = any_model.config.vocab_size
+        self.precision = str(next(any_model.parameters()).dtype).removeprefix("torch.")
         self.eos_id, self.max_seq_len = eos_id, max_seq_len
         self._decode, self._tasks, self._reward = decode, tasks, reward
         self.batch_tokens = batch_tokens

@@ -1,0 +1,24 @@
+"""Environments: the interface, the built-in tasks, and the rollout driver."""
+
+from __future__ import annotations
+
+from node.envs.arithmetic import Addition, Reverse
+from node.envs.base import Environment, Task
+from node.envs.calculator import Calculator
+
+TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition, "calculator": Calculator}
+
+
+class UnknownTask(ValueError):
+    """A task name with no registered environment."""
+
+
+def get_env(name: str, **kwargs) -> Environment:
+    try:
+        cls = TASKS[name]
+    except KeyError:
+        raise UnknownTask(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+    return cls(**kwargs)
+
+
+__all__ = ["Environment", "Task", "get_env", "UnknownTask", "TASKS"]

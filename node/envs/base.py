@@ -1,0 +1,50 @@
+"""The environment interface: tasks drawn from a seed, exact rewards, optional tool turns.
+
+A single-turn environment only implements `sample_task` and `reward`. A multi-turn environment
+also implements `respond`: after each model turn (which ends at EOS or one of `stop_strings`), it
+returns the tool's reply to append, or None when the episode is over. Rewards are pure functions
+of the task and the transcript, so a validator recomputes them exactly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    prompt: str
+    answer: str
+    data: dict = field(default_factory=dict)
+
+
+class Environment(ABC):
+    name: str = ""
+    max_turns: int = 1
+    """Model turns per episode (1 = single-turn)."""
+    max_new_tokens: int = 16
+    """Length limit of one model turn."""
+    stop_strings: tuple[str, ...] = ()
+    """Strings that end a model turn (a tool call), besides EOS."""
+
+    @abstractmethod
+    def sample_task(self, seed: int) -> Task:
+        """The task for `seed` (derived by the coordinator from run, step and work id)."""
+
+    @abstractmethod
+    def reward(self, task: Task, transcript: str) -> float:
+        """Reward in [0, 1] for the text after the prompt (model turns and tool replies)."""
+
+    def respond(self, task: Task, transcript: str) -> str | None:
+        """The tool's reply to the model's last turn, or None to end the episode."""
+        return None
+
+
+def position_match(output: str, answer: str) -> float:
+    """Share of positions where output and answer agree, over the longer of the two."""
+    if not output and not answer:
+        return 1.0
+    hits = sum(a == b for a, b in zip(output, answer))
+    return hits / max(len(output), len(answer))

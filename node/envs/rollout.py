@@ -1,0 +1,86 @@
+"""Rollouts: episodes of an environment driven through the engine, single- or multi-turn.
+
+All episodes share the engine's running batch: when one model turn ends with a tool call, the
+tool's reply is appended and the episode continues as a new request while other episodes keep
+decoding. Tool tokens are part of the transcript but never of the loss (`loss_mask` False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from node.engine import Completion, Engine, Request, SamplingParams
+from node.envs.base import Environment, Task
+from node.model.tokenizer import CharTokenizer
+
+
+@dataclass
+class Rollout:
+    episode_id: str
+    task: Task
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    """Model and tool tokens after the prompt, in order."""
+    loss_mask: list[bool] = field(default_factory=list)
+    """True where the model produced the token."""
+    logprobs: list[float] = field(default_factory=list)
+    """Inference logprob of each model token (0.0 on tool tokens)."""
+    versions: list[int] = field(default_factory=list)
+    """Policy version behind each token (tool tokens carry their turn's last version)."""
+    turns: list[Completion] = field(default_factory=list)
+    reward: float = 0.0
+    finish_reason: str = ""
+    routed_experts: torch.Tensor | None = None
+    """[len(prompt) + len(completion) - 1, n_moe_layers, k], from the last turn's engine pass."""
+
+    @property
+    def min_version(self) -> int:
+        return min(v for v, m in zip(self.versions, self.loss_mask) if m)
+
+
+def run_episodes(engine: Engine, env: Environment, tokenizer: CharTokenizer,
+                 episodes: list[tuple[str, Task, SamplingParams]]) -> list[Rollout]:
+    """Play every (episode_id, task, params) to the end; results in input order."""
+    live: dict[str, tuple[Rollout, SamplingParams]] = {}
+    for episode_id, task, params in episodes:
+        params = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                                max_new_tokens=env.max_new_tokens, stop_token_ids=params.stop_token_ids,
+                                stop_strings=env.stop_strings)
+        rollout = Rollout(episode_id, task, tokenizer.encode(task.prompt, bos=True))
+        live[episode_id] = (rollout, params)
+        engine.add_request(Request(f"{episode_id}/0", rollout.prompt_ids, params))
+    done: dict[str, Rollout] = {}
+    while engine.has_work():
+        for completion in engine.step():
+            episode_id, turn = completion.request_id.rsplit("/", 1)
+            rollout, params = live[episode_id]
+            _append_turn(rollout, completion)
+            reply = None
+            if completion.finish_reason == "stop" and int(turn) + 1 < env.max_turns:
+                reply = env.respond(rollout.task, tokenizer.decode(rollout.completion_ids))
+            room = engine.max_seq_len - len(rollout.prompt_ids) - len(rollout.completion_ids) - 1
+            if reply is not None and room > len(reply):
+                reply_ids = tokenizer.encode(reply)
+                rollout.completion_ids += reply_ids
+                rollout.loss_mask += [False] * len(reply_ids)
+                rollout.logprobs += [0.0] * len(reply_ids)
+                rollout.versions += [rollout.versions[-1]] * len(reply_ids)
+                engine.add_request(Request(f"{episode_id}/{int(turn) + 1}",
+                                           rollout.prompt_ids + rollout.completion_ids, params))
+                continue
+            text = tokenizer.decode(rollout.completion_ids)
+            rollout.reward = float(env.reward(rollout.task, text))
+            rollout.finish_reason = completion.finish_reason
+            done[episode_id] = rollout
+    return [done[e[0]] for e in episodes]
+
+
+def _append_turn(rollout: Rollout, completion: Completion) -> None:
+    rollout.turns.append(completion)
+    rollout.completion_ids += completion.token_ids
+    rollout.loss_mask += [True] * len(completion.token_ids)
+    rollout.logprobs += completion.logprobs
+    rollout.versions += completion.versions
+    rollout.routed_experts = completion.routed_experts

@@ -1,0 +1,53 @@
+"""Training batches from rollouts: padded token tensors, loss masks, inference logprobs, advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from node.envs.rollout import Rollout
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, T]: (prompt + completion)[:-1]
+    targets: torch.Tensor  # [B, T]: (prompt + completion)[1:]
+    loss_mask: torch.Tensor  # [B, T] bool: target is a model token
+    inference_logprobs: torch.Tensor  # [B, T]
+    advantages: torch.Tensor  # [B, T] (the sequence's advantage on every token)
+    routed_experts: torch.Tensor | None  # [B, T, n_moe_layers, k] for router replay
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "TrainBatch":
+        return TrainBatch(self.input_ids[rows], self.targets[rows], self.loss_mask[rows],
+                          self.inference_logprobs[rows], self.advantages[rows],
+                          None if self.routed_experts is None else self.routed_experts[rows])
+
+
+def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 0) -> TrainBatch:
+    if len(rollouts) != len(advantages) or not rollouts:
+        raise ValueError("need one advantage per rollout and at least one rollout")
+    t = max(len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts)
+    b = len(rollouts)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    targets = torch.full((b, t), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(b, t, dtype=torch.bool)
+    logprobs = torch.zeros(b, t)
+    adv = torch.zeros(b, t)
+    experts = None
+    if all(r.routed_experts is not None for r in rollouts):
+        shape = rollouts[0].routed_experts.shape[1:]
+        experts = torch.zeros(b, t, *shape, dtype=torch.long)
+    for i, (r, a) in enumerate(zip(rollouts, advantages)):
+        seq = torch.tensor(r.prompt_ids + r.completion_ids)
+        n, p = len(seq) - 1, len(r.prompt_ids)
+        input_ids[i, :n], targets[i, :n] = seq[:-1], seq[1:]
+        loss_mask[i, p - 1 : n] = torch.tensor(r.loss_mask, dtype=torch.bool)
+        logprobs[i, p - 1 : n] = torch.tensor(r.logprobs)
+        adv[i, :n] = a
+        if experts is not None:
+            experts[i, :n] = r.routed_experts[:n]
+    return TrainBatch(input_ids, targets, loss_mask, logprobs, adv, experts)

@@ -1,0 +1,60 @@
+"""Token-level policy loss with the trainer/inference probability ratio, masked outside a trust region.
+
+For each model token t with advantage A and ratio r = p_trainer(t) / p_inference(t):
+  loss_t = -A * r  where kept, 0 where masked.
+Masking, not clipping: a token whose ratio has left the trust region in the direction its
+advantage pushes (A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low) gets no gradient, so
+several updates on one batch cannot run away; a token whose ratio is outside the hard bounds in
+either direction (trainer and inference disagree too much: a stale or mismatched token) is dropped
+entirely. The gradient of -A * r is -A * r * grad log p: the importance-weighted policy gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    eps_low: float = 0.2
+    """Trust region below 1 for negative-advantage tokens."""
+    eps_high: float = 0.2
+    """Trust region above 1 for positive-advantage tokens."""
+    hard_low: float = 0.125
+    """Tokens with ratio below this are masked whatever their advantage."""
+    hard_high: float = 8.0
+    """Tokens with ratio above this are masked whatever their advantage."""
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    masked_share: float
+    mismatch_kl: float
+    """k3 estimate of KL(inference || trainer) over loss tokens."""
+
+
+def policy_loss(trainer_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, advantages: torch.Tensor,
+                loss_mask: torch.Tensor, cfg: LossConfig = LossConfig()) -> LossOutput:
+    """All inputs [B, T] (advantages broadcast per token); mean over tokens with loss_mask."""
+    log_ratio = trainer_logprobs - inference_logprobs
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        r = ratio.detach()
+        out_of_region = ((advantages > 0) & (r > 1 + cfg.eps_high)) | ((advantages < 0) & (r < 1 - cfg.eps_low))
+        out_of_bounds = (r < cfg.hard_low) | (r > cfg.hard_high)
+        keep = loss_mask & ~out_of_region & ~out_of_bounds
+        n = loss_mask.sum().clamp(min=1)
+        masked_share = float((loss_mask & ~keep).sum() / n)
+        lr = log_ratio.detach()
+        mismatch_kl = float(((torch.exp(lr) - 1 - lr) * loss_mask).sum() / n)
+    loss = -(advantages * ratio * keep).sum() / n
+    return LossOutput(loss, masked_share, mismatch_kl)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) gathered at targets: [B, T, V], [B, T] -> [B, T]."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,121 @@
+"""The optimizer step: several masked-ratio updates per batch, AdamW with gradient clipping.
+
+The trainer's weights are the policy; after each `train_step` the caller publishes them as the
+next version. With `router_replay`, the MoE layers route every token to the experts the engine
+chose when it sampled, so trainer and inference compute the same function even after the router's
+weights have moved (the mismatch then comes only from the weights themselves).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint
+from node.model.qwen3_moe import CausalLM
+from node.rl.batch import TrainBatch
+from node.rl.loss import LossConfig, policy_loss, token_logprobs
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    updates_per_batch: int = 2
+    """Passes over each batch (each a trust-region-masked update)."""
+    minibatches: int = 2
+    """Optimizer steps per pass."""
+    temperature: float = 1.0
+    """Sampling temperature the engine used (logprobs are of logits / T)."""
+    router_replay: bool = True
+    """Route trainer tokens to the experts the engine chose."""
+    loss: LossConfig = field(default_factory=LossConfig)
+
+
+class Trainer:
+    def __init__(self, model: CausalLM, cfg: TrainerConfig = TrainerConfig()):
+        self.model = model
+        self.cfg = cfg
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=(0.9, 0.99))
+        self.step = 0
+
+    def logprobs(self, batch: TrainBatch, replay: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trainer logprobs of the batch's targets [B, T] and the aux loss."""
+        replay = self.cfg.router_replay if replay is None else replay
+        out = self.model(batch.input_ids, routed_experts=batch.routed_experts if replay else None)
+        return token_logprobs(out.logits, batch.targets, self.cfg.temperature), out.aux_loss
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        self.model.train()
+        with torch.no_grad():
+            logp, _ = self.logprobs(batch)
+            before = policy_loss(logp, batch.inference_logprobs, batch.advantages, batch.loss_mask, self.cfg.loss)
+        metrics: dict[str, float] = {"mismatch_kl": before.mismatch_kl}
+        aux_coef = self.model.config.router_aux_loss_coef
+        for update in range(self.cfg.updates_per_batch):
+            order = torch.randperm(len(batch))
+            for rows in order.chunk(self.cfg.minibatches):
+                mb = batch.select(rows)
+                logp, aux = self.logprobs(mb)
+                out = policy_loss(logp, mb.inference_logprobs, mb.advantages, mb.loss_mask, self.cfg.loss)
+                loss = out.loss + aux_coef * aux
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+                self.optimizer.step()
+                metrics["loss"] = float(out.loss)
+                metrics["masked_share"] = out.masked_share
+                metrics["grad_norm"] = float(grad_norm)
+                metrics["aux_loss"] = float(aux)
+        self.step += 1
+        self.model.eval()
+        return metrics
+
+    # ---- checkpoints: model as HF safetensors, optimizer state as safetensors + json -------
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        save_checkpoint(self.model, directory, metadata={"format": "pt", "step": str(self.step)})
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        tensors, meta = {}, {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        tensors[f"{names[id(p)]}::{key}"] = value.contiguous()
+                    else:
+                        meta[f"{names[id(p)]}::{key}"] = float(value)
+        save_file(tensors, str(directory / "optimizer.safetensors"))
+        (directory / "trainer.json").write_text(json.dumps({"step": self.step, "scalars": meta,
+                                                            "config": asdict(self.cfg)}))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, cfg: TrainerConfig | None = None) -> "Trainer":
+        directory = Path(directory)
+        model = load_checkpoint(directory)
+        try:
+            state = json.loads((directory / "trainer.json").read_text())
+            tensors = load_file(str(directory / "optimizer.safetensors"))
+        except (OSError, ValueError) as exc:
+            raise InvalidCheckpoint(f"trainer state in {directory} unreadable: {exc}") from exc
+        trainer = cls(model, cfg or TrainerConfig(**{k: v for k, v in state["config"].items() if k != "loss"},
+                                                  loss=LossConfig(**state["config"]["loss"])))
+        params = dict(model.named_parameters())
+        for key, value in tensors.items():
+            name, field_name = key.split("::")
+            trainer.optimizer.state[params[name]][field_name] = value
+        for key, value in state["scalars"].items():
+            name, field_name = key.split("::")
+            trainer.optimizer.state[params[name]][field_name] = torch.tensor(value)
+        trainer.step = int(state["step"])
+        return trainer
