@@ -9,9 +9,12 @@ import struct
 from protocol_testnet import eventually, make_spec, run, start_coordinator, start_member, stop_all
 
 from protocol.envelope import open_envelope, seal
-from protocol.errors import DuplicateSubmission, LeaseExpired, StaleRollout, TransportError
+from protocol.errors import DuplicateSubmission, MessageTooLarge, LeaseExpired, StaleRollout, TransportError
 from protocol.identity import NodeKey
 from protocol.messages import LeaseRequest, Refusal, RolloutSubmission
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
 from protocol.transport import PeerHost
 
 
@@ -55,11 +58,20 @@ def test_bad_requests_are_refused_with_reasons_and_the_coordinator_keeps_serving
             ]
             assert reasons == ["MalformedMessage", "MalformedMessage", "MalformedMessage", "InvalidSignature",
                                "WrongRun", "ExpiredMessage", "SignerMismatch", "NotMember", "ReplayedMessage"]
-            # A frame whose length prefix claims 1 GiB is cut off before it is buffered.
+            # A frame whose length prefix claims 1 GiB: the stream is reset before anything is buffered.
+            async def huge_frame() -> bytes:
+                stream = await evil._host.new_stream(ID.from_base58(ck.peer_id), [TProtocol(proto)])
+                await stream.write(struct.pack(">I", 1 << 30) + b"x" * 100)
+                try:
+                    return await stream.read(10)
+                except Exception:
+                    return b""
+            assert await evil._on_trio(huge_frame) == b""
+            # A reply bigger than the caller's limit is refused on the caller's side too.
             try:
-                await evil.request(ck.peer_id, proto, b"", timeout=5, max_reply=1)  # tiny reply limit
+                await evil.request(ck.peer_id, proto, b"", timeout=5, max_reply=1)
                 raise AssertionError("reply larger than the limit was accepted")
-            except Exception as exc:
+            except MessageTooLarge as exc:
                 assert "exceeds" in str(exc)
 
             # Submissions: stale, duplicate, late: each refused with its reason, honest ones accepted.
