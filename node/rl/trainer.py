@@ -72,10 +72,10 @@ class Trainer:
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
                 self.optimizer.step()
-                metrics["loss"] = float(out.loss)
+                metrics["loss"] = float(out.loss.detach())
                 metrics["masked_share"] = out.masked_share
                 metrics["grad_norm"] = float(grad_norm)
-                metrics["aux_loss"] = float(aux)
+                metrics["aux_loss"] = float(aux.detach())
         self.step += 1
         self.model.eval()
         return metrics
