@@ -201,6 +201,15 @@ class PeerHost:
             return self.peer_id
 
         async def dial() -> str:
+            # An explicit dial is new information (e.g. a restarted coordinator on a new port):
+            # lift py-libp2p's negative cache for the peer, or it refuses to try for a while.
+            # Its old addresses go too: py-libp2p prefers any non-loopback address it once learnt
+            # (identify) over the loopback one we are given, and dials only those.
+            network = self._host.get_network()
+            if hasattr(network, "unblock_peer"):
+                network.unblock_peer(info.peer_id)
+            if info.peer_id not in network.connections:
+                self._host.get_peerstore().clear_addrs(info.peer_id)
             with trio.move_on_after(timeout) as scope:
                 await self._host.connect(info)
             if scope.cancelled_caught:
