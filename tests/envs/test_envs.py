@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from node.engine import Engine, SamplingParams
+from node.envs import UnknownTask, get_env
+from node.envs.calculator import calculate
+from node.envs.rollout import run_episodes
+from node.model import CausalLM, CharTokenizer, ModelConfig
+
+
+def test_reverse_reward_is_the_share_of_correct_positions():
+    env = get_env("reverse")
+    task = env.sample_task(3)
+    assert task == env.sample_task(3) and task.prompt.endswith(">")
+    assert env.reward(task, task.answer) == 1.0
+    wrong_last = task.answer[:-1] + ("0" if task.answer[-1] != "0" else "1")
+    assert env.reward(task, wrong_last) == pytest.approx((len(task.answer) - 1) / len(task.answer))
+    assert env.reward(task, task.answer + "99") < 1.0
+    assert env.reward(task, "") == 0.0
+
+
+def test_addition_reward_is_exact_or_partial():
+    env = get_env("addition")
+    task = env.sample_task(11)
+    a, b = task.data["a"], task.data["b"]
+    assert task.prompt == f"{a}+{b}=" and env.reward(task, str(a + b)) == 1.0
+    assert 0 <= env.reward(task, str(a + b + 1)) < 1.0
+
+
+def test_calculator_tool_evaluates_only_arithmetic():
+    assert calculate("12*3+4") == 40 and calculate("2-3*4") == -10
+    for bad in ["", "*2", "2**3", "__import__('os')", "2+", "1/0"]:
+        assert calculate(bad) is None
+    env = get_env("calculator")
+    task = env.sample_task(0)
+    assert env.respond(task, "<2*3>") == "=6;"
+    assert env.respond(task, "<2/3>") is None  # not a tool call the tool accepts: episode ends
+    assert env.respond(task, "hello") is None
+    a, b = task.data["a"], task.data["b"]
+    assert env.reward(task, f"<{a}*{b}>={a * b};{a * b}") == 1.0
+    assert env.reward(task, f"{a * b}") == 0.5  # right, but without using the tool
+    assert env.reward(task, f"<{a}*{b}>={a * b};{a * b + 1}") == 0.0
+
+
+def test_unknown_task_name_fails_clearly():
+    with pytest.raises(UnknownTask, match="unknown task 'sort'.*reverse"):
+        get_env("sort")
+
+
+def test_multi_turn_episode_masks_tool_tokens_out_of_the_loss():
+    """A tiny model taught one calculator transcript plays it through the engine: the tool's reply
+    is spliced in between two model turns and kept out of the loss."""
+    torch.manual_seed(0)
+    env, tok = get_env("calculator"), CharTokenizer()
+    task = env.sample_task(5)
+    a, b = task.data["a"], task.data["b"]
+    model_turns = [f"<{a}*{b}>", f"{a * b}"]
+    tool = f"={a * b};"
+    seq = tok.encode(task.prompt, bos=True) + tok.encode(model_turns[0] + tool + model_turns[1]) + [tok.eos_id]
+    model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, head_dim=16, max_position_embeddings=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor([seq])
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).logits[0], ids[0, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    engine = Engine(model.eval(), max_batch=2, eos_id=tok.eos_id, decode=tok.decode)
+    (r,) = run_episodes(engine, env, tok, [("e", task, SamplingParams(temperature=0.0))])
+    assert tok.decode(r.completion_ids) == model_turns[0] + tool + model_turns[1]
+    assert r.reward == 1.0 and len(r.turns) == 2 and r.finish_reason == "eos"
+    n0, nt = len(model_turns[0]), len(tool)
+    assert r.loss_mask == [True] * n0 + [False] * nt + [True] * (len(model_turns[1]) + 1)
+    assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.loss_mask) if not m)
+    assert all(lp < 0.0 for lp, m in zip(r.logprobs, r.loss_mask) if m)
