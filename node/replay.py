@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from node.engine.sampling import SamplingParams, sample
+from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
 from verification.claim import SamplingSpec
 from verification.reference import Reference, Replay
@@ -66,6 +67,22 @@ class TorchReference(Reference):
                 out[i] = (res.logits[row, :n].float().cpu(), res.hidden[row, :n].cpu())
             start = end
         return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.policies[segments[0][0]][0]
+        cfg, param = model.config, next(model.parameters())
+        cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
+                        dtype=param.dtype, device=param.device)
+        ids = torch.tensor([sequence], device=param.device)
+        slots = torch.zeros(1, dtype=torch.long, device=param.device)
+        logits, hidden = [], []
+        for version, start, end in segments:
+            out = self.policies[version][0](ids[:, start:end], torch.arange(start, end, device=param.device)[None],
+                                            cache, slots)
+            logits.append(out.logits[0].float().cpu())
+            hidden.append(out.hidden[0].cpu())
+        return torch.cat(logits), torch.cat(hidden)
 
     def replay_sampling(self, logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
         params = sampling_params(spec)

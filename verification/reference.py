@@ -33,6 +33,8 @@ class Reference(ABC):
     """Width of the final hidden states the proofs commit to."""
     vocab_size: int
     """Token ids must lie below this."""
+    precision: str
+    """Engine precision the run prescribes ("float32" or "bfloat16"); picks the thresholds."""
 
     @abstractmethod
     def manifest_hash(self, version: int) -> bytes | None:
@@ -41,6 +43,12 @@ class Reference(ABC):
     @abstractmethod
     def prefill(self, version: int, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], final hidden [T, H]) of each full sequence under `version`'s weights."""
+
+    @abstractmethod
+    def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, V], hidden [T, H]) of one sequence whose positions [start, end) of each
+        (version, start, end) segment were computed by that version, attending to the keys and values
+        the earlier segments' versions wrote (an in-flight sequence keeps its KV cache across a swap)."""
 
     @abstractmethod
     def replay_sampling(self, logits: torch.Tensor, sampling: SamplingSpec, positions: list[int]) -> Replay:

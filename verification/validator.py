@@ -64,6 +64,38 @@ def _plan(claim: RolloutClaim, ref: Reference) -> _Plan | Failure:
     return plan
 
 
+def _segments(claim: RolloutClaim) -> list[tuple[int, int, int]]:
+    """(version, start, end) over the prefill positions of prompt + completion[:-1]: the input at
+    position p produced completion token p - (len(prompt) - 1); the prompt belongs to token 0's version."""
+    base = len(claim.prompt_ids) - 1
+    total = base + len(claim.token_ids)
+    out: list[tuple[int, int, int]] = []
+    for p in range(total):
+        v = claim.versions[max(0, p - base)]
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1], p + 1)
+        else:
+            out.append((v, p, p + 1))
+    return out
+
+
+def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | None:
+    """A rollout whose tokens came from several versions: one forward per version segment, each
+    attending to the KV the earlier versions wrote, then every segment checked against its version."""
+    try:
+        logits, hidden = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim))
+        for v in p.tokens:
+            rows = torch.tensor([len(claim.prompt_ids) - 1 + t for t in p.tokens[v]])
+            f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v], p.commitments[v],
+                              p.chunk_offsets[v])
+            if f is not None:
+                return f
+    except Exception as exc:
+        log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
+        return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+    return None
+
+
 def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None) -> list[Verdict]:
     """One verdict per claim, in order; signed when `key` is given."""
     failures: list[Failure | None] = [None] * len(claims)
@@ -82,8 +114,10 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
     by_version: dict[int, list[int]] = {}
     for i, p in enumerate(plans):
         if p is not None and failures[i] is None:
-            for v in p.tokens:
-                by_version.setdefault(v, []).append(i)
+            if len(p.tokens) == 1:
+                by_version.setdefault(next(iter(p.tokens)), []).append(i)
+            else:
+                failures[i] = _verify_mixed(claims[i], p, ref)
     for v, members in sorted(by_version.items()):
         seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
         try:

@@ -67,3 +67,37 @@ def claims_from(completions, work, engine_version_hashes=None) -> list[RolloutCl
 def engine_for(model: CausalLM, max_batch: int = 32) -> Engine:
     return Engine(model, max_batch=max_batch, max_seq_len=MAX_SEQ, eos_id=TOK.eos_id, decode=TOK.decode,
                   capture_hidden=True)
+
+
+def request(seed: int, sp: SamplingSpec) -> Request:
+    prompt_ids, _ = env_oracle(TOK)
+    return Request(f"w{seed}", prompt_ids(ENV, seed), SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens, seed=sp.seed))
+
+
+def relabel(claims: list[RolloutClaim], version: int, manifest_hash: bytes | None = None) -> list[RolloutClaim]:
+    """The same tokens and proofs, every token claimed as `version` (proof headers rewritten)."""
+    from verification.proof import VersionRun, decode_rollout_proof, encode_rollout_proof
+
+    out = []
+    for c in claims:
+        chunks = [b for r in decode_rollout_proof(c.proof, 64) for b in r.chunks]
+        # Re-cut into one run: chunk boundaries may differ, so rebuild the chunk list per 32 tokens
+        # only when the claim had a single run; otherwise keep the chunks (the cheat's best try).
+        run = VersionRun(version, manifest_hash or manifest(version), len(c.token_ids), chunks)
+        try:
+            proof = encode_rollout_proof([run])
+            decode_rollout_proof(proof, 64)
+        except Exception:
+            proof = encode_rollout_proof([VersionRun(version, run.manifest_hash, len(c.token_ids),
+                                                     chunks[: (len(c.token_ids) + 31) // 32])])
+        out.append(c.model_copy(update={"versions": [version] * len(c.token_ids), "proof": proof}))
+    return out
+
+
+def claims_from_proof_prefix(claim: RolloutClaim, n: int) -> bytes:
+    """A proof for the first n tokens only, re-using the claim's chunks (what a truncating cheat sends)."""
+    from verification.proof import VersionRun, decode_rollout_proof, encode_rollout_proof
+
+    chunks = [b for r in decode_rollout_proof(claim.proof, 64) for b in r.chunks][: (n + 31) // 32]
+    return encode_rollout_proof([VersionRun(claim.versions[0], manifest(claim.versions[0]), n, chunks)])

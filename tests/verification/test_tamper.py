@@ -1,0 +1,193 @@
+"""The tamper suite: each way of cheating is rejected; the honest rollouts beside it are accepted."""
+
+import copy
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import rollouts as R  # noqa: E402
+
+from verification.calibration.calibrate import perturb  # noqa: E402
+from verification.checks import Reason  # noqa: E402
+from verification.validator import verify_claims  # noqa: E402
+
+SEEDS = list(range(24))
+RECOMPUTED = {Reason.HIDDEN_MISMATCH, Reason.LOGPROB_MISMATCH, Reason.SAMPLING_MISMATCH}
+
+
+@pytest.fixture(scope="module")
+def world():
+    model = R.tiny_model()
+    work = [(s, R.spec(s)) for s in SEEDS]
+    honest = R.claims_from(R.generate(R.engine_for(model), work), work)
+    return model, R.reference({0: model}), work, honest
+
+
+def _edit(claim, **kw):
+    return claim.model_copy(update=kw)
+
+
+def _assert_all_rejected(claims, ref, reasons):
+    verdicts = verify_claims(claims, ref)
+    assert claims and all(not v.accepted for v in verdicts), [v.detail for v in verdicts if v.accepted]
+    assert {v.reason for v in verdicts} <= reasons, {v.reason for v in verdicts}
+    return verdicts
+
+
+def test_honest_rollouts_are_accepted(world):
+    _, ref, _, honest = world
+    verdicts = verify_claims(honest, ref)
+    assert [v.reason for v in verdicts] == [Reason.OK] * len(honest)
+
+
+@pytest.mark.parametrize("kind", ["noise1pct", "fp8", "int8"])
+def test_other_weights_or_precision_are_rejected(world, kind):
+    model, ref, work, _ = world
+    cheat = R.claims_from(R.generate(R.engine_for(perturb(model, kind)), work), work)
+    _assert_all_rejected(cheat, ref, RECOMPUTED)
+
+
+def test_another_prompt_is_rejected(world):
+    model, ref, work, honest = world
+    other = R.generate(R.engine_for(model), work, prompt_of=lambda s: R.env_oracle(R.TOK)[0](R.ENV, s + 1000))
+    cheat = R.claims_from(other, work)
+    # The node claims the leased task's prompt but generated from another one.
+    cheat = [_edit(c, prompt_ids=h.prompt_ids) for c, h in zip(cheat, honest)]
+    _assert_all_rejected(cheat, ref, RECOMPUTED | {Reason.REWARD_MISMATCH})
+    # Claiming the other prompt outright is caught before any recomputation.
+    _assert_all_rejected(R.claims_from(other, work), ref, {Reason.PROMPT_MISMATCH})
+
+
+def test_edited_tokens_are_rejected(world):
+    _, ref, _, honest = world
+    cheat = []
+    for c in honest:
+        ids = list(c.token_ids)
+        i = len(ids) // 2
+        ids[i] = 3 + (ids[i] + 1) % (R.TOK.vocab_size - 3)  # another ordinary character
+        if ids[i] == R.TOK.eos_id:
+            continue
+        cheat.append(_edit(c, token_ids=ids, reward=R.env_oracle(R.TOK)[1](R.ENV, c.task_seed, ids)))
+    _assert_all_rejected(cheat, ref, RECOMPUTED | {Reason.TERMINATION})
+
+
+def test_fabricated_logprobs_are_rejected(world):
+    _, ref, _, honest = world
+    cheat = [_edit(c, logprobs=[min(0.0, lp + 0.3) for lp in c.logprobs]) for c in honest]
+    _assert_all_rejected(cheat, ref, {Reason.LOGPROB_MISMATCH})
+
+
+def test_temperature_1_3_used_while_1_0_claimed_is_rejected(world):
+    model, ref, work, honest = world
+    hot = [(s, R.spec(s, temperature=1.3)) for s, _ in work]
+    cheat = R.claims_from(R.generate(R.engine_for(model), hot), hot)
+    cheat = [_edit(c, sampling=h.sampling) for c, h in zip(cheat, honest)]
+    _assert_all_rejected(cheat, ref, RECOMPUTED)
+
+
+def test_temperature_cheat_with_refitted_logprobs_is_caught_by_sampling_replay(world):
+    from verification.checks import token_logprobs
+
+    model, ref, work, honest = world
+    hot = [(s, R.spec(s, temperature=1.3)) for s, _ in work]
+    cheat = []
+    for c, h in zip(R.claims_from(R.generate(R.engine_for(model), hot), hot), honest):
+        if c.token_ids == h.token_ids:
+            continue  # the same tokens as an honest T=1.0 run: nothing was gained
+        logits, _ = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1]])[0]
+        rows = torch.arange(len(c.prompt_ids) - 1, len(c.prompt_ids) - 1 + len(c.token_ids))
+        lp = token_logprobs(logits[rows], torch.tensor(c.token_ids), 1.0).tolist()
+        cheat.append(_edit(c, sampling=h.sampling, logprobs=lp))
+    assert len(cheat) >= len(work) // 2
+    _assert_all_rejected(cheat, ref, {Reason.SAMPLING_MISMATCH})
+
+
+def test_ignoring_top_p_is_rejected(world):
+    model, ref, work, _ = world
+    nucleus = [(s, R.spec(s, top_p=0.7)) for s, _ in work]
+    honest_p = R.claims_from(R.generate(R.engine_for(model), nucleus), nucleus)
+    assert all(v.accepted for v in verify_claims(honest_p, ref))
+    full = [(s, R.spec(s, top_p=1.0)) for s, _ in work]
+    cheat = [_edit(c, sampling=h.sampling) for c, h in
+             zip(R.claims_from(R.generate(R.engine_for(model), full), full), honest_p) if c.token_ids != h.token_ids]
+    assert len(cheat) >= len(work) // 2  # the rest sampled inside the nucleus anyway: identical, honest output
+    _assert_all_rejected(cheat, ref, {Reason.SAMPLING_MISMATCH})
+
+
+def test_early_stop_is_rejected(world):
+    _, ref, _, honest = world
+    cheat = []
+    for c in honest:
+        if len(c.token_ids) < 6:
+            continue
+        n = len(c.token_ids) // 2
+        cheat.append(_edit(c, token_ids=c.token_ids[:n], logprobs=c.logprobs[:n], versions=c.versions[:n],
+                           finish_reason="length", proof=R.claims_from_proof_prefix(c, n)))
+    _assert_all_rejected(cheat, ref, {Reason.TERMINATION, Reason.REWARD_MISMATCH})
+
+
+def test_continuing_past_eos_is_rejected(world):
+    _, ref, _, honest = world
+    stopped = [c for c in honest if c.finish_reason == "eos"]
+    assert stopped
+    cheat = [_edit(c, finish_reason="length") for c in stopped]
+    _assert_all_rejected(cheat, ref, {Reason.TERMINATION})
+
+
+def test_inflated_reward_is_rejected(world):
+    _, ref, _, honest = world
+    cheat = [_edit(c, reward=1.0) for c in honest if c.reward < 1.0]
+    _assert_all_rejected(cheat, ref, {Reason.REWARD_MISMATCH})
+
+
+def test_claimed_version_the_tokens_did_not_come_from_is_rejected(world):
+    model, _, work, _ = world
+    newer = perturb(model, "noise1pct", seed=7)  # one training step later
+    ref = R.reference({0: model, 1: newer})
+    from_v0 = R.claims_from(R.generate(R.engine_for(model), work), work)
+    relabelled = R.relabel(from_v0, 1)
+    _assert_all_rejected(relabelled, ref, RECOMPUTED)
+    # An unknown version, or a known one under another manifest hash, is refused outright.
+    _assert_all_rejected(R.relabel(from_v0, 5), ref, {Reason.UNKNOWN_VERSION})
+    forged = R.relabel(from_v0, 1, manifest_hash=hashlib.sha256(b"forged").digest())
+    _assert_all_rejected(forged, ref, {Reason.UNKNOWN_VERSION})
+
+
+def test_mixed_version_rollouts_are_checked_segment_by_segment(world):
+    model, _, work, _ = world
+    newer = perturb(model, "noise1pct", seed=7)
+    ref = R.reference({0: model, 1: newer})
+    engine = R.engine_for(copy.deepcopy(model))  # the swap loads weights into the engine's model in place
+    for s, sp in work:
+        engine.add_request(R.request(s, sp))
+    done = []
+    for _ in range(10):
+        done += engine.step()
+    engine.load_weights({k: v.clone() for k, v in newer.state_dict().items()}, version=1)
+    while engine.has_work():
+        done += engine.step()
+    done.sort(key=lambda c: int(c.request_id[1:]))
+    claims = R.claims_from(done, work)
+    mixed = [c for c in claims if len(set(c.versions)) == 2]
+    assert len(mixed) >= len(work) // 2
+    assert all(v.accepted for v in verify_claims(claims, ref)), [v.detail for v in verify_claims(claims, ref)]
+    # The same tokens all claimed as version 1: the version-0 segment fails against version 1.
+    _assert_all_rejected(R.relabel(mixed, 1), ref, RECOMPUTED)
+
+
+def test_malformed_claims_are_rejected_without_crashing(world):
+    _, ref, _, honest = world
+    c = honest[0]
+    bad = [
+        _edit(c, proof=c.proof[:-3]),
+        _edit(c, proof=b""),
+        _edit(c, token_ids=[10**6] + c.token_ids[1:]),
+        _edit(c, versions=[0] * (len(c.versions) - 1) + [1]),
+    ]
+    verdicts = verify_claims(bad + [c], ref)
+    assert [v.accepted for v in verdicts] == [False] * len(bad) + [True]
+    assert all(v.reason in (Reason.MALFORMED, Reason.UNKNOWN_VERSION) for v in verdicts[:-1])

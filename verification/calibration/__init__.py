@@ -1,0 +1,1 @@
+"""Calibration of the verification thresholds on honest variation (script + committed data)."""
