@@ -21,7 +21,7 @@ from pathlib import Path
 
 from protocol.envelope import open_envelope
 from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, NotLeaseHolder,
-                             NotMember, SpecMismatch, UnknownLease)
+                             NotMember, Refused, SpecMismatch, UnknownLease)
 from protocol.ledger import OffPolicyLedger
 from protocol.membership import MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutSubmission, RunSpec,
@@ -133,7 +133,45 @@ class Coordinator:
     def submit(self, peer_id: str, sub: RolloutSubmission, envelope: bytes, now: float) -> SubmissionReceipt:
         """Accept a rollout exactly once; raises a `Refused` subclass with the reason otherwise.
         `envelope` is the signed wire form, stored as is."""
-        body_sha = hashlib.sha256(sub.model_dump_json().encode()).hexdigest()
+        result = self.submit_many([(peer_id, sub, envelope)], now)[0]
+        if isinstance(result, Refused):
+            raise result
+        return result
+
+    def submit_many(self, items: list[tuple[str, RolloutSubmission, bytes]], now: float
+                    ) -> list[SubmissionReceipt | Refused]:
+        """Group commit: check each, store the accepted ones with one fsync and one transaction."""
+        results: list[SubmissionReceipt | Refused | None] = [None] * len(items)
+        fresh: dict[int, tuple[int, str]] = {}  # work id -> (index in items, body hash) accepted in this batch
+        for i, (peer_id, sub, _env) in enumerate(items):
+            body_sha = hashlib.sha256(sub.model_dump_json().encode()).hexdigest()
+            try:
+                if sub.work_id in fresh:  # the same work twice in one batch: the first one wins
+                    first, first_sha = fresh[sub.work_id]
+                    if items[first][0] == peer_id and first_sha == body_sha:
+                        results[i] = SubmissionReceipt(work_id=sub.work_id, accepted=True, duplicate=True)
+                        continue
+                    raise DuplicateSubmission(f"work {sub.work_id} was already accepted from {items[first][0]}")
+                results[i] = self._check_submission(peer_id, sub, body_sha, now)
+                if results[i] is None:
+                    fresh[sub.work_id] = (i, body_sha)
+            except Refused as exc:
+                results[i] = exc
+        order = sorted(fresh.values())
+        where = self.store.append_rollouts([items[i][2] for i, _ in order])
+        with self.store as db:
+            for (i, body_sha), loc in zip(order, where):
+                peer_id, sub, _ = items[i]
+                self.store.insert_accepted(sub.work_id, peer_id, body_sha, sub.min_version, len(sub.token_ids),
+                                           sub.reward, loc, now)
+                db.execute("UPDATE work SET state='accepted' WHERE work_id=?", (sub.work_id,))
+        for i, _ in order:
+            results[i] = SubmissionReceipt(work_id=items[i][1].work_id, accepted=True)
+        return results
+
+    def _check_submission(self, peer_id: str, sub: RolloutSubmission, body_sha: str, now: float
+                          ) -> SubmissionReceipt | None:
+        """None: new and acceptable. A receipt: an identical retry of an accepted rollout. Raises otherwise."""
         done = self.store.accepted(sub.work_id)
         if done:
             if done[0].submitter == peer_id and done[0].body_sha256 == body_sha:
@@ -152,19 +190,14 @@ class Coordinator:
         if sub.min_version < 0:
             raise InconsistentRollout("negative policy version")
         self.ledger.check_submission(sub.min_version)  # raises StaleRollout
-        path = self.store.write_rollout_file(sub.work_id, envelope)
-        with self.store as db:
-            self.store.insert_accepted(sub.work_id, peer_id, body_sha, sub.min_version, len(sub.token_ids),
-                                       sub.reward, path, now)
-            db.execute("UPDATE work SET state='accepted' WHERE work_id=?", (sub.work_id,))
-        return SubmissionReceipt(work_id=sub.work_id, accepted=True)
+        return None
 
     def accepted_rollouts(self) -> list[AcceptedRollout]:
         return self.store.accepted()
 
     def load_rollout(self, record: AcceptedRollout) -> RolloutSubmission:
         """Read an accepted rollout back from disk, re-verifying its signature."""
-        opened = open_envelope(record.path.read_bytes(), self.spec.run_id, None, max_skew_s=float("inf"))
+        opened = open_envelope(self.store.read_rollout(record), self.spec.run_id, None, max_skew_s=float("inf"))
         assert opened.signer == record.submitter and isinstance(opened.message, RolloutSubmission)
         return opened.message
 

@@ -28,6 +28,9 @@ from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
 
+MAX_GROUP = 256
+"""Most submissions stored by one fsync + commit (bounds the latency of the last one in a group)."""
+
 
 class CoordinatorService:
     def __init__(self, key: NodeKey, coordinator: Coordinator, host: PeerHost):
@@ -39,6 +42,8 @@ class CoordinatorService:
         self.net = RunNetwork(host, key, coordinator.spec.run_id)
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
+        self._pending: list[tuple[Opened, asyncio.Future]] = []
+        self._wake = asyncio.Event()
 
     @property
     def spec(self) -> RunSpec:
@@ -51,6 +56,7 @@ class CoordinatorService:
         self.net.on_gossip(self._on_gossip)
         await self.net.start_gossip()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="coordinator-sweeper"))
+        self._tasks.append(asyncio.create_task(self._committer(), name="coordinator-committer"))
         self._tasks.append(asyncio.create_task(self._beat(), name="coordinator-heartbeat"))
 
     async def stop(self) -> None:
@@ -69,7 +75,29 @@ class CoordinatorService:
         return self.state.grant_lease(o.signer, time.time())
 
     async def _on_submission(self, o: Opened) -> SubmissionReceipt:
-        return self.state.submit(o.signer, o.message, o.raw, time.time())
+        # Group commit: queue, and let one committer store everything queued with one fsync.
+        # While it blocks the loop on that fsync, new submissions pile up in the libp2p thread
+        # and form the next group, so the group size follows the load by itself.
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((o, fut))
+        self._wake.set()
+        return await fut
+
+    async def _committer(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending[:MAX_GROUP], self._pending[MAX_GROUP:]
+            if self._pending:
+                self._wake.set()
+            try:
+                results = self.state.submit_many([(o.signer, o.message, o.raw) for o, _ in batch], time.time())
+            except Exception as exc:  # e.g. disk full: nobody in this group is acknowledged
+                log.exception("storing %d submissions failed", len(batch))
+                results = [exc] * len(batch)
+            for (_, fut), result in zip(batch, results):
+                if not fut.done():
+                    fut.set_exception(result) if isinstance(result, Exception) else fut.set_result(result)
 
     # ---- gossip --------------------------------------------------------------------------------
     async def _on_gossip(self, o: Opened) -> None:

@@ -164,13 +164,32 @@ def test_restart_keeps_everything_accepted(tmp_path):
         accepted.append(g.work_id)
     pending = c.grant_lease(A.peer_id, 1)
     c.close()
-    (tmp_path / "rollouts" / "000000009999.env").write_bytes(b"half-written")  # never acknowledged
+    seg = sorted((tmp_path / "rollouts").glob("seg-*.log"))[-1]
+    size = seg.stat().st_size
+    with open(seg, "ab") as f:  # a crash after the append, before the commit: never acknowledged
+        f.write(b"\0\0\0\x0chalf-written")
     c = Coordinator(tmp_path, spec(2), now=3)
     assert [r.work_id for r in c.accepted_rollouts()] == accepted
     assert all(c.load_rollout(r).work_id == r.work_id for r in c.accepted_rollouts())
-    assert not (tmp_path / "rollouts" / "000000009999.env").exists()
+    assert seg.stat().st_size == size  # the unacknowledged tail is cut off
     assert c.ledger.current_version == 0
     assert A.peer_id in c.view.members  # membership survives the restart with a fresh interval
     assert submit(c, A, rollout(pending.work_id, [(0, 2)]), 4).accepted  # leases survive too
     with pytest.raises(SpecMismatch):
         Coordinator(tmp_path, spec(3))
+
+
+def test_group_commit_accepts_each_work_once_within_a_batch(tmp_path):
+    c = open_run(tmp_path)
+    g1, g2 = c.grant_lease(A.peer_id, 1), c.grant_lease(B.peer_id, 1)
+    s1, s2 = rollout(g1.work_id, [(0, 2)]), rollout(g2.work_id, [(0, 2)])
+    other = rollout(g1.work_id, [(0, 3)])
+    items = [(A.peer_id, s1, seal(A, "r", s1, now=2)), (B.peer_id, s2, seal(B, "r", s2, now=2)),
+             (A.peer_id, s1, seal(A, "r", s1, now=2)), (A.peer_id, other, seal(A, "r", other, now=2)),
+             (B.peer_id, s1, seal(B, "r", s1, now=2))]
+    results = c.submit_many(items, 2)
+    assert [type(r).__name__ for r in results] == ["SubmissionReceipt", "SubmissionReceipt", "SubmissionReceipt",
+                                                  "DuplicateSubmission", "DuplicateSubmission"]
+    assert results[2].duplicate and not results[0].duplicate
+    assert [r.work_id for r in c.accepted_rollouts()] == [g1.work_id, g2.work_id]
+    assert c.load_rollout(c.accepted_rollouts()[0]) == s1
