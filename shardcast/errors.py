@@ -12,6 +12,7 @@ __all__ = [
     "CorruptShard",
     "TruncatedShard",
     "SourceUnavailable",
+    "SourceBusy",
     "FetchFailed",
     "VersionNotFound",
 ]
@@ -39,6 +40,10 @@ class TruncatedShard(CorruptShard):
 
 class SourceUnavailable(ShardcastError):
     """A source refused, stalled past its timeout, or answered with an HTTP error."""
+
+
+class SourceBusy(SourceUnavailable):
+    """A source answered 503 (all its upload slots taken): try elsewhere or later, no penalty."""
 
 
 class VersionNotFound(ShardcastError):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from tqdm import tqdm
 
 from shardcast.codec import check_wire, decode_shard, unflatten
 from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
-                              TruncatedShard, UnknownPublisher, VersionNotFound)
+                              SourceBusy, TruncatedShard, UnknownPublisher, VersionNotFound)
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
 from shardcast.sources import Source, SourcePool
 from shardcast.store import Store
@@ -36,6 +35,17 @@ DEFAULT_STALL_TIMEOUT = 10.0
 """Seconds without a byte before a source counts as stalled."""
 DEFAULT_MAX_ATTEMPTS = 6
 """Attempts per shard (across all sources) before the fetch fails."""
+BUSY_BACKOFF_S = 0.25
+"""Pause before re-queuing a shard a source refused with 503."""
+MAX_BUSY_RETRIES = 400
+"""503s tolerated per shard (~100 s of backoff plus the servers' queue waits) before giving up."""
+PICK_POLL_S = 0.05
+"""How often an idle worker looks again for a (source, shard) it may take."""
+NO_HOLDER_TIMEOUT_S = 30.0
+"""Fail when, for this long, nothing was fetched and no live source holds a missing shard."""
+DEFAULT_PER_SOURCE = 2
+"""Downloads at once from one source when there are several: leaves the others' slots to peers,
+so simultaneous clients pull different shards from a thin origin and trade them."""
 HAVE_TIMEOUT_S = 2.0
 """A shard list is a few bytes; a source that takes longer is treated as holding nothing for now."""
 HAVE_REFRESH_S = 0.25
@@ -57,12 +67,14 @@ class Fetcher:
     """Downloads versions of one run from a pool of sources into `store`."""
 
     def __init__(self, store: Store, sources: list[str], trusted: TrustedPublishers, *, parallel: int = DEFAULT_PARALLEL,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: bool = False):
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: bool = False,
+                 per_source: int = DEFAULT_PER_SOURCE):
         if not sources:
             raise ValueError("at least one source URL is required")
         self.store, self.trusted = store, trusted
         self.pool = SourcePool.of(sources)
         self.parallel, self.stall_timeout, self.max_attempts, self.progress = parallel, stall_timeout, max_attempts, progress
+        self.per_source = per_source
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "Fetcher":
@@ -101,7 +113,9 @@ class Fetcher:
         async def one(src: Source) -> None:
             try:
                 body = await asyncio.wait_for(self._get(src, f"{run_id}/{version}/have"), HAVE_TIMEOUT_S)
-                src.have = {int(i) for i in json.loads(body)["shards"]}
+                doc = json.loads(body)
+                src.have = {int(i) for i in doc["shards"]}
+                src.fetching = {int(i) for i in doc.get("fetching", [])}
             except (ShardcastError, ValueError, KeyError, TypeError, asyncio.TimeoutError):
                 src.have = set()  # cannot tell: treat as holding nothing until the next refresh
 
@@ -162,50 +176,60 @@ class Fetcher:
                 self.store.shard_path(m.run_id, m.version, i).unlink(missing_ok=True)
                 return False
 
+        def accept(i: int, wire: bytes) -> None:
+            # Both hashes pass before the shard gets its final name in the store (and is served).
+            check_wire(m.shards[i], wire)
+            decode_shard(m.shards[i], wire, payload[rng(i)], par(i))
+            self.store.put_shard(m.run_id, m.version, i, wire)
+
         held = self.store.held_shards(m.run_id, m.version)
         reused = {i for i in held if i < len(m.shards) and await loop.run_in_executor(None, reuse, i)}
         if reused:
             log.info("%s v%d: resuming; %d of %d shards already held and verified", m.run_id, m.version, len(reused), len(m.shards))
-        todo = [i for i in range(len(m.shards)) if i not in reused]
-        # Random order: clients that start together hold different shards early and can
-        # serve them to each other instead of all pulling shard 0 from the origin first.
-        random.shuffle(todo)
-        attempts = {i: 0 for i in todo}
+        pending = {i for i in range(len(m.shards)) if i not in reused}
+        inflight: set[int] = set()
+        key = (m.run_id, m.version)
+        self.store.fetching[key] = inflight  # advertised in /have, so peers avoid duplicating us
+        attempts = {i: 0 for i in pending}
+        busy = {i: 0 for i in pending}
         last_error: dict[int, str] = {}
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in todo:
-            queue.put_nowait(i)
-        remaining = len(todo)
+        remaining = len(pending)
         downloaded = 0
-        bar = tqdm(total=sum(m.shards[i].wire_size for i in todo), unit="B", unit_scale=True,
+        last_progress = loop.time()
+        bar = tqdm(total=sum(m.shards[i].wire_size for i in pending), unit="B", unit_scale=True,
                    desc=f"{m.run_id} v{m.version}", disable=not self.progress)
         await self._refresh_have(m.run_id, m.version)
         failed: FetchFailed | None = None
 
         async def worker() -> None:
-            nonlocal remaining, downloaded, failed
+            nonlocal remaining, downloaded, failed, last_progress
             while remaining > 0 and failed is None:
-                i = await queue.get()
-                if i < 0:  # finished or failed: wake-up sentinel
-                    return
-                src = self.pool.pick(i)
-                if src is None:
+                pair = self.pool.pick(pending, self.per_source if len(self.pool.alive()) > 1 else self.parallel)
+                if pair is None:
                     if not self.pool.alive():
-                        failed = FetchFailed(f"{m.run_id} v{m.version}: every source dropped; shard {i}: {last_error.get(i, 'no holder')}")
-                        return stop_all()
-                    await asyncio.sleep(HAVE_REFRESH_S)  # peers may get it soon
-                    await self._refresh_have(m.run_id, m.version)
-                    queue.put_nowait(i)
+                        failed = FetchFailed(f"{m.run_id} v{m.version}: every source dropped; last errors: {_summary(last_error)}")
+                    elif pending and not inflight and loop.time() - last_progress > NO_HOLDER_TIMEOUT_S:
+                        failed = FetchFailed(f"{m.run_id} v{m.version}: no live source holds shards {sorted(pending)[:8]}; {_summary(last_error)}")
+                    await asyncio.sleep(PICK_POLL_S)  # a peer may get it, a slot may free up
                     continue
+                src, i = pair
+                pending.discard(i)
+                inflight.add(i)
                 try:
                     wire = await self._download(src, m, i)
-                    await loop.run_in_executor(None, self.store.put_shard, m.run_id, m.version, i, wire)
-                    await loop.run_in_executor(None, decode_shard, m.shards[i], wire, payload[rng(i)], par(i))
+                    await loop.run_in_executor(None, accept, i, wire)
+                except SourceBusy:
+                    # Busy is not broken: no penalty; back off (bounded) and pick again.
+                    busy[i] += 1
+                    if busy[i] > MAX_BUSY_RETRIES:
+                        failed = FetchFailed(f"{m.run_id} v{m.version}: shard {i}: every source stayed busy")
+                    src.cooldown_until = time.monotonic() + BUSY_BACKOFF_S
+                    pending.add(i)
+                    continue
                 except ShardcastError as exc:
                     last_error[i] = f"{src.url}: {exc}"
                     self.pool.exclude(i, src)
                     if isinstance(exc, CorruptShard):
-                        self.store.shard_path(m.run_id, m.version, i).unlink(missing_ok=True)
                         src.drop(str(exc))
                     elif isinstance(exc, VersionNotFound):
                         if src.have is not None:
@@ -217,17 +241,14 @@ class Fetcher:
                     attempts[i] += 1
                     if attempts[i] >= self.max_attempts:
                         failed = FetchFailed(f"{m.run_id} v{m.version}: shard {i} failed {attempts[i]} times; last: {last_error[i]}")
-                        return stop_all()
-                    queue.put_nowait(i)
+                    pending.add(i)
                     continue
+                finally:
+                    inflight.discard(i)
                 downloaded += len(wire)
                 bar.update(len(wire))
                 remaining -= 1
-            stop_all()
-
-        def stop_all() -> None:
-            for _ in range(n_workers):
-                queue.put_nowait(-1)
+                last_progress = loop.time()
 
         async def refresh_forever() -> None:
             # Peers gain shards while we fetch; re-read who holds what so they become sources.
@@ -235,14 +256,12 @@ class Fetcher:
                 await asyncio.sleep(HAVE_REFRESH_S)
                 await self._refresh_have(m.run_id, m.version)
 
-        n_workers = max(1, min(self.parallel, len(todo)))
-        if not todo:
-            stop_all()
         refresher = asyncio.create_task(refresh_forever())
         try:
-            await asyncio.gather(*(worker() for _ in range(n_workers)))
+            await asyncio.gather(*(worker() for _ in range(max(1, min(self.parallel, remaining)))))
         finally:
             refresher.cancel()
+            self.store.fetching.pop(key, None)
             bar.close()
         if failed is not None:
             raise failed
@@ -262,8 +281,7 @@ class Fetcher:
                 if r.status == 404:
                     raise VersionNotFound(f"shard {i} not held by {src.url}")
                 if r.status == 503:
-                    await asyncio.sleep(float(r.headers.get("Retry-After", "1")) / 4)
-                    raise SourceUnavailable(f"{src.url} busy")
+                    raise SourceBusy(f"{src.url} busy")
                 if r.status != 200:
                     raise SourceUnavailable(f"HTTP {r.status}")
                 try:
@@ -278,9 +296,12 @@ class Fetcher:
             raise SourceUnavailable(f"{type(exc).__name__}: {exc}") from exc
         finally:
             src.inflight -= 1
-        await asyncio.get_running_loop().run_in_executor(None, check_wire, entry, wire)
         src.record(len(wire), time.perf_counter() - t0)
         return wire
+
+
+def _summary(errors: dict[int, str]) -> str:
+    return "; ".join(f"shard {i}: {e}" for i, e in list(errors.items())[:3]) or "none"
 
 
 async def fetch_version(store: Store, sources: list[str], trusted: TrustedPublishers, run_id: str,

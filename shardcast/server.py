@@ -5,7 +5,7 @@ Endpoints (all GET, under /shardcast):
   /runs                                -> {"runs": [...]}
   /{run}/versions                      -> {"versions": [held manifests], "complete": [verified payloads]}
   /{run}/{version}/manifest            -> the signed manifest JSON
-  /{run}/{version}/have                -> {"shards": [indices held]}
+  /{run}/{version}/have                -> {"shards": [held], "fetching": [being fetched now]}
   /{run}/{version}/shard/{index}       -> wire bytes (Range supported; sendfile)
 Invariant: only files with final names are served, and those were verified before renaming
 (see store.py), so a peer never relays bytes it has not checked. At most `max_concurrent`
@@ -99,7 +99,9 @@ class ShardServer:
         return web.FileResponse(path, headers={"Content-Type": "application/json"})
 
     async def _have(self, request: web.Request) -> web.Response:
-        return web.json_response({"shards": self.store.held_shards(_run(request), _int(request, "version"))})
+        run, version = _run(request), _int(request, "version")
+        return web.json_response({"shards": self.store.held_shards(run, version),
+                                  "fetching": sorted(self.store.fetching.get((run, version), ()))})
 
     async def _shard(self, request: web.Request) -> web.StreamResponse:
         path = self.store.shard_path(_run(request), _int(request, "version"), _int(request, "index"))

@@ -12,6 +12,8 @@ stalls or errors is dropped after `MAX_SOURCE_FAILURES`.
 from __future__ import annotations
 
 import logging
+import random
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,10 @@ class Source:
     have: set[int] | None = None
     """Shard indices held for the version being fetched; None = unknown (assume all)."""
     bytes_received: int = 0
+    fetching: set[int] = field(default_factory=set)
+    """Shards the source (a peer) is downloading itself right now."""
+    cooldown_until: float = 0.0
+    """time.monotonic() before which the source is not asked again (it answered 503)."""
 
     def record(self, nbytes: int, seconds: float) -> None:
         rate = nbytes / max(seconds, 1e-6)
@@ -71,18 +77,35 @@ class SourcePool:
     def alive(self) -> list[Source]:
         return [s for s in self.sources if s.dropped is None]
 
-    def pick(self, index: int) -> Source | None:
-        """Best live source for shard `index`, or None if no live source holds it now."""
-        tried = self.excluded.get(index, set())
-        holders = [s for s in self.alive() if s.have is None or index in s.have]
-        fresh = [s for s in holders if s.url not in tried] or holders
-        if not fresh:
+    def pick(self, pending: set[int], per_source: int) -> tuple[Source, int] | None:
+        """The next (source, shard) to download, or None if no source may take one now.
+
+        Source: highest throughput per in-flight download among those under `per_source`
+        downloads, not cooling down after a 503, holding a pending shard. Shard: among those
+        the source holds, the one fewest peers hold or are fetching (rarest first), so clients
+        that start together pull different shards from the origin and then trade them."""
+        now = time.monotonic()
+        best: tuple[float, Source, list[int]] | None = None
+        for s in self.alive():
+            if s.inflight >= per_source or s.cooldown_until > now:
+                continue
+            avail = [i for i in (pending if s.have is None else pending & s.have) if s.url not in self.excluded.get(i, ())]
+            if not avail:
+                # Every holder failed these shards once: allow a retry at a source that failed.
+                avail = [i for i in (pending if s.have is None else pending & s.have)
+                         if all(h.url in self.excluded.get(i, ()) for h in self.alive() if h.have is None or i in h.have)]
+            if not avail:
+                continue
+            score = float("inf") if s.throughput is None else s.throughput / (s.inflight + 1)
+            if best is None or score > best[0]:
+                best = (score, s, avail)
+        if best is None:
             return None
-
-        def score(s: Source) -> float:
-            return float("inf") if s.throughput is None else s.throughput / (s.inflight + 1)
-
-        return max(fresh, key=lambda s: (score(s), -s.inflight))
+        _, src, avail = best
+        peers = [s for s in self.alive() if s.have is not None]
+        rarity = {i: sum((i in p.have) + (i in p.fetching) for p in peers) for i in avail}  # type: ignore[operator]
+        low = min(rarity.values())
+        return src, random.choice([i for i in avail if rarity[i] == low])
 
     def exclude(self, index: int, source: Source) -> None:
         self.excluded.setdefault(index, set()).add(source.url)

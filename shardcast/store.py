@@ -34,6 +34,8 @@ class Store:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.fetching: dict[tuple[str, int], set[int]] = {}
+        """In memory: shards a fetch in this process is downloading now (advertised to peers)."""
 
     def version_dir(self, run_id: str, version: int) -> Path:
         return self.root / run_id / f"{version:08d}"

@@ -1,0 +1,233 @@
+"""`python -m benchmarks.shardcast`: ours vs shardcast 0.3.2 on one 1 GiB bf16 payload, 127.0.0.1.
+
+Measures, for each system in the same run: seconds from `go` until 1 client (alone), and until
+all of N clients (started together), hold the verified file; throughput and ratios. Our clients
+run in peer mode (each serves what it verified to the others); the peer's clients fetch from its
+origin, the way its ClientNode works. Client processes are fully set up (imports, probes) before
+`go`, so interpreter start-up is not timed for either. The peer runs from /tmp/peer-venv
+(`python -m venv /tmp/peer-venv && /tmp/peer-venv/bin/pip install shardcast==0.3.2`); without it
+the peer is skipped and the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_PY = Path(os.environ.get("SHARDCAST_PEER_PYTHON", "/tmp/peer-venv/bin/python"))
+
+
+def log(msg: str) -> None:
+    print(f"[shardcast-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def realistic_bf16_state(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A Qwen3-shaped dense state dict of ~total_bytes of bf16: N(0, 0.02) matrices with a
+    log-normal scale per output row (trained weights are heavy-tailed per channel), norms near 1."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter, vocab, kv = 2048, 6144, 32768, 512
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        scale = torch.exp(0.3 * torch.randn(rows, 1, generator=g)) * 0.02
+        return (torch.randn(rows, cols, generator=g) * scale).to(torch.bfloat16)
+
+    state = {"model.embed_tokens.weight": mat(vocab, hidden)}
+    layer = 0
+    while sum(t.numel() * 2 for t in state.values()) + vocab * hidden * 2 < total_bytes:
+        p = f"model.layers.{layer}."
+        for name, shape in [("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (kv, hidden)),
+                            ("self_attn.v_proj", (kv, hidden)), ("self_attn.o_proj", (hidden, hidden)),
+                            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)), ("mlp.down_proj", (hidden, inter))]:
+            state[p + name + ".weight"] = mat(*shape)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            state[p + n + ".weight"] = (1 + 0.05 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
+        layer += 1
+    state["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    state["lm_head.weight"] = mat(vocab, hidden)
+    return state
+
+
+class Actor:
+    """One benchmark process speaking the ready/go/done protocol of benchmarks.shardcast_actors."""
+
+    def __init__(self, cmd: list[str], cwd: Path, env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def expect(self, word: str, timeout: float = 600) -> list[str]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError(f"{self.proc.args} exited before {word!r}")
+            parts = line.split()
+            if parts and parts[0] == word:
+                return parts[1:]
+            if parts and parts[0] == "failed":
+                raise RuntimeError(f"{self.proc.args}: {line.strip()}")
+        raise TimeoutError(word)
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def close(self) -> list[str]:
+        """Close stdin (the actor's signal to exit); its remaining output lines."""
+        if self.proc.stdin.closed:  # type: ignore[union-attr]
+            return []
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            rest = self.proc.stdout.read().split("\n")  # type: ignore[union-attr]
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            rest = []
+        return rest
+
+
+def _ours_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+
+def run_ours(work: Path, store: Path, trust: str, n_clients: int, uplink_mibps: float = 0) -> dict:
+    env = _ours_env()
+    py = [sys.executable, "-m", "benchmarks.shardcast_actors"]
+    origin = Actor(py + ["ours-origin", str(store), str(uplink_mibps)], REPO, env)
+    clients: list[Actor] = []
+    try:
+        origin_url = f"http://127.0.0.1:{origin.expect('ready')[0]}"
+        ports = []
+        for i in range(n_clients):
+            clients.append(Actor(py + ["ours-client", str(work / f"ours-client{i}"), "bench", "0", trust], REPO, env))
+            ports.append(clients[-1].expect("ready")[0])
+        t0 = time.perf_counter()
+        for i, c in enumerate(clients):
+            peers = [f"http://127.0.0.1:{p}" for j, p in enumerate(ports) if j != i]
+            c.send("go " + " ".join([origin_url] + peers))
+        done = [c.expect("done") for c in clients]
+        wall = time.perf_counter() - t0
+        served = []
+        for c in clients:
+            tail = [ln for ln in c.close() if ln.startswith("served")]
+            served.append(int(tail[-1].split()[1]) if tail else 0)
+        return {"wall_s": wall, "client_s": [float(d[0]) for d in done], "peer_served_bytes": sum(served)}
+    finally:
+        for c in clients:
+            c.close()
+        origin.close()
+        for i in range(n_clients):
+            shutil.rmtree(work / f"ours-client{i}", ignore_errors=True)
+
+
+def run_peer(work: Path, payload_file: Path, n_clients: int, uplink_mibps: float = 0) -> dict:
+    from benchmarks.shardcast_actors import PEER_CLIENT, PEER_ORIGIN
+
+    (work / "peer_origin.py").write_text(PEER_ORIGIN)
+    (work / "peer_client.py").write_text(PEER_CLIENT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["SHARDCAST_LOG_LEVEL"] = "WARNING"
+    port = 18000 + os.getpid() % 1000
+    origin = Actor([str(PEER_PY), "peer_origin.py", str(work / "peer-data"), str(port), str(payload_file), str(uplink_mibps)], work, env)
+    clients: list[Actor] = []
+    try:
+        version = origin.expect("ready")[0]
+        for i in range(n_clients):  # sequential: each client's probe writes /tmp/dummy.bin
+            clients.append(Actor([str(PEER_PY), "peer_client.py", f"http://127.0.0.1:{port}", str(work / f"peer-client{i}"), version], work, env))
+            clients[-1].expect("ready")
+        t0 = time.perf_counter()
+        for c in clients:
+            c.send("go")
+        done = [c.expect("done") for c in clients]
+        return {"wall_s": time.perf_counter() - t0, "client_s": [float(d[0]) for d in done], "attempts": [int(d[1]) for d in done]}
+    finally:
+        for c in clients:
+            c.close()
+        origin.close()
+        shutil.rmtree(work / "peer-data", ignore_errors=True)
+        for i in range(n_clients):
+            shutil.rmtree(work / f"peer-client{i}", ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="payload size in GiB")
+    ap.add_argument("--clients", type=int, default=8, help="clients in the many-client run")
+    ap.add_argument("--uplink-mibps", type=float, default=100, help="also run both with the origin paced to this uplink (0: skip)")
+    ap.add_argument("--machine", default="cpu-2core", help="machine label for the results file")
+    ap.add_argument("--out", default=None, help="results JSON path (default benchmarks/results/shardcast-<machine>.json)")
+    args = ap.parse_args()
+
+    from protocol.identity import NodeKey
+    from shardcast.publish import PublishOptions, publish
+    from shardcast.store import Store
+
+    work = Path(tempfile.mkdtemp(prefix="shardcast-bench-"))
+    try:
+        log(f"building {args.gib} GiB of bf16 weights")
+        state = realistic_bf16_state(int(args.gib * 2**30))
+        raw = sum(t.numel() * t.element_size() for t in state.values())
+        key = NodeKey.generate()
+        store = Store(work / "origin")
+        t0 = time.perf_counter()
+        signed = publish(store, key, "bench", 0, state, options=PublishOptions())
+        publish_s = time.perf_counter() - t0
+        m = signed.manifest
+        log(f"ours: published {raw / 2**20:.0f} MiB as {len(m.shards)} shards, {m.wire_bytes / raw:.3f} wire/raw, {publish_s:.1f}s")
+        peer_ok = PEER_PY.exists() and subprocess.run([str(PEER_PY), "-c", "import shardcast"], cwd=work).returncode == 0
+        result: dict = {"benchmark": "shardcast", "machine": args.machine, "cpus": os.cpu_count(), "python": platform.python_version(),
+                        "payload_bytes": raw, "shard_bytes": m.shard_size, "shards": len(m.shards), "wire_bytes": m.wire_bytes,
+                        "compression": round(m.wire_bytes / raw, 4), "hash": m.hash_name, "publish_s": round(publish_s, 2),
+                        "clients": args.clients}
+        payload_file = work / "payload.bin"
+        if peer_ok:
+            from safetensors.torch import save_file
+
+            save_file(state, str(payload_file))
+        del state
+
+        mib, n = raw / 2**20, args.clients
+        systems = ["ours"] + (["peer"] if peer_ok else [])
+        if not peer_ok:
+            result["peer"] = f"skipped: no shardcast 0.3.2 at {PEER_PY}"
+        for uplink in ([0.0, args.uplink_mibps] if args.uplink_mibps else [0.0]):
+            tag = "" if not uplink else "uplink_"
+            for system in systems:
+                for k in (1, n):
+                    where = "loopback" if not uplink else f"origin uplink {uplink:g} MiB/s"
+                    log(f"{system}: {k} client(s), {where}")
+                    if system == "ours":
+                        r = run_ours(work, store.root, key.peer_id, k, uplink)
+                        result[f"ours_{tag}{k}_peer_served_bytes"] = r["peer_served_bytes"]
+                    else:
+                        r = run_peer(work, payload_file, k, uplink)
+                        result[f"peer_{tag}{k}_download_attempts"] = r["attempts"]
+                    result[f"{system}_{tag}{k}_s"] = round(r["wall_s"], 3)
+                    log(f"{system}: {k} client(s) hold the verified file after {r['wall_s']:.2f}s ({where})")
+            for system in systems:
+                result[f"{system}_{tag}1_mibps"] = round(mib / result[f"{system}_{tag}1_s"], 1)
+                result[f"{system}_{tag}{n}_over_1"] = round(result[f"{system}_{tag}{n}_s"] / result[f"{system}_{tag}1_s"], 3)
+            if peer_ok:
+                result[f"ratio_{tag}1_client_throughput_ours_over_peer"] = round(result[f"ours_{tag}1_mibps"] / result[f"peer_{tag}1_mibps"], 3)
+                result[f"ratio_{tag}{n}_clients_time_peer_over_ours"] = round(result[f"peer_{tag}{n}_s"] / result[f"ours_{tag}{n}_s"], 3)
+        result["uplink_mibps"] = args.uplink_mibps
+        out = Path(args.out or REPO / "benchmarks" / "results" / f"shardcast-{args.machine}.json")
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {out}")
+        print(json.dumps(result))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
