@@ -154,3 +154,48 @@ class RunMember:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+
+
+async def _run_member(spec_path: str, bootstrap: str, key_path: str | None, role: str, leases: int,
+                      report: str | None) -> None:
+    import json
+    import signal
+    from pathlib import Path
+
+    spec = RunSpec.model_validate_json(Path(spec_path).read_bytes())
+    key = NodeKey.load_or_create(key_path) if key_path else NodeKey.generate()
+    host = PeerHost(key)
+    await host.start()
+    member = RunMember(key, host, spec, role)  # type: ignore[arg-type]
+    await member.join(bootstrap)
+    work_ids = [(await member.request_lease()).work_id for _ in range(leases)]
+    if report:
+        tmp = Path(report + ".tmp")
+        tmp.write_text(json.dumps({"peer_id": key.peer_id, "work_ids": work_ids}))
+        tmp.replace(report)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await member.leave("terminated")
+    await host.stop()
+
+
+def main() -> None:
+    """`python -m protocol.member`: join a run, optionally hold leases, beat until SIGTERM, then leave."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--spec", required=True, help="run spec JSON")
+    p.add_argument("--bootstrap", required=True, help="coordinator multiaddr (…/p2p/<id>)")
+    p.add_argument("--key", help="key file (created if missing); a throwaway key otherwise")
+    p.add_argument("--role", default="inference")
+    p.add_argument("--leases", type=int, default=0, help="work leases to take and hold")
+    p.add_argument("--report", help="write {peer_id, work_ids} here once joined")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_run_member(args.spec, args.bootstrap, args.key, args.role, args.leases, args.report))
+
+
+if __name__ == "__main__":
+    main()

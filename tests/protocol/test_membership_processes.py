@@ -1,0 +1,84 @@
+"""Membership across processes: a coordinator process, members in other processes; one is killed
+(SIGKILL: death after missed heartbeats, its lease re-granted), one leaves (SIGTERM: graceful)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from protocol_testnet import eventually, run
+from test_coordinator_crash import REPO, start_coordinator_process
+
+from protocol.identity import NodeKey
+from protocol.member import RunMember
+from protocol.messages import RunSpec
+from protocol.transport import PeerHost
+
+
+def start_member_process(tmp, addr: str, tag: str, leases: int) -> tuple[subprocess.Popen, dict]:
+    report = tmp / f"member-{tag}.json"
+    proc = subprocess.Popen([sys.executable, "-m", "protocol.member", "--spec", str(tmp / "spec.json"),
+                             "--bootstrap", addr, "--leases", str(leases), "--report", str(report)],
+                            cwd=REPO, stdout=open(tmp / f"member-{tag}.log", "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not report.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError((tmp / f"member-{tag}.log").read_text()[-2000:])
+        time.sleep(0.1)
+    return proc, json.loads(report.read_text())
+
+
+@pytest.mark.slow
+def test_members_in_other_processes_die_or_leave_and_their_work_is_regranted(tmp_path):
+    ck = NodeKey.generate()
+    ck.save(tmp_path / "coord.key")
+    spec = RunSpec(run_id="procs", coordinator=ck.peer_id, heartbeat_interval_s=0.5, dead_after_missed=3,
+                   lease_ttl_s=300)
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    coord, addr = start_coordinator_process(tmp_path, "c")
+    procs = [coord]
+    try:
+        killed, k_info = start_member_process(tmp_path, addr, "killed", 2)
+        leaver, l_info = start_member_process(tmp_path, addr, "leaver", 1)
+        procs += [killed, leaver]
+
+        async def body() -> None:
+            host = PeerHost(NodeKey.generate())
+            await host.start()
+            me = RunMember(host.key, host, spec, "inference")
+            try:
+                await me.join(addr)
+                await eventually(lambda: {k_info["peer_id"], l_info["peer_id"]} <= me.alive_peers(), 10,
+                                 "other processes in our view")
+                t0 = time.monotonic()
+                leaver.send_signal(signal.SIGTERM)  # graceful: its lease is back at once
+                await eventually(lambda: l_info["peer_id"] not in me.alive_peers(), 5, "leave seen")
+                assert (await me.request_lease()).work_id == l_info["work_ids"][0]
+                assert time.monotonic() - t0 < spec.heartbeat_interval_s * spec.dead_after_missed
+                killed.send_signal(signal.SIGKILL)  # silent death: detected after 3 missed beats
+                await eventually(lambda: k_info["peer_id"] not in me.alive_peers(), 10, "death in our view")
+                regranted = []
+                deadline = time.monotonic() + 10
+                while len(regranted) < 2 and time.monotonic() < deadline:
+                    g = await me.request_lease()
+                    if g.work_id in k_info["work_ids"]:
+                        regranted.append(g.work_id)
+                    else:  # not yet swept by the coordinator: hand-made new work; keep asking
+                        await asyncio.sleep(0.2)
+                assert sorted(regranted) == sorted(k_info["work_ids"])
+            finally:
+                await me.crash()
+                await host.stop()
+        run(body(), 90)
+        assert leaver.wait(10) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
