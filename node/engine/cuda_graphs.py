@@ -23,10 +23,8 @@ class StaticKVCache(KVCache):
 
     def write_and_read(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
                        k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = slots[:, None]
-        self.k[layer][idx, :, positions] = k_new.transpose(1, 2)
-        self.v[layer][idx, :, positions] = v_new.transpose(1, 2)
-        return self.k[layer], self.v[layer]
+        self.write(layer, slots, positions, k_new, v_new)
+        return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
 
 
 class GraphDecoder:

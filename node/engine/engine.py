@@ -128,8 +128,10 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         self._apply_pending()
-        decoding = list(self.running.values())
+        # ascending slots let the cache read a contiguous block instead of gathering rows
+        decoding = sorted(self.running.values(), key=lambda s: s.slot)
         admitted = []
+        self._free.sort(reverse=True)
         while self.waiting and self._free:
             seq = _Sequence(self.waiting.popleft(), self._free.pop())
             self.running[seq.slot] = seq

@@ -32,15 +32,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention) of x [B, H, T, D] at positions [B, T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T, D] of the rotary embedding at positions [B, T] (computed once per forward)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of x [B, H, T, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -59,16 +62,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                slots: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q.transpose(1, 2), positions, self.theta)
-        k = rope(k.transpose(1, 2), positions, self.theta)
+        q = rope(q.transpose(1, 2), *rope_cs)
+        k = rope(k.transpose(1, 2), *rope_cs)
         if cache is None:
             mask = None
         else:
@@ -104,8 +107,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, cache, slots, replay):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, slots)
+    def forward(self, x, positions, rope_cs, cache, slots, replay):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope_cs, cache, slots)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoEBlock):
             y, routing = self.mlp(h, replay)
@@ -157,13 +160,14 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
+        rope_cs = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         router_logits, chosen = [], []
         moe_i = 0
         for layer in self.model.layers:
             replay = None
             if routed_experts is not None and isinstance(layer.mlp, MoEBlock):
                 replay = routed_experts[:, :, moe_i].reshape(b * t, -1)
-            x, routing = layer(x, positions, cache, slots, replay)
+            x, routing = layer(x, positions, rope_cs, cache, slots, replay)
             if routing is not None:
                 router_logits.append(routing.logits)
                 chosen.append(routing.experts)

@@ -19,10 +19,10 @@ def test_router_replay_matches_engine_logprobs_after_the_router_moved(tmp_path):
     rollouts = [Rollout(c.request_id, Task("t", "", ""), c.prompt_ids, c.token_ids, [True] * len(c.token_ids),
                         c.logprobs, c.versions, routed_experts=c.routed_experts) for c in comps]
     batch = build_batch(rollouts, [0.0] * len(rollouts))
-    # the trainer's routers move (as after an optimizer step); the experts' weights do not
+    # the trainer's routers move a little (as after optimizer steps): some tokens flip experts
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight) * 2.0)
+            layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight) * 0.1)
     trainer = Trainer(model, TrainerConfig(router_replay=True))
     with torch.no_grad():
         replayed, _ = trainer.logprobs(batch, replay=True)
@@ -37,7 +37,7 @@ def test_router_replay_matches_engine_logprobs_after_the_router_moved(tmp_path):
     err_free = (free - engine_lp)[mask].abs().max()
     assert err_free > 1e-2  # without replay the moved router picks other experts
     # with replay the same experts compute each token; only their (renormalised) weights moved
-    assert err_replay < err_free / 2
+    assert err_replay < err_free / 3
     # and with the router unchanged, replay reproduces the engine exactly
     trainer2 = Trainer(copy.deepcopy(engine.model), TrainerConfig(router_replay=True))
     with torch.no_grad():
