@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from protocol.envelope import open_envelope
-from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, NotLeaseHolder,
-                             NotMember, Refused, SpecMismatch, UnknownLease)
+from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, MalformedMessage,
+                             NotLeaseHolder, NotMember, Refused, SpecMismatch, UnknownLease)
 from protocol.ledger import OffPolicyLedger
 from protocol.membership import MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutSubmission, RunSpec,
@@ -198,7 +198,8 @@ class Coordinator:
     def load_rollout(self, record: AcceptedRollout) -> RolloutSubmission:
         """Read an accepted rollout back from disk, re-verifying its signature."""
         opened = open_envelope(self.store.read_rollout(record), self.spec.run_id, None, max_skew_s=float("inf"))
-        assert opened.signer == record.submitter and isinstance(opened.message, RolloutSubmission)
+        if opened.signer != record.submitter or not isinstance(opened.message, RolloutSubmission):
+            raise MalformedMessage(f"stored rollout {record.work_id} does not match its index row")
         return opened.message
 
     def build_batch(self, step: int, size: int) -> list[AcceptedRollout]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from protocol.envelope import Opened
-from protocol.errors import ProtocolError
+from protocol.errors import MalformedMessage, ProtocolError
 from protocol.identity import NodeKey
 from protocol.membership import MembershipConfig, MembershipView
 from protocol.messages import (Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, LeaseRequest, Leave, PolicyAnnounce,
@@ -55,7 +55,7 @@ class RunMember:
         await self.net.start_gossip()
         reply = await self.net.request(self.coordinator, Join(spec_hash=self.spec.spec_hash(), role=self.role,
                                                               addrs=self._addrs()), self.request_timeout)
-        assert isinstance(reply, JoinAccepted)
+        _expect(reply, JoinAccepted)
         if reply.spec != self.spec:
             raise ProtocolError("coordinator answered with another run spec")
         self.policy_version = max(self.policy_version, reply.policy_version)
@@ -83,13 +83,13 @@ class RunMember:
     async def request_lease(self) -> LeaseGrant:
         reply = await self.net.request(self.coordinator, LeaseRequest(policy_version=self.policy_version),
                                        self.request_timeout)
-        assert isinstance(reply, LeaseGrant)
+        _expect(reply, LeaseGrant)
         return reply
 
     async def submit(self, submission: RolloutSubmission) -> SubmissionReceipt:
         """Submit a rollout; raises the coordinator's typed refusal (`StaleRollout`, `DuplicateSubmission`, ...)."""
         reply = await self.net.request(self.coordinator, submission, self.request_timeout)
-        assert isinstance(reply, SubmissionReceipt)
+        _expect(reply, SubmissionReceipt)
         return reply
 
     def alive_peers(self) -> set[str]:
@@ -154,6 +154,11 @@ class RunMember:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+
+
+def _expect(reply: object, kind: type) -> None:
+    if not isinstance(reply, kind):
+        raise MalformedMessage(f"expected {kind.__name__} in reply, got {type(reply).__name__}")
 
 
 async def _run_member(spec_path: str, bootstrap: str, key_path: str | None, role: str, leases: int,
