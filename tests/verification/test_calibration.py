@@ -1,0 +1,37 @@
+"""The thresholds in force sit above every honest maximum the committed calibration measured, and
+the committed calibration was made with the thresholds now in force."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from verification.checks import THRESHOLDS
+
+CAL = Path(__file__).parents[2] / "verification" / "calibration"
+
+
+def test_thresholds_bound_the_committed_honest_maxima_and_match_the_calibration_run():
+    result = json.loads((CAL / "thresholds.json").read_text())
+    for precision, t in THRESHOLDS.items():
+        rec = result["precisions"][precision]
+        assert rec["in_force"] == asdict(t), f"{precision}: re-run the calibration after changing thresholds"
+        h = rec["honest_max"]
+        assert h["rollouts"] >= 300 and rec["honest_rejected"] == 0
+        assert h["exp_mismatches_max"] <= t.max_exp_mismatches
+        assert h["mant_err_mean_max"] <= t.max_mant_err_mean
+        assert h["mant_err_median_max"] <= t.max_mant_err_median
+        assert h["logprob_err_max_max"] <= t.max_logprob_err
+        assert h["logprob_err_mean_max"] <= t.max_logprob_err_mean
+        assert h["flip_margin_max_max"] <= t.margin_noise
+        # and they still catch weight tampering in the calibration data
+        assert rec["tamper_rejected_share"]["noise1pct"] == 1.0 and rec["tamper_rejected_share"]["fp8"] == 1.0
+
+
+def test_committed_calibration_data_has_every_variation():
+    data = json.loads((CAL / "data.json").read_text())
+    names = set(data["cases"])
+    for precision in ("float32", "bfloat16"):
+        for batch in (1, 8, 32):
+            for threads in (1, 2):
+                assert f"honest/{precision}/batch{batch}/threads{threads}" in names
+    assert all(len(rows) >= 32 for rows in data["cases"].values())
