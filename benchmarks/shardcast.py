@@ -164,6 +164,8 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="payload size in GiB")
     ap.add_argument("--clients", type=int, default=8, help="clients in the many-client run")
     ap.add_argument("--uplink-mibps", type=float, default=100, help="also run both with the origin paced to this uplink (0: skip)")
+    ap.add_argument("--shard-mib", type=int, default=64, help="our shard size in MiB (the peer keeps its 50 MB default)")
+    ap.add_argument("--skip-peer", action="store_true", help="measure ours only")
     ap.add_argument("--machine", default="cpu-2core", help="machine label for the results file")
     ap.add_argument("--out", default=None, help="results JSON path (default benchmarks/results/shardcast-<machine>.json)")
     args = ap.parse_args()
@@ -180,11 +182,11 @@ def main() -> None:
         key = NodeKey.generate()
         store = Store(work / "origin")
         t0 = time.perf_counter()
-        signed = publish(store, key, "bench", 0, state, options=PublishOptions())
+        signed = publish(store, key, "bench", 0, state, options=PublishOptions(shard_size=args.shard_mib << 20))
         publish_s = time.perf_counter() - t0
         m = signed.manifest
         log(f"ours: published {raw / 2**20:.0f} MiB as {len(m.shards)} shards, {m.wire_bytes / raw:.3f} wire/raw, {publish_s:.1f}s")
-        peer_ok = PEER_PY.exists() and subprocess.run([str(PEER_PY), "-c", "import shardcast"], cwd=work).returncode == 0
+        peer_ok = not args.skip_peer and PEER_PY.exists() and subprocess.run([str(PEER_PY), "-c", "import shardcast"], cwd=work).returncode == 0
         result: dict = {"benchmark": "shardcast", "machine": args.machine, "cpus": os.cpu_count(), "python": platform.python_version(),
                         "payload_bytes": raw, "shard_bytes": m.shard_size, "shards": len(m.shards), "wire_bytes": m.wire_bytes,
                         "compression": round(m.wire_bytes / raw, 4), "hash": m.hash_name, "publish_s": round(publish_s, 2),

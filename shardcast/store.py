@@ -75,7 +75,8 @@ class Store:
     def commit_partial_payload(self, run_id: str, version: int, buf: np.ndarray) -> None:
         """Give a fully verified partial payload its final name (atomic rename)."""
         if isinstance(buf, np.memmap):
-            buf.flush()
+            # No flush(): msync would wait for the disk; the page cache already makes the
+            # renamed file's content visible, and resume re-verifies shards, not this file.
             os.replace(buf.filename, self.payload_path(run_id, version))
         else:
             self.put_payload(run_id, version, buf)
