@@ -31,6 +31,21 @@ def _edit(claim, **kw):
     return claim.model_copy(update=kw)
 
 
+def _diverges_beyond_noise(cheat, honest, ref) -> bool:
+    """Whether the cheat's first token that differs from the honest rollout was a binding choice:
+    there the prefixes agree, so the validator's seeded replay gives the honest token, and it
+    binds when its top-two margin exceeds the noise threshold (a near-tie may go either way)."""
+    from verification.checks import THRESHOLDS
+
+    i = next((j for j, (a, b) in enumerate(zip(cheat.token_ids, honest.token_ids)) if a != b), None)
+    if i is None:
+        return False
+    logits, _ = ref.prefill(0, [honest.prompt_ids + honest.token_ids[:i + 1]])[0]
+    replay = ref.replay_sampling(logits[len(honest.prompt_ids) - 1 + i][None], honest.sampling,
+                                 [len(honest.prompt_ids) + i])
+    return float(replay.margins[0]) > THRESHOLDS[ref.precision].margin_noise
+
+
 def _assert_all_rejected(claims, ref, reasons):
     verdicts = verify_claims(claims, ref)
     assert claims and all(not v.accepted for v in verdicts), [v.detail for v in verdicts if v.accepted]
@@ -96,8 +111,8 @@ def test_temperature_cheat_with_refitted_logprobs_is_caught_by_sampling_replay(w
     hot = [(s, R.spec(s, temperature=1.3)) for s, _ in work]
     cheat = []
     for c, h in zip(R.claims_from(R.generate(R.engine_for(model), hot), hot), honest):
-        if c.token_ids == h.token_ids:
-            continue  # the same tokens as an honest T=1.0 run: nothing was gained
+        if not _diverges_beyond_noise(c, h, ref):
+            continue  # the same tokens as an honest T=1.0 run, or first differing at a near-tie
         logits, _ = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1]])[0]
         rows = torch.arange(len(c.prompt_ids) - 1, len(c.prompt_ids) - 1 + len(c.token_ids))
         lp = token_logprobs(logits[rows], torch.tensor(c.token_ids), 1.0).tolist()
@@ -113,7 +128,8 @@ def test_ignoring_top_p_is_rejected(world):
     assert all(v.accepted for v in verify_claims(honest_p, ref))
     full = [(s, R.spec(s, top_p=1.0)) for s, _ in work]
     cheat = [_edit(c, sampling=h.sampling) for c, h in
-             zip(R.claims_from(R.generate(R.engine_for(model), full), full), honest_p) if c.token_ids != h.token_ids]
+             zip(R.claims_from(R.generate(R.engine_for(model), full), full), honest_p)
+             if _diverges_beyond_noise(c, h, ref)]
     assert len(cheat) >= len(work) // 2  # the rest sampled inside the nucleus anyway: identical, honest output
     _assert_all_rejected(cheat, ref, {Reason.SAMPLING_MISMATCH})
 
