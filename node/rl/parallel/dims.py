@@ -1,0 +1,85 @@
+"""How the world is split: data-parallel (FSDP) x context-parallel, with expert parallelism borrowed
+from the data-parallel ranks (as torchtitan does: EP ranks see different tokens, so EP costs no extra
+processes). Rank layout, outermost first: (dp // ep, ep, cp); world = dp * cp.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, Field, model_validator
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class ParallelDims(BaseModel):
+    dp: int = Field(1, ge=1)
+    """Data-parallel ranks (each sees different rows; parameters FSDP-sharded across them)."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel ranks, taken from the data-parallel ones; divides dp and num_experts."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel ranks (each holds one slice of every sequence)."""
+    fsdp: bool = True
+    """Shard parameters, gradients and optimizer state with FSDP2 `fully_shard`."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelDims":
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}")
+        return self
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp
+
+
+def _submesh(device: str, ranks: torch.Tensor, name: str) -> DeviceMesh:
+    """A 1-D mesh over this rank's row of `ranks` ([groups, size]); every rank builds every group
+    (process-group creation is collective), then keeps its own."""
+    return DeviceMesh(device, ranks, mesh_dim_names=("rest", name))[name]
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's coordinates and the meshes/groups it belongs to."""
+
+    dims: ParallelDims
+    rank: int
+    dp_rank: int
+    ep_rank: int
+    cp_rank: int
+    world_mesh: DeviceMesh
+    """All ranks: dense parameters are replicated (and FSDP-sharded) over every rank."""
+    expert_mesh: DeviceMesh
+    """Ranks holding the same experts (dp // ep * cp of them): expert parameters shard over these."""
+    ep_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device: str = "cpu") -> "ParallelGroups":
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != dims.world:
+            raise ValueError(f"dims need {dims.world} processes, the world has {world}")
+        grid = torch.arange(world).view(dims.dp // dims.ep, dims.ep, dims.cp)
+        outer, ep_rank, cp_rank = [int(i) for i in (grid == rank).nonzero()[0]]
+        world_mesh = _submesh(device, grid.reshape(1, -1), "world")
+        expert_mesh = _submesh(device, grid.permute(1, 0, 2).reshape(dims.ep, -1), "expert_replicas")
+        ep_mesh = _submesh(device, grid.permute(0, 2, 1).reshape(-1, dims.ep), "ep")
+        cp_mesh = _submesh(device, grid.reshape(-1, dims.cp), "cp")
+        return cls(dims, rank, outer * dims.ep + ep_rank, ep_rank, cp_rank, world_mesh, expert_mesh,
+                   ep_mesh.get_group(), cp_mesh.get_group())
+
+
+def init_distributed() -> str:
+    """Join the torchrun world (env:// rendezvous): NCCL with one GPU per local rank, else gloo.
+    Returns the device type."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend, device = "nccl", "cuda"
+    else:
+        backend, device = "gloo", "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return device
