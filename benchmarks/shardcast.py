@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--uplink-mibps", type=float, default=100, help="also run both with the origin paced to this uplink (0: skip)")
     ap.add_argument("--shard-mib", type=int, default=64, help="our shard size in MiB (the peer keeps its 50 MB default)")
     ap.add_argument("--skip-peer", action="store_true", help="measure ours only")
+    ap.add_argument("--workdir", default=None, help="where stores and downloads go (default: a temp dir; tmpfs takes the disk out)")
     ap.add_argument("--machine", default="cpu-2core", help="machine label for the results file")
     ap.add_argument("--out", default=None, help="results JSON path (default benchmarks/results/shardcast-<machine>.json)")
     args = ap.parse_args()
@@ -174,7 +175,7 @@ def main() -> None:
     from shardcast.publish import PublishOptions, publish
     from shardcast.store import Store
 
-    work = Path(tempfile.mkdtemp(prefix="shardcast-bench-"))
+    work = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=args.workdir))
     try:
         log(f"building {args.gib} GiB of bf16 weights")
         state = realistic_bf16_state(int(args.gib * 2**30))
@@ -187,7 +188,7 @@ def main() -> None:
         m = signed.manifest
         log(f"ours: published {raw / 2**20:.0f} MiB as {len(m.shards)} shards, {m.wire_bytes / raw:.3f} wire/raw, {publish_s:.1f}s")
         peer_ok = not args.skip_peer and PEER_PY.exists() and subprocess.run([str(PEER_PY), "-c", "import shardcast"], cwd=work).returncode == 0
-        result: dict = {"benchmark": "shardcast", "machine": args.machine, "cpus": os.cpu_count(), "python": platform.python_version(),
+        result: dict = {"benchmark": "shardcast", "machine": args.machine, "workdir": str(work.parent), "cpus": os.cpu_count(), "python": platform.python_version(),
                         "payload_bytes": raw, "shard_bytes": m.shard_size, "shards": len(m.shards), "wire_bytes": m.wire_bytes,
                         "compression": round(m.wire_bytes / raw, 4), "hash": m.hash_name, "publish_s": round(publish_s, 2),
                         "clients": args.clients}
@@ -207,7 +208,9 @@ def main() -> None:
             for system in systems:
                 for k in (1, n):
                     where = "loopback" if not uplink else f"origin uplink {uplink:g} MiB/s"
-                    log(f"{system}: {k} client(s), {where}")
+                    t_sync = time.perf_counter()
+                    os.sync()  # the previous scenario's dirty pages must not slow this one's writes
+                    log(f"{system}: {k} client(s), {where} (waited {time.perf_counter() - t_sync:.1f}s for writeback)")
                     if system == "ours":
                         r = run_ours(work, store.root, key.peer_id, k, uplink)
                         result[f"ours_{tag}{k}_peer_served_bytes"] = r["peer_served_bytes"]

@@ -59,6 +59,7 @@ class ShardServer:
         self.queue_timeout = queue_timeout
         self._slots = asyncio.Semaphore(max_concurrent)
         self.bytes_served = 0
+        self.busy_refusals = 0
         self.app = web.Application()
         self.app.add_routes([
             web.get("/shardcast/runs", self._runs),
@@ -110,6 +111,7 @@ class ShardServer:
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout)
         except asyncio.TimeoutError:
+            self.busy_refusals += 1
             raise web.HTTPServiceUnavailable(text="busy", headers={"Retry-After": "1"}) from None
         try:
             # prepare() sends the whole body (sendfile), so the slot is held for the transfer.

@@ -146,3 +146,24 @@ def test_relay_mirrors_new_versions_as_they_appear(tmp_path, origin_store, key, 
     assert held == [0, 1, 2]
     assert got.manifest.encoding == "delta"
     sc.assert_same(got.tensors(), sc.rl_step(sc.make_state(0), 2))
+
+
+def test_busy_source_answers_503_and_clients_still_finish(tmp_path, origin_store, trusted, sc):
+    """A server with one upload slot turns extra requests away; busy is not broken: no source is
+    dropped and every client completes."""
+    async def go():
+        server, url = await sc.serve(origin_store, max_concurrent=1, queue_timeout=0.01, uplink_bytes_per_s=8 << 20)
+        try:
+            async def one(i):
+                async with Fetcher(Store(tmp_path / f"c{i}"), [url], trusted, parallel=4) as f:
+                    got = await f.fetch("run", 0)
+                    return got, f.pool.sources[0]
+            return await asyncio.gather(*(one(i) for i in range(3))), server.busy_refusals
+        finally:
+            await server.stop()
+
+    results, refusals = asyncio.run(go())
+    assert refusals > 0, "the single slot was contended"
+    for got, source in results:
+        sc.assert_same(got.tensors(), sc.make_state(0))
+        assert source.dropped is None and source.failures == 0
