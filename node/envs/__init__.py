@@ -5,8 +5,9 @@ from __future__ import annotations
 from node.envs.arithmetic import Addition, Reverse
 from node.envs.base import Environment, Task
 from node.envs.calculator import Calculator
+from node.envs.coding import Coding
 
-TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition, "calculator": Calculator}
+TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition, "calculator": Calculator, "coding": Coding}
 
 
 class UnknownTask(ValueError):
