@@ -38,11 +38,13 @@ def compare_blocks(blocks: list[torch.Tensor], commitments: list[Commitment]) ->
         ours = np.stack([points[i][1] for i in members])
         exp_mis = ((claimed >> 7) & 0x1FF) != ((ours >> 7) & 0x1FF)  # exponent and sign bits
         mant_err = np.abs((claimed & 0x7F) - (ours & 0x7F)).astype(np.float64)
+        n_ok = (~exp_mis).sum(axis=1)
+        mean = np.where(exp_mis, 0.0, mant_err).sum(axis=1) / np.maximum(n_ok, 1)
+        ranked = np.sort(np.where(exp_mis, np.inf, mant_err), axis=1)  # matched entries first
+        median = ranked[np.arange(len(members)), np.minimum(n_ok // 2, ranked.shape[1] - 1)]
         for row, i in enumerate(members):
-            errs = np.sort(mant_err[row][~exp_mis[row]])
-            if len(errs):
-                mean, median = float(errs.mean()), float(errs[len(errs) // 2])
-            else:
-                mean = median = float(2**64)
-            out[i] = ChunkStats(int(exp_mis[row].sum()), mean, median)
+            if n_ok[row]:
+                out[i] = ChunkStats(int(exp_mis[row].sum()), float(mean[row]), float(median[row]))
+            else:  # no exponent matched: as toploc, report an error too large for any threshold
+                out[i] = ChunkStats(int(exp_mis[row].sum()), float(2**64), float(2**64))
     return out  # type: ignore[return-value]
