@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "node.rl.train_local",
     "protocol.cli",
     "shardcast.cli",
+    "node.validator_cli",
 ]
 
 
