@@ -134,7 +134,7 @@ class Fetcher:
                 if (m.run_id, m.version) != (run_id, version):
                     raise InvalidManifest(f"asked for {run_id} v{version}, got {m.run_id} v{m.version}")
             except (InvalidSignature, UnknownPublisher, InvalidManifest) as exc:
-                src.drop(f"bad manifest: {exc}")
+                src.drop(f"bad manifest: {exc}", lied=True)
                 errors.append(exc)
                 continue
             except ShardcastError as exc:
@@ -162,6 +162,7 @@ class Fetcher:
 
     async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
         loop = asyncio.get_running_loop()
+        self.pool.new_version()
         payload = self.store.open_partial_payload(m.run_id, m.version, m.total_bytes)
         rng = lambda i: slice(i * m.shard_size, i * m.shard_size + m.shards[i].raw_size)  # noqa: E731
         par = lambda i: None if parent is None else np.asarray(parent[rng(i)])  # noqa: E731
@@ -230,7 +231,9 @@ class Fetcher:
                     last_error[i] = f"{src.url}: {exc}"
                     self.pool.exclude(i, src)
                     if isinstance(exc, CorruptShard):
-                        src.drop(str(exc))
+                        # A cut connection (dying source) may come back for the next version;
+                        # bytes that fail a hash never will.
+                        src.drop(str(exc), lied=not isinstance(exc, TruncatedShard))
                     elif isinstance(exc, VersionNotFound):
                         if src.have is not None:
                             src.have.discard(i)

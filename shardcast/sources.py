@@ -40,15 +40,18 @@ class Source:
     """Shards the source (a peer) is downloading itself right now."""
     cooldown_until: float = 0.0
     """time.monotonic() before which the source is not asked again (it answered 503)."""
+    lied: bool = False
+    """It sent bytes or a manifest that failed verification: never used again."""
 
     def record(self, nbytes: int, seconds: float) -> None:
         rate = nbytes / max(seconds, 1e-6)
         self.throughput = rate if self.throughput is None else EWMA_ALPHA * rate + (1 - EWMA_ALPHA) * self.throughput
         self.bytes_received += nbytes
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, lied: bool = False) -> None:
         if self.dropped is None:
             self.dropped = reason
+            self.lied = self.lied or lied
             log.warning("dropping source %s: %s", self.url, reason)
 
     def fail(self, reason: str) -> None:
@@ -73,6 +76,15 @@ class SourcePool:
                 seen.add(u)
                 out.append(Source(u))
         return cls(out)
+
+    def new_version(self) -> None:
+        """Before each version: forget per-shard exclusions and holdings, and give sources
+        dropped for stalls or errors another chance (a relay runs for days); liars stay out."""
+        self.excluded.clear()
+        for s in self.sources:
+            s.have, s.fetching = None, set()
+            if s.dropped is not None and not s.lied:
+                s.dropped, s.failures = None, 0
 
     def alive(self) -> list[Source]:
         return [s for s in self.sources if s.dropped is None]

@@ -113,3 +113,39 @@ def test_server_refuses_path_tricks_and_missing_shards(origin_store, sc):
     codes, ranged = asyncio.run(go())
     assert codes[0] in (400, 404) and codes[1] == 404 and codes[2] == 400 and codes[3] == 200
     assert ranged == (206, 10)
+
+
+def test_a_liar_stays_dropped_for_later_versions_while_a_stalled_source_gets_another_chance():
+    from shardcast.sources import SourcePool
+
+    pool = SourcePool.of(["http://liar", "http://flaky", "http://fine"])
+    liar, flaky, fine = pool.sources
+    liar.drop("wire bytes do not match the manifest hash", lied=True)
+    flaky.fail("stalled")
+    flaky.fail("stalled")
+    assert [s.url for s in pool.alive()] == ["http://fine"]
+    pool.new_version()
+    assert [s.url for s in pool.alive()] == ["http://flaky", "http://fine"] and flaky.failures == 0
+
+
+def test_corrupt_source_is_not_asked_again_for_the_next_version(tmp_path, origin_store, key, trusted, sc):
+    from shardcast.publish import PublishOptions, publish
+
+    async def go():
+        bad = sc.HostileSource(origin_store, "corrupt")
+        bad_url = await bad.start()
+        server, good_url = await sc.serve(origin_store)
+        try:
+            async with Fetcher(Store(tmp_path / "client"), [bad_url, good_url], trusted) as f:
+                await f.fetch("run", 0)
+                asked = bad.shard_requests
+                publish(origin_store, key, "run", 1, sc.rl_step(sc.make_state(0), 1), parent=0, options=PublishOptions(shard_size=sc.SHARD))
+                got = await f.fetch("run", 1)
+                return asked, bad.shard_requests, got
+        finally:
+            await bad.stop()
+            await server.stop()
+
+    asked_v0, asked_total, got = asyncio.run(go())
+    assert asked_v0 >= 1 and asked_total == asked_v0
+    sc.assert_same(got.tensors(), sc.rl_step(sc.make_state(0), 1))
