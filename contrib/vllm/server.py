@@ -1,0 +1,108 @@
+"""Start, watch and stop a vLLM API server process. Invariant: the server never outlives the node
+(it runs in its own process group, killed on `stop`, on the context manager's exit, and at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from contrib.vllm.settings import VLLMSettings, server_args, server_env
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server did not start, died, or answered an RPC with an error."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    def __init__(self, settings: VLLMSettings, python: str | None = None, log_path: str | Path | None = None):
+        """`python`: the interpreter of the environment vLLM is installed in (PRIMERL_VLLM_PYTHON,
+        else this one)."""
+        self.settings = settings
+        self.python = python or os.environ.get("PRIMERL_VLLM_PYTHON") or sys.executable
+        self.port = settings.port or _free_port(settings.host)
+        self.url = f"http://{settings.host}:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", *server_args(self.settings, self.port)]
+
+    def start(self, timeout: float = 300.0) -> "VLLMServer":
+        env = dict(os.environ, **server_env(self.settings))
+        # The worker extension is imported by vLLM's workers from this checkout.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log.info("starting vLLM: %s", " ".join(self.command()))
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=REPO_ROOT)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VLLMServerError(f"vLLM exited with {self.proc.returncode} during start-up"
+                                      + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        log.info("vLLM ready at %s", self.url)
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise VLLMServerError(f"vLLM not ready after {timeout:.0f} s")
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+        """POST JSON to the server; typed error on HTTP failure."""
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as exc:
+            raise VLLMServerError(f"{path}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise VLLMServerError(f"{path}: {exc}") from exc
+        return json.loads(raw) if raw else {}
+
+    def rpc(self, method: str, timeout: float = 300.0, **kwargs) -> list:
+        """Call a worker-extension method on every worker; returns each worker's result."""
+        return self.post("/collective_rpc", {"method": method, "kwargs": kwargs}, timeout)["results"]
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
