@@ -47,7 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as exc:  # bad input from the person at the keyboard: say what, not a traceback
+        print(f"primerl-node {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from node.envs import UnknownTask
+    from node.model import InvalidCheckpoint, InvalidModelConfig
+    from protocol.errors import ProtocolError
+
+    return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError)
 
 
 if __name__ == "__main__":
