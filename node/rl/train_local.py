@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class LocalRunConfig:
     task: str = "reverse"
-    steps: int = 60
-    prompts: int = 32
+    steps: int = 500
+    prompts: int = 64
     samples: int = 8
     seed: int = 0
     warmup_max_steps: int = 400
@@ -48,10 +48,11 @@ class LocalRunConfig:
     layers: int = 2
     experts: int = 4
     top_k: int = 2
+    adv_std: bool = True
     trainer: TrainerConfig = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        self.trainer = self.trainer or TrainerConfig()
+        self.trainer = self.trainer or TrainerConfig(decay_steps=self.steps)
 
 
 def tiny_moe_config(vocab_size: int, hidden: int, layers: int, experts: int, top_k: int) -> ModelConfig:
@@ -114,7 +115,7 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
             rollouts = run_episodes(engine, env, tok, episodes)
             gen_s = time.time() - t_gen
             rewards = torch.tensor([r.reward for r in rollouts]).view(cfg.prompts, cfg.samples)
-            adv = group_advantages(rewards).flatten().tolist()
+            adv = group_advantages(rewards, normalize_std=cfg.adv_std).flatten().tolist()
             stats = trainer.train_step(build_batch(rollouts, adv, tok.pad_id))
             engine.load_weights(state_dict_to_hf(model), version=step + 1)
             row = {"step": step, "reward_mean": float(rewards.mean()), "mismatch_kl": stats["mismatch_kl"],
@@ -165,10 +166,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "OUT/metrics.jsonl, OUT/reward.png, OUT/summary.json and OUT/checkpoint/.",
     )
     p.add_argument("--task", default="reverse", help="reverse | addition | calculator")
-    p.add_argument("--steps", type=int, default=60, help="RL steps")
+    p.add_argument("--steps", type=int, default=LocalRunConfig.steps, help="RL steps (the LR decays over them)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--prompts", type=int, default=LocalRunConfig.prompts, help="prompts per step")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (the group)")
     p.add_argument("--lr", type=float, default=TrainerConfig.lr)
     p.add_argument("--warmup-target", type=float, default=0.25, help="greedy reward that ends warm-up")
@@ -183,6 +184,7 @@ def _main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     cfg = LocalRunConfig(task=args.task, steps=args.steps, prompts=args.prompts, samples=args.samples,
                          seed=args.seed, warmup_target=args.warmup_target,
-                         trainer=TrainerConfig(lr=args.lr, router_replay=not args.no_router_replay))
+                         trainer=TrainerConfig(lr=args.lr, decay_steps=args.steps,
+                                               router_replay=not args.no_router_replay))
     run(cfg, Path(args.out))
     return 0

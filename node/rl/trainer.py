@@ -9,6 +9,7 @@ weights have moved (the mismatch then comes only from the weights themselves).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from node.rl.loss import LossConfig, policy_loss, token_logprobs
 
 @dataclass
 class TrainerConfig:
-    lr: float = 3e-3
+    lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -37,6 +38,10 @@ class TrainerConfig:
     """Sampling temperature the engine used (logprobs are of logits / T)."""
     router_replay: bool = True
     """Route trainer tokens to the experts the engine chose."""
+    decay_steps: int = 0
+    """Cosine-decay the learning rate to lr * min_lr_ratio over this many steps (0: constant)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a share of lr under cosine decay."""
     loss: LossConfig = field(default_factory=LossConfig)
 
 
@@ -54,12 +59,21 @@ class Trainer:
         out = self.model(batch.input_ids, routed_experts=batch.routed_experts if replay else None)
         return token_logprobs(out.logits, batch.targets, self.cfg.temperature), out.aux_loss
 
+    def learning_rate(self) -> float:
+        if self.cfg.decay_steps <= 0:
+            return self.cfg.lr
+        progress = min(self.step / self.cfg.decay_steps, 1.0)
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return self.cfg.lr * (self.cfg.min_lr_ratio + (1 - self.cfg.min_lr_ratio) * cosine)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate()
         with torch.no_grad():
             logp, _ = self.logprobs(batch)
             before = policy_loss(logp, batch.inference_logprobs, batch.advantages, batch.loss_mask, self.cfg.loss)
-        metrics: dict[str, float] = {"mismatch_kl": before.mismatch_kl}
+        metrics: dict[str, float] = {"mismatch_kl": before.mismatch_kl, "lr": self.learning_rate()}
         aux_coef = self.model.config.router_aux_loss_coef
         for update in range(self.cfg.updates_per_batch):
             order = torch.randperm(len(batch))
