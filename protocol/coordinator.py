@@ -24,8 +24,8 @@ from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollou
                              NotLeaseHolder, NotMember, Refused, SpecMismatch, UnknownLease)
 from protocol.ledger import OffPolicyLedger
 from protocol.membership import MembershipConfig, MembershipView
-from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutSubmission, RunSpec,
-                               SubmissionReceipt)
+from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutGroup, RolloutSubmission,
+                               RunSpec, SubmissionReceipt)
 from protocol.store import AcceptedRollout, CoordinatorStore, dumps
 from protocol.work import derive_work
 
@@ -130,7 +130,7 @@ class Coordinator:
                           deadline=deadline)
 
     # ---- submissions ---------------------------------------------------------------------------
-    def submit(self, peer_id: str, sub: RolloutSubmission, envelope: bytes, now: float) -> SubmissionReceipt:
+    def submit(self, peer_id: str, sub: RolloutSubmission | RolloutGroup, envelope: bytes, now: float) -> SubmissionReceipt:
         """Accept a rollout exactly once; raises a `Refused` subclass with the reason otherwise.
         `envelope` is the signed wire form, stored as is."""
         result = self.submit_many([(peer_id, sub, envelope)], now)[0]
@@ -138,7 +138,7 @@ class Coordinator:
             raise result
         return result
 
-    def submit_many(self, items: list[tuple[str, RolloutSubmission, bytes]], now: float
+    def submit_many(self, items: list[tuple[str, RolloutSubmission | RolloutGroup, bytes]], now: float
                     ) -> list[SubmissionReceipt | Refused]:
         """Group commit: check each, store the accepted ones with one fsync and one transaction."""
         results: list[SubmissionReceipt | Refused | None] = [None] * len(items)
@@ -162,14 +162,14 @@ class Coordinator:
         with self.store as db:
             for (i, body_sha), loc in zip(order, where):
                 peer_id, sub, _ = items[i]
-                self.store.insert_accepted(sub.work_id, peer_id, body_sha, sub.min_version, len(sub.token_ids),
+                self.store.insert_accepted(sub.work_id, peer_id, body_sha, sub.min_version, sub.n_tokens,
                                            sub.reward, loc, now)
                 db.execute("UPDATE work SET state='accepted' WHERE work_id=?", (sub.work_id,))
         for i, _ in order:
             results[i] = SubmissionReceipt(work_id=items[i][1].work_id, accepted=True)
         return results
 
-    def _check_submission(self, peer_id: str, sub: RolloutSubmission, body_sha: str, now: float
+    def _check_submission(self, peer_id: str, sub: RolloutSubmission | RolloutGroup, body_sha: str, now: float
                           ) -> SubmissionReceipt | None:
         """None: new and acceptable. A receipt: an identical retry of an accepted rollout. Raises otherwise."""
         done = self.store.accepted(sub.work_id)
@@ -195,10 +195,10 @@ class Coordinator:
     def accepted_rollouts(self) -> list[AcceptedRollout]:
         return self.store.accepted()
 
-    def load_rollout(self, record: AcceptedRollout) -> RolloutSubmission:
-        """Read an accepted rollout back from disk, re-verifying its signature."""
+    def load_rollout(self, record: AcceptedRollout) -> RolloutSubmission | RolloutGroup:
+        """Read an accepted rollout (or group) back from disk, re-verifying its signature."""
         opened = open_envelope(self.store.read_rollout(record), self.spec.run_id, None, max_skew_s=float("inf"))
-        if opened.signer != record.submitter or not isinstance(opened.message, RolloutSubmission):
+        if opened.signer != record.submitter or not isinstance(opened.message, (RolloutSubmission, RolloutGroup)):
             raise MalformedMessage(f"stored rollout {record.work_id} does not match its index row")
         return opened.message
 

@@ -19,10 +19,13 @@ from pathlib import Path
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import Opened
-from protocol.errors import ProtocolError
+from protocol.errors import NotMember, ProtocolError
+from protocol import pipeline
 from protocol.identity import NodeKey
-from protocol.messages import (Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, LeaseRequest, Leave, Message,
-                               PolicyAnnounce, RolloutSubmission, RunSpec, SubmissionReceipt, WorkCancel)
+from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrant,
+                               LeaseGrants, LeaseRequest, Leave, Message, Ok, PolicyAnnounce, PublishPolicy,
+                               RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch, SubmissionReceipt,
+                               VerdictBatch, VerifyRequest, WorkCancel)
 from protocol.network import RunNetwork
 from protocol.transport import PeerHost
 
@@ -33,7 +36,8 @@ MAX_GROUP = 256
 
 
 class CoordinatorService:
-    def __init__(self, key: NodeKey, coordinator: Coordinator, host: PeerHost):
+    def __init__(self, key: NodeKey, coordinator: Coordinator, host: PeerHost,
+                 selector: pipeline.Selector = lambda work_id: True):
         if coordinator.spec.coordinator != key.peer_id:
             raise ValueError("the run spec names another coordinator key")
         self.key = key
@@ -44,6 +48,10 @@ class CoordinatorService:
         self._seq = 0
         self._pending: list[tuple[Opened, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self.selector = selector
+        """work id -> whether it needs a validator's verdict before it may enter a batch."""
+        self.on_verdicts: list = []
+        """Callbacks (validator, verdicts) for observers such as the status page."""
 
     @property
     def spec(self) -> RunSpec:
@@ -53,6 +61,12 @@ class CoordinatorService:
         self.net.serve(Join, self._on_join)
         self.net.serve(LeaseRequest, self._on_lease_request)
         self.net.serve(RolloutSubmission, self._on_submission)
+        self.net.serve(RolloutGroup, self._on_submission)
+        self.net.serve(LeaseBatchRequest, self._on_lease_batch)
+        self.net.serve(BatchRequest, self._on_batch_request)
+        self.net.serve(VerifyRequest, self._on_verify_request)
+        self.net.serve(VerdictBatch, self._on_verdicts)
+        self.net.serve(PublishPolicy, self._on_publish)
         self.net.on_gossip(self._on_gossip)
         await self.net.start_gossip()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="coordinator-sweeper"))
@@ -73,6 +87,48 @@ class CoordinatorService:
 
     async def _on_lease_request(self, o: Opened) -> LeaseGrant:
         return self.state.grant_lease(o.signer, time.time())
+
+    async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
+        self.state._check_member(o.signer, time.time())
+        return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time()))
+
+    def _require(self, peer_id: str, role: str, allowed: list[str]) -> None:
+        """Only the spec's named peers (or, if it names none, members of `role`) may do this."""
+        member = self.state.view.members.get(peer_id)
+        ok = peer_id in allowed if allowed else (member is not None and member.role == role)
+        if not ok:
+            raise NotMember(f"{peer_id} may not act as {role} in this run")
+
+    async def _on_batch_request(self, o: Opened) -> StoredWorkBatch:
+        self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
+        ids = pipeline.assign_batch(self.state, o.message.step, o.message.groups, self.selector)
+        return StoredWorkBatch(step=o.message.step, items=pipeline.stored(self.state, ids))
+
+    async def _on_verify_request(self, o: Opened) -> StoredWorkBatch:
+        self._require(o.signer, "validator", self.spec.validators)
+        ids = pipeline.to_verify(self.state, o.message.max_items, self.selector)
+        return StoredWorkBatch(items=pipeline.stored(self.state, ids))
+
+    async def _on_verdicts(self, o: Opened) -> Ok:
+        self._require(o.signer, "validator", self.spec.validators)
+        offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time())
+        for cb in self.on_verdicts:
+            cb(o.signer, o.message.verdicts)
+        for peer_id, reason in dict(offenders).items():
+            log.warning("banning %s: %s", peer_id, reason)
+            await self.ban(peer_id, reason)
+        return Ok()
+
+    async def _on_publish(self, o: Opened) -> Ok:
+        self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
+        msg = o.message
+        if msg.version > self.state.ledger.current_version:
+            stale = await self.announce_policy(msg.version, msg.manifest_hash, msg.parent_version)
+            log.info("policy version %d announced (%d stale leases cancelled)", msg.version, len(stale))
+        else:  # a retry after a lost reply, or a restarted trainer: re-announce so nobody misses it
+            await self.publish(PolicyAnnounce(version=msg.version, manifest_hash=msg.manifest_hash,
+                                              parent_version=msg.parent_version))
+        return Ok()
 
     async def _on_submission(self, o: Opened) -> SubmissionReceipt:
         # Group commit: queue, and let one committer store everything queued with one fsync.

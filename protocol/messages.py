@@ -59,6 +59,20 @@ class RunSpec(Message):
     """How long a work lease lasts before it is re-granted to someone else."""
     tasks_per_step: int = Field(1 << 20, ge=1)
     """Size of the task pool work ids draw from (task index = derived seed mod this)."""
+    group_size: int = Field(1, ge=1, le=256)
+    """Samples per work unit: one lease is one task answered by this many rollouts (a GRPO group)."""
+    batch_groups: int = Field(1, ge=1, le=65_536)
+    """Work units (groups) per trainer step."""
+    verification_rate: float = Field(1.0, ge=0.0, le=1.0)
+    """Share of work units a validator must judge before they may enter a batch (1.0 in tests)."""
+    shardcast_sources: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=64)
+    """HTTP base URLs serving the run's policy versions (trainer origin first, then relays)."""
+    trainer: PeerIdStr | None = None
+    """The only peer allowed to publish policy versions and take batches (None: any trainer member)."""
+    validators: list[PeerIdStr] = Field(default_factory=list, max_length=256)
+    """Peers whose verdicts count (empty: any validator member)."""
+    recipe: dict[Annotated[str, Field(max_length=64)], float | int | str] = Field(default_factory=dict, max_length=64)
+    """Learning recipe the trainer and inference nodes follow (model shape, lr, steps, temperature...)."""
 
     def spec_hash(self) -> str:
         return hashlib.sha256(encode_message(self)).hexdigest()
@@ -158,10 +172,14 @@ class RolloutSubmission(Message):
     """Verification proof (opaque here; see verification/)."""
     finish_reason: Literal["eos", "stop", "length"]
     """Why generation stopped."""
+    sampled: list[bool] | None = None
+    """True where the model sampled the token, False on tool replies (None: all sampled)."""
 
     @model_validator(mode="after")
     def _lines_up(self) -> "RolloutSubmission":
         n = len(self.token_ids)
+        if self.sampled is not None and len(self.sampled) != n:
+            raise ValueError("one sampled flag per token")
         if len(self.logprobs) != n:
             raise ValueError(f"{len(self.logprobs)} logprobs for {n} tokens")
         if sum(length for _, length in self.version_runs) != n:
@@ -173,6 +191,114 @@ class RolloutSubmission(Message):
     @property
     def min_version(self) -> int:
         return min(version for version, _ in self.version_runs)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class RolloutGroup(Message):
+    """The answer to one work unit: `group_size` rollouts of the same task (one GRPO group)."""
+
+    type: Literal["rollout_group"] = "rollout_group"
+    max_body_bytes: ClassVar[int] = 8 << 20
+    work_id: int = Field(ge=0)
+    """The leased work this group answers (every rollout names it too)."""
+    rollouts: list[RolloutSubmission] = Field(min_length=1, max_length=256)
+    """The samples, in sample order (sample j used sampling seed `sampling_seed(seed, j)`)."""
+
+    @model_validator(mode="after")
+    def _one_work(self) -> "RolloutGroup":
+        if any(r.work_id != self.work_id for r in self.rollouts):
+            raise ValueError("every rollout of a group answers the group's work id")
+        return self
+
+    @property
+    def min_version(self) -> int:
+        return min(r.min_version for r in self.rollouts)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(r.n_tokens for r in self.rollouts)
+
+    @property
+    def reward(self) -> float:
+        return sum(r.reward for r in self.rollouts) / len(self.rollouts)
+
+
+class LeaseBatchRequest(Message):
+    type: Literal["lease_batch_request"] = "lease_batch_request"
+    policy_version: int = Field(ge=-1)
+    """Newest policy version the requester holds."""
+    count: int = Field(ge=1, le=1024)
+    """Most work units wanted; the coordinator may grant fewer (none while enough work is out)."""
+
+
+class LeaseGrants(Message):
+    type: Literal["lease_grants"] = "lease_grants"
+    max_body_bytes: ClassVar[int] = 1 << 20
+    grants: list[LeaseGrant] = Field(max_length=1024)
+    """The granted work units (possibly none: ask again later)."""
+
+
+class StoredWork(BaseModel):
+    """An accepted work unit as the coordinator stored it: the submitter's signed envelope, as is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
+    work_id: int = Field(ge=0)
+    """The work unit."""
+    task_index: int = Field(ge=0)
+    """Its derived task."""
+    seed: int = Field(ge=0, lt=1 << 64)
+    """Its derived sampling seed root."""
+    envelope: bytes = Field(max_length=8 << 20)
+    """The submitter's signed `RolloutGroup` (or `RolloutSubmission`) envelope."""
+
+
+class BatchRequest(Message):
+    """Trainer: the work units of trainer step `step` (idempotent: the same step gets the same units)."""
+
+    type: Literal["batch_request"] = "batch_request"
+    step: int = Field(ge=1)
+    """The trainer step the batch is for (it produces policy version `step`)."""
+    groups: int = Field(ge=1, le=65_536)
+    """Work units wanted."""
+
+
+class VerifyRequest(Message):
+    """Validator: accepted work units that still need a verdict."""
+
+    type: Literal["verify_request"] = "verify_request"
+    max_items: int = Field(ge=1, le=4096)
+    """Most work units to hand out."""
+
+
+class StoredWorkBatch(Message):
+    type: Literal["stored_work_batch"] = "stored_work_batch"
+    max_body_bytes: ClassVar[int] = 15 << 20
+    step: int = Field(-1, ge=-1)
+    """The trainer step these units belong to (-1: not a batch, work to verify)."""
+    items: list[StoredWork] = Field(max_length=65_536)
+    """The work units (for a batch: all assigned to `step` so far)."""
+
+
+class VerdictBatch(Message):
+    type: Literal["verdict_batch"] = "verdict_batch"
+    max_body_bytes: ClassVar[int] = 4 << 20
+    verdicts: list["Verdict"] = Field(max_length=65_536)
+    """Verdicts on work units, signed (with the envelope) by the validator."""
+
+
+class PublishPolicy(Message):
+    """Trainer -> coordinator: version `version` is published under this manifest; announce it."""
+
+    type: Literal["publish_policy"] = "publish_policy"
+    version: int = Field(ge=0)
+    """The new policy version."""
+    manifest_hash: Hex32
+    """sha256 of its shardcast manifest."""
+    parent_version: int = Field(-1, ge=-1)
+    """Version a delta applies to (-1: full)."""
 
 
 class SubmissionReceipt(Message):
@@ -227,15 +353,21 @@ class Ok(Message):
     type: Literal["ok"] = "ok"
 
 
+VerdictBatch.model_rebuild()
+
+
 AnyMessage = Annotated[
     Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseRequest, LeaseGrant,
-          RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok],
+          RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup,
+          LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy],
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
 MESSAGE_TYPES: tuple[type[Message], ...] = (RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce,
                                             LeaseRequest, LeaseGrant, RolloutSubmission, SubmissionReceipt,
-                                            Refusal, WorkCancel, Verdict, Ban, Ok)
+                                            Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup, LeaseBatchRequest,
+                                            LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch,
+                                            PublishPolicy)
 MAX_BODY_BYTES = max(t.max_body_bytes for t in MESSAGE_TYPES)
 
 

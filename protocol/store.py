@@ -38,6 +38,8 @@ CREATE TABLE IF NOT EXISTS accepted (
     min_version INTEGER NOT NULL, n_tokens INTEGER NOT NULL, reward REAL NOT NULL,
     segment TEXT NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL,
     accepted_at REAL NOT NULL, batch_step INTEGER, dropped TEXT);
+CREATE TABLE IF NOT EXISTS verdicts (
+    work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
 """
 

@@ -14,7 +14,8 @@ from protocol.envelope import MAX_ENVELOPE_BYTES, ReplayGuard, open_envelope, se
 from protocol.errors import (ExpiredMessage, InvalidSignature, MalformedMessage, MessageTooLarge, ProtocolError,
                              ReplayedMessage, WrongRun)
 from protocol.identity import NodeKey
-from protocol.messages import (MESSAGE_TYPES, Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, LeaseRequest, Leave, Ok,
+from protocol.messages import (MESSAGE_TYPES, BatchRequest, LeaseBatchRequest, LeaseGrants, PublishPolicy, RolloutGroup,
+                               StoredWork, StoredWorkBatch, VerdictBatch, VerifyRequest, Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, LeaseRequest, Leave, Ok,
                                PeerAddress, PolicyAnnounce, Refusal, RolloutSubmission, RunSpec, SubmissionReceipt,
                                Verdict, WorkCancel, decode_message, encode_message)
 
@@ -40,6 +41,17 @@ SAMPLES = {
     Verdict: Verdict(work_id=9, submitter=OTHER.peer_id, valid=False, reason="proof mismatch"),
     Ban: Ban(peer_id=OTHER.peer_id, reason="forged proofs", until=None),
     Ok: Ok(),
+    RolloutGroup: RolloutGroup(work_id=9, rollouts=[RolloutSubmission(
+        work_id=9, version_runs=[(4, 2)], token_ids=[5, 6], logprobs=[-0.1, -2.0], reward=1.0,
+        finish_reason="eos", sampled=[True, True])] * 2),
+    LeaseBatchRequest: LeaseBatchRequest(policy_version=4, count=16),
+    LeaseGrants: LeaseGrants(grants=[LeaseGrant(work_id=9, holder=OTHER.peer_id, policy_version=4, task_index=12,
+                                                seed=7, deadline=1e9)]),
+    BatchRequest: BatchRequest(step=5, groups=64),
+    VerifyRequest: VerifyRequest(max_items=32),
+    StoredWorkBatch: StoredWorkBatch(step=5, items=[StoredWork(work_id=9, task_index=1, seed=2, envelope=b"x" * 40)]),
+    VerdictBatch: VerdictBatch(verdicts=[Verdict(work_id=9, submitter=OTHER.peer_id, valid=True)]),
+    PublishPolicy: PublishPolicy(version=5, manifest_hash="cd" * 32, parent_version=4),
 }
 FUZZ_CASES = 10_000
 

@@ -1,0 +1,101 @@
+"""A work unit's path from acceptance to a trainer batch: throttled leases, verdicts, batches.
+
+Invariants (on top of `protocol.coordinator`'s):
+- a work unit enters a batch only with a valid verdict (or, at `verification_rate` < 1, when the
+  selector did not pick it for verification) and within the off-policy bound;
+- a work unit is in at most one batch, and asking again for step s returns the same units first
+  (a trainer that lost the reply, or a coordinator restarted mid-reply, loses nothing);
+- a failing verdict bans its submitter: their unbatched units are dropped and their leases freed.
+- the pool never has more than (k + 1) batches of work out (leased or accepted but unbatched), so
+  inference nodes do not burn compute on rollouts that would only go stale.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from protocol.coordinator import Coordinator
+from protocol.messages import LeaseGrant, StoredWork, Verdict
+
+log = logging.getLogger(__name__)
+
+Selector = Callable[[int], bool]
+"""work id -> whether a validator must judge it (the node passes an HMAC keyed selection)."""
+
+
+def work_out(state: Coordinator) -> int:
+    """Work units leased, or accepted and waiting for a batch (and not dropped)."""
+    leased = state.store.q("SELECT COUNT(*) FROM work WHERE state='leased'")[0][0]
+    waiting = state.store.q("SELECT COUNT(*) FROM accepted WHERE batch_step IS NULL AND dropped IS NULL "
+                            "AND min_version >= ?", state.ledger.current_version - state.spec.max_off_policy_steps)[0][0]
+    return leased + waiting
+
+
+def grant_leases(state: Coordinator, peer_id: str, count: int, now: float) -> list[LeaseGrant]:
+    """Up to `count` leases, fewer while (k + 1) batches of work are already out; none before version 0."""
+    if state.ledger.current_version < 0:
+        return []
+    room = (state.spec.max_off_policy_steps + 1) * state.spec.batch_groups - work_out(state)
+    return [state.grant_lease(peer_id, now) for _ in range(max(0, min(count, room)))]
+
+
+def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
+    out = []
+    for wid in work_ids:
+        rec = state.store.accepted(wid)[0]
+        task, seed = state.store.q("SELECT task_index, seed FROM work WHERE work_id=?", wid)[0]
+        out.append(StoredWork(work_id=wid, task_index=task, seed=int(seed), envelope=state.store.read_rollout(rec)))
+    return out
+
+
+def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[int]:
+    """Accepted, unbatched, undropped work units without a verdict that the selector picks."""
+    rows = state.store.q("SELECT a.work_id FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
+                         "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL ORDER BY a.work_id")
+    return [r[0] for r in rows if selector(r[0])][:max_items]
+
+
+def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict], now: float) -> list[tuple[str, str]]:
+    """Store verdicts on accepted units; return (submitter, reason) for every failing one (to ban).
+    A verdict naming the wrong submitter or an unknown unit is ignored (and logged)."""
+    offenders = []
+    with state.store as db:
+        for v in verdicts:
+            rec = state.store.accepted(v.work_id)
+            if not rec or rec[0].submitter != v.submitter:
+                log.warning("verdict from %s on work %d names %s: no such accepted unit", validator, v.work_id,
+                            v.submitter)
+                continue
+            db.execute("INSERT OR IGNORE INTO verdicts VALUES(?,?,?,?,?)", (v.work_id, int(v.valid), validator,
+                                                                          v.reason, now))
+            if not v.valid:
+                db.execute("UPDATE accepted SET dropped='invalid' WHERE work_id=? AND batch_step IS NULL", (v.work_id,))
+                offenders.append((v.submitter, f"work {v.work_id} failed verification: {v.reason}"))
+    return offenders
+
+
+def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -> list[int]:
+    """The work ids of step `step`'s batch: those already assigned to it, topped up to `size` with
+    verified, admissible units (stale ones are marked dropped on the way, see `Coordinator.build_batch`)."""
+    assigned = [r[0] for r in state.store.q("SELECT work_id FROM accepted WHERE batch_step=? ORDER BY work_id", step)]
+    if len(assigned) >= size:
+        return assigned[:size]
+    banned = {r[0] for r in state.store.q("SELECT peer_id FROM bans")}
+    valid = {r[0]: bool(r[1]) for r in state.store.q("SELECT work_id, valid FROM verdicts")}
+    with state.store as db:
+        for rec in state.store.accepted():
+            if len(assigned) >= size:
+                break
+            if rec.batch_step is not None or rec.dropped is not None:
+                continue
+            reason = ("stale" if not state.ledger.admissible(rec.min_version, step)
+                      else "banned" if rec.submitter in banned else None)
+            if reason:
+                db.execute("UPDATE accepted SET dropped=? WHERE work_id=?", (reason, rec.work_id))
+                continue
+            if selector(rec.work_id) and not valid.get(rec.work_id, False):
+                continue  # waits for its verdict
+            db.execute("UPDATE accepted SET batch_step=? WHERE work_id=?", (step, rec.work_id))
+            assigned.append(rec.work_id)
+    return assigned
