@@ -33,10 +33,10 @@ def log(msg: str) -> None:
     print(f"[shardcast-delta {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def train(out: Path, steps: int, task: str) -> dict[str, torch.Tensor]:
+def train(out: Path, steps: int, task: str, lr: float | None) -> dict[str, torch.Tensor]:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "node.cli", "--log-level", "WARNING", "train-local", "--task", task, "--steps", str(steps),
-           "--out", str(out), "--seed", "0", "--threads", "1"]
+           "--out", str(out), "--seed", "0", "--threads", "1"] + ([] if lr is None else ["--lr", str(lr)])
     log(" ".join(cmd[2:]))
     subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
     return load_file(str(out / "checkpoint" / "model.safetensors"))
@@ -81,6 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="RL steps before the measured step")
     ap.add_argument("--task", default="reverse")
+    ap.add_argument("--lr", type=float, default=None, help="RL learning rate (default: train-local's)")
     ap.add_argument("--shard-mib", type=int, default=8)
     ap.add_argument("--machine", default="cpu-2core")
     ap.add_argument("--out", default=None)
@@ -88,14 +89,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="shardcast-delta-"))
     try:
         n = args.steps
-        prev = train(work / "a", n, args.task)
-        cur = train(work / "b", n + 1, args.task)
-        again = train(work / "c", n, args.task)
+        prev = train(work / "a", n, args.task, args.lr)
+        cur = train(work / "b", n + 1, args.task, args.lr)
+        again = train(work / "c", n, args.task, args.lr)
         deterministic = all(torch.equal(prev[k], again[k]) for k in prev)
         changed = sum(int((prev[k] != cur[k]).sum()) for k in prev)
         numel = sum(t.numel() for t in prev.values())
         log(f"versions {n} and {n + 1}: {numel} parameters, {changed / numel:.1%} changed; deterministic rerun: {deterministic}")
-        result = {"benchmark": "shardcast_delta", "machine": args.machine, "task": args.task, "versions": [n, n + 1],
+        result = {"benchmark": "shardcast_delta", "machine": args.machine, "task": args.task, "versions": [n, n + 1], "lr": args.lr or "train-local default",
                   "parameters": numel, "changed_fraction": round(changed / numel, 4), "train_deterministic": deterministic,
                   "checkpoint_dtype": str(next(iter(prev.values())).dtype).removeprefix("torch.")}
         for label, p, c in (("ckpt", prev, cur), ("bf16", {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in prev.items()},
