@@ -17,6 +17,8 @@ COMMAND_MODULES = [
     "protocol.cli",
     "shardcast.cli",
     "node.validator_cli",
+    "node.join_cli",
+    "node.sim",
 ]
 
 

@@ -1,0 +1,126 @@
+"""`primerl-node coordinator launch --config run.toml` and `primerl-node join --role ROLE --bootstrap ADDR`.
+
+The coordinator validates `run.toml`, signs it as the run spec (its hash is what members agree
+to), prints its bootstrap multiaddr and serves the status page and `/metrics`. A member fetches
+the signed spec from `--spec` (a file the operator hands out, `coordinator launch` writes it next
+to its state) and joins in one of four roles. Every role stops cleanly on SIGINT/SIGTERM (it
+leaves the run, so its leases go back to the pool at once) and resumes from its state directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import hmac
+import logging
+from pathlib import Path
+
+from protocol.coordinator import Coordinator
+from protocol.coordinator_service import CoordinatorService
+from protocol.identity import NodeKey
+from protocol.messages import RunSpec
+from protocol.transport import PeerHost
+
+log = logging.getLogger(__name__)
+
+
+def quiet_libp2p() -> None:
+    """py-libp2p's auto-connector and friends log at INFO every tick."""
+    for name in ("libp2p", "multiaddr", "async_service"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_file: Path | None = None) -> None:
+    from node.roles.common import stop_on_signals
+    from node.roles.status import serve_status
+    from node.run_config import RunConfig
+    from verification.verdict import selected_for_verification
+
+    cfg = RunConfig.load(config)
+    key = NodeKey.load_or_create(key_path)
+    spec = cfg.run_spec(key.peer_id)
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "spec.json").write_text(spec.model_dump_json())
+    stop = stop_on_signals()
+    host = PeerHost(key, cfg.listen)
+    await host.start()
+    # Which units need a verdict is keyed by a secret only the coordinator holds (nodes cannot predict it).
+    secret = hmac.new(key.private_bytes(), b"primerl-node/verification-selection", hashlib.sha256).digest()
+    service = CoordinatorService(key, Coordinator(state, spec), host,
+                                 selector=lambda wid: selected_for_verification(wid, spec.verification_rate, secret))
+    await service.start()
+    runner, port = await serve_status(service, cfg.status_port)
+    bootstrap = next(a for a in host.addrs if "/p2p/" in a) if any("/p2p/" in a for a in host.addrs) else host.addrs[0]
+    print(f"bootstrap: {bootstrap}\nstatus: http://127.0.0.1:{port}/\nspec: {state / 'spec.json'}", flush=True)
+    if addr_file is not None:
+        tmp = addr_file.with_suffix(".tmp")
+        tmp.write_text(f"{bootstrap}\nhttp://127.0.0.1:{port}/\n")
+        tmp.replace(addr_file)
+    await stop.wait()
+    log.info("coordinator stopping")
+    await runner.cleanup()
+    await service.stop()
+    service.state.close()
+    await host.stop()
+
+
+async def join(role: str, spec_path: Path, bootstrap: str, key_path: Path | None, workdir: Path,
+               shardcast_port: int, cheat: str | None) -> None:
+    from node.roles.common import stop_on_signals
+
+    spec = RunSpec.model_validate_json(spec_path.read_bytes())
+    workdir.mkdir(parents=True, exist_ok=True)
+    key = NodeKey.load_or_create(key_path or workdir / "node.key")
+    stop = stop_on_signals()
+    if role == "inference":
+        from node.roles.inference import InferenceNode
+        node = InferenceNode(key, spec, bootstrap, workdir, cheat=cheat)
+    elif role == "trainer":
+        from node.roles.trainer import TrainerNode
+        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port)
+    elif role == "validator":
+        from node.roles.validator import ValidatorNode
+        node = ValidatorNode(key, spec, bootstrap, workdir)
+    else:
+        from node.roles.relay import RelayNode
+        node = RelayNode(key, spec, bootstrap, workdir, shardcast_port)
+    print(f"node id: {key.peer_id} ({role})", flush=True)
+    task = asyncio.create_task(node.run(stop))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("coordinator", help="run a coordinator")
+    csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION")
+    lp = csub.add_parser("launch", help="validate and sign run.toml, serve the run (bootstrap, status page, /metrics)")
+    lp.add_argument("--config", type=Path, required=True, help="run.toml (see node/run_config.py)")
+    lp.add_argument("--state", type=Path, default=Path("coordinator-state"), help="state directory (SQLite + rollouts)")
+    lp.add_argument("--key", type=Path, default=None, help="coordinator key (created if missing; default STATE/coordinator.key)")
+    lp.add_argument("--addr-file", type=Path, help="write the bootstrap multiaddr and status URL here")
+    lp.set_defaults(func=_launch)
+    j = sub.add_parser("join", help="join a run as inference | trainer | validator | relay")
+    j.add_argument("--role", required=True, choices=["inference", "trainer", "validator", "relay"])
+    j.add_argument("--bootstrap", required=True, help="coordinator multiaddr (/ip4/…/tcp/…/p2p/<id>)")
+    j.add_argument("--spec", type=Path, required=True, help="the run's spec.json (from the coordinator operator)")
+    j.add_argument("--key", type=Path, help="node key file (created if missing; default WORKDIR/node.key)")
+    j.add_argument("--workdir", type=Path, default=Path("node-state"), help="shards, checkpoints, metrics")
+    j.add_argument("--shardcast-port", type=int, default=8470, help="trainer/relay: HTTP port serving shards")
+    j.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # simulation only: tamper with work
+    j.set_defaults(func=_join)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    quiet_libp2p()
+    asyncio.run(launch_coordinator(args.config, args.state, args.key or args.state / "coordinator.key", args.addr_file))
+    return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    quiet_libp2p()
+    asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port, args.cheat))
+    return 0

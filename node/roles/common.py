@@ -1,0 +1,138 @@
+"""What every role shares: the run's model and task from the spec's recipe, joining with retries,
+fetching a policy version through shardcast, and a stop event wired to SIGINT/SIGTERM.
+
+Invariant: a role never trusts weights it did not verify (shardcast checks the trainer's signature
+and every shard hash), and a coordinator that is briefly gone (restart, churn) only delays a role:
+requests are retried with backoff, a `NotMember` answer leads to a fresh join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from node.envs import get_env
+from node.model.config import ModelConfig
+from node.model.qwen3_moe import CausalLM
+from node.model.tokenizer import CharTokenizer
+from protocol.errors import NotMember, ProtocolError, TransportError
+from protocol.identity import NodeKey
+from protocol.member import RunMember
+from protocol.messages import Role, RunSpec
+from protocol.transport import PeerHost
+from shardcast.fetch import fetch_version
+from shardcast.manifest import TrustedPublishers
+from shardcast.store import Store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RECIPE_DEFAULTS: dict[str, float | int | str] = {
+    "hidden": 64, "layers": 2, "experts": 4, "top_k": 2, "lr": 1e-3, "steps": 500, "temperature": 1.0,
+    "warmup_target": 0.25, "seed": 0, "updates_per_batch": 2, "minibatches": 2,
+}
+"""The train-local recipe (node/rl/train_local.py) that reaches ~0.88 on reverse in ~500 steps."""
+
+
+def recipe(spec: RunSpec, name: str):
+    return spec.recipe.get(name, RECIPE_DEFAULTS[name])
+
+
+def model_config(spec: RunSpec) -> ModelConfig:
+    from node.rl.train_local import tiny_moe_config
+
+    return tiny_moe_config(CharTokenizer().vocab_size, int(recipe(spec, "hidden")), int(recipe(spec, "layers")),
+                           int(recipe(spec, "experts")), int(recipe(spec, "top_k")))
+
+
+def fresh_model(spec: RunSpec) -> CausalLM:
+    torch.manual_seed(int(recipe(spec, "seed")))
+    return CausalLM(model_config(spec)).eval()
+
+
+def environment(spec: RunSpec):
+    return get_env(spec.environment)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by the first SIGINT or SIGTERM (a clean shutdown follows)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def join_run(key: NodeKey, spec: RunSpec, role: Role, bootstrap: str, stop: asyncio.Event,
+                   listen: str = "/ip4/127.0.0.1/tcp/0") -> RunMember:
+    """Start a libp2p host and join, retrying until the coordinator answers (or stop is set)."""
+    host = PeerHost(key, listen)
+    await host.start()
+    member = RunMember(key, host, spec, role)
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            await member.join(bootstrap)
+            log.info("%s %s joined run %s (policy version %d)", role, key.peer_id[-8:], spec.run_id,
+                     member.policy_version)
+            return member
+        except ProtocolError as exc:
+            log.warning("join failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
+            await _sleep_or_stop(stop, delay)
+            delay = min(delay * 2, 5.0)
+    raise asyncio.CancelledError("stopped before joining")
+
+
+async def call(member: RunMember, bootstrap: str, stop: asyncio.Event, fn: Callable[[], Awaitable[T]],
+               what: str, tries: int = 1_000_000) -> T:
+    """Run a request; on transport errors retry with backoff, on `NotMember` re-join first.
+    Refusals other than NotMember are the caller's to handle (they are answers, not outages)."""
+    delay = 0.3
+    for _ in range(tries):
+        try:
+            return await fn()
+        except NotMember:
+            log.info("%s: not a member (coordinator restarted or ejected us); joining again", what)
+            try:
+                await member.join(bootstrap)
+            except ProtocolError as exc:
+                log.warning("re-join failed: %s", exc)
+        except TransportError as exc:
+            log.info("%s: %s; retrying in %.1fs", what, exc, delay)
+        if stop.is_set():
+            raise asyncio.CancelledError(f"stopped during {what}")
+        await _sleep_or_stop(stop, delay)
+        delay = min(delay * 2, 3.0)
+    raise TimeoutError(f"{what}: gave up")
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def fetch_policy(spec: RunSpec, store_dir: Path, version: int, expect_hash: str | None = None,
+                       tries: int = 20) -> dict[str, torch.Tensor]:
+    """Version `version` of the run's policy, verified (trainer's signature, shard hashes, and the
+    manifest hash the coordinator announced, when given)."""
+    trusted = TrustedPublishers([spec.trainer] if spec.trainer else [])
+    last: Exception | None = None
+    for attempt in range(tries):
+        try:
+            got = await fetch_version(Store(store_dir), list(spec.shardcast_sources), trusted, spec.run_id, version)
+            if expect_hash is not None and got.manifest.manifest_hash() != expect_hash:
+                raise ProtocolError(f"v{version}: manifest hash differs from the announced one")
+            return {k: v.clone() for k, v in got.tensors().items()}
+        except ProtocolError as exc:
+            last = exc
+            await asyncio.sleep(min(0.2 * (attempt + 1), 2.0))
+    raise ProtocolError(f"could not fetch policy v{version}: {last}")
+

@@ -1,0 +1,172 @@
+"""Inference role: fetch the policy, lease work, roll out with the engine, prove, submit.
+
+Invariants: a rollout's every token records the version that produced it (new versions are loaded
+between two decode steps, in-flight sequences continue); proofs bind each version segment to the
+manifest hash the coordinator announced; work the coordinator cancelled as stale is not
+submitted. A cheating node (`cheat`, for the simulation) tampers with some of its groups; the
+validator must catch every one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from node.engine import Engine, SamplingParams
+from node.envs.rollout import Rollout, run_episodes
+from node.model.tokenizer import CharTokenizer
+from node.roles.common import call, environment, fetch_policy, fresh_model, join_run, recipe
+from protocol.errors import ProtocolError, Refused
+from protocol.identity import NodeKey
+from protocol.member import RunMember
+from protocol.messages import LeaseBatchRequest, LeaseGrant, LeaseGrants, PolicyAnnounce, RolloutGroup, RolloutSubmission, RunSpec
+from protocol.work import sampling_seed
+from verification.proof import prove_rollouts
+
+log = logging.getLogger(__name__)
+
+CHEATS = ("reward", "tokens", "version")
+"""Tampering kinds a simulated cheater mixes (see verification's attack classes)."""
+
+
+def version_runs(versions: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1] + 1)
+        else:
+            runs.append((v, 1))
+    return runs
+
+
+def to_submission(work_id: int, r: Rollout, proof: bytes) -> RolloutSubmission:
+    return RolloutSubmission(work_id=work_id, version_runs=version_runs(r.versions), token_ids=r.completion_ids,
+                             logprobs=[min(0.0, x) for x in r.logprobs], reward=r.reward, proof=proof,
+                             finish_reason=r.finish_reason, sampled=r.loss_mask)
+
+
+def tamper(sub: RolloutSubmission, kind: str, newest: int) -> RolloutSubmission:
+    if kind == "reward":
+        return sub.model_copy(update={"reward": 1.0 if sub.reward < 1.0 else 0.0})
+    if kind == "tokens":
+        toks = list(sub.token_ids)
+        toks[0] = (toks[0] + 7) % 80 + 4
+        return sub.model_copy(update={"token_ids": toks})
+    # "version": claim the tokens came from another policy version than the one that made them
+    other = newest - 1 if sub.min_version == newest else newest
+    return sub.model_copy(update={"version_runs": [(max(0, other), sub.n_tokens)]})
+
+
+class InferenceNode:
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, cheat: str | None = None,
+                 leases_per_request: int = 8):
+        self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.cheat = cheat
+        self.leases_per_request = leases_per_request
+        self.tok = CharTokenizer()
+        self.env = environment(spec)
+        self.hashes: dict[int, str] = {}
+        self.engine: Engine | None = None
+        self.submitted = self.refused = 0
+        self._rng = random.Random(key.peer_id)
+        self._newest_loaded = -1
+        self._fetching: asyncio.Task | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        member = await join_run(self.key, self.spec, "inference", self.bootstrap, stop)
+        member.on_policy.append(self._on_announce)
+        try:
+            while not stop.is_set() and member.policy_version < 0:
+                await asyncio.sleep(0.2)
+            await self._load(member.policy_version, None)
+            while not stop.is_set():
+                await self._one_round(member, stop)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await member.leave("shutting down")
+            await member.host.stop()
+            log.info("inference %s stopped: %d groups submitted, %d refused", self.key.peer_id[-8:],
+                     self.submitted, self.refused)
+
+    async def _on_announce(self, msg: PolicyAnnounce) -> None:
+        self.hashes[msg.version] = msg.manifest_hash
+        if self._fetching is None or self._fetching.done():
+            self._fetching = asyncio.create_task(self._load(msg.version, msg.manifest_hash))
+
+    async def _load(self, version: int, manifest_hash: str | None) -> None:
+        """Fetch and queue `version` for the engine (applied between two decode steps)."""
+        if version <= self._newest_loaded:
+            return
+        try:
+            state = await fetch_policy(self.spec, self.workdir / "shardcast", version, manifest_hash)
+        except ProtocolError as exc:
+            log.warning("policy v%d not loaded: %s", version, exc)
+            return
+        if manifest_hash is None:
+            from shardcast.store import Store
+            signed = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version)
+            manifest_hash = signed.manifest.manifest_hash()
+        self.hashes[version] = manifest_hash
+        if self.engine is None:
+            model = fresh_model(self.spec)
+            self.engine = Engine(model, max_batch=self.leases_per_request * self.spec.group_size,
+                                 eos_id=self.tok.eos_id, decode=self.tok.decode, capture_hidden=True, version=version)
+        self.engine.load_weights(state, version)
+        self._newest_loaded = version
+        log.info("policy v%d queued for the engine", version)
+
+    async def _one_round(self, member: RunMember, stop: asyncio.Event) -> None:
+        async def lease() -> LeaseGrants:
+            return await member.net.request(member.coordinator, LeaseBatchRequest(
+                policy_version=self._newest_loaded, count=self.leases_per_request), member.request_timeout)
+        try:
+            grants = (await call(member, self.bootstrap, stop, lease, "lease")).grants
+        except Refused as exc:
+            log.warning("lease refused: %s", exc)
+            await asyncio.sleep(1.0)
+            return
+        if not grants:
+            await asyncio.sleep(0.1)
+            return
+        groups = await asyncio.to_thread(self._roll_out, grants)
+        for grant, group in zip(grants, groups):
+            if grant.work_id in member.cancelled:
+                continue  # too stale to be admitted: the coordinator already took it back
+            await self._submit(member, stop, group)
+
+    def _roll_out(self, grants: list[LeaseGrant]) -> list[RolloutGroup]:
+        g = self.spec.group_size
+        temperature = float(recipe(self.spec, "temperature"))
+        episodes = []
+        for grant in grants:
+            task = self.env.sample_task(grant.task_index)
+            for j in range(g):
+                episodes.append((f"{grant.work_id}-{j}", task,
+                                 SamplingParams(temperature=temperature, seed=sampling_seed(grant.seed, j))))
+        rollouts = run_episodes(self.engine, self.env, self.tok, episodes)
+        hidden = [(torch.cat([t.hidden for t in r.turns]), [v for v, m in zip(r.versions, r.loss_mask) if m])
+                  for r in rollouts]
+        proofs = prove_rollouts(hidden, {v: bytes.fromhex(h) for v, h in self.hashes.items()})
+        out = []
+        for i, grant in enumerate(grants):
+            subs = [to_submission(grant.work_id, rollouts[i * g + j], proofs[i * g + j]) for j in range(g)]
+            if self.cheat and self._rng.random() < 0.5:
+                kind = self.cheat if self.cheat in CHEATS else self._rng.choice(CHEATS)
+                subs[0] = tamper(subs[0], kind, self._newest_loaded)
+            out.append(RolloutGroup(work_id=grant.work_id, rollouts=subs))
+        return out
+
+    async def _submit(self, member: RunMember, stop: asyncio.Event, group: RolloutGroup) -> None:
+        async def send():
+            return await member.net.request(member.coordinator, group, member.request_timeout)
+        try:
+            await call(member, self.bootstrap, stop, send, f"submit work {group.work_id}")
+            self.submitted += 1
+        except Refused as exc:  # stale, expired, re-granted, banned: an answer, not an outage
+            self.refused += 1
+            log.info("work %d refused: %s", group.work_id, exc)

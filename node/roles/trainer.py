@@ -1,0 +1,164 @@
+"""Trainer role: the asynchronous, networked twin of `train-local`.
+
+Warm-up first (version 0), then for each step s: take the coordinator's batch for s (only verified
+work within the off-policy bound enters it, see `protocol.pipeline`), take the optimizer step,
+publish version s through shardcast and have the coordinator announce it.
+
+Invariants: every group trained on is re-checked here too (signature of its submitter, and
+`OffPolicyLedger.admissible(min_version, s)`; a violation is a coordinator bug and stops the
+trainer loudly); each step logs the work ids it trained on, so a simulation can prove that no
+accepted rollout was lost or used twice. After a crash the trainer resumes from its last
+checkpoint, and the step it had not finished gets the same batch again (the request is idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from node.engine import Engine
+from node.envs.rollout import Rollout
+from node.model.checkpoint import state_dict_to_hf
+from node.model.tokenizer import CharTokenizer
+from node.rl.advantages import group_advantages
+from node.rl.batch import build_batch
+from node.rl.train_local import LocalRunConfig, warm_up
+from node.rl.trainer import Trainer, TrainerConfig
+from node.roles.common import call, environment, fresh_model, join_run, recipe
+from protocol.envelope import open_envelope
+from protocol.identity import NodeKey
+from protocol.ledger import OffPolicyLedger
+from protocol.messages import BatchRequest, PublishPolicy, RolloutGroup, RunSpec, StoredWorkBatch
+from shardcast.publish import PublishOptions, publish
+from shardcast.server import ShardServer
+from shardcast.store import Store
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_EVERY = 20
+"""Steps between trainer checkpoints (resume point after a crash)."""
+
+
+class OffPolicyViolation(RuntimeError):
+    """The coordinator handed the trainer a rollout outside the bound (must never happen)."""
+
+
+class TrainerNode:
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int):
+        self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.port = shardcast_port
+        self.tok = CharTokenizer()
+        self.env = environment(spec)
+        self.steps = int(recipe(spec, "steps"))
+        self.store = Store(workdir / "shardcast")
+        self.ledger = OffPolicyLedger(spec.max_off_policy_steps)
+        self.cfg = TrainerConfig(lr=float(recipe(spec, "lr")), decay_steps=self.steps,
+                                 temperature=float(recipe(spec, "temperature")),
+                                 updates_per_batch=int(recipe(spec, "updates_per_batch")),
+                                 minibatches=int(recipe(spec, "minibatches")))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        server = ShardServer(self.store)
+        await server.start("127.0.0.1", self.port)
+        member = await join_run(self.key, self.spec, "trainer", self.bootstrap, stop)
+        try:
+            trainer = await asyncio.to_thread(self._resume_or_warm_up)
+            await self._publish(member, stop, trainer)
+            metrics = (self.workdir / "metrics.jsonl").open("a")
+            while trainer.step < self.steps and not stop.is_set():
+                step = trainer.step + 1
+                t0 = time.time()
+                items = await self._batch(member, stop, step)
+                if items is None:
+                    break
+                t_wait = time.time() - t0
+                row = await asyncio.to_thread(self._train, trainer, step, items)
+                await self._publish(member, stop, trainer)
+                row.update(wait_s=t_wait, step_s=time.time() - t0, t=time.time())
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                if step % CHECKPOINT_EVERY == 0:
+                    await asyncio.to_thread(trainer.save, self.workdir / "checkpoint")
+                log.info("step %d: reward %.3f, lag max %d, waited %.2fs", step, row["reward_mean"],
+                         max(row["lags"]), t_wait)
+            if trainer.step >= self.steps:
+                (self.workdir / "done").write_text(str(trainer.step))
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await member.leave("trainer stopping")
+            await member.host.stop()
+            await server.stop()
+
+    def _resume_or_warm_up(self) -> Trainer:
+        ckpt = self.workdir / "checkpoint"
+        if (ckpt / "trainer.json").exists():
+            trainer = Trainer.load(ckpt, self.cfg)
+            log.info("resumed from checkpoint at step %d", trainer.step)
+            return trainer
+        model = fresh_model(self.spec)
+        engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=self.tok.eos_id, decode=self.tok.decode)
+        warm = warm_up(model, engine, self.env, self.tok,
+                       LocalRunConfig(task=self.spec.environment, seed=int(recipe(self.spec, "seed")),
+                                      warmup_target=float(recipe(self.spec, "warmup_target"))))
+        log.info("warm-up done: %s", warm)
+        (self.workdir / "warmup.json").write_text(json.dumps(warm))
+        return Trainer(model, self.cfg)
+
+    async def _publish(self, member, stop: asyncio.Event, trainer: Trainer) -> None:
+        v = trainer.step
+        signed = self.store.manifest(self.spec.run_id, v)
+        if signed is None:
+            state = {k: t.detach().clone() for k, t in state_dict_to_hf(trainer.model).items()}
+            signed = await asyncio.to_thread(
+                publish, self.store, self.key, self.spec.run_id, v, state, v - 1 if v > 0 else None,
+                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
+        msg = PublishPolicy(version=v, manifest_hash=signed.manifest.manifest_hash(), parent_version=-1)
+        await call(member, self.bootstrap, stop,
+                   lambda: member.net.request(member.coordinator, msg, member.request_timeout), f"publish v{v}")
+        self.ledger.current_version = v
+
+    async def _batch(self, member, stop: asyncio.Event, step: int) -> list[RolloutGroup] | None:
+        want = self.spec.batch_groups
+        while not stop.is_set():
+            reply: StoredWorkBatch = await call(
+                member, self.bootstrap, stop,
+                lambda: member.net.request(member.coordinator, BatchRequest(step=step, groups=want), 30.0),
+                f"batch {step}")
+            if len(reply.items) >= want:
+                return [self._open(step, item) for item in reply.items[:want]]
+            await asyncio.sleep(0.05)
+        return None
+
+    def _open(self, step: int, item) -> tuple[int, int, RolloutGroup]:
+        opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
+        group = opened.message
+        if not isinstance(group, RolloutGroup) or group.work_id != item.work_id:
+            raise OffPolicyViolation(f"batch item {item.work_id} is not its rollout group")
+        if not self.ledger.admissible(group.min_version, step):
+            raise OffPolicyViolation(f"work {item.work_id} (min version {group.min_version}) in batch {step}")
+        return item.work_id, item.task_index, group
+
+    def _train(self, trainer: Trainer, step: int, items: list[tuple[int, int, RolloutGroup]]) -> dict:
+        rollouts, rewards = [], []
+        for _wid, task_index, group in items:
+            task = self.env.sample_task(task_index)
+            prompt = self.tok.encode(task.prompt, bos=True)
+            for sub in group.rollouts:
+                mask = sub.sampled or [True] * sub.n_tokens
+                versions = [v for v, n in sub.version_runs for _ in range(n)]
+                rollouts.append(Rollout(f"{sub.work_id}", task, prompt, list(sub.token_ids), list(mask),
+                                        list(sub.logprobs), versions, reward=sub.reward))
+            rewards.append([sub.reward for sub in group.rollouts])
+        r = torch.tensor(rewards)
+        adv = group_advantages(r, normalize_std=True).flatten().tolist()
+        stats = trainer.train_step(build_batch(rollouts, adv, self.tok.pad_id))
+        lags = [self.ledger.lag(g.min_version, step) for _, _, g in items]
+        return {"step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [w for w, _, _ in items],
+                **stats}

@@ -1,0 +1,133 @@
+"""Validator role: judge accepted work units (the coordinator hands out those its selector picks,
+all of them at `verification_rate` 1.0), sign verdicts, send them back.
+
+Invariants: every unit handed out gets exactly one verdict; a group is valid only if every one of
+its rollouts passes `verification.validator.verify_claims` against the policy version(s) that
+produced it, each version held as its own model object (Engine/Reference loads are in place, so
+versions must not share one); nothing a submission holds can crash the validator (an unreadable
+unit is a `malformed` rejection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from node.model.qwen3_moe import CausalLM
+from node.model.checkpoint import load_hf_state_dict
+from node.model.tokenizer import CharTokenizer
+from node.replay import TorchReference, env_oracle
+from node.roles.common import call, environment, fetch_policy, fresh_model, join_run, recipe
+from protocol.envelope import open_envelope
+from protocol.errors import ProtocolError
+from protocol.identity import NodeKey
+from protocol.messages import PolicyAnnounce, RolloutGroup, RunSpec, StoredWork, Verdict, VerdictBatch, VerifyRequest
+from protocol.work import sampling_seed
+from verification.claim import RolloutClaim, SamplingSpec
+from verification.validator import verify_claims
+
+log = logging.getLogger(__name__)
+
+
+class ValidatorNode:
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, batch: int = 64):
+        self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.batch = batch
+        self.tok = CharTokenizer()
+        self.env = environment(spec)
+        self.hashes: dict[int, str] = {}
+        self.policies: dict[int, tuple[CausalLM, bytes]] = {}
+        self.judged = self.rejected = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        member = await join_run(self.key, self.spec, "validator", self.bootstrap, stop)
+        member.on_policy.append(self._on_announce)
+        try:
+            while not stop.is_set():
+                reply = await call(member, self.bootstrap, stop, lambda: member.net.request(
+                    member.coordinator, VerifyRequest(max_items=self.batch), 30.0), "verify request")
+                if not reply.items:
+                    await asyncio.sleep(0.1)
+                    continue
+                verdicts = await self._judge(reply.items)
+                await call(member, self.bootstrap, stop, lambda: member.net.request(
+                    member.coordinator, VerdictBatch(verdicts=verdicts), 30.0), "verdicts")
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await member.leave("validator stopping")
+            await member.host.stop()
+            log.info("validator stopped: %d units judged, %d rejected", self.judged, self.rejected)
+
+    async def _on_announce(self, msg: PolicyAnnounce) -> None:
+        self.hashes[msg.version] = msg.manifest_hash
+
+    async def _policy(self, version: int) -> None:
+        if version in self.policies:
+            return
+        state = await fetch_policy(self.spec, self.workdir / "shardcast", version, self.hashes.get(version))
+        if version not in self.hashes:
+            from shardcast.store import Store
+            self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
+        model = fresh_model(self.spec)
+        load_hf_state_dict(model, state)
+        self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
+        keep = self.spec.max_off_policy_steps + 3
+        for old in sorted(self.policies)[:-keep]:
+            del self.policies[old]
+
+    async def _judge(self, items: list[StoredWork]) -> list[Verdict]:
+        claims: dict[int, list[RolloutClaim]] = {}
+        failed: dict[int, tuple[str, str]] = {}
+        submitters: dict[int, str] = {}
+        for item in items:
+            try:
+                opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
+                submitters[item.work_id] = opened.signer
+                group = opened.message
+                if not isinstance(group, RolloutGroup) or group.work_id != item.work_id \
+                        or len(group.rollouts) != self.spec.group_size:
+                    raise ProtocolError("not a rollout group of the run's size for this work unit")
+                claims[item.work_id] = [self._claim(item, j, sub) for j, sub in enumerate(group.rollouts)]
+                for c in claims[item.work_id]:
+                    for v in set(c.versions):
+                        await self._policy(v)
+            except (ProtocolError, ValueError, KeyError) as exc:
+                failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
+                claims.pop(item.work_id, None)
+        flat = [(wid, c) for wid, cs in claims.items() for c in cs]
+        if flat:
+            prompt_ids, reward = env_oracle(self.tok)
+            ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
+                                 decode=self.tok.decode, tasks=prompt_ids, reward=reward)
+            verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref)
+            for (wid, _), v in zip(flat, verdicts):
+                if not v.accepted and wid not in failed:
+                    failed[wid] = (submitters[wid], f"{getattr(v.reason, 'value', v.reason)}: {v.detail}"[:500])
+        out = []
+        for item in items:
+            bad = failed.get(item.work_id)
+            out.append(Verdict(work_id=item.work_id, submitter=submitters.get(item.work_id, bad[0] if bad else "?"),
+                               valid=bad is None, reason="" if bad is None else bad[1]))
+        self.judged += len(out)
+        self.rejected += sum(not v.valid for v in out)
+        for v in out:
+            if not v.valid:
+                log.warning("work %d from %s rejected: %s", v.work_id, v.submitter, v.reason)
+        return out
+
+    def _claim(self, item: StoredWork, j: int, sub) -> RolloutClaim:
+        return RolloutClaim(
+            work_id=item.work_id, env=self.spec.environment, task_seed=item.task_index,
+            prompt_ids=self.tok.encode(self.env.sample_task(item.task_index).prompt, bos=True),
+            token_ids=sub.token_ids, logprobs=sub.logprobs,
+            versions=[v for v, n in sub.version_runs for _ in range(n)], sampled=sub.sampled,
+            sampling=SamplingSpec(temperature=float(recipe(self.spec, "temperature")),
+                                  max_new_tokens=self.env.max_new_tokens, seed=sampling_seed(item.seed, j),
+                                  stop_strings=tuple(self.env.stop_strings)),
+            finish_reason=sub.finish_reason, reward=sub.reward, proof=sub.proof)
+
+
+def fresh_model_max_len(node: ValidatorNode) -> int:
+    return next(iter(node.policies.values()))[0].config.max_position_embeddings

@@ -1,0 +1,98 @@
+"""`run.toml`: what a coordinator operator writes to launch a run; validated here, signed as a `RunSpec`.
+
+Example:
+    run_id = "reverse-1"
+    task = "reverse"
+    batch_groups = 64          # prompts per trainer step
+    group_size = 8             # samples per prompt
+    max_off_policy_steps = 1
+    verification_rate = 1.0
+    heartbeat_interval_s = 2.0
+    shardcast_sources = ["http://127.0.0.1:8470", "http://127.0.0.1:8471"]
+    trainer = "12D3Koo..."     # the trainer's node id (primerl-node keygen)
+    validators = ["12D3Koo..."]
+    listen = "/ip4/127.0.0.1/tcp/4001"
+    status_port = 8480
+    [recipe]
+    steps = 500
+    lr = 1e-3
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from node.envs import get_env
+from protocol.messages import RunSpec
+
+
+class RunConfig(BaseModel):
+    """A run as its operator describes it (unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    """Names the run."""
+    task: str = "reverse"
+    """Built-in environment: reverse | addition | calculator | coding."""
+    model: str = "tiny-moe"
+    """Model family (its shape comes from `recipe`)."""
+    batch_groups: int = Field(64, ge=1)
+    """Prompts (work units) per trainer step."""
+    group_size: int = Field(8, ge=1, le=256)
+    """Samples per prompt."""
+    max_off_policy_steps: int = Field(1, ge=0, le=1024)
+    """k: rollouts at most k versions behind enter a batch (0: synchronous)."""
+    verification_rate: float = Field(1.0, ge=0, le=1)
+    """Share of work units verified before batching."""
+    heartbeat_interval_s: float = Field(10.0, gt=0)
+    """Member heartbeat period."""
+    dead_after_missed: int = Field(3, ge=1)
+    """Missed beats until a member is dead and its leases go back to the pool."""
+    lease_ttl_s: float = Field(120.0, gt=0)
+    """Lease lifetime."""
+    shardcast_sources: list[str] = Field(default_factory=list)
+    """Where policy versions are served (trainer origin first, then relays)."""
+    trainer: str | None = None
+    """Node id of the only trainer (None: any member joining as trainer)."""
+    validators: list[str] = Field(default_factory=list)
+    """Node ids whose verdicts count (empty: any validator member)."""
+    listen: str = "/ip4/127.0.0.1/tcp/4001"
+    """Coordinator's libp2p listen multiaddr."""
+    status_port: int = Field(8480, ge=0, le=65535)
+    """HTTP port of the status page and /metrics (0: any free port)."""
+    recipe: dict[str, float | int | str] = Field(default_factory=dict)
+    """Learning recipe overrides (node/roles/common.py RECIPE_DEFAULTS)."""
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        cfg = cls.model_validate(tomllib.loads(Path(path).read_text()))
+        get_env(cfg.task)  # an unknown task fails at launch, not in every node
+        return cfg
+
+    def run_spec(self, coordinator_peer_id: str) -> RunSpec:
+        return RunSpec(run_id=self.run_id, coordinator=coordinator_peer_id, model=self.model, environment=self.task,
+                       max_off_policy_steps=self.max_off_policy_steps, heartbeat_interval_s=self.heartbeat_interval_s,
+                       dead_after_missed=self.dead_after_missed, lease_ttl_s=self.lease_ttl_s,
+                       group_size=self.group_size, batch_groups=self.batch_groups,
+                       verification_rate=self.verification_rate, shardcast_sources=self.shardcast_sources,
+                       trainer=self.trainer, validators=self.validators, recipe=self.recipe)
+
+
+def to_toml(values: dict) -> str:
+    """Minimal TOML writer for run configs (flat keys, lists of strings, one [recipe] table)."""
+    def lit(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(lit(x) for x in v) + "]"
+        return repr(v)
+    lines = [f"{k} = {lit(v)}" for k, v in values.items() if k != "recipe" and v is not None]
+    if values.get("recipe"):
+        lines.append("[recipe]")
+        lines += [f"{k} = {lit(v)}" for k, v in values["recipe"].items()]
+    return "\n".join(lines) + "\n"

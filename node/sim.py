@@ -1,0 +1,249 @@
+"""`primerl-node sim`: the whole network on one machine, every role its own OS process.
+
+A coordinator, a trainer, a validator, a relay and N inference nodes on 127.0.0.1 (real libp2p,
+real HTTP). `--churn` SIGKILLs and restarts inference nodes during the run, and the coordinator
+once; `--cheaters K` makes K inference nodes tamper. At the end it computes, from the
+coordinator's durable store and the trainer's per-step log (never assumed):
+`rollouts_lost` (accepted but unreadable from the store, or batched by the coordinator but never
+trained on) and `rollouts_duplicated` (trained on in more than one step), and writes
+DIR/metrics.jsonl, DIR/summary.json, DIR/report.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from node.run_config import to_toml
+from protocol.identity import NodeKey
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One role process; restartable with the same key and state directory."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.p: subprocess.Popen | None = None
+        self.events: list[tuple[float, str]] = []
+
+    def start(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.p = subprocess.Popen([sys.executable, "-m", "node.cli", "--log-level", "INFO", *self.argv],
+                                  stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+        self.events.append((time.time(), "start"))
+
+    def kill(self) -> None:
+        if self.p and self.p.poll() is None:
+            self.p.send_signal(signal.SIGKILL)
+            self.p.wait(10)
+            self.events.append((time.time(), "kill"))
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.p and self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+            self.events.append((time.time(), "stop"))
+
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+
+def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "reverse", churn: bool = False,
+            cheaters: int = 0, max_off_policy_steps: int = 1, seed: int = 0, batch_groups: int = 64,
+            group_size: int = 8, timeout_s: float = 1500, recipe: dict | None = None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    keys = {name: NodeKey.generate() for name in ["coordinator", "trainer", "validator", "relay",
+                                                  *[f"inference-{i}" for i in range(inference_nodes)]]}
+    for name, key in keys.items():
+        (out / name).mkdir(exist_ok=True)
+        key.save(out / name / "node.key")
+    origin, relay_port = free_port(), free_port()
+    cfg = {"run_id": f"sim-{task}-{seed}", "task": task, "batch_groups": batch_groups, "group_size": group_size,
+           "max_off_policy_steps": max_off_policy_steps, "verification_rate": 1.0, "heartbeat_interval_s": 2.0,
+           "dead_after_missed": 3, "lease_ttl_s": 60.0,
+           "shardcast_sources": [f"http://127.0.0.1:{origin}", f"http://127.0.0.1:{relay_port}"],
+           "trainer": keys["trainer"].peer_id, "validators": [keys["validator"].peer_id],
+           "listen": f"/ip4/127.0.0.1/tcp/{free_port()}", "status_port": free_port(),
+           "recipe": {"steps": steps, "seed": seed, **(recipe or {})}}
+    (out / "run.toml").write_text(to_toml(cfg))
+    addr_file = out / "coordinator" / "addr"
+    coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",
+                                 str(out / "coordinator"), "--key", str(out / "coordinator" / "node.key"),
+                                 "--addr-file", str(addr_file)], out / "coordinator" / "log.txt")
+    t0 = time.time()
+    coord.start()
+    bootstrap = _wait_for(addr_file, coord, 60).splitlines()[0]
+    spec = str(out / "coordinator" / "spec.json")
+    cheater_names = [f"inference-{i}" for i in range(inference_nodes - cheaters, inference_nodes)]
+    kinds = ["reward", "tokens", "version"]
+
+    def member(name: str, role: str, extra: list[str] = ()) -> Proc:
+        return Proc(name, ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
+                           str(out / name / "node.key"), "--workdir", str(out / name), *extra], out / name / "log.txt")
+    procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin)]),
+             "validator": member("validator", "validator"),
+             "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
+    for i in range(inference_nodes):
+        name = f"inference-{i}"
+        extra = ["--cheat", kinds[cheater_names.index(name) % len(kinds)]] if name in cheater_names else []
+        procs[name] = member(name, "inference", extra)
+    for p in procs.values():
+        p.start()
+    metrics_path = out / "trainer" / "metrics.jsonl"
+    coordinator_restarted, next_churn, status = False, time.time() + 8, "timeout"
+    while time.time() - t0 < timeout_s:
+        time.sleep(0.5)
+        done_steps = _count_lines(metrics_path)
+        if (out / "trainer" / "done").exists():
+            status = "done"
+            break
+        if not procs["trainer"].alive():
+            status = "trainer exited"
+            break
+        if churn and time.time() > next_churn:
+            victim = procs[f"inference-{rng.randrange(inference_nodes)}"]
+            log.info("churn: SIGKILL %s", victim.name)
+            victim.kill()
+            time.sleep(1.0)
+            victim.start()
+            next_churn = time.time() + rng.uniform(6, 12)
+        if churn and not coordinator_restarted and done_steps >= max(2, steps // 3):
+            log.info("churn: SIGKILL coordinator at step %d", done_steps)
+            coord.kill()
+            time.sleep(1.0)
+            coord.start()
+            coordinator_restarted = True
+        if done_steps and done_steps % 10 == 0:
+            log.debug("step %d", done_steps)
+    for p in procs.values():
+        p.stop()
+    coord.stop()
+    wall = time.time() - t0
+    rows = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    summary = summarize(out, rows, cfg, keys, cheater_names, wall, status)
+    with (out / "metrics.jsonl").open("w") as f:
+        for r in rows:
+            f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    from node.sim_report import plot_report
+    plot_report(out / "report.png", rows, {p.name: p.events for p in [coord, *procs.values()]}, t0, summary)
+    return summary
+
+
+def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names: list[str], wall: float,
+              status: str) -> dict:
+    from protocol.coordinator import Coordinator
+    from protocol.messages import RunSpec
+
+    spec = RunSpec.model_validate_json((out / "coordinator" / "spec.json").read_bytes())
+    state = Coordinator(out / "coordinator", spec)
+    g = cfg["group_size"]
+    try:
+        q = state.store.q
+        accepted = state.store.accepted()
+        unreadable = 0
+        for rec in accepted:
+            try:
+                state.load_rollout(rec)
+            except Exception:
+                unreadable += 1
+        trained: dict[int, int] = {}
+        for r in rows:
+            for w in r["work_ids"]:
+                trained[w] = trained.get(w, 0) + 1
+        batched = {r[0] for r in q("SELECT work_id FROM accepted WHERE batch_step IS NOT NULL")}
+        # Batched by the coordinator but never trained: lost, except a batch of a step the trainer
+        # had not finished when the run ended (it would get the same batch again on resume).
+        last_step = rows[-1]["step"] if rows else 0
+        open_batch = {r[0] for r in q("SELECT work_id FROM accepted WHERE batch_step > ?", last_step)}
+        lost_groups = unreadable + len(batched - set(trained) - open_batch) + len(set(trained) - batched)
+        dup_groups = sum(c - 1 for c in trained.values() if c > 1)
+        banned = {r[0] for r in q("SELECT peer_id FROM bans")}
+        cheater_ids = {keys[n].peer_id for n in cheater_names}
+        rejected = q("SELECT COUNT(*) FROM verdicts WHERE valid=0")[0][0]
+        stale = q("SELECT COUNT(*) FROM accepted WHERE dropped='stale'")[0][0]
+    finally:
+        state.close()
+    rewards = [r["reward_mean"] for r in rows]
+    warm = json.loads((out / "trainer" / "warmup.json").read_text()) if (out / "trainer" / "warmup.json").exists() else {}
+    return {
+        "status": status, "task": cfg["task"], "steps": len(rows), "steps_target": cfg["recipe"]["steps"],
+        "inference_nodes": sum(k.startswith("inference") for k in keys),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last5": sum(rewards[-5:]) / len(rewards[-5:]) if rewards else None,
+        "rollouts_accepted": len(accepted) * g, "rollouts_rejected": rejected * g,
+        "rollouts_trained": len(trained) * g, "rollouts_dropped_stale": stale * g,
+        "rollouts_lost": lost_groups * g, "rollouts_duplicated": dup_groups * g,
+        "max_off_policy_seen": max((max(r["lags"]) for r in rows), default=0),
+        "max_off_policy_steps": cfg["max_off_policy_steps"],
+        "cheaters": len(cheater_ids), "cheaters_banned": len(cheater_ids & banned),
+        "honest_banned": len(banned - cheater_ids), "wall_s": round(wall, 1), **warm,
+    }
+
+
+def _wait_for(path: Path, proc: Proc, timeout: float) -> str:
+    end = time.time() + timeout
+    while time.time() < end:
+        if path.exists():
+            return path.read_text()
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited; see {proc.log_path}")
+        time.sleep(0.1)
+    raise TimeoutError(f"{proc.name} did not come up in {timeout}s")
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return sum(1 for _ in path.open())
+    except OSError:
+        return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="the whole network on this machine, one OS process per role",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--inference-nodes", type=int, default=4)
+    p.add_argument("--steps", type=int, default=500, help="trainer steps")
+    p.add_argument("--task", default="reverse")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--churn", action="store_true", help="SIGKILL/restart inference nodes, and the coordinator once")
+    p.add_argument("--cheaters", type=int, default=0, help="inference nodes that tamper with their work")
+    p.add_argument("--max-off-policy-steps", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-groups", type=int, default=64, help="prompts per trainer step")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    p.add_argument("--timeout", type=float, default=1500, help="stop the run after this many seconds")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.cheaters > args.inference_nodes:
+        raise SystemExit("--cheaters cannot exceed --inference-nodes")
+    summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
+                      args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout)
+    print(json.dumps(summary))
+    print(f"report: {args.out / 'report.png'}")
+    return 0 if summary["status"] == "done" else 1
