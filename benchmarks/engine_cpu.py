@@ -1,9 +1,15 @@
-"""Built-in engine vs `transformers` generate() on the same tiny MoE, same batch and lengths, CPU.
+"""Built-in engine vs `transformers` generate() on the same tiny MoE, same requests and batch, CPU.
 
-    python -m benchmarks.engine_cpu [--batch 32] [--new-tokens 64] [--repeats 3]
+    python -m benchmarks.engine_cpu [--batch 32] [--requests 128] [--repeats 2] [--threads 2]
 
-Both sample (temperature 1, no top-p) exactly --new-tokens tokens per sequence from the same
-weights (our checkpoint loaded into transformers' Qwen3-MoE). Prints progress, then one JSON line.
+Two workloads, the same weights (our checkpoint loaded into transformers' Qwen3-MoE), both
+sampling at temperature 1 without top-p:
+- fixed: `batch` prompts, exactly `new_tokens` each: raw decode speed, no batching advantage.
+- rl: `requests` prompts whose completion lengths are heavy-tailed (as RL rollouts are: most
+  short, a few long), `batch` at a time. transformers runs them in batches of `batch`, each batch
+  until its longest request is done (static batching); ours keeps `batch` slots busy, admitting
+  the next request as soon as one finishes (continuous batching).
+Throughput counts only requested tokens. Prints progress, then one JSON line.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import tempfile
 import time
 
@@ -20,32 +27,40 @@ from node.engine import Engine, Request, SamplingParams
 from node.model import CausalLM, ModelConfig, save_checkpoint
 
 
-def bench_ours(model, prompts, new_tokens) -> float:
-    engine = Engine(model, max_batch=len(prompts), eos_id=-1, max_seq_len=prompts.shape[1] + new_tokens + 1)
-    reqs = [Request(str(i), p.tolist(), SamplingParams(max_new_tokens=new_tokens, seed=i)) for i, p in enumerate(prompts)]
+def rl_lengths(n: int, seed: int = 0, short: int = 16, long: int = 192) -> list[int]:
+    """Heavy-tailed lengths: 80% between 8 and `short`, 20% up to `long`."""
+    rng = random.Random(seed)
+    return [rng.randint(8, short) if rng.random() < 0.8 else rng.randint(short, long) for _ in range(n)]
+
+
+def run_ours(model, prompts, lengths, batch) -> float:
+    engine = Engine(model, max_batch=batch, eos_id=-1, max_seq_len=prompts.shape[1] + max(lengths) + 1)
+    reqs = [Request(str(i), p.tolist(), SamplingParams(max_new_tokens=n, seed=i)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     t = time.perf_counter()
     out = engine.generate(reqs)
     dt = time.perf_counter() - t
-    assert all(len(c.token_ids) == new_tokens for c in out)
-    return len(prompts) * new_tokens / dt
+    assert [len(c.token_ids) for c in out] == lengths
+    return sum(lengths) / dt
 
 
-def bench_hf(hf, prompts, new_tokens) -> float:
+def run_hf(hf, prompts, lengths, batch) -> float:
     t = time.perf_counter()
-    with torch.no_grad():
-        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0, top_p=1.0,
-                          top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-    dt = time.perf_counter() - t
-    assert out.shape[1] == prompts.shape[1] + new_tokens
-    return len(prompts) * new_tokens / dt
+    for i in range(0, len(prompts), batch):
+        chunk, n = prompts[i : i + batch], max(lengths[i : i + batch])
+        with torch.no_grad():
+            out = hf.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=True, temperature=1.0, top_p=1.0,
+                              top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        assert out.shape[1] == chunk.shape[1] + n
+    return sum(lengths) / (time.perf_counter() - t)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -54,26 +69,29 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=96, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=512)
     model = CausalLM(cfg).eval()
     with tempfile.TemporaryDirectory() as d:
         save_checkpoint(model, d)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    prompts = torch.randint(3, 96, (args.batch, args.prompt_len))
-    bench_ours(model, prompts[:2], 4), bench_hf(hf, prompts[:2], 4)  # warm-up
-    ours, theirs = [], []
-    for r in range(args.repeats):
-        ours.append(bench_ours(model, prompts, args.new_tokens))
-        theirs.append(bench_hf(hf, prompts, args.new_tokens))
-        print(f"repeat {r}: ours {ours[-1]:.0f} tok/s, transformers {theirs[-1]:.0f} tok/s", flush=True)
-    best_ours, best_hf = max(ours), max(theirs)
-    print(json.dumps({
-        "benchmark": "engine_cpu", "machine": f"{platform.machine()} cpu x{args.threads} threads",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "model": "qwen3_moe hidden128 L4 E8 top2", "batch": args.batch, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "ours_tok_s": round(best_ours, 1), "transformers_tok_s": round(best_hf, 1),
-        "ratio_ours_over_transformers": round(best_ours / best_hf, 2),
-    }))
+    run_ours(model, torch.randint(3, 96, (2, 8)), [4, 4], 2), run_hf(hf, torch.randint(3, 96, (2, 8)), [4, 4], 2)
+    workloads = {
+        "fixed": (torch.randint(3, 96, (args.batch, args.prompt_len)), [args.new_tokens] * args.batch),
+        "rl": (torch.randint(3, 96, (args.requests, args.prompt_len)), rl_lengths(args.requests)),
+    }
+    result = {"benchmark": "engine_cpu", "machine": f"{platform.machine()} 2-core cpu, {args.threads} torch threads",
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "model": "qwen3_moe hidden128 L4 E8 top2 (float32)", "batch": args.batch}
+    for name, (prompts, lengths) in workloads.items():
+        ours, theirs = [], []
+        for r in range(args.repeats):
+            ours.append(run_ours(model, prompts, lengths, args.batch))
+            theirs.append(run_hf(hf, prompts, lengths, args.batch))
+            print(f"{name} repeat {r}: ours {ours[-1]:.0f} tok/s, transformers {theirs[-1]:.0f} tok/s", flush=True)
+        result[name] = {"requests": len(lengths), "tokens": sum(lengths), "ours_tok_s": round(max(ours), 1),
+                        "transformers_tok_s": round(max(theirs), 1),
+                        "ratio_ours_over_transformers": round(max(ours) / max(theirs), 2)}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -174,9 +174,10 @@ class CausalLM(nn.Module):
                 moe_i += 1
         hidden = self.model.norm(x)
         logits = self.lm_head(hidden)
-        if chosen:
-            experts = torch.stack([c.view(b, t, -1) for c in chosen], dim=2)
+        experts = torch.stack([c.view(b, t, -1) for c in chosen], dim=2) if chosen else None
+        # the balancing loss only matters where there is a gradient; inference skips it
+        if chosen and torch.is_grad_enabled():
             aux = load_balancing_loss(router_logits, chosen, self.config.num_experts)
         else:
-            experts, aux = None, hidden.new_zeros(())
+            aux = hidden.new_zeros(())
         return ModelOutput(logits, hidden, router_logits, experts, aux)
