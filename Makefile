@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/primerl-node train-local --task reverse --out runs/train-local
+	OMP_NUM_THREADS=1 $(VENV)/bin/primerl-node sim --inference-nodes 4 --churn --cheaters 1 --task reverse --out runs/sim
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests

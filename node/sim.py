@@ -142,8 +142,12 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
         p.stop()
     coord.stop()
     wall = time.time() - t0
+    exit_codes = {p.name: p.p.returncode for p in [coord, *procs.values()]}
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     summary = summarize(out, rows, cfg, keys, cheater_names, wall, status)
+    summary["coordinator_restarts"] = int(coordinator_restarted)
+    summary["inference_kills"] = sum(what == "kill" for p in procs.values() for _, what in p.events)
+    summary["exit_codes"] = exit_codes
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")

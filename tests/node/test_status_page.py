@@ -1,0 +1,67 @@
+"""The coordinator's status page and /metrics while a real sim runs (every role its own process)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from node.sim import run_sim
+
+
+@pytest.fixture(scope="module")
+def running_sim(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(run_sim(out, inference_nodes=1, steps=30, batch_groups=4,
+                                                              group_size=4, timeout_s=200)), daemon=True)
+    t.start()
+    addr = out / "coordinator" / "addr"
+    end = time.time() + 120
+    while time.time() < end and not addr.exists():
+        time.sleep(0.2)
+    url = addr.read_text().splitlines()[1]
+    while time.time() < end and len(_get_json(url + "status.json")["reward_curve"]) < 3:
+        time.sleep(0.5)
+    yield url
+    t.join(300)
+    assert result.get("status") == "done", result
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _get_json(url: str) -> dict:
+    return json.loads(_get(url))
+
+
+def test_status_json_and_prometheus_metrics_describe_the_run(running_sim):
+    s = _get_json(running_sim + "status.json")
+    roles = {m["role"] for m in s["members"]}
+    assert {"trainer", "validator", "relay", "inference"} <= roles
+    assert s["policy_version"] >= 2 and len(s["versions"]) >= 3
+    assert len(s["reward_curve"]) >= 3 and all(0 <= r <= 1 for _, r in s["reward_curve"])
+    metrics = _get(running_sim + "metrics")
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if not line.startswith("#")}
+    assert values["primerl_policy_version"] >= 2
+    assert values["primerl_members_alive"] >= 4
+    assert values["primerl_rollout_groups_batched_total"] >= 3 * 4
+    assert "# TYPE primerl_rollout_groups_accepted_total counter" in metrics
+
+
+def test_status_page_in_headless_chromium_shows_members_versions_and_reward_curve(running_sim):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("chromium is not installed (CI installs it: apt-get install -y chromium)")
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000",
+                          "--dump-dom", running_sim], capture_output=True, text=True, timeout=60).stdout
+    assert dom.count('class="member"') >= 4
+    assert dom.count('class="version"') >= 3
+    assert 'id="reward-path"' in dom and ' steps</text>' in dom
