@@ -36,8 +36,10 @@ T = TypeVar("T")
 RECIPE_DEFAULTS: dict[str, float | int | str] = {
     "hidden": 64, "layers": 2, "experts": 4, "top_k": 2, "lr": 1e-3, "steps": 500, "temperature": 1.0,
     "warmup_target": 0.25, "seed": 0, "updates_per_batch": 2, "minibatches": 2,
+    "tool_wait_s": 0.0,
 }
-"""The train-local recipe (node/rl/train_local.py) that reaches ~0.88 on reverse in ~500 steps."""
+"""The train-local recipe (node/rl/train_local.py) that reaches ~0.88 on reverse in ~500 steps;
+`tool_wait_s` > 0 adds a heavy-tailed tool-call wait per episode (median seconds; benchmarks)."""
 
 
 def recipe(spec: RunSpec, name: str):

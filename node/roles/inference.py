@@ -10,8 +10,10 @@ validator must catch every one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -29,8 +31,17 @@ from verification.proof import prove_rollouts
 
 log = logging.getLogger(__name__)
 
+MAX_WAITING_GROUPS = 64
+"""Groups whose (simulated) tool calls may be pending at once before the node stops leasing."""
 CHEATS = ("reward", "tokens", "version")
 """Tampering kinds a simulated cheater mixes (see verification's attack classes)."""
+
+
+def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
+    """Heavy-tailed (Pareto, shape `alpha`) wait of one episode's tool calls, the same for the same
+    work (so runs at different k do the same work); stands in for sandboxed tool latency."""
+    xm = median_s / 2 ** (1 / alpha)
+    return min(xm * random.Random(work_seed).paretovariate(alpha), 20 * median_s)
 
 
 def version_runs(versions: list[int]) -> list[tuple[int, int]]:
@@ -75,6 +86,7 @@ class InferenceNode:
         self._rng = random.Random(key.peer_id)
         self._newest_loaded = -1
         self._fetching: asyncio.Task | None = None
+        self._waiting: set[asyncio.Task] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         member = await join_run(self.key, self.spec, "inference", self.bootstrap, stop)
@@ -118,6 +130,8 @@ class InferenceNode:
                                  eos_id=self.tok.eos_id, decode=self.tok.decode, capture_hidden=True, version=version)
         self.engine.load_weights(state, version)
         self._newest_loaded = version
+        with (self.workdir / "versions.jsonl").open("a") as f:  # weight-latency benchmark reads this
+            f.write(json.dumps({"version": version, "t_queued": time.time()}) + "\n")
         log.info("policy v%d queued for the engine", version)
 
     async def _one_round(self, member: RunMember, stop: asyncio.Event) -> None:
@@ -134,10 +148,24 @@ class InferenceNode:
             await asyncio.sleep(0.1)
             return
         groups = await asyncio.to_thread(self._roll_out, grants)
+        wait = float(recipe(self.spec, "tool_wait_s"))
         for grant, group in zip(grants, groups):
-            if grant.work_id in member.cancelled:
-                continue  # too stale to be admitted: the coordinator already took it back
-            await self._submit(member, stop, group)
+            if wait <= 0:
+                await self._finish(member, stop, grant, group, 0.0)
+            else:  # episodes wait on their tools concurrently while the engine starts the next round
+                task = asyncio.create_task(self._finish(member, stop, grant, group, tool_wait(grant.seed, wait)))
+                self._waiting.add(task)
+                task.add_done_callback(self._waiting.discard)
+        while len(self._waiting) >= MAX_WAITING_GROUPS:
+            await asyncio.wait(set(self._waiting), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _finish(self, member: RunMember, stop: asyncio.Event, grant: LeaseGrant, group: RolloutGroup,
+                      wait_s: float) -> None:
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        if grant.work_id in member.cancelled:
+            return  # too stale to be admitted: the coordinator already took it back
+        await self._submit(member, stop, group)
 
     def _roll_out(self, grants: list[LeaseGrant]) -> list[RolloutGroup]:
         g = self.spec.group_size

@@ -79,8 +79,10 @@ class TrainerNode:
                     break
                 t_wait = time.time() - t0
                 row = await asyncio.to_thread(self._train, trainer, step, items)
+                t_trained = time.time()
                 await self._publish(member, stop, trainer)
-                row.update(wait_s=t_wait, step_s=time.time() - t0, t=time.time())
+                row.update(wait_s=t_wait, step_s=time.time() - t0, t=time.time(), t_trained=t_trained,
+                           tokens=sum(g.n_tokens for _, _, g in items))
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 if step % CHECKPOINT_EVERY == 0:
