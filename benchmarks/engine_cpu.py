@@ -88,9 +88,13 @@ def main() -> None:
             ours.append(run_ours(model, prompts, lengths, args.batch))
             theirs.append(run_hf(hf, prompts, lengths, args.batch))
             print(f"{name} repeat {r}: ours {ours[-1]:.0f} tok/s, transformers {theirs[-1]:.0f} tok/s", flush=True)
+        # ours and theirs alternate, so each pair saw similar machine load: the paired median ratio
+        # is the figure; the best of each is reported beside it
+        ratios = sorted(o / t for o, t in zip(ours, theirs))
         result[name] = {"requests": len(lengths), "tokens": sum(lengths), "ours_tok_s": round(max(ours), 1),
                         "transformers_tok_s": round(max(theirs), 1),
-                        "ratio_ours_over_transformers": round(max(ours) / max(theirs), 2)}
+                        "ratio_ours_over_transformers": round(ratios[len(ratios) // 2], 2),
+                        "ratio_of_bests": round(max(ours) / max(theirs), 2)}
     print(json.dumps(result))
 
 
