@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,8 +114,14 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     for p in procs.values():
         p.start()
     metrics_path = out / "trainer" / "metrics.jsonl"
-    coordinator_restarted, next_churn, status = False, time.time() + 8, "timeout"
-    while time.time() - t0 < timeout_s:
+    churn_every = (10.0, 20.0) if steps < 60 else (20.0, 40.0)
+    coordinator_restarted, next_churn, status = False, time.time() + churn_every[0], "timeout"
+    interrupted = []
+    # Ctrl-C / SIGTERM end the run early but still stop every child (they run in their own sessions).
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, lambda *_: interrupted.append(1)) for sig in (signal.SIGTERM, signal.SIGINT)} \
+        if main else {}
+    while time.time() - t0 < timeout_s and not interrupted:
         time.sleep(0.5)
         done_steps = _count_lines(metrics_path)
         if (out / "trainer" / "done").exists():
@@ -129,7 +136,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
             victim.kill()
             time.sleep(1.0)
             victim.start()
-            next_churn = time.time() + rng.uniform(6, 12)
+            next_churn = time.time() + rng.uniform(*churn_every)
         if churn and not coordinator_restarted and done_steps >= max(2, steps // 3):
             log.info("churn: SIGKILL coordinator at step %d", done_steps)
             coord.kill()
@@ -138,6 +145,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
             coordinator_restarted = True
         if done_steps and done_steps % 10 == 0:
             log.debug("step %d", done_steps)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     for p in procs.values():
         p.stop()
     coord.stop()

@@ -61,6 +61,11 @@ class Coordinator:
         with self.store as db:
             db.execute("INSERT OR REPLACE INTO members VALUES(?,?,?,?,?,?)",
                        (peer_id, msg.role, dumps(msg.addrs), now, now, 0))
+            # A (re-)join is a fresh incarnation: whatever an earlier one held died with it (a node
+            # restarted after a crash would otherwise block its work until the leases expire).
+            released = self._release_leases_of(db, peer_id)
+        if released:
+            log.info("member %s re-joined; its %d earlier leases are back in the pool", peer_id, len(released))
         members = [PeerAddress(peer_id=m.peer_id, addrs=m.addrs) for m in self.view.alive(now) if m.peer_id != peer_id]
         return JoinAccepted(spec=self.spec, policy_version=self.ledger.current_version, members=members[:4096])
 

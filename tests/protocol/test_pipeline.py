@@ -91,10 +91,10 @@ def test_stale_verified_work_never_enters_a_batch(tmp_path):
     assert c.store.accepted(w)[0].dropped == "stale"
 
 
-def test_lease_pool_is_throttled_to_k_plus_one_batches(tmp_path):
-    c = open_run(tmp_path, k=1, batch_groups=2)
+def test_lease_pool_is_throttled_to_a_batch_and_a_half_at_k1(tmp_path):
+    c = open_run(tmp_path, k=1, batch_groups=4)
     grants = pipeline.grant_leases(c, A.peer_id, 10, 1)
-    assert len(grants) == 4  # (k + 1) * batch_groups
+    assert len(grants) == 6  # batch_groups + k * batch_groups / 2
     assert pipeline.grant_leases(c, B.peer_id, 10, 1) == []
 
 
@@ -111,3 +111,12 @@ def test_stored_units_carry_the_signed_group_as_submitted(tmp_path):
     item = pipeline.stored(c, [w])[0]
     opened = open_envelope(item.envelope, "r", None, max_skew_s=float("inf"))
     assert opened.signer == A.peer_id and opened.message == group(w, 0)
+
+
+def test_a_rejoining_member_gets_its_earlier_leases_taken_back(tmp_path):
+    c = open_run(tmp_path, k=1, batch_groups=4)
+    held = pipeline.grant_leases(c, A.peer_id, 3, 1)
+    c.join(A.peer_id, Join(spec_hash=c.spec_hash, role="inference"), 2)  # restarted after a crash
+    regranted = pipeline.grant_leases(c, B.peer_id, 3, 3)
+    assert [g.work_id for g in regranted] == [g.work_id for g in held]  # same work, new holder
+    assert [(g.task_index, g.seed) for g in regranted] == [(g.task_index, g.seed) for g in held]
