@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fet.add_argument("--version", type=int, default=None, help="version (default: newest any source has)")
     fet.add_argument("--trust", action="append", required=True, help="trusted publisher: node id or hex public key (repeatable)")
     fet.add_argument("--out", default=None, help="also write the tensors to this .safetensors file")
-    fet.add_argument("--parallel", type=int, default=4, help="shards downloaded at once")
+    fet.add_argument("--parallel", type=int, default=None, help="shards downloaded at once (default: 4, up to 8 with more cores)")
     fet.add_argument("--stall-timeout", type=float, default=10.0, help="seconds without bytes before a source counts as stalled")
     fet.add_argument("--serve-port", type=int, default=None, help="serve held shards to peers on this port while fetching")
     fet.add_argument("--linger", type=float, default=0.0, help="keep serving this many seconds after the fetch")
@@ -165,7 +165,8 @@ def _fetch(args: argparse.Namespace) -> int:
             print(f"serving held shards on http://127.0.0.1:{port}", flush=True)
         try:
             got = await fetch_version(store, args.source, TrustedPublishers(args.trust), args.run, args.version,
-                                      parallel=args.parallel, stall_timeout=args.stall_timeout, progress=not args.no_progress)
+                                      stall_timeout=args.stall_timeout, progress=not args.no_progress,
+                                      **({} if args.parallel is None else {"parallel": args.parallel}))
             if args.out:
                 from safetensors.torch import save_file
 
