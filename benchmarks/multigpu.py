@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: {n} GPU(s) {' '.join(extra)}")
             r = run_world(name, n, extra + tiny, args.timeout)
             log(f"{name}: {n} GPU(s) -> " + (r["error"] + "\n" + r.get("tail", "") if "error" in r else
-                                             json.dumps({k: v for k, v in r.items() if not isinstance(v, (list, dict))})))
+                                             json.dumps(r)))
             rows.append(r)
         if key:
             scaling(rows, key)
@@ -118,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         result["moe"] = section("moe", ["--tokens", str(args.tokens), "--iters", "10"], counts, "fwd_bwd_tok_s")
         scaling(result["moe"], "fwd_tok_s")
     if "trainer" in sections:
-        rows = section("trainer", ["--layers", str(args.layers)], counts, "tok_s")
-        if args.big_layers and max(counts) > 1:
-            rows += section("trainer", ["--layers", str(args.big_layers)], [max(counts)], None)
-        result["trainer"] = rows
+        result["trainer"] = section("trainer", ["--layers", str(args.layers)], counts, "tok_s")
     if "engine" in sections:
         rows = section("engine", ["--layers", str(args.layers), "--batches", args.batches], counts, None)
         base = next((r for r in rows if r.get("gpus") == 1 and "rows" in r), None)
@@ -144,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 result["shardcast"] = {"error": f"timed out after {args.timeout:.0f}s"}
         log(f"shardcast -> {json.dumps(result['shardcast'])[:1500]}")
+
+    if "trainer" in sections and args.big_layers and max(counts) > 1:  # last: the longest, the least needed
+        result["trainer"] += section("trainer", ["--layers", str(args.big_layers)], [max(counts)], None)
 
     summary = summarize(result)
     result["summary"] = summary

@@ -49,14 +49,17 @@ class EPEngine(Engine):
         if sorted(own) != sorted(internal):
             raise InvalidCheckpoint(f"tensor names differ: missing {sorted(set(own) - set(internal))[:3]}, "
                                     f"unexpected {sorted(set(internal) - set(own))[:3]}")
-        with torch.no_grad():
-            for name, p in own.items():
-                t = internal[name]
-                if ".mlp.experts." in name:
-                    block = self.model.get_submodule(name.rsplit(".experts.", 1)[0])
-                    t = t[block.expert_offset : block.expert_offset + block.experts.num_experts]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise InvalidCheckpoint(f"{name}: shape {tuple(t.shape)}, this rank expects {tuple(p.shape)}")
+        pairs = []
+        for name, p in own.items():
+            t = internal[name]
+            if ".mlp.experts." in name:
+                block = self.model.get_submodule(name.rsplit(".experts.", 1)[0])
+                t = t[block.expert_offset : block.expert_offset + block.experts.num_experts]
+            if tuple(t.shape) != tuple(p.shape):
+                raise InvalidCheckpoint(f"{name}: shape {tuple(t.shape)}, this rank expects {tuple(p.shape)}")
+            pairs.append((p, t))
+        with torch.no_grad():  # all checked first: a rejected version leaves the weights untouched
+            for p, t in pairs:
                 p.copy_(t)
         self.version = version
 
