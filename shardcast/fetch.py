@@ -150,12 +150,15 @@ class Fetcher:
         raise VersionNotFound(f"{run_id} v{version}: no source has it ({'; '.join(map(str, errors)) or 'no live sources'})")
 
     # -- the fetch ------------------------------------------------------------------------
-    async def fetch(self, run_id: str, version: int) -> FetchedVersion:
-        """Fetch (or reuse) `version`, and first its delta chain back to the keyframe."""
+    async def fetch(self, run_id: str, version: int, manifest_hash: str | None = None) -> FetchedVersion:
+        """Fetch (or reuse) `version`, and first its delta chain back to the keyframe.
+        `manifest_hash` (from a gossip `PolicyAnnounce`) pins the exact manifest expected."""
         if self.store.payload_path(run_id, version).exists() and self.store.manifest(run_id, version):
             m = self.store.manifest(run_id, version).verified(self.trusted)  # type: ignore[union-attr]
+            _check_announced(m, manifest_hash)
             return FetchedVersion(m, self.store.payload(run_id, version), 0)
         m = await self.manifest(run_id, version)
+        _check_announced(m, manifest_hash)
         parent_payload = None
         if m.encoding == "delta":
             assert m.parent is not None
@@ -303,6 +306,11 @@ class Fetcher:
             src.inflight -= 1
         src.record(len(wire), time.perf_counter() - t0)
         return wire
+
+
+def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
+    if manifest_hash is not None and m.manifest_hash() != manifest_hash:
+        raise InvalidManifest(f"{m.run_id} v{m.version}: manifest hash {m.manifest_hash()[:16]}.. is not the announced {manifest_hash[:16]}..")
 
 
 def _summary(errors: dict[int, str]) -> str:

@@ -149,3 +149,19 @@ def test_corrupt_source_is_not_asked_again_for_the_next_version(tmp_path, origin
     asked_v0, asked_total, got = asyncio.run(go())
     assert asked_v0 >= 1 and asked_total == asked_v0
     sc.assert_same(got.tensors(), sc.rl_step(sc.make_state(0), 1))
+
+
+def test_fetch_pinned_to_an_announced_manifest_hash(tmp_path, origin_store, trusted, sc):
+    announced = origin_store.manifest("run", 0).manifest.manifest_hash()
+
+    async def go(pin):
+        server, url = await sc.serve(origin_store)
+        try:
+            async with Fetcher(Store(tmp_path / f"c{pin[:4]}"), [url], trusted) as f:
+                return await f.fetch("run", 0, manifest_hash=pin)
+        finally:
+            await server.stop()
+
+    sc.assert_same(asyncio.run(go(announced)).tensors(), sc.make_state(0))
+    with pytest.raises(InvalidManifest, match="announced"):
+        asyncio.run(go("0" * 64))
