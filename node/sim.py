@@ -153,7 +153,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     wall = time.time() - t0
     exit_codes = {p.name: p.p.returncode for p in [coord, *procs.values()]}
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    summary = summarize(out, rows, cfg, keys, cheater_names, wall, status)
+    summary = summarize(out, rows, cfg, keys, cheater_names, wall, status, t0)
     summary["coordinator_restarts"] = int(coordinator_restarted)
     summary["inference_kills"] = sum(what == "kill" for p in procs.values() for _, what in p.events)
     summary["exit_codes"] = exit_codes
@@ -166,8 +166,12 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     return summary
 
 
+REWARD_TARGET = 0.8
+"""reward_last5 the reverse task must reach (the train-local target)."""
+
+
 def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names: list[str], wall: float,
-              status: str) -> dict:
+              status: str, t0: float) -> dict:
     from protocol.coordinator import Coordinator
     from protocol.messages import RunSpec
 
@@ -201,6 +205,7 @@ def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names:
     finally:
         state.close()
     rewards = [r["reward_mean"] for r in rows]
+    reached = next((i for i in range(4, len(rows)) if sum(rewards[i - 4 : i + 1]) / 5 >= REWARD_TARGET), None)
     warm = json.loads((out / "trainer" / "warmup.json").read_text()) if (out / "trainer" / "warmup.json").exists() else {}
     return {
         "status": status, "task": cfg["task"], "steps": len(rows), "steps_target": cfg["recipe"]["steps"],
@@ -213,7 +218,9 @@ def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names:
         "max_off_policy_seen": max((max(r["lags"]) for r in rows), default=0),
         "max_off_policy_steps": cfg["max_off_policy_steps"],
         "cheaters": len(cheater_ids), "cheaters_banned": len(cheater_ids & banned),
-        "honest_banned": len(banned - cheater_ids), "wall_s": round(wall, 1), **warm,
+        "honest_banned": len(banned - cheater_ids), "wall_s": round(wall, 1),
+        "reward_target": REWARD_TARGET, "target_reached_step": None if reached is None else rows[reached]["step"],
+        "target_reached_s": None if reached is None else round(rows[reached]["t"] - t0, 1), **warm,
     }
 
 

@@ -108,7 +108,16 @@ class InferenceNode:
     async def _on_announce(self, msg: PolicyAnnounce) -> None:
         self.hashes[msg.version] = msg.manifest_hash
         if self._fetching is None or self._fetching.done():
-            self._fetching = asyncio.create_task(self._load(msg.version, msg.manifest_hash))
+            self._fetching = asyncio.create_task(self._follow())
+
+    async def _follow(self) -> None:
+        """Load the newest announced version; versions announced while a fetch runs are not
+        missed (the loop goes again), and versions overtaken meanwhile are skipped."""
+        while self.hashes and max(self.hashes) > self._newest_loaded:
+            newest = max(self.hashes)
+            await self._load(newest, self.hashes[newest])
+            if self._newest_loaded < newest:
+                break  # the fetch failed (logged); the next announcement retries
 
     async def _load(self, version: int, manifest_hash: str | None) -> None:
         """Fetch and queue `version` for the engine (applied between two decode steps)."""
