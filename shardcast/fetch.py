@@ -288,8 +288,8 @@ class Fetcher:
             async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}") as r:
                 if r.status == 404:
                     raise VersionNotFound(f"shard {i} not held by {src.url}")
-                if r.status == 503:
-                    raise SourceBusy(f"{src.url} busy")
+                if r.status in (429, 503):  # out of upload slots or over a rate limit: busy, not broken
+                    raise SourceBusy(f"{src.url} busy (HTTP {r.status})")
                 if r.status != 200:
                     raise SourceUnavailable(f"HTTP {r.status}")
                 try:
