@@ -24,6 +24,10 @@ from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
 
+SPEC_PROTOCOL = "/primerl/spec/1"
+"""Where a coordinator hands out its run spec; the stream is authenticated (Noise) to the peer id
+in the bootstrap multiaddr, and the spec must name that peer as its coordinator."""
+
 
 def quiet_libp2p() -> None:
     """py-libp2p's auto-connector and friends log at INFO every tick."""
@@ -51,6 +55,11 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     service = CoordinatorService(key, Coordinator(state, spec), host,
                                  selector=lambda wid: selected_for_verification(wid, spec.verification_rate, secret))
     await service.start()
+    spec_bytes = spec.model_dump_json().encode()
+
+    async def hand_out_spec(remote: str, data: bytes) -> bytes:
+        return spec_bytes
+    host.serve(SPEC_PROTOCOL, hand_out_spec)
     runner, port = await serve_status(service, cfg.status_port)
     bootstrap = next(a for a in host.addrs if "/p2p/" in a) if any("/p2p/" in a for a in host.addrs) else host.addrs[0]
     print(f"bootstrap: {bootstrap}\nstatus: http://127.0.0.1:{port}/\nspec: {state / 'spec.json'}", flush=True)
@@ -66,11 +75,34 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     await host.stop()
 
 
-async def join(role: str, spec_path: Path, bootstrap: str, key_path: Path | None, workdir: Path,
+async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
+    """The run spec from the coordinator at `bootstrap` (retried while it starts up)."""
+    coordinator = bootstrap.rsplit("/p2p/", 1)[-1]
+    host = PeerHost(NodeKey.generate())
+    await host.start()
+    try:
+        end = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                await host.connect(bootstrap, timeout=5)
+                spec = RunSpec.model_validate_json(await host.request(coordinator, SPEC_PROTOCOL, b"{}", timeout=10))
+                break
+            except Exception as exc:
+                if asyncio.get_running_loop().time() > end:
+                    raise SystemExit(f"no run spec from {bootstrap}: {exc}")
+                await asyncio.sleep(1.0)
+    finally:
+        await host.stop()
+    if spec.coordinator != coordinator:
+        raise SystemExit(f"the spec from {bootstrap} names another coordinator ({spec.coordinator})")
+    return spec
+
+
+async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, cheat: str | None) -> None:
     from node.roles.common import stop_on_signals
 
-    spec = RunSpec.model_validate_json(spec_path.read_bytes())
+    spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
     workdir.mkdir(parents=True, exist_ok=True)
     key = NodeKey.load_or_create(key_path or workdir / "node.key")
     stop = stop_on_signals()
@@ -106,7 +138,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     j = sub.add_parser("join", help="join a run as inference | trainer | validator | relay")
     j.add_argument("--role", required=True, choices=["inference", "trainer", "validator", "relay"])
     j.add_argument("--bootstrap", required=True, help="coordinator multiaddr (/ip4/…/tcp/…/p2p/<id>)")
-    j.add_argument("--spec", type=Path, required=True, help="the run's spec.json (from the coordinator operator)")
+    j.add_argument("--spec", type=Path, help="the run's spec.json (default: ask the bootstrap coordinator for it)")
     j.add_argument("--key", type=Path, help="node key file (created if missing; default WORKDIR/node.key)")
     j.add_argument("--workdir", type=Path, default=Path("node-state"), help="shards, checkpoints, metrics")
     j.add_argument("--shardcast-port", type=int, default=8470, help="trainer/relay: HTTP port serving shards")

@@ -1,0 +1,59 @@
+"""`coordinator launch` and `join` plumbing: run.toml validation, the spec handed out at bootstrap,
+clean shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from node.join_cli import fetch_spec
+from node.run_config import RunConfig, to_toml
+from node.sim import free_port
+from protocol.messages import RunSpec
+
+
+def write_config(path, **over) -> None:
+    values = {"run_id": "t1", "task": "reverse", "batch_groups": 4, "group_size": 2,
+              "listen": f"/ip4/127.0.0.1/tcp/{free_port()}", "status_port": 0, "recipe": {"steps": 3}} | over
+    path.write_text(to_toml(values))
+
+
+def test_run_toml_round_trips_and_bad_keys_or_tasks_are_refused(tmp_path):
+    write_config(tmp_path / "ok.toml")
+    spec = RunConfig.load(tmp_path / "ok.toml").run_spec("12D3KooWcoordinator")
+    assert spec.batch_groups == 4 and spec.group_size == 2 and spec.recipe == {"steps": 3}
+    write_config(tmp_path / "typo.toml", batch_group=4)
+    with pytest.raises(ValidationError):
+        RunConfig.load(tmp_path / "typo.toml")
+    write_config(tmp_path / "task.toml", task="no-such-task")
+    with pytest.raises(Exception, match="no-such-task"):
+        RunConfig.load(tmp_path / "task.toml")
+
+
+def test_joiner_gets_the_run_spec_from_the_bootstrap_coordinator_which_stops_cleanly(tmp_path):
+    write_config(tmp_path / "run.toml")
+    addr = tmp_path / "addr"
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config",
+                             str(tmp_path / "run.toml"), "--state", str(tmp_path / "state"), "--addr-file", str(addr)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        end = time.time() + 60
+        while not addr.exists() and time.time() < end and proc.poll() is None:
+            time.sleep(0.1)
+        bootstrap = addr.read_text().splitlines()[0]
+        spec = asyncio.run(fetch_spec(bootstrap))
+        assert spec == RunSpec.model_validate_json((tmp_path / "state" / "spec.json").read_bytes())
+        assert spec.coordinator == bootstrap.rsplit("/p2p/", 1)[1]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
