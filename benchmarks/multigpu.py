@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-layers", type=int, default=16, help="trainer: also this many layers at the largest GPU count (0: skip)")
     ap.add_argument("--tokens", type=int, default=16384, help="moe: tokens per GPU")
     ap.add_argument("--batches", default="1,64,256", help="engine: sequences per GPU")
+    ap.add_argument("--new-tokens", type=int, default=32, help="engine: tokens generated per sequence")
+    ap.add_argument("--greedy-sampler", action="store_true", help="engine: greedy argmax instead of the engine's CPU sampler")
     ap.add_argument("--shardcast-gib", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per torchrun world")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU tests)")
@@ -120,13 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     if "trainer" in sections:
         result["trainer"] = section("trainer", ["--layers", str(args.layers)], counts, "tok_s")
     if "engine" in sections:
-        rows = section("engine", ["--layers", str(args.layers), "--batches", args.batches], counts, None)
+        rows = section("engine", ["--layers", str(args.layers), "--batches", args.batches, "--new-tokens",
+                                  str(args.new_tokens), *(["--greedy-sampler"] if args.greedy_sampler else [])], counts, None)
         base = next((r for r in rows if r.get("gpus") == 1 and "rows" in r), None)
         for r in rows:
             for row in r.get("rows", []):
                 ref = next((b for b in (base or {}).get("rows", []) if b["batch_per_gpu"] == row["batch_per_gpu"]), None)
                 if ref:
                     row["decode_scaling_efficiency"] = row["decode_tok_s"] / (r["gpus"] * ref["decode_tok_s"])
+                    row["forward_scaling_efficiency"] = row["forward_tok_s"] / (r["gpus"] * ref["forward_tok_s"])
         result["engine"] = rows
     if "shardcast" in sections:
         log("shardcast: GPU 0 -> publish -> serve -> fetch in another process -> GPU 1")
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(result: dict) -> dict:
     """The headline figures: one flat dict (the benchmark's last JSON line)."""
-    s: dict = {"machine": result["machine"], "gpus": result["facts"].get("gpus"), "driver": result["facts"].get("driver"),
+    s: dict = {"machine": result["machine"], "gpus": result["facts"].get("gpus"), "driver": (result["facts"].get("driver") or "").split("\n")[0] or None,
                "torch": result["facts"].get("torch"), "nccl": result["facts"].get("nccl")}
     for r in result.get("moe", []):
         if "error" in r:
@@ -182,8 +186,10 @@ def summarize(result: dict) -> dict:
         for row in r["rows"]:
             tag = f"engine_{r['gpus']}gpu_b{row['batch_per_gpu']}"
             s[f"{tag}_decode_tok_s"] = round(row["decode_tok_s"], 1)
+            s[f"{tag}_forward_tok_s"] = round(row["forward_tok_s"], 1)
             if "decode_scaling_efficiency" in row:
                 s[f"{tag}_scaling"] = round(row["decode_scaling_efficiency"], 3)
+                s[f"{tag}_forward_scaling"] = round(row["forward_scaling_efficiency"], 3)
     sc = result.get("shardcast", {})
     for k in ("end_to_end_s_per_gb", "publish_s_per_gb", "fetch_s_per_gb", "peer_d2d_s_per_gb",
               "ratio_end_to_end_over_peer_d2d", "checksums_equal", "error"):

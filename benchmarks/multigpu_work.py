@@ -89,6 +89,7 @@ def moe(args, device, dtype) -> dict:
         ref = block(x)[0].float()  # all experts here: the one-process answer for this rank's tokens
     if n > 1:
         shard_experts(block, dist.get_rank(), n, dist.group.WORLD)
+        block.experts.to(dtype)  # shard_experts builds the slice in the default dtype
     with torch.no_grad():
         out = block(x)[0].float()
     err = torch.tensor(float((out - ref).norm() / ref.norm()), device=device)
@@ -217,6 +218,22 @@ def engine(args, device, dtype) -> dict:
     max_batch = max(args.batches)
     kw = dict(max_batch=max_batch, max_seq_len=args.prompt + args.new_tokens + 1, eos_id=-1)
     eng = EPEngine(model, **kw) if n > 1 else Engine(model, **kw)
+    forward_s = [0.0]
+    plain_forward = eng.model.forward
+
+    def timed_forward(*a, **k):  # the part expert parallelism changes, without the sampler
+        sync(device)
+        t0 = time.perf_counter()
+        out = plain_forward(*a, **k)
+        sync(device)
+        forward_s[0] += time.perf_counter() - t0
+        return out
+
+    eng.model.forward = timed_forward
+    if args.greedy_sampler:
+        import node.engine.engine as engine_module
+
+        engine_module.sample = greedy_sample
     g = torch.Generator().manual_seed(7 + rank)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
 
@@ -234,23 +251,40 @@ def engine(args, device, dtype) -> dict:
         step()
         sync(device)
         t1 = time.perf_counter()
+        forward_s[0] = 0.0
         while more():
             step()
         sync(device)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, time.perf_counter() - t1, forward_s[0]
 
     run(2)  # warm-up: kernels, allocator
     rows = []
     for batch in args.batches:
-        pre, dec = run(batch)
-        dec_t = torch.tensor(dec, dtype=torch.float64, device=device)
-        dist.all_reduce(dec_t, op=dist.ReduceOp.MAX)
-        decoded = n * batch * (args.new_tokens - 1)
-        rows.append({"batch_per_gpu": batch, "prefill_step_s": pre, "decode_s": float(dec_t),
-                     "decode_tok_s": decoded / float(dec_t), "step_ms": 1e3 * float(dec_t) / (args.new_tokens - 1)})
+        pre, dec, fwd = run(batch)
+        t = torch.tensor([dec, fwd], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dec, fwd = t.tolist()
+        decoded, steps = n * batch * (args.new_tokens - 1), args.new_tokens - 1
+        rows.append({"batch_per_gpu": batch, "prefill_step_s": pre, "decode_s": dec, "decode_tok_s": decoded / dec,
+                     "step_ms": 1e3 * dec / steps, "forward_s": fwd, "forward_tok_s": decoded / fwd,
+                     "forward_ms": 1e3 * fwd / steps})
     return {"gpus": n, "layers": cfg.num_hidden_layers, "experts_per_gpu": cfg.num_experts // n, "prompt": args.prompt,
             "new_tokens": args.new_tokens, "engine": "EPEngine (eager)" if n > 1 else "Engine (eager)", "rows": rows,
+            "sampler": "greedy argmax (benchmark)" if args.greedy_sampler else "engine",
             "peak_mem_gib": peak_memory_gib(device)}
+
+
+def greedy_sample(logits: torch.Tensor, params: list, positions: list[int]):
+    """Greedy stand-in for the engine's sampler in this benchmark: the real one draws numpy Gumbel
+    noise over the whole vocabulary for every row (about 1.5 s per step at batch 256 and 151,936
+    tokens on the H200 host's CPU), which hides the model step that expert parallelism changes."""
+    from node.engine.sampling import Samples
+
+    if any(p.temperature != 0 for p in params):
+        raise ValueError("the benchmark's greedy sampler takes temperature 0 only")
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top2 = logp.topk(2, dim=-1)
+    return Samples(top2.indices[:, 0], top2.values[:, 0], top2.values[:, 0] - top2.values[:, 1])
 
 
 SECTIONS = {"moe": moe, "trainer": trainer, "engine": engine}
@@ -269,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--greedy-sampler", action="store_true", help="engine: greedy argmax instead of the engine's CPU sampler")
     args = ap.parse_args(argv)
     device, dtype = setup()
     try:

@@ -28,7 +28,9 @@ def shard_model_experts(model: CausalLM, group: dist.ProcessGroup) -> CausalLM:
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     for layer in model.model.layers:
         if isinstance(layer.mlp, MoEBlock) and not hasattr(layer.mlp, "ep_group"):
+            dtype = layer.mlp.experts.down_proj.dtype
             shard_experts(layer.mlp, rank, ep, group)
+            layer.mlp.experts.to(dtype)  # shard_experts builds the slice in the default dtype
     return model
 
 
