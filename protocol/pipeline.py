@@ -7,7 +7,8 @@ Invariants (on top of `protocol.coordinator`'s):
   (a trainer that lost the reply, or a coordinator restarted mid-reply, loses nothing);
 - a failing verdict bans its submitter: their unbatched units are dropped and their leases freed.
 - the pool never has more than `out_limit(k, batch)` units of work out (leased, or accepted and
-  unbatched), so inference nodes do not burn compute on rollouts that would only go stale.
+  unbatched), so inference nodes do not burn compute on rollouts that would only go stale;
+  one peer never holds more than `peer_lease_cap` (half of that) leases at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 from protocol.coordinator import Coordinator
+from protocol.errors import TooManyLeases
 from protocol.messages import LeaseGrant, StoredWork, Verdict
 
 log = logging.getLogger(__name__)
@@ -38,12 +40,36 @@ def out_limit(k: int, batch_groups: int) -> int:
     return batch_groups + (k * batch_groups) // 2
 
 
-def grant_leases(state: Coordinator, peer_id: str, count: int, now: float) -> list[LeaseGrant]:
-    """Up to `count` leases, fewer while `out_limit` units are already out; none before version 0."""
+MAX_LEASES_PER_PEER = 1024
+"""Leases one peer may hold through single `LeaseRequest`s (the unthrottled path): the most one
+`LeaseBatchRequest` may ask for. Held leases are re-granted before new work is minted, so this
+also bounds how much work state a flooding peer can make the coordinator store."""
+
+
+def peer_lease_cap(k: int, batch_groups: int) -> int:
+    """Most leases one peer may hold at once: half the pool, so one greedy (or Sybil-fed) peer
+    asking for 1,024 units at a time cannot take all the work and starve honest nodes."""
+    return max(1, (out_limit(k, batch_groups) + 1) // 2)
+
+
+def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_cap: int | None = None
+                 ) -> list[LeaseGrant]:
+    """Up to `count` leases, fewer while `out_limit` units are already out or the peer already
+    holds `peer_cap` (the service passes `peer_lease_cap`); none before version 0."""
     if state.ledger.current_version < 0:
         return []
     room = out_limit(state.spec.max_off_policy_steps, state.spec.batch_groups) - work_out(state)
+    if peer_cap is not None:
+        held = state.store.q("SELECT COUNT(*) FROM work WHERE state='leased' AND holder=?", peer_id)[0][0]
+        room = min(room, peer_cap - held)
     return [state.grant_lease(peer_id, now) for _ in range(max(0, min(count, room)))]
+
+
+def check_lease_room(state: Coordinator, peer_id: str) -> None:
+    """Raise `TooManyLeases` if `peer_id` already holds `MAX_LEASES_PER_PEER` leases."""
+    held = state.store.q("SELECT COUNT(*) FROM work WHERE state='leased' AND holder=?", peer_id)[0][0]
+    if held >= MAX_LEASES_PER_PEER:
+        raise TooManyLeases(f"{peer_id} holds {held} leases")
 
 
 def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
@@ -56,10 +82,16 @@ def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
 
 
 def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[int]:
-    """Accepted, unbatched, undropped work units without a verdict that the selector picks."""
-    rows = state.store.q("SELECT a.work_id FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
+    """Accepted, unbatched, undropped work units without a verdict that the selector picks. Units
+    that can no longer enter any batch are marked stale here instead (judging them is wasted work,
+    and their policy version may already be gone from shardcast's retention)."""
+    rows = state.store.q("SELECT a.work_id, a.min_version FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
                          "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL ORDER BY a.work_id")
-    return [r[0] for r in rows if selector(r[0])][:max_items]
+    stale = [w for w, v in rows if not state.ledger.admissible(v)]
+    if stale:
+        with state.store as db:
+            db.executemany("UPDATE accepted SET dropped='stale' WHERE work_id=?", [(w,) for w in stale])
+    return [w for w, v in rows if w not in set(stale) and selector(w)][:max_items]
 
 
 def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict], now: float) -> list[tuple[str, str]]:

@@ -51,6 +51,9 @@ class ValidatorNode:
                     await asyncio.sleep(0.1)
                     continue
                 verdicts = await self._judge(reply.items)
+                if not verdicts:
+                    await asyncio.sleep(0.5)  # nothing judgeable yet (policy not fetchable): do not spin
+                    continue
                 await call(member, self.bootstrap, stop, lambda: member.net.request(
                     member.coordinator, VerdictBatch(verdicts=verdicts), 30.0), "verdicts")
         except asyncio.CancelledError:
@@ -66,21 +69,26 @@ class ValidatorNode:
     async def _policy(self, version: int) -> None:
         if version in self.policies:
             return
-        state = await fetch_policy(self.spec, self.workdir / "shardcast", version, self.hashes.get(version))
+        state = await fetch_policy(self.spec, self.workdir / "shardcast", version, self.hashes.get(version), tries=3)
         if version not in self.hashes:
             from shardcast.store import Store
             self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
         model = fresh_model(self.spec)
         load_hf_state_dict(model, state)
         self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
-        keep = self.spec.max_off_policy_steps + 3
-        for old in sorted(self.policies)[:-keep]:
+
+    def _prune(self) -> None:
+        """Drop models of versions no rollout can still be admitted with (after a judging round,
+        never during one: a claim's versions must all be present while it is checked)."""
+        newest = max(self.hashes, default=-1)
+        for old in [v for v in self.policies if v < newest - self.spec.max_off_policy_steps - 2]:
             del self.policies[old]
 
     async def _judge(self, items: list[StoredWork]) -> list[Verdict]:
         claims: dict[int, list[RolloutClaim]] = {}
         failed: dict[int, tuple[str, str]] = {}
         submitters: dict[int, str] = {}
+        skipped: set[int] = set()
         for item in items:
             try:
                 opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
@@ -90,10 +98,19 @@ class ValidatorNode:
                         or len(group.rollouts) != self.spec.group_size:
                     raise ProtocolError("not a rollout group of the run's size for this work unit")
                 claims[item.work_id] = [self._claim(item, j, sub) for j, sub in enumerate(group.rollouts)]
-                for c in claims[item.work_id]:
-                    for v in set(c.versions):
-                        await self._policy(v)
             except (ProtocolError, ValueError, KeyError) as exc:
+                failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
+                claims.pop(item.work_id, None)
+                continue
+            try:
+                for v in sorted({v for c in claims[item.work_id] for v in c.versions}):
+                    await self._policy(v)  # the coordinator refuses versions it has not announced
+            except ProtocolError as exc:
+                # Not the submitter's fault: no verdict now (the unit is offered again, or goes stale).
+                log.warning("work %d: policy not available (%s); judged later", item.work_id, exc)
+                claims.pop(item.work_id, None)
+                skipped.add(item.work_id)
+            except (ValueError, KeyError) as exc:
                 failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
@@ -105,8 +122,11 @@ class ValidatorNode:
             for (wid, _), v in zip(flat, verdicts):
                 if not v.accepted and wid not in failed:
                     failed[wid] = (submitters[wid], f"{getattr(v.reason, 'value', v.reason)}: {v.detail}"[:500])
+        self._prune()
         out = []
         for item in items:
+            if item.work_id in skipped:
+                continue
             bad = failed.get(item.work_id)
             out.append(Verdict(work_id=item.work_id, submitter=submitters.get(item.work_id, bad[0] if bad else "?"),
                                valid=bad is None, reason="" if bad is None else bad[1]))

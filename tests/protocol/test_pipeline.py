@@ -120,3 +120,13 @@ def test_a_rejoining_member_gets_its_earlier_leases_taken_back(tmp_path):
     regranted = pipeline.grant_leases(c, B.peer_id, 3, 3)
     assert [g.work_id for g in regranted] == [g.work_id for g in held]  # same work, new holder
     assert [(g.task_index, g.seed) for g in regranted] == [(g.task_index, g.seed) for g in held]
+
+
+def test_work_too_stale_for_any_batch_is_not_handed_to_validators(tmp_path):
+    c = open_run(tmp_path, k=1)
+    old, = [lease_and_submit(c, A, 0)]
+    c.advance_policy(1, "11" * 32, 3)
+    fresh = lease_and_submit(c, B, 1)
+    c.advance_policy(2, "22" * 32, 3)  # next batch (step 3) admits min_version >= 1 only
+    assert pipeline.to_verify(c, 10, ALL) == [fresh]
+    assert c.store.accepted(old)[0].dropped == "stale"
