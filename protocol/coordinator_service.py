@@ -86,11 +86,13 @@ class CoordinatorService:
         return reply
 
     async def _on_lease_request(self, o: Opened) -> LeaseGrant:
+        pipeline.check_lease_room(self.state, o.signer)
         return self.state.grant_lease(o.signer, time.time())
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
         self.state._check_member(o.signer, time.time())
-        return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time()))
+        cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
+        return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap))
 
     def _require(self, peer_id: str, role: str, allowed: list[str]) -> None:
         """Only the spec's named peers (or, if it names none, members of `role`) may do this."""

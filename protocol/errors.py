@@ -99,12 +99,20 @@ class InconsistentRollout(Refused):
     """A rollout whose version runs, tokens and logprobs do not line up."""
 
 
+class TooManyLeases(Refused):
+    """The peer already holds its most leases (protocol/pipeline.py `MAX_LEASES_PER_PEER`)."""
+
+
 REFUSALS: dict[str, type[Refused]] = {
     cls.__name__: cls
     for cls in (NotMember, BannedPeer, SpecMismatch, UnknownLease, NotLeaseHolder, LeaseExpired,
-                DuplicateSubmission, StaleRollout, InconsistentRollout)
+                DuplicateSubmission, StaleRollout, InconsistentRollout, TooManyLeases)
 }
 
 
 class InvalidProof(ProtocolError):
     """A rollout's proof (or claim) is malformed: wrong length, out-of-range field, inconsistent spans."""
+
+
+class RateLimited(ProtocolError):
+    """A peer over its request rate, requests in flight or bytes in flight (protocol/limits.py)."""

@@ -32,8 +32,9 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
-from protocol.errors import MessageTooLarge, RequestTimeout, TransportError
+from protocol.errors import MessageTooLarge, RateLimited, RequestTimeout, TransportError
 from protocol.identity import NodeKey
+from protocol.limits import LimitConfig, PeerLimiter
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,10 @@ class PeerHost:
     """A libp2p peer on one TCP port; start() it inside a running asyncio loop."""
 
     def __init__(self, key: NodeKey, listen: str = "/ip4/127.0.0.1/tcp/0", gossip: GossipConfig | None = None,
-                 max_frame: int = DEFAULT_MAX_FRAME):
+                 max_frame: int = DEFAULT_MAX_FRAME, limits: LimitConfig | None = None):
         self.key = key
+        self.limits = PeerLimiter(limits or LimitConfig())
+        """Per-peer bounds on inbound requests (rate, in flight, bytes in flight); used in the libp2p thread."""
         self.peer_id = key.peer_id
         self._listen = listen
         self._gossip_cfg = gossip or GossipConfig()
@@ -263,20 +266,34 @@ class PeerHost:
 
         async def on_stream(stream: Any) -> None:
             remote = str(stream.muxed_conn.peer_id)
+            nbytes = 0
+            admitted = self.limits.admit(remote)
             try:
+                if not admitted:  # nothing is read or buffered for a peer over its bounds
+                    raise RateLimited(f"{remote} over its request bounds")
                 with trio.fail_after(30):
-                    request = await _read_frame(stream, limit)
+                    (n,) = _LEN.unpack(await _read_exact(stream, _LEN.size))
+                    if n > limit:
+                        raise MessageTooLarge(f"frame of {n} bytes exceeds {limit}")
+                    if not self.limits.reserve_bytes(remote, n):
+                        raise RateLimited(f"{remote} over its bytes in flight")
+                    nbytes = n
+                    request = await _read_exact(stream, n)
                 reply = await self._on_asyncio(handler(remote, request))
                 with trio.fail_after(30):
                     await _write_frame(stream, reply)
                     await stream.close()
             except Exception as exc:  # one bad stream never takes the host down
-                log.warning("request on %s from %s failed: %s: %s", protocol, remote, type(exc).__name__, exc)
+                level = logging.DEBUG if isinstance(exc, RateLimited) else logging.WARNING
+                log.log(level, "request on %s from %s failed: %s: %s", protocol, remote, type(exc).__name__, exc)
                 with trio.move_on_after(1):
                     try:
                         await stream.reset()
                     except Exception:
                         pass
+            finally:
+                if admitted:
+                    self.limits.release(remote, nbytes)
 
         async def register() -> None:
             self._host.set_stream_handler(TProtocol(protocol), on_stream)

@@ -37,6 +37,10 @@ async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: floa
         except ShardcastError as exc:
             # An upstream that lies or vanishes must not kill the relay; try again next round.
             log.warning("relay: %s; retrying in %.1fs", exc, poll_s)
+        except OSError as exc:
+            # A full (or failing) disk: keep serving what is held, try again next round
+            # (found by benchmarks.chaos: the relay died on ENOSPC).
+            log.warning("relay: cannot store %s: %s; retrying in %.1fs", run_id, exc, poll_s)
         try:
             await asyncio.wait_for(_first(stop, wake), poll_s)
         except asyncio.TimeoutError:

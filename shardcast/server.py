@@ -9,8 +9,10 @@ Endpoints (all GET, under /shardcast):
   /{run}/{version}/shard/{index}       -> wire bytes (Range supported; sendfile)
 Invariant: only files with final names are served, and those were verified before renaming
 (see store.py), so a peer never relays bytes it has not checked. At most `max_concurrent`
-shard bodies are in flight; a request that waits longer than `queue_timeout` for a slot gets
-503 with Retry-After, which fetchers read as "busy, try another source".
+shard bodies are in flight, and at most `max_concurrent // 2` for one client IP, so one client
+cannot hold every slot; a request that waits longer than `queue_timeout` for a slot (or whose IP
+holds its share) gets 503 with Retry-After, which fetchers read as "busy, try another source".
+Every request first passes a per-IP `PeerLimiter` (rate, requests in flight): over it, 429.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from protocol.limits import LimitConfig, PeerLimiter
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,9 @@ DEFAULT_MAX_CONCURRENT = 16
 """Shard bodies sent at once: 16 x 64 MiB keeps a 10 Gbit/s uplink busy without thrashing disk."""
 DEFAULT_QUEUE_TIMEOUT = 2.0
 """Seconds a shard request may wait for a slot before a 503 sends the client elsewhere."""
+HTTP_LIMITS = LimitConfig(rate_per_s=1000.0, burst=2000.0, max_inflight=64, max_total_inflight=1024)
+"""Per client IP. Generous because on one host (the local simulation) every peer is 127.0.0.1;
+the shard-slot share below is what keeps one client from starving the others."""
 
 
 def _run(request: web.Request) -> str:
@@ -51,8 +57,12 @@ class ShardServer:
     """aiohttp application over a `Store`."""
 
     def __init__(self, store: Store, max_concurrent: int = DEFAULT_MAX_CONCURRENT, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
-                 uplink_bytes_per_s: float | None = None):
+                 uplink_bytes_per_s: float | None = None, limits: LimitConfig = HTTP_LIMITS):
         self.store = store
+        self.limiter = PeerLimiter(limits)
+        self.per_client_slots = max(1, max_concurrent // 2)
+        """Shard bodies one client IP may have in flight."""
+        self._client_slots: dict[str, int] = {}
         self.uplink_bytes_per_s = uplink_bytes_per_s
         """If set, all shard bodies together are paced to this rate (emulates a thin uplink)."""
         self._uplink_free_at = 0.0
@@ -60,7 +70,7 @@ class ShardServer:
         self._slots = asyncio.Semaphore(max_concurrent)
         self.bytes_served = 0
         self.busy_refusals = 0
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[self._limit])
         self.app.add_routes([
             web.get("/shardcast/runs", self._runs),
             web.get("/shardcast/{run}/versions", self._versions),
@@ -86,6 +96,16 @@ class ShardServer:
             await self._runner.cleanup()
             self._runner = None
 
+    @web.middleware
+    async def _limit(self, request: web.Request, handler) -> web.StreamResponse:
+        client = request.remote or "?"
+        if not self.limiter.admit(client):
+            raise web.HTTPTooManyRequests(text="rate limited", headers={"Retry-After": "1"})
+        try:
+            return await handler(request)
+        finally:
+            self.limiter.release(client)
+
     async def _runs(self, request: web.Request) -> web.Response:
         return web.json_response({"runs": self.store.runs()})
 
@@ -108,9 +128,15 @@ class ShardServer:
         path = self.store.shard_path(_run(request), _int(request, "version"), _int(request, "index"))
         if not path.exists():
             raise web.HTTPNotFound(text="shard not held")
+        client = request.remote or "?"
+        if self._client_slots.get(client, 0) >= self.per_client_slots:
+            self.busy_refusals += 1
+            raise web.HTTPServiceUnavailable(text="busy", headers={"Retry-After": "1"})
+        self._client_slots[client] = self._client_slots.get(client, 0) + 1
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout)
         except asyncio.TimeoutError:
+            self._release_client(client)
             self.busy_refusals += 1
             raise web.HTTPServiceUnavailable(text="busy", headers={"Retry-After": "1"}) from None
         try:
@@ -123,6 +149,14 @@ class ShardServer:
             return resp
         finally:
             self._slots.release()
+            self._release_client(client)
+
+    def _release_client(self, client: str) -> None:
+        left = self._client_slots.get(client, 1) - 1
+        if left:
+            self._client_slots[client] = left
+        else:
+            self._client_slots.pop(client, None)
 
     async def _send_paced(self, request: web.Request, path: Path) -> web.StreamResponse:
         """Send the file (or its requested range) in chunks, paced to the shared uplink rate."""

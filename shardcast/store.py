@@ -9,9 +9,11 @@ reconstructed full version) exists only once all raw hashes matched.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +24,16 @@ log = logging.getLogger(__name__)
 
 
 def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    # One temp name per call: two fetches of one version in one process (a role that fetches on
+    # join and on the announcement) write the same shard from two threads at once.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{next(_tmp_seq)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not stay full of our half-written temp files
+        raise
 
 
 class Store:
@@ -68,9 +76,26 @@ class Store:
         if total == 0:
             return np.empty(0, dtype=np.uint8)
         for stale in self.version_dir(run_id, version).glob(".payload.*.partial"):
-            stale.unlink(missing_ok=True)  # left by a killed fetch; its shards are reused, not this
-        path = self.payload_path(run_id, version).with_name(f".payload.{os.getpid()}.partial")
-        return np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,))
+            # Left by a killed or failed fetch (its shards are reused, not this). A partial still
+            # open is another fetch of the same version in flight: deleting it made that fetch's
+            # rename fail (found by benchmarks.chaos; tests/chaos/test_regressions.py).
+            owner = stale.name.split(".")[2].split("-")[0]
+            if str(stale) not in _live_partials and (owner == str(os.getpid()) or not _pid_alive(owner)):
+                stale.unlink(missing_ok=True)
+        _partial_seq[0] += 1
+        path = self.payload_path(run_id, version).with_name(f".payload.{os.getpid()}-{_partial_seq[0]}.partial")
+        try:
+            with open(path, "wb") as f:
+                # Reserve the blocks now: on a full disk this is an OSError here, not a SIGBUS
+                # (which kills the process) when a page of the mapping is first written.
+                os.posix_fallocate(f.fileno(), 0, total)
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
+        buf = np.memmap(path, dtype=np.uint8, mode="r+", shape=(total,))
+        _live_partials.add(str(path))
+        weakref.finalize(buf, _live_partials.discard, str(path))
+        return buf
 
     def commit_partial_payload(self, run_id: str, version: int, buf: np.ndarray) -> None:
         """Give a fully verified partial payload its final name (atomic rename)."""
@@ -131,3 +156,23 @@ class Store:
             shutil.rmtree(self.version_dir(run_id, v), ignore_errors=True)
             log.info("retention: deleted %s v%d", run_id, v)
         return doomed
+
+
+_partial_seq = [0]
+"""Partial payloads opened by this process: each fetch writes its own file."""
+_live_partials: set[str] = set()
+"""Partial payloads of this process whose buffer is still referenced (a fetch in flight)."""
+_tmp_seq = itertools.count()
+"""Temp files written by this process (next() on a count is atomic under the GIL)."""
+
+
+def _pid_alive(tag: str) -> bool:
+    """Whether process `tag` (the pid in a partial's name) is still running."""
+    try:
+        pid = int(tag)
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
