@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the Qwen3-30B-A3B-shaped model")
     ap.add_argument("--big-layers", type=int, default=16, help="trainer: also this many layers at the largest GPU count (0: skip)")
     ap.add_argument("--tokens", type=int, default=16384, help="moe: tokens per GPU")
+    ap.add_argument("--seq", type=int, default=2048, help="trainer: sequence length")
+    ap.add_argument("--rows", type=int, default=4, help="trainer: sequences per GPU")
     ap.add_argument("--batches", default="1,64,256", help="engine: sequences per GPU")
     ap.add_argument("--new-tokens", type=int, default=32, help="engine: tokens generated per sequence")
     ap.add_argument("--greedy-sampler", action="store_true", help="engine: greedy argmax instead of the engine's CPU sampler")
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         result["moe"] = section("moe", ["--tokens", str(args.tokens), "--iters", "10"], counts, "fwd_bwd_tok_s")
         scaling(result["moe"], "fwd_tok_s")
     if "trainer" in sections:
-        result["trainer"] = section("trainer", ["--layers", str(args.layers)], counts, "tok_s")
+        shape = ["--seq", str(args.seq), "--rows", str(args.rows)]
+        result["trainer"] = section("trainer", ["--layers", str(args.layers), *shape], counts, "tok_s")
     if "engine" in sections:
         rows = section("engine", ["--layers", str(args.layers), "--batches", args.batches, "--new-tokens",
                                   str(args.new_tokens), *(["--greedy-sampler"] if args.greedy_sampler else [])], counts, None)
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"shardcast -> {json.dumps(result['shardcast'])[:1500]}")
 
     if "trainer" in sections and args.big_layers and max(counts) > 1:  # last: the longest, the least needed
-        result["trainer"] += section("trainer", ["--layers", str(args.big_layers)], [max(counts)], None)
+        result["trainer"] += section("trainer", ["--layers", str(args.big_layers), *shape], [max(counts)], None)
 
     summary = summarize(result)
     result["summary"] = summary
