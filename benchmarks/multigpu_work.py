@@ -276,8 +276,9 @@ def engine(args, device, dtype) -> dict:
 
 def greedy_sample(logits: torch.Tensor, params: list, positions: list[int]):
     """Greedy stand-in for the engine's sampler in this benchmark: the real one draws numpy Gumbel
-    noise over the whole vocabulary for every row (about 1.5 s per step at batch 256 and 151,936
-    tokens on the H200 host's CPU), which hides the model step that expert parallelism changes."""
+    noise over the whole 151,936-token vocabulary for every row, greedy rows too; with it the 1-GPU
+    engine section (batches 1/64/256, 64 tokens) did not finish in 110 s on the H200 host, and the
+    sampler, not the model step that expert parallelism changes, would be what is measured."""
     from node.engine.sampling import Samples
 
     if any(p.temperature != 0 for p in params):
