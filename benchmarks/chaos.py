@@ -96,6 +96,7 @@ class Chaos:
         self.step_times: list[float] = []
         self._expected_down: set[str] = set()
         self.quiet_steps_per_min = self.faulty_steps_per_min = None
+        self._decks: dict[str, list[str]] = {}
 
     def _mount_relay_tmpfs(self) -> Path | None:
         path = self.out / "relay" / "shardcast"
@@ -158,7 +159,7 @@ class Chaos:
     def inject(self, kind: str) -> dict:
         rng, f = self.rng, {"kind": kind, "t": round(time.time() - self.t0, 1)}
         if kind == "kill":
-            name = rng.choice(list(self.procs))
+            name = self._draw("kill", list(self.procs))
             f["target"] = name
             self._expected_down.add(name)
             self.procs[name].kill()
@@ -204,6 +205,15 @@ class Chaos:
         f["end"] = round(time.time() - self.t0, 1)
         return f
 
+    def _draw(self, deck: str, items: list[str]) -> str:
+        """Random order without starvation: every item once per shuffled round (so every kind of
+        fault, and a kill of every role, comes up in a long enough run)."""
+        cards = self._decks.setdefault(deck, [])
+        if not cards:
+            cards.extend(items)
+            self.rng.shuffle(cards)
+        return cards.pop()
+
     def run(self, minutes: float, gap: tuple[float, float]) -> None:
         self.t0 = time.time()
         self.start()
@@ -222,7 +232,7 @@ class Chaos:
             self.sleep(min(self.rng.uniform(*gap), max(0.0, end - time.time())))
             if time.time() >= end:
                 break
-            kind = self.rng.choice(kinds)
+            kind = self._draw("kind", kinds)
             f = self.inject(kind)
             log.info("fault %d: %s", len(self.faults) + 1, f)
             self.faults.append(f)
