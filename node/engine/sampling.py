@@ -90,8 +90,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     if bool((top_p < 1).any()):
         scores = scores.masked_fill(~top_p_mask(logp, top_p), float("-inf"))
-    noise = gumbel_noise([token_seed(p.seed, pos) for p, pos in zip(params, positions)], v)
-    noise[greedy] = 0.0
+    noise = torch.zeros(b, v)
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:  # greedy rows draw no noise (at a 150k vocabulary the draw dominates a decode step)
+        noise[sampled] = gumbel_noise([token_seed(params[i].seed, positions[i]) for i in sampled], v)
     top2 = (scores + noise).topk(2, dim=-1)
     tokens = top2.indices[:, 0]
     return Samples(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])

@@ -69,7 +69,7 @@ def shard_experts(block: MoEBlock, ep_rank: int, ep_size: int, ep_group: dist.Pr
         rows = slice(ep_rank * local, (ep_rank + 1) * local)
         sliced.gate_up_proj.copy_(full.gate_up_proj[rows])
         sliced.down_proj.copy_(full.down_proj[rows])
-    block.experts = sliced.to(full.down_proj.device)
+    block.experts = sliced.to(device=full.down_proj.device, dtype=full.down_proj.dtype)
     block.ep_size, block.ep_rank, block.ep_group = ep_size, ep_rank, ep_group
     block.expert_offset = ep_rank * local
     block.dispatch = types.MethodType(_dispatch, block)

@@ -27,6 +27,13 @@ class LocalBatch:
     batch: TrainBatch
     positions: torch.Tensor  # [B_local, T_local]
 
+    def to(self, device: torch.device) -> "LocalBatch":
+        b = self.batch
+        moved = TrainBatch(*(x.to(device) for x in (b.input_ids, b.targets, b.loss_mask, b.inference_logprobs,
+                                                     b.advantages)),
+                           None if b.routed_experts is None else b.routed_experts.to(device))
+        return LocalBatch(moved, self.positions.to(device))
+
 
 def _pad_seq(t: torch.Tensor, length: int) -> torch.Tensor:
     pad = length - t.shape[1]
@@ -93,8 +100,10 @@ class DistributedTrainer:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         g, dims = self.groups, self.groups.dims
-        dense = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)
+        # accumulators live where the gradients do: NCCL reduces only device tensors
+        device = next(self.model.parameters()).device
+        dense = torch.zeros((), dtype=torch.float64, device=device)
+        expert = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
@@ -119,6 +128,7 @@ class DistributedTrainer:
     def train_step(self, local: LocalBatch) -> dict[str, float]:
         """Same schedule as `Trainer.train_step`; every rank draws the same minibatch permutation."""
         self.model.train()
+        local = local.to(next(self.model.parameters()).device)
         metrics: dict[str, float] = {}
         rows = len(local.batch)
         for _ in range(self.cfg.updates_per_batch):
