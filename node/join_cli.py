@@ -123,7 +123,10 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
     stop.set()
-    await asyncio.wait_for(task, 30)
+    try:
+        await asyncio.wait_for(task, 30)
+    except asyncio.CancelledError:
+        pass  # stopped before it had joined: nothing to leave
 
 
 def register(sub: argparse._SubParsersAction) -> None:
