@@ -23,6 +23,10 @@ Multiaddr = Annotated[str, Field(min_length=1, max_length=256)]
 Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Reason = Annotated[str, Field(max_length=512)]
 
+MAX_INT64 = (1 << 63) - 1
+"""Bound of every integer field: the largest integer SQLite stores. Without it, a work id of 10^30
+reached the coordinator's store and raised OverflowError there (found by benchmarks.fuzz;
+tests/fuzz/test_regressions.py)."""
 MAX_ROLLOUT_TOKENS = 131_072
 """Longest completion a submission may carry (128 Ki tokens: long-context RL, still < 4 MiB JSON)."""
 MAX_PROOF_BYTES = 1 << 20
@@ -57,7 +61,7 @@ class RunSpec(Message):
     """Missed heartbeats after which a member is dead and its leases go back to the pool."""
     lease_ttl_s: float = Field(300.0, gt=0, le=86_400)
     """How long a work lease lasts before it is re-granted to someone else."""
-    tasks_per_step: int = Field(1 << 20, ge=1)
+    tasks_per_step: int = Field(1 << 20, ge=1, le=MAX_INT64)
     """Size of the task pool work ids draw from (task index = derived seed mod this)."""
     group_size: int = Field(1, ge=1, le=256)
     """Samples per work unit: one lease is one task answered by this many rollouts (a GRPO group)."""
@@ -101,7 +105,7 @@ class JoinAccepted(Message):
     max_body_bytes: ClassVar[int] = 1 << 20
     spec: RunSpec
     """The run spec (its hash equals what the joiner named)."""
-    policy_version: int = Field(ge=-1)
+    policy_version: int = Field(ge=-1, le=MAX_INT64)
     """Latest published policy version (-1: none yet)."""
     members: list[PeerAddress] = Field(default_factory=list, max_length=4096)
     """Live members and where they listen: peers are found through the coordinator, then gossip."""
@@ -109,7 +113,7 @@ class JoinAccepted(Message):
 
 class Heartbeat(Message):
     type: Literal["heartbeat"] = "heartbeat"
-    seq: int = Field(ge=0)
+    seq: int = Field(ge=0, le=MAX_INT64)
     """Counts up per sender; lets a reader drop reordered beats."""
     role: Role
     """The sender's role."""
@@ -125,29 +129,29 @@ class Leave(Message):
 
 class PolicyAnnounce(Message):
     type: Literal["policy_announce"] = "policy_announce"
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT64)
     """The new policy version (= the trainer step that produced it)."""
     manifest_hash: Hex32
     """sha256 of the shardcast manifest for this version."""
-    parent_version: int = Field(-1, ge=-1)
+    parent_version: int = Field(-1, ge=-1, le=MAX_INT64)
     """Version a delta applies to (-1: full weights)."""
 
 
 class LeaseRequest(Message):
     type: Literal["lease_request"] = "lease_request"
-    policy_version: int = Field(ge=-1)
+    policy_version: int = Field(ge=-1, le=MAX_INT64)
     """Newest policy version the requester holds; work is granted at the coordinator's version."""
 
 
 class LeaseGrant(Message):
     type: Literal["lease_grant"] = "lease_grant"
-    work_id: int = Field(ge=0)
+    work_id: int = Field(ge=0, le=MAX_INT64)
     """Unique per run; results are accepted exactly once per work id."""
     holder: PeerIdStr
     """Who may submit the result."""
-    policy_version: int = Field(ge=-1)
+    policy_version: int = Field(ge=-1, le=MAX_INT64)
     """Coordinator's version when the work was first minted."""
-    task_index: int = Field(ge=0)
+    task_index: int = Field(ge=0, le=MAX_INT64)
     """Which task of the environment (derived, not chosen)."""
     seed: int = Field(ge=0, lt=1 << 64)
     """Sampling seed root (derived from run, step, work id)."""
@@ -158,9 +162,9 @@ class LeaseGrant(Message):
 class RolloutSubmission(Message):
     type: Literal["rollout_submission"] = "rollout_submission"
     max_body_bytes: ClassVar[int] = 8 << 20
-    work_id: int = Field(ge=0)
+    work_id: int = Field(ge=0, le=MAX_INT64)
     """The leased work this rollout answers."""
-    version_runs: list[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)]]] = Field(min_length=1, max_length=4096)
+    version_runs: list[tuple[Annotated[int, Field(ge=0, le=MAX_INT64)], Annotated[int, Field(ge=1, le=MAX_INT64)]]] = Field(min_length=1, max_length=4096)
     """Runs of (policy version, token count) covering the completion tokens in order."""
     token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(min_length=1, max_length=MAX_ROLLOUT_TOKENS)
     """Completion token ids."""
@@ -202,7 +206,7 @@ class RolloutGroup(Message):
 
     type: Literal["rollout_group"] = "rollout_group"
     max_body_bytes: ClassVar[int] = 8 << 20
-    work_id: int = Field(ge=0)
+    work_id: int = Field(ge=0, le=MAX_INT64)
     """The leased work this group answers (every rollout names it too)."""
     rollouts: list[RolloutSubmission] = Field(min_length=1, max_length=256)
     """The samples, in sample order (sample j used sampling seed `sampling_seed(seed, j)`)."""
@@ -228,7 +232,7 @@ class RolloutGroup(Message):
 
 class LeaseBatchRequest(Message):
     type: Literal["lease_batch_request"] = "lease_batch_request"
-    policy_version: int = Field(ge=-1)
+    policy_version: int = Field(ge=-1, le=MAX_INT64)
     """Newest policy version the requester holds."""
     count: int = Field(ge=1, le=1024)
     """Most work units wanted; the coordinator may grant fewer (none while enough work is out)."""
@@ -245,9 +249,9 @@ class StoredWork(BaseModel):
     """An accepted work unit as the coordinator stored it: the submitter's signed envelope, as is."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
-    work_id: int = Field(ge=0)
+    work_id: int = Field(ge=0, le=MAX_INT64)
     """The work unit."""
-    task_index: int = Field(ge=0)
+    task_index: int = Field(ge=0, le=MAX_INT64)
     """Its derived task."""
     seed: int = Field(ge=0, lt=1 << 64)
     """Its derived sampling seed root."""
@@ -259,7 +263,7 @@ class BatchRequest(Message):
     """Trainer: the work units of trainer step `step` (idempotent: the same step gets the same units)."""
 
     type: Literal["batch_request"] = "batch_request"
-    step: int = Field(ge=1)
+    step: int = Field(ge=1, le=MAX_INT64)
     """The trainer step the batch is for (it produces policy version `step`)."""
     groups: int = Field(ge=1, le=65_536)
     """Work units wanted."""
@@ -276,7 +280,7 @@ class VerifyRequest(Message):
 class StoredWorkBatch(Message):
     type: Literal["stored_work_batch"] = "stored_work_batch"
     max_body_bytes: ClassVar[int] = 15 << 20
-    step: int = Field(-1, ge=-1)
+    step: int = Field(-1, ge=-1, le=MAX_INT64)
     """The trainer step these units belong to (-1: not a batch, work to verify)."""
     items: list[StoredWork] = Field(max_length=65_536)
     """The work units (for a batch: all assigned to `step` so far)."""
@@ -293,17 +297,17 @@ class PublishPolicy(Message):
     """Trainer -> coordinator: version `version` is published under this manifest; announce it."""
 
     type: Literal["publish_policy"] = "publish_policy"
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT64)
     """The new policy version."""
     manifest_hash: Hex32
     """sha256 of its shardcast manifest."""
-    parent_version: int = Field(-1, ge=-1)
+    parent_version: int = Field(-1, ge=-1, le=MAX_INT64)
     """Version a delta applies to (-1: full)."""
 
 
 class SubmissionReceipt(Message):
     type: Literal["submission_receipt"] = "submission_receipt"
-    work_id: int = Field(ge=0)
+    work_id: int = Field(ge=0, le=MAX_INT64)
     """The work id this receipt answers."""
     accepted: bool
     """True once the rollout is durably stored (also for an identical retry)."""
@@ -321,15 +325,15 @@ class Refusal(Message):
 
 class WorkCancel(Message):
     type: Literal["work_cancel"] = "work_cancel"
-    work_ids: list[Annotated[int, Field(ge=0)]] = Field(max_length=65_536)
+    work_ids: list[Annotated[int, Field(ge=0, le=MAX_INT64)]] = Field(max_length=65_536)
     """Leases that can no longer finish within the off-policy bound; stop working on them."""
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, le=MAX_INT64)
     """The version whose arrival made them stale."""
 
 
 class Verdict(Message):
     type: Literal["verdict"] = "verdict"
-    work_id: int = Field(ge=0)
+    work_id: int = Field(ge=0, le=MAX_INT64)
     """The rollout judged."""
     submitter: PeerIdStr
     """Who submitted it."""
