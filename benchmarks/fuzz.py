@@ -16,7 +16,7 @@ Surfaces (each with the property it must keep; anything else is a finding):
                    never a 5xx error, and the server answers a valid request afterwards
   http_status      the coordinator's status page and /metrics over HTTP, random paths and queries
 
-Inputs are property-based seeds (valid objects of every kind) each followed by stacked random
+Inputs are seeds (valid objects of every kind), each followed by stacked random
 mutations (bit flips, interesting bytes, inserts, deletes, truncation, splices, JSON-aware token
 swaps), with one seed for the whole run. A hang is an input that takes longer than HANG_S.
 The last line is one JSON object: per surface, inputs, inputs/s, findings, slowest input.

@@ -45,3 +45,33 @@ def _sealed(s: fuzz.CoordinatorRpcSurface, work_id: int) -> bytes:
     head = _HEAD.pack(MAGIC, FORMAT, s.member.public_bytes, int(time.time() * 1000), os.urandom(16), 4)
     unsigned = head + b"fuzz" + struct.pack(">I", len(body)) + body
     return unsigned + s.member.sign(_DOMAIN + unsigned)
+
+
+def test_non_utf8_expect_header_gets_417_not_500(tmp_path):
+    """benchmarks.fuzz, http_shardcast, seed 0: `Expect: 100\\xc4p-continue` made aiohttp's default
+    Expect handler raise UnicodeEncodeError (a 500). The shard server's own handler answers 417,
+    and a proper `Expect: 100-continue` still gets its 100 Continue and then the answer."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def body():
+        app, cleanup = await fuzz.shardcast_app(tmp_path)()
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        answers = []
+        for expect in ["100\xc4p-continue", "\xff-continue", "100-continue"]:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(f"GET /shardcast/runs HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: {expect}\r\n\r\n"
+                    .encode("latin-1"))
+            answers.append(await asyncio.wait_for(r.read(), 5))
+            w.close()
+        await runner.cleanup()
+        await cleanup()
+        return answers
+    bad1, bad2, good = asyncio.run(asyncio.wait_for(body(), 30))
+    assert bad1.startswith(b"HTTP/1.1 417") and bad2.startswith(b"HTTP/1.1 417")
+    assert good.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200 OK" in good and b'"runs"' in good
