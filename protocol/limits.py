@@ -8,10 +8,12 @@ costs the server one dictionary lookup, nothing is buffered for it.
 Invariant: `sum(in flight) <= max_total_inflight` and, per key, `in flight <= max_inflight` and
 `bytes in flight <= max_bytes_inflight`, at every moment. Not thread-safe: each server uses its
 own limiter from its one event loop (trio thread for libp2p, asyncio for aiohttp).
+`ConnectionCap` bounds open TCP connections per client IP for asyncio servers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -93,3 +95,64 @@ class PeerLimiter:
         idle = [k for k, st in self._peers.items() if st.inflight == 0]
         for k in idle[: max(1, len(idle) // 2)]:
             del self._peers[k]
+
+
+class ConnectionCap:
+    """An asyncio protocol-factory wrapper: at most `per_ip` open connections per client IP (and
+    `total` overall); a connection over either bound is aborted before its protocol sees a byte.
+    For HTTP servers (`loop.create_server(ConnectionCap(runner.server, ...), host, port)`)."""
+
+    def __init__(self, factory, per_ip: int = 256, total: int = 4096):
+        self.factory, self.per_ip, self.total = factory, per_ip, total
+        self.open: dict[str, int] = {}
+        self.refused = 0
+
+    def __call__(self) -> "_CappedProtocol":
+        return _CappedProtocol(self)
+
+    def _take(self, ip: str) -> bool:
+        if self.open.get(ip, 0) >= self.per_ip or sum(self.open.values()) >= self.total:
+            self.refused += 1
+            return False
+        self.open[ip] = self.open.get(ip, 0) + 1
+        return True
+
+    def _release(self, ip: str) -> None:
+        left = self.open.get(ip, 1) - 1
+        if left:
+            self.open[ip] = left
+        else:
+            self.open.pop(ip, None)
+
+
+class _CappedProtocol(asyncio.Protocol):
+    def __init__(self, cap: ConnectionCap):
+        self.cap, self.inner, self.ip = cap, None, None
+
+    def connection_made(self, transport) -> None:
+        ip = (transport.get_extra_info("peername") or ("?",))[0]
+        if not self.cap._take(ip):
+            transport.abort()
+            return
+        self.ip, self.inner = ip, self.cap.factory()
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc) -> None:
+        if self.inner is not None:
+            self.cap._release(self.ip)
+            self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()

@@ -12,7 +12,8 @@ Invariant: only files with final names are served, and those were verified befor
 shard bodies are in flight, and at most `max_concurrent // 2` for one client IP, so one client
 cannot hold every slot; a request that waits longer than `queue_timeout` for a slot (or whose IP
 holds its share) gets 503 with Retry-After, which fetchers read as "busy, try another source".
-Every request first passes a per-IP `PeerLimiter` (rate, requests in flight): over it, 429.
+Every connection first passes a per-IP `ConnectionCap` (aborted if over it), every request a
+per-IP `PeerLimiter` (rate, requests in flight): over it, 429.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from protocol.limits import LimitConfig, PeerLimiter
+from protocol.limits import ConnectionCap, LimitConfig, PeerLimiter
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ DEFAULT_MAX_CONCURRENT = 16
 """Shard bodies sent at once: 16 x 64 MiB keeps a 10 Gbit/s uplink busy without thrashing disk."""
 DEFAULT_QUEUE_TIMEOUT = 2.0
 """Seconds a shard request may wait for a slot before a 503 sends the client elsewhere."""
+DEFAULT_MAX_CONNECTIONS_PER_IP = 256
+"""Open connections one client IP may hold: a fetcher uses a few per source; 256 leaves room for a
+whole local simulation on 127.0.0.1 and stops a junk-connection flood from one host."""
 HTTP_LIMITS = LimitConfig(rate_per_s=1000.0, burst=2000.0, max_inflight=64, max_total_inflight=1024)
 """Per client IP. Generous because on one host (the local simulation) every peer is 127.0.0.1;
 the shard-slot share below is what keeps one client from starving the others."""
@@ -57,7 +61,8 @@ class ShardServer:
     """aiohttp application over a `Store`."""
 
     def __init__(self, store: Store, max_concurrent: int = DEFAULT_MAX_CONCURRENT, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
-                 uplink_bytes_per_s: float | None = None, limits: LimitConfig = HTTP_LIMITS):
+                 uplink_bytes_per_s: float | None = None, limits: LimitConfig = HTTP_LIMITS,
+                 max_connections_per_ip: int = DEFAULT_MAX_CONNECTIONS_PER_IP):
         self.store = store
         self.limiter = PeerLimiter(limits)
         self.per_client_slots = max(1, max_concurrent // 2)
@@ -80,19 +85,25 @@ class ShardServer:
                 ("/shardcast/{run}/{version}/shard/{index}", self._shard)]
         ])
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self.connections = ConnectionCap(lambda: self._runner.server(), per_ip=max_connections_per_ip)
+        """Open TCP connections per client IP, checked before a byte is parsed."""
         self.port: int | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the bound port (pass 0 for any free port)."""
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        # Our own listener instead of web.TCPSite: every connection passes the per-IP cap first.
+        self._listener = await asyncio.get_running_loop().create_server(self.connections, host, port)
+        self.port = self._listener.sockets[0].getsockname()[1]
         log.info("shardcast server on http://%s:%d serving %s", host, self.port, self.store.root)
         return self.port
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

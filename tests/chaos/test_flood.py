@@ -175,3 +175,37 @@ def test_single_lease_requests_are_capped_per_peer(tmp_path):
     pipeline.check_lease_room(c, b.peer_id)  # the honest peer is untouched
     assert c.grant_lease(b.peer_id, 1).holder == b.peer_id
     c.close()
+
+
+def test_junk_connection_flood_from_one_ip_is_capped_and_others_still_connect(tmp_path):
+    import socket
+
+    store = _serve_one_version(tmp_path)
+
+    async def body():
+        server = ShardServer(store, max_connections_per_ip=20)
+        port = await server.start()
+        junk = []
+        for _ in range(60):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", port))
+                s.send(b"GET /shardcast/runs HTTP/1.1\r\nHost: x\r\n")  # slowloris: never finished
+            except OSError:
+                pass
+            junk.append(s)
+        await asyncio.sleep(0.3)
+        held = dict(server.connections.open)
+        async with aiohttp.ClientSession() as honest:
+            async with honest.get(f"http://127.0.0.1:{port}/shardcast/runs") as r:
+                ok = r.status, await r.json()
+        for s in junk:
+            s.close()
+        refused = server.connections.refused
+        await server.stop()
+        return held, refused, ok
+    held, refused, ok = run(body(), 60)
+    assert held.get("127.0.0.2") == 20 and refused >= 40
+    assert ok == (200, {"runs": ["r"]})
