@@ -147,6 +147,11 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
             log.debug("step %d", done_steps)
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+    if status == "done":  # the trainer exits by itself once done; a SIGTERM now would race its exit
+        try:
+            procs["trainer"].p.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
     for p in procs.values():
         p.stop()
     coord.stop()

@@ -18,7 +18,7 @@ from node.sim import run_sim
 def running_sim(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim")
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(run_sim(out, inference_nodes=1, steps=30, batch_groups=4,
+    t = threading.Thread(target=lambda: result.update(run_sim(out, inference_nodes=1, steps=10, batch_groups=4,
                                                               group_size=4, timeout_s=200)), daemon=True)
     t.start()
     addr = out / "coordinator" / "addr"
