@@ -1,7 +1,7 @@
 """`primerl-node`: one program, every role. Each command lives with its concept and registers here.
 
 A command module exposes `register(subparsers)`, which adds its sub-parser and sets
-`func=<callable(args) -> int>`. Modules are imported only when the CLI starts.
+`func=<callable(args) -> int>`. Only the module of the command being run is imported.
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ import importlib
 import logging
 import sys
 
-# One line per command module; each owns its own arguments and help text.
-COMMAND_MODULES = [
-    "node.rl.train_local",
-    "protocol.cli",
-    "shardcast.cli",
-    "node.validator_cli",
-    "node.join_cli",
-    "node.sim",
-]
+# Command name -> (module that registers it, one-line summary). Only the module of the command
+# being run is imported (libp2p and torch take seconds to import); `--help` lists the summaries.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "sim": ("node.sim", "the whole network on this machine, one OS process per role"),
+    "coordinator": ("node.join_cli", "run a coordinator (`coordinator launch --config run.toml`)"),
+    "join": ("node.join_cli", "join a run as inference | trainer | validator | relay"),
+    "keygen": ("protocol.cli", "create an Ed25519 node key; prints the node id (libp2p PeerID)"),
+    "shardcast": ("shardcast.cli", "publish, serve, relay and fetch signed policy versions"),
+    "verify": ("node.validator_cli", "verify rollout claims against a checkpoint; print signed verdicts"),
+    "train-local": ("node.rl.train_local", "synchronous RL in one process (engine + trainer) on a built-in task"),
+}
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -30,20 +32,40 @@ def setup_logging(level: str = "INFO") -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_in(argv: list[str]) -> str | None:
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--log-level":
+            i += 2
+            continue
+        if not argv[i].startswith("-"):
+            return argv[i]
+        i += 1
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="primerl-node",
         description="Decentralized asynchronous RL for LLMs. Roles: coordinator, inference, trainer, validator, relay.",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    chosen = _command_in(sys.argv[1:] if argv is None else argv)
+    wanted = {COMMANDS[chosen][0]} if chosen in COMMANDS else set()
+    if argv is not None and chosen is None:  # programmatic callers get every command
+        wanted = {module for module, _ in COMMANDS.values()}
+    for module in dict.fromkeys(m for m, _ in COMMANDS.values()):
+        if module in wanted:
+            importlib.import_module(module).register(sub)
+    for name, (_, summary) in COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=summary, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     if not getattr(args, "func", None):
