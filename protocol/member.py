@@ -38,6 +38,9 @@ class RunMember:
         self.policy_version = -1
         self.cancelled: set[int] = set()
         """Work ids the coordinator cancelled as too stale to finish (stop working on them)."""
+        self.cancelled_at: dict[int, int] = {}
+        """Work id -> policy version whose arrival cancelled it. Cancelled work goes back to the pool
+        under the same id; a lease granted at that version or later is a new one (`lease_cancelled`)."""
         self.banned: dict[str, str] = {}
         self.on_policy: list[Callable[[PolicyAnnounce], Awaitable[None]]] = []
         self._seq = 0
@@ -86,6 +89,11 @@ class RunMember:
         _expect(reply, LeaseGrant)
         return reply
 
+    def lease_cancelled(self, grant: LeaseGrant) -> bool:
+        """Whether this lease was cancelled. Gossip may bring the cancel of an earlier lease on the
+        same work id after a re-grant arrived by request, so the versions decide, not the order."""
+        return self.cancelled_at.get(grant.work_id, -1) > grant.policy_version
+
     async def submit(self, submission: RolloutSubmission) -> SubmissionReceipt:
         """Submit a rollout; raises the coordinator's typed refusal (`StaleRollout`, `DuplicateSubmission`, ...)."""
         reply = await self.net.request(self.coordinator, submission, self.request_timeout)
@@ -126,6 +134,8 @@ class RunMember:
                 await cb(msg)
         elif isinstance(msg, WorkCancel):
             self.cancelled.update(msg.work_ids)
+            for w in msg.work_ids:
+                self.cancelled_at[w] = max(self.cancelled_at.get(w, -1), msg.policy_version)
         elif isinstance(msg, Ban):
             self.banned[msg.peer_id] = msg.reason
             self.view.leave(msg.peer_id)

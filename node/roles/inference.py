@@ -156,9 +156,6 @@ class InferenceNode:
         if not grants:
             await asyncio.sleep(0.1)
             return
-        # A work id cancelled as stale goes back to the pool and is granted again under the same id:
-        # the new grant supersedes the old cancel (else the re-granted work would never be submitted).
-        member.cancelled.difference_update(g.work_id for g in grants)
         groups = await asyncio.to_thread(self._roll_out, grants)
         wait = float(recipe(self.spec, "tool_wait_s"))
         for grant, group in zip(grants, groups):
@@ -175,7 +172,7 @@ class InferenceNode:
                       wait_s: float) -> None:
         if wait_s > 0:
             await asyncio.sleep(wait_s)
-        if grant.work_id in member.cancelled:
+        if member.lease_cancelled(grant):
             return  # too stale to be admitted: the coordinator already took it back
         await self._submit(member, stop, group)
 

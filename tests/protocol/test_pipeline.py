@@ -130,3 +130,18 @@ def test_work_too_stale_for_any_batch_is_not_handed_to_validators(tmp_path):
     c.advance_policy(2, "22" * 32, 3)  # next batch (step 3) admits min_version >= 1 only
     assert pipeline.to_verify(c, 10, ALL) == [fresh]
     assert c.store.accepted(old)[0].dropped == "stale"
+
+
+def test_a_late_cancel_of_an_earlier_lease_does_not_cancel_its_regrant():
+    from protocol.envelope import Opened
+    from protocol.member import RunMember
+    from protocol.messages import LeaseGrant, WorkCancel
+    import asyncio
+
+    spec = RunSpec(run_id="r", coordinator=CK.peer_id)
+    member = RunMember(A, None, spec, "inference")  # no host needed for the gossip rule
+    old = LeaseGrant(work_id=7, holder=A.peer_id, policy_version=2, task_index=1, seed=1, deadline=1e12)
+    regrant = old.model_copy(update={"policy_version": 3})
+    cancel = WorkCancel(work_ids=[7], policy_version=3)  # arrives by gossip after the re-grant
+    asyncio.run(member._on_gossip(Opened(message=cancel, signer=CK.peer_id, signer_public=CK.public_bytes, timestamp_ms=0, nonce=b"", body=b"", raw=b"")))
+    assert member.lease_cancelled(old) and not member.lease_cancelled(regrant)
