@@ -52,11 +52,16 @@ def peer_lease_cap(k: int, batch_groups: int) -> int:
     return max(1, (out_limit(k, batch_groups) + 1) // 2)
 
 
-def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_cap: int | None = None
-                 ) -> list[LeaseGrant]:
+def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_cap: int | None = None,
+                 holds_version: int | None = None) -> list[LeaseGrant]:
     """Up to `count` leases, fewer while `out_limit` units are already out or the peer already
-    holds `peer_cap` (the service passes `peer_lease_cap`); none before version 0."""
+    holds `peer_cap` (the service passes `peer_lease_cap`); none before version 0, and none to a
+    node whose newest policy (`holds_version`) could not yield an admissible rollout (at k = 0, a
+    node that has not loaded the version just announced): its work would only be refused as stale
+    while the lease blocks that work."""
     if state.ledger.current_version < 0:
+        return []
+    if holds_version is not None and not state.ledger.admissible(holds_version):
         return []
     room = out_limit(state.spec.max_off_policy_steps, state.spec.batch_groups) - work_out(state)
     if peer_cap is not None:

@@ -145,3 +145,11 @@ def test_a_late_cancel_of_an_earlier_lease_does_not_cancel_its_regrant():
     cancel = WorkCancel(work_ids=[7], policy_version=3)  # arrives by gossip after the re-grant
     asyncio.run(member._on_gossip(Opened(message=cancel, signer=CK.peer_id, signer_public=CK.public_bytes, timestamp_ms=0, nonce=b"", body=b"", raw=b"")))
     assert member.lease_cancelled(old) and not member.lease_cancelled(regrant)
+
+
+
+def test_no_lease_to_a_node_whose_policy_could_not_yield_admissible_work(tmp_path):
+    c = open_run(tmp_path, k=0, batch_groups=2)
+    c.advance_policy(1, "11" * 32, 2)
+    assert pipeline.grant_leases(c, A.peer_id, 1, 2, holds_version=0) == []  # has not loaded v1 yet
+    assert len(pipeline.grant_leases(c, A.peer_id, 1, 2, holds_version=1)) == 1
