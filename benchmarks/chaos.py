@@ -145,7 +145,7 @@ class Chaos:
         for name, p in self.procs.items():
             if name not in self._expected_down and p.p is not None and not p.alive():
                 code = p.p.returncode
-                self.crashes.append({"role": name, "exit_code": code, "t": round(time.time() - self.t0, 1)})
+                self._record("crashes.jsonl", {"role": name, "exit_code": code, "t": round(time.time() - self.t0, 1)})
                 log.warning("CRASH: %s exited with %s on its own; restarting", name, code)
                 p.start()
 
@@ -214,8 +214,20 @@ class Chaos:
             self.rng.shuffle(cards)
         return cards.pop()
 
+    def _record(self, name: str, row: dict) -> None:
+        """Everything the report needs goes to disk as it happens (the report is recomputed from files)."""
+        with (self.out / name).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _meta(self, **kw) -> None:
+        path = self.out / "chaos_meta.json"
+        meta = json.loads(path.read_text()) if path.exists() else {}
+        meta.update(kw)
+        path.write_text(json.dumps(meta, indent=1))
+
     def run(self, minutes: float, gap: tuple[float, float]) -> None:
         self.t0 = time.time()
+        self._meta(t0=self.t0, cfg=self.cfg, cheater_names=self.cheater_names, minutes=minutes)
         self.start()
         # Faults begin once the trainer has published version 0 and training is under way.
         while not self.step_times and time.time() - self.t0 < 600:
@@ -236,7 +248,9 @@ class Chaos:
             f = self.inject(kind)
             log.info("fault %d: %s", len(self.faults) + 1, f)
             self.faults.append(f)
+            self._record("faults.jsonl", f)
         self.faulty_steps_per_min = (len(self.step_times) - n1) / ((time.time() - f0) / 60)
+        self._meta(faults_from=f0, faults_until=time.time(), quiet_steps_per_min=self.quiet_steps_per_min)
         self.sleep(30)  # quiet tail: every fault's recovery can be seen
 
     def stop(self) -> None:
@@ -249,55 +263,68 @@ class Chaos:
         if self.tmpfs is not None:
             subprocess.run(["umount", "-l", str(self.tmpfs)], check=False)
 
-    def report(self, target: float) -> dict:
-        path = self.out / "trainer" / "metrics.jsonl"
-        raw = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-        # After a trainer SIGKILL the steps since its last checkpoint are trained again from the
-        # same batches; the weights of the first attempt are gone, so only the last row of a step counts.
-        by_step = {r["step"]: r for r in raw}
-        rows = [by_step[s] for s in sorted(by_step)]
-        k = self.cfg["max_off_policy_steps"]
-        summary = summarize(self.out, rows, self.cfg, self.keys, self.cheater_names, time.time() - self.t0, "chaos")
-        recov = []
-        for f in self.faults:
-            t_end = self.t0 + f["end"]
-            nxt = next((t for t in self.step_times if t >= t_end), None)
-            f["recovery_s"] = None if nxt is None else round(nxt - t_end, 2)
-            if nxt is not None:
-                recov.append(nxt - t_end)
-        recov.sort()
-        by_kind: dict[str, int] = {}
-        for f in self.faults:
-            by_kind[f["kind"]] = by_kind.get(f["kind"], 0) + 1
-        kills: dict[str, int] = {}
-        for f in self.faults:
-            if f["kind"] == "kill":
-                role = f["target"].split("-")[0]
-                kills[role] = kills.get(role, 0) + 1
-        pct = (lambda q: round(recov[min(len(recov) - 1, int(q * len(recov)))], 2) if recov else None)
-        return {
-            "faults_injected": len(self.faults), "faults_by_kind": by_kind, "kills_by_role": kills,
-            "crashes": len(self.crashes), "crash_list": self.crashes,
-            "rollouts_lost": summary["rollouts_lost"], "rollouts_duplicated": summary["rollouts_duplicated"],
-            "off_policy_violations": sum(1 for r in rows for lag in r["lags"] if lag > k),
-            "max_off_policy_seen": summary["max_off_policy_seen"], "max_off_policy_steps": k,
-            "honest_banned": summary["honest_banned"], "cheaters": summary["cheaters"],
-            "cheaters_missed": summary["cheaters"] - summary["cheaters_banned"],
-            "recovery_s_p50": pct(0.5), "recovery_s_p99": pct(0.99), "recovery_s_max": round(recov[-1], 2) if recov else None,
-            "faults_not_recovered": sum(f["recovery_s"] is None for f in self.faults),
-            "steps": len(rows), "steps_retrained_after_trainer_kill": len(raw) - len(rows),
-            "reward_first": summary["reward_first"], "reward_last5": summary["reward_last5"],
-            "reward_target": target,
-            "reward_reached_target": bool(summary["reward_last5"] is not None and summary["reward_last5"] >= target),
-            "rollouts_accepted": summary["rollouts_accepted"], "rollouts_trained": summary["rollouts_trained"],
-            "rollouts_rejected": summary["rollouts_rejected"], "rollouts_dropped_stale": summary["rollouts_dropped_stale"],
-            "proxy_links": {n: {"connections": l.connections, "refused": l.refused, "mb": round(l.bytes / 1e6, 1)}
-                            for n, l in self.proxy.links.items()},
-            "steps_per_min_quiet": _r(self.quiet_steps_per_min), "steps_per_min_under_faults": _r(self.faulty_steps_per_min),
-            "ratio_steps_under_faults_vs_quiet": _r(self.faulty_steps_per_min / self.quiet_steps_per_min)
-            if self.quiet_steps_per_min and self.faulty_steps_per_min is not None else None,
-            "wall_s": round(time.time() - self.t0, 1),
-        }
+
+def report(out: Path, target: float) -> dict:
+    """The figures of a chaos run, from its files alone: chaos_meta.json, faults.jsonl,
+    crashes.jsonl, the trainer's metrics.jsonl and the coordinator's store."""
+    meta = json.loads((out / "chaos_meta.json").read_text())
+    t0, cfg, cheater_names = meta["t0"], meta["cfg"], meta["cheater_names"]
+    faults = _jsonl(out / "faults.jsonl")
+    crashes = _jsonl(out / "crashes.jsonl")
+    raw = _jsonl(out / "trainer" / "metrics.jsonl")
+    step_times = sorted(r["t"] for r in raw)
+    # After a trainer SIGKILL the steps since its last checkpoint are trained again from the
+    # same batches; the weights of the first attempt are gone, so only the last row of a step counts.
+    by_step = {r["step"]: r for r in raw}
+    rows = [by_step[s] for s in sorted(by_step)]
+    keys = {p.name: NodeKey.load(p / "node.key") for p in out.iterdir() if (p / "node.key").exists()}
+    k = cfg["max_off_policy_steps"]
+    end = max([t0 + f["end"] for f in faults] + step_times + [t0])
+    summary = summarize(out, rows, cfg, keys, cheater_names, end - t0, "chaos", t0)
+    recov = []
+    for f in faults:
+        nxt = next((t for t in step_times if t >= t0 + f["end"]), None)
+        f["recovery_s"] = None if nxt is None else round(nxt - (t0 + f["end"]), 2)
+        if nxt is not None:
+            recov.append(nxt - (t0 + f["end"]))
+    recov.sort()
+    by_kind: dict[str, int] = {}
+    kills: dict[str, int] = {}
+    for f in faults:
+        by_kind[f["kind"]] = by_kind.get(f["kind"], 0) + 1
+        if f["kind"] == "kill":
+            kills[f["target"]] = kills.get(f["target"], 0) + 1
+    pct = (lambda q: round(recov[min(len(recov) - 1, int(q * len(recov)))], 2) if recov else None)
+    quiet = meta.get("quiet_steps_per_min")
+    lo, hi = meta.get("faults_from"), meta.get("faults_until")
+    under = (sum(lo <= t < hi for t in step_times) / ((hi - lo) / 60)) if lo and hi else None
+    return {
+        "faults_injected": len(faults), "faults_by_kind": by_kind, "kills_by_role": kills,
+        "crashes": len(crashes), "crash_list": crashes,
+        "rollouts_lost": summary["rollouts_lost"], "rollouts_duplicated": summary["rollouts_duplicated"],
+        "off_policy_violations": sum(1 for r in rows for lag in r["lags"] if lag > k),
+        "max_off_policy_seen": summary["max_off_policy_seen"], "max_off_policy_steps": k,
+        "honest_banned": summary["honest_banned"], "cheaters": summary["cheaters"],
+        "cheaters_missed": summary["cheaters"] - summary["cheaters_banned"],
+        "recovery_s_p50": pct(0.5), "recovery_s_p99": pct(0.99), "recovery_s_max": round(recov[-1], 2) if recov else None,
+        "faults_not_recovered": sum(f["recovery_s"] is None for f in faults),
+        "recovery_s_by_kind": {kind: round(sorted(f["recovery_s"] for f in faults if f["kind"] == kind
+                                                  and f["recovery_s"] is not None)[-1], 2)
+                               for kind in by_kind if any(f["kind"] == kind and f["recovery_s"] is not None for f in faults)},
+        "steps": len(rows), "steps_retrained_after_trainer_kill": len(raw) - len(rows),
+        "reward_first": summary["reward_first"], "reward_last5": summary["reward_last5"],
+        "reward_target": target,
+        "reward_reached_target": bool(summary["reward_last5"] is not None and summary["reward_last5"] >= target),
+        "rollouts_accepted": summary["rollouts_accepted"], "rollouts_trained": summary["rollouts_trained"],
+        "rollouts_rejected": summary["rollouts_rejected"], "rollouts_dropped_stale": summary["rollouts_dropped_stale"],
+        "steps_per_min_quiet": _r(quiet), "steps_per_min_under_faults": _r(under),
+        "ratio_steps_under_faults_vs_quiet": _r(under / quiet) if quiet and under is not None else None,
+        "wall_s": round(end - t0, 1),
+    }, faults
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def _r(x: float | None) -> float | None:
@@ -340,23 +367,33 @@ def main() -> None:
                     help="mean reward of the last 5 steps to reach (train-local passes 0.6 by step ~50)")
     ap.add_argument("--out", type=Path, default=Path("runs/chaos"))
     ap.add_argument("--result", type=Path, default=None, help="also write the JSON result here")
+    ap.add_argument("--report-only", action="store_true", help="recompute the report of the run in --out")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    chaos = Chaos(args.out, args.seed, args.inference_nodes, args.cheaters, args.batch_groups, args.group_size,
-                  args.max_off_policy_steps)
-    def interrupt(*_):
-        raise KeyboardInterrupt
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, interrupt)
-    try:
-        chaos.run(args.minutes, tuple(args.gap))
-    except KeyboardInterrupt:
-        log.warning("interrupted; stopping the network and reporting what was seen")
-    finally:
-        chaos.stop()
-    result = {"benchmark": "chaos", "minutes": args.minutes, "seed": args.seed, "machine": os.uname().nodename,
-              "load_avg_1m_at_end": round(os.getloadavg()[0], 2), **chaos.report(args.reward_target)}
-    (args.out / "faults.json").write_text(json.dumps(chaos.faults, indent=1))
+    proxy_links = None
+    if not args.report_only:
+        chaos = Chaos(args.out, args.seed, args.inference_nodes, args.cheaters, args.batch_groups, args.group_size,
+                      args.max_off_policy_steps)
+
+        def interrupt(*_):
+            raise KeyboardInterrupt
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, interrupt)
+        try:
+            chaos.run(args.minutes, tuple(args.gap))
+        except KeyboardInterrupt:
+            log.warning("interrupted; stopping the network and reporting what was seen")
+        finally:
+            chaos.stop()
+        proxy_links = {n: {"connections": l.connections, "refused": l.refused, "mb": round(l.bytes / 1e6, 1)}
+                       for n, l in chaos.proxy.links.items()}
+    figures, faults = report(args.out, args.reward_target)
+    meta = json.loads((args.out / "chaos_meta.json").read_text())
+    result = {"benchmark": "chaos", "minutes": meta.get("minutes"), "seed": meta["cfg"]["run_id"].split("-")[-1],
+              "machine": "cpu-2core", "load_avg_1m_at_report": round(os.getloadavg()[0], 2), **figures}
+    if proxy_links is not None:
+        result["proxy_links"] = proxy_links
+    (args.out / "faults.json").write_text(json.dumps(faults, indent=1))
     if args.result:
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(json.dumps(result, indent=1) + "\n")
