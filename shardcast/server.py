@@ -77,7 +77,7 @@ class ShardServer:
         self.busy_refusals = 0
         self.app = web.Application(middlewares=[self._limit])
         self.app.add_routes([
-            web.get(path, handler, expect_handler=_expect) for path, handler in [
+            web.get(path, handler, expect_handler=expect_without_echo) for path, handler in [
                 ("/shardcast/runs", self._runs),
                 ("/shardcast/{run}/versions", self._versions),
                 ("/shardcast/{run}/{version}/manifest", self._manifest),
@@ -204,7 +204,7 @@ class ShardServer:
         return resp
 
 
-async def _expect(request: web.Request) -> None:
+async def expect_without_echo(request: web.Request) -> None:
     """aiohttp's default Expect handler echoes the header into its 417 body, and a non-UTF-8 value
     made that a 500 (found by benchmarks.fuzz; tests/fuzz/test_regressions.py). Same behaviour,
     without the echo."""

@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from protocol.coordinator_service import CoordinatorService
+from shardcast.server import expect_without_echo
 
 PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>primerl-node run</title>
 <style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 10px;text-align:left}</style></head>
@@ -88,10 +89,12 @@ def metrics_text(service: CoordinatorService) -> str:
 
 async def serve_status(service: CoordinatorService, port: int, host: str = "127.0.0.1") -> tuple[web.AppRunner, int]:
     app = web.Application()
-    app.router.add_get("/", lambda r: web.Response(text=PAGE, content_type="text/html"))
-    app.router.add_get("/status.json", lambda r: web.json_response(status(service)))
-    app.router.add_get("/metrics", lambda r: web.Response(text=metrics_text(service),
-                                                          content_type="text/plain", charset="utf-8"))
+    app.add_routes([
+        web.get("/", lambda r: web.Response(text=PAGE, content_type="text/html"), expect_handler=expect_without_echo),
+        web.get("/status.json", lambda r: web.json_response(status(service)), expect_handler=expect_without_echo),
+        web.get("/metrics", lambda r: web.Response(text=metrics_text(service), content_type="text/plain",
+                                                   charset="utf-8"), expect_handler=expect_without_echo),
+    ])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
