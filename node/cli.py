@@ -7,8 +7,10 @@ A command module exposes `register(subparsers)`, which adds its sub-parser and s
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
+import signal
 import sys
 
 # Command name -> (module that registers it, one-line summary). Only the module of the command
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (the sim asks before a SIGKILL)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

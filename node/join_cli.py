@@ -25,6 +25,9 @@ from protocol.transport import PeerHost
 log = logging.getLogger(__name__)
 
 SPEC_PROTOCOL = "/primerl/spec/1"
+SHUTDOWN_GRACE_S = 15.0
+"""A role must finish its clean shutdown (leave, stop servers) within this after SIGTERM/SIGINT
+(the sim waits 20 s before it SIGKILLs)."""
 """Where a coordinator hands out its run spec; the stream is authenticated (Noise) to the peer id
 in the bootstrap multiaddr, and the spec must name that peer as its coordinator."""
 
@@ -123,10 +126,15 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
     stop.set()
-    try:
-        await asyncio.wait_for(task, 30)
-    except asyncio.CancelledError:
-        pass  # stopped before it had joined: nothing to leave
+    done, _ = await asyncio.wait([task], timeout=SHUTDOWN_GRACE_S)
+    if not done:
+        from node.roles.common import dump_tasks
+        log.error("%s did not stop within %.0fs of the stop signal; its tasks follow", role, SHUTDOWN_GRACE_S)
+        dump_tasks()
+        task.cancel()
+        raise SystemExit(1)
+    if not task.cancelled():  # cancelled: stopped before it had joined, nothing to leave
+        task.result()
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -63,6 +63,12 @@ class Proc:
             try:
                 self.p.wait(timeout)
             except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs of SIGTERM: its stacks go to its log, then SIGKILL",
+                            self.name, timeout)
+                self.p.send_signal(signal.SIGUSR2)  # asyncio tasks (node/roles/common.py)
+                time.sleep(0.5)
+                self.p.send_signal(signal.SIGUSR1)  # threads (node/cli.py)
+                time.sleep(0.5)
                 self.p.kill()
                 self.p.wait(5)
             self.events.append((time.time(), "stop"))

@@ -26,21 +26,19 @@ async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: floa
     stop = stop or asyncio.Event()
     wake = wake or asyncio.Event()
     while not stop.is_set():
+        # A round can wait a long time (a source that vanished mid-version is given NO_HOLDER_TIMEOUT_S
+        # to come back), so it runs as a task that a stop cancels: shutdown never waits on upstream.
+        # Cancelling is safe: the store renames a shard into place only once verified.
+        round_ = asyncio.ensure_future(_mirror_round(fetcher, run_id, keep_last, poll_s))
         try:
-            upstream = await fetcher.versions(run_id)
-            held = set(fetcher.store.complete_versions(run_id))
-            newest_held = max(held, default=-1)
-            for v in [v for v in upstream if v > newest_held]:
-                await fetcher.fetch(run_id, v)
-                log.info("relay: mirrored %s v%d", run_id, v)
-                fetcher.store.retain(run_id, keep_last)
-        except ShardcastError as exc:
-            # An upstream that lies or vanishes must not kill the relay; try again next round.
-            log.warning("relay: %s; retrying in %.1fs", exc, poll_s)
-        except OSError as exc:
-            # A full (or failing) disk: keep serving what is held, try again next round
-            # (found by benchmarks.chaos: the relay died on ENOSPC).
-            log.warning("relay: cannot store %s: %s; retrying in %.1fs", run_id, exc, poll_s)
+            await _first(stop, round_)
+        finally:
+            if not round_.done():
+                round_.cancel()
+                await asyncio.gather(round_, return_exceptions=True)
+        if round_.cancelled():
+            break
+        round_.result()  # an unexpected error still surfaces
         try:
             await asyncio.wait_for(_first(stop, wake), poll_s)
         except asyncio.TimeoutError:
@@ -48,10 +46,30 @@ async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: floa
         wake.clear()
 
 
-async def _first(*events: asyncio.Event) -> None:
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
+async def _mirror_round(fetcher: Fetcher, run_id: str, keep_last: int, poll_s: float) -> None:
+    try:
+        upstream = await fetcher.versions(run_id)
+        held = set(fetcher.store.complete_versions(run_id))
+        newest_held = max(held, default=-1)
+        for v in [v for v in upstream if v > newest_held]:
+            await fetcher.fetch(run_id, v)
+            log.info("relay: mirrored %s v%d", run_id, v)
+            fetcher.store.retain(run_id, keep_last)
+    except ShardcastError as exc:
+        # An upstream that lies or vanishes must not kill the relay; try again next round.
+        log.warning("relay: %s; retrying in %.1fs", exc, poll_s)
+    except OSError as exc:
+        # A full (or failing) disk: keep serving what is held, try again next round
+        # (found by benchmarks.chaos: the relay died on ENOSPC).
+        log.warning("relay: cannot store %s: %s; retrying in %.1fs", run_id, exc, poll_s)
+
+
+async def _first(*waitables: asyncio.Event | asyncio.Future) -> None:
+    """Return when any event is set or any future is done (futures passed in are not cancelled)."""
+    waits = [asyncio.ensure_future(w.wait()) if isinstance(w, asyncio.Event) else w for w in waitables]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for w in waits:
-            w.cancel()
+        for w, given in zip(waits, waitables):
+            if w is not given:
+                w.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -68,7 +69,15 @@ def stop_on_signals() -> asyncio.Event:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if hasattr(signal, "SIGUSR2"):  # `kill -USR2 PID`: every asyncio task's stack to stderr (a shutdown that hangs)
+        loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
     return stop
+
+
+def dump_tasks() -> None:
+    for task in asyncio.all_tasks():
+        print(f"--- {task.get_name()}: {task.get_coro()!r}", file=sys.stderr, flush=True)
+        task.print_stack(file=sys.stderr)
 
 
 async def join_run(key: NodeKey, spec: RunSpec, role: Role, bootstrap: str, stop: asyncio.Event,

@@ -167,3 +167,29 @@ def test_busy_source_answers_503_and_clients_still_finish(tmp_path, origin_store
     for got, source in results:
         sc.assert_same(got.tensors(), sc.make_state(0))
         assert source.dropped is None and source.failures == 0
+
+
+def test_relay_stops_at_once_while_upstream_stalls(tmp_path, trusted):
+    """SIGTERM during a mirror round must not wait on a silent upstream (found by CI: a relay
+    mid-fetch when the trainer exited took > 20 s to stop and was SIGKILLed)."""
+    async def go():
+        async def silent(reader, writer):  # accepts, reads, never answers
+            await reader.read(65536)
+            await asyncio.sleep(3600)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        stop = asyncio.Event()
+        try:
+            async with Fetcher(Store(tmp_path / "relay"), [url], trusted, stall_timeout=60) as upstream:
+                task = asyncio.create_task(mirror(upstream, "run", poll_s=0.1, stop=stop))
+                await asyncio.sleep(0.5)
+                assert not task.done(), "the round is waiting on the silent upstream"
+                t0 = asyncio.get_running_loop().time()
+                stop.set()
+                await asyncio.wait_for(task, 5)
+                return asyncio.get_running_loop().time() - t0
+        finally:
+            server.close()
+
+    assert asyncio.run(go()) < 1.0
