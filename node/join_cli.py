@@ -25,6 +25,8 @@ from protocol.transport import PeerHost
 log = logging.getLogger(__name__)
 
 SPEC_PROTOCOL = "/primerl/spec/1"
+STOP_WAIT_S = 5.0
+"""After SIGTERM/SIGINT a role gets this long to notice the stop by itself, then its task is cancelled."""
 SHUTDOWN_GRACE_S = 15.0
 """A role must finish its clean shutdown (leave, stop servers) within this after SIGTERM/SIGINT
 (the sim waits 20 s before it SIGKILLs)."""
@@ -102,7 +104,7 @@ async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
 
 
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
-               shardcast_port: int, cheat: str | None) -> None:
+               shardcast_port: int, cheat: str | None, engine: str = "builtin", parallel: dict | None = None) -> None:
     from node.roles.common import stop_on_signals
 
     spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
@@ -111,10 +113,10 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
-        node = InferenceNode(key, spec, bootstrap, workdir, cheat=cheat)
+        node = InferenceNode(key, spec, bootstrap, workdir, cheat=cheat, engine=engine)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
-        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port)
+        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
         node = ValidatorNode(key, spec, bootstrap, workdir)
@@ -126,7 +128,11 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
     stop.set()
-    done, _ = await asyncio.wait([task], timeout=SHUTDOWN_GRACE_S)
+    done, _ = await asyncio.wait([task], timeout=STOP_WAIT_S)
+    if not done:  # blocked on a peer (a fetch from a trainer that is gone): cancel; its finally leaves the run
+        log.warning("%s still busy %.0fs after the stop signal: cancelling its work", role, STOP_WAIT_S)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=SHUTDOWN_GRACE_S - STOP_WAIT_S)
     if not done:
         from node.roles.common import dump_tasks
         log.error("%s did not stop within %.0fs of the stop signal; its tasks follow", role, SHUTDOWN_GRACE_S)
@@ -154,6 +160,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--workdir", type=Path, default=Path("node-state"), help="shards, checkpoints, metrics")
     j.add_argument("--shardcast-port", type=int, default=8470, help="trainer/relay: HTTP port serving shards")
     j.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # simulation only: tamper with work
+    j.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="inference: the built-in engine, or a supervised vLLM server (contrib/vllm; "
+                        "its interpreter is $PRIMERL_VLLM_PYTHON)")
+    par = j.add_argument_group("trainer parallelism (launch with torchrun; world = dp x cp)")
+    par.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2)")
+    par.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp")
+    par.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    par.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="replicate instead of sharding")
     j.set_defaults(func=_join)
 
 
@@ -165,5 +179,11 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace) -> int:
     quiet_libp2p()
-    asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port, args.cheat))
+    parallel = {"dp": args.dp, "ep": args.ep, "cp": args.cp, "fsdp": args.fsdp}
+    if args.role != "trainer" and (args.dp, args.ep, args.cp) != (1, 1, 1):
+        raise SystemExit("primerl-node join: --dp/--ep/--cp apply to --role trainer only")
+    if args.role != "inference" and args.engine != "builtin":
+        raise SystemExit("primerl-node join: --engine applies to --role inference only")
+    asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port, args.cheat,
+                     engine=args.engine, parallel=parallel))
     return 0

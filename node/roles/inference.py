@@ -74,8 +74,9 @@ def tamper(sub: RolloutSubmission, kind: str, newest: int) -> RolloutSubmission:
 
 class InferenceNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, cheat: str | None = None,
-                 leases_per_request: int = 8):
+                 leases_per_request: int = 8, engine: str = "builtin"):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.engine_kind = engine
         self.cheat = cheat
         self.leases_per_request = leases_per_request
         self.tok = CharTokenizer()

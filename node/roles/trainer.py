@@ -50,8 +50,10 @@ class OffPolicyViolation(RuntimeError):
 
 
 class TrainerNode:
-    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int):
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
+                 parallel: dict | None = None):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.parallel = parallel or {}
         self.port = shardcast_port
         self.tok = CharTokenizer()
         self.env = environment(spec)
