@@ -13,7 +13,7 @@ import hashlib
 import math
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_serializer, model_validator
 
 from protocol.errors import MalformedMessage, MessageTooLarge
 
@@ -22,6 +22,11 @@ PeerIdStr = Annotated[str, Field(min_length=1, max_length=128)]
 Multiaddr = Annotated[str, Field(min_length=1, max_length=256)]
 Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Reason = Annotated[str, Field(max_length=512)]
+EngineName = Literal["builtin", "vllm"]
+"""Inference engine that sampled a rollout. "builtin" draws with the run's seeded rule (seeds from
+work id and position), so a validator re-derives every choice; "vllm" draws from vLLM's own
+generator, so its choices are bound by logprobs and proofs but cannot be re-derived."""
+BUILTIN_ONLY: tuple[EngineName, ...] = ("builtin",)
 
 MAX_INT64 = (1 << 63) - 1
 """Bound of every integer field: the largest integer SQLite stores. Without it, a work id of 10^30
@@ -77,6 +82,18 @@ class RunSpec(Message):
     """Peers whose verdicts count (empty: any validator member)."""
     recipe: dict[Annotated[str, Field(max_length=64)], float | int | str] = Field(default_factory=dict, max_length=64)
     """Learning recipe the trainer and inference nodes follow (model shape, lr, steps, temperature...)."""
+    engines: tuple[EngineName, ...] = Field(BUILTIN_ONLY, min_length=1, max_length=8)
+    """Engines whose rollouts the run accepts. Default: only the built-in one, whose every sampling
+    choice a validator re-derives; a run that adds "vllm" accepts rollouts whose choices are checked
+    through logprobs and proofs only (added in schema v1; omitted on the wire when default, so specs
+    that do not name it keep their bytes and hash)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_default_engines(self, handler):
+        data = handler(self)
+        if tuple(data.get("engines", ())) == BUILTIN_ONLY:
+            del data["engines"]
+        return data
 
     def spec_hash(self) -> str:
         return hashlib.sha256(encode_message(self)).hexdigest()
@@ -178,6 +195,16 @@ class RolloutSubmission(Message):
     """Why generation stopped."""
     sampled: list[bool] | None = None
     """True where the model sampled the token, False on tool replies (None: all sampled)."""
+    engine: EngineName = "builtin"
+    """Engine that sampled the tokens; must be one the run spec's `engines` names (added in schema
+    v1; omitted on the wire when "builtin", so such submissions keep their bytes and signatures)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_default_engine(self, handler):
+        data = handler(self)
+        if data.get("engine") == "builtin":
+            del data["engine"]
+        return data
 
     @model_validator(mode="after")
     def _lines_up(self) -> "RolloutSubmission":
