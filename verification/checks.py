@@ -47,6 +47,11 @@ THRESHOLDS = {
 }
 REWARD_TOL = 1e-6
 """Rewards are exact functions of the transcript; only float formatting may differ."""
+SEEDED_ENGINES = ("builtin",)
+"""Engines that sample with the run's seeded rule, so a validator can re-derive each choice. Other
+engines (vLLM: its own generator) are checked on proofs, logprobs, termination, reward and versions,
+and on greedy choices, but their choices at temperature > 0 are not re-derived; a run accepts them
+only if its spec names them (`RunSpec.engines`)."""
 
 
 class Reason(str, Enum):
@@ -59,6 +64,7 @@ class Reason(str, Enum):
     HIDDEN_MISMATCH = "hidden_mismatch"
     LOGPROB_MISMATCH = "logprob_mismatch"
     SAMPLING_MISMATCH = "sampling_mismatch"
+    ENGINE_NOT_ALLOWED = "engine_not_allowed"
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,6 @@ def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], log
     for s, off in zip(stats, chunk_offsets):
         if (f := check_hidden([s], off, t)) is not None:
             return f
-    positions = [len(claim.prompt_ids) + i for i in token_idx]
-    replay = ref.replay_sampling(logits, claim.sampling, positions)
     claimed_tok = torch.tensor([claim.token_ids[i] for i in token_idx])
     claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32)
     ours = token_logprobs(logits, claimed_tok, claim.sampling.temperature)
@@ -173,6 +177,10 @@ def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], log
         r = int(err.argmax())
         return Failure(Reason.LOGPROB_MISMATCH, f"claimed logprob {claimed_lp[r].item():.4f}, recomputed "
                        f"{ours[r].item():.4f}", token=token_idx[r])
+    if claim.engine not in SEEDED_ENGINES and claim.sampling.temperature > 0:
+        return None  # drawn from the engine's own generator: the checks above are what binds it
+    positions = [len(claim.prompt_ids) + i for i in token_idx]
+    replay = ref.replay_sampling(logits, claim.sampling, positions)
     bad = (replay.tokens != claimed_tok) & (replay.margins > t.margin_noise)
     if bool(bad.any()):
         r = int(bad.nonzero()[0])

@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.messages import EngineName
+
 MAX_TOKENS = 131_072
 """Longest prompt or completion accepted (matches protocol.messages.MAX_ROLLOUT_TOKENS)."""
 
@@ -62,6 +64,9 @@ class RolloutClaim(BaseModel):
     """Environment reward claimed."""
     proof: bytes = Field(max_length=1 << 22)
     """Wire proof: `verification.proof.encode_rollout_proof`."""
+    engine: EngineName = "builtin"
+    """Engine that sampled the tokens (the submission says): only the built-in engine's seeded
+    choices can be re-derived (`verification.checks.SEEDED_ENGINES`)."""
 
     @model_validator(mode="after")
     def _lines_up(self) -> "RolloutClaim":

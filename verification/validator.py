@@ -15,6 +15,7 @@ import torch
 
 from protocol.errors import InvalidProof
 from protocol.identity import NodeKey
+from protocol.messages import BUILTIN_ONLY
 from verification.checks import Failure, Reason, check_segment, check_task, check_termination
 from verification.claim import RolloutClaim
 from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
@@ -96,11 +97,18 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
     return None
 
 
-def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None) -> list[Verdict]:
-    """One verdict per claim, in order; signed when `key` is given."""
+def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None,
+                  engines: tuple[str, ...] = BUILTIN_ONLY) -> list[Verdict]:
+    """One verdict per claim, in order; signed when `key` is given. `engines`: those the run spec
+    accepts (`RunSpec.engines`); a claim naming another is rejected before anything is recomputed,
+    so claiming vLLM cannot dodge the sampling check in a run that does not accept vLLM."""
     failures: list[Failure | None] = [None] * len(claims)
     plans: list[_Plan | None] = [None] * len(claims)
     for i, claim in enumerate(claims):
+        if claim.engine not in engines:
+            failures[i] = Failure(Reason.ENGINE_NOT_ALLOWED, f"engine {claim.engine!r} is not one this run "
+                                  f"accepts ({', '.join(engines)})")
+            continue
         try:
             p = _plan(claim, ref)
             if isinstance(p, Failure):

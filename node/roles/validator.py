@@ -118,7 +118,7 @@ class ValidatorNode:
             prompt_ids, reward = env_oracle(self.tok)
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
                                  decode=self.tok.decode, tasks=prompt_ids, reward=reward)
-            verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref)
+            verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
             for (wid, _), v in zip(flat, verdicts):
                 if not v.accepted and wid not in failed:
                     failed[wid] = (submitters[wid], f"{getattr(v.reason, 'value', v.reason)}: {v.detail}"[:500])
@@ -146,7 +146,7 @@ class ValidatorNode:
             sampling=SamplingSpec(temperature=float(recipe(self.spec, "temperature")),
                                   max_new_tokens=self.env.max_new_tokens, seed=sampling_seed(item.seed, j),
                                   stop_strings=tuple(self.env.stop_strings)),
-            finish_reason=sub.finish_reason, reward=sub.reward, proof=sub.proof)
+            finish_reason=sub.finish_reason, reward=sub.reward, proof=sub.proof, engine=sub.engine)
 
 
 def fresh_model_max_len(node: ValidatorNode) -> int:
