@@ -13,6 +13,7 @@ Example:
     validators = ["12D3Koo..."]
     listen = "/ip4/127.0.0.1/tcp/4001"
     status_port = 8480
+    engines = ["builtin"]      # add "vllm" to accept `join --engine vllm` nodes
     [recipe]
     steps = 500
     lr = 1e-3
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +67,9 @@ class RunConfig(BaseModel):
     """HTTP port of the status page and /metrics (0: any free port)."""
     recipe: dict[str, float | int | str] = Field(default_factory=dict)
     """Learning recipe overrides (node/roles/common.py RECIPE_DEFAULTS)."""
+    engines: list[Literal["builtin", "vllm"]] = Field(default_factory=lambda: ["builtin"], min_length=1)
+    """Inference engines whose rollouts the run accepts; add "vllm" to accept rollouts whose sampling
+    a validator cannot re-derive (checked on proofs, logprobs, termination, reward; RunSpec.engines)."""
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
@@ -78,7 +83,8 @@ class RunConfig(BaseModel):
                        dead_after_missed=self.dead_after_missed, lease_ttl_s=self.lease_ttl_s,
                        group_size=self.group_size, batch_groups=self.batch_groups,
                        verification_rate=self.verification_rate, shardcast_sources=self.shardcast_sources,
-                       trainer=self.trainer, validators=self.validators, recipe=self.recipe)
+                       trainer=self.trainer, validators=self.validators, recipe=self.recipe,
+                       engines=tuple(self.engines))
 
 
 def to_toml(values: dict) -> str:
