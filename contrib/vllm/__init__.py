@@ -8,12 +8,25 @@ asked for; vLLM itself runs in its own environment (PRIMERL_VLLM_PYTHON), never 
 from __future__ import annotations
 
 
-def make_engine(model_dir: str, **settings):
-    """Start vLLM on `model_dir` with `VLLMSettings(**settings)` and return a started VLLMEngine."""
+def make_engine(model_dir: str, *, version: int = 0, log_path: str | None = None, engine: dict | None = None,
+                **settings):
+    """Start vLLM on `model_dir` (the weights of policy `version`) with `VLLMSettings(**settings)` and
+    return a started VLLMEngine; `engine`: VLLMEngine options (eos_id, encode, salt, ...).
+    Raises `VLLMUnavailable` at once when there is no usable vLLM interpreter."""
     from contrib.vllm.engine import VLLMEngine
+    from contrib.vllm.server import vllm_python
     from contrib.vllm.settings import VLLMSettings
 
-    return VLLMEngine.start(VLLMSettings(model=model_dir, **settings))
+    vllm_python()
+    return VLLMEngine.start(VLLMSettings(model=model_dir, **settings), log_path=log_path, version=version,
+                            **(engine or {}))
 
 
-__all__ = ["make_engine"]
+def vllm_python(python: str | None = None) -> str:
+    """The checked vLLM interpreter ($PRIMERL_VLLM_PYTHON); raises `VLLMUnavailable`."""
+    from contrib.vllm.server import vllm_python as check
+
+    return check(python)
+
+
+__all__ = ["make_engine", "vllm_python"]

@@ -43,14 +43,18 @@ def _npy(b64: str) -> np.ndarray:
 class VLLMEngine:
     def __init__(self, server: VLLMServer, eos_id: int = 2, max_seq_len: int | None = None,
                  encode: Callable[[str], list[int]] | None = None, capture: bool = True,
-                 max_concurrency: int = 64, salt: str = "run"):
+                 max_concurrency: int = 64, salt: str = "run", version: int = 0):
+        """`version`: the policy version of the weights the server was started on (a node that joins
+        late starts on a newer version than 0); every token it generates is labelled with it."""
         self.server = server
         self.eos_id = eos_id
         self.max_seq_len = max_seq_len or server.settings.max_model_len
         self.encode = encode
         self.capture = capture
         self.salt = salt
-        self.version = 0
+        self.version = version
+        if version != 0:
+            server.post("/update_weight_version", {"new_version": str(version)})
         self.reruns = 0
         """Requests run again because a weight swap left them undescribable (see `_run`)."""
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-request")

@@ -27,6 +27,34 @@ class VLLMServerError(RuntimeError):
     """The vLLM server did not start, died, or answered an RPC with an error."""
 
 
+class VLLMUnavailable(VLLMServerError):
+    """No usable vLLM interpreter: PRIMERL_VLLM_PYTHON unset, not an executable, or without vLLM."""
+
+
+PYTHON_ENV = "PRIMERL_VLLM_PYTHON"
+"""Names the interpreter of the environment vLLM is installed in (never this node's own)."""
+
+
+def vllm_python(python: str | None = None, timeout: float = 60.0) -> str:
+    """The vLLM interpreter (`python`, else $PRIMERL_VLLM_PYTHON), checked to run and to find the
+    `vllm` package (without importing it: seconds, not the ~10 s of `import vllm`)."""
+    python = python or os.environ.get(PYTHON_ENV)
+    if not python:
+        raise VLLMUnavailable(f"{PYTHON_ENV} is not set: point it at the python of the environment vLLM is "
+                              "installed in (e.g. `make .venv-vllm/.installed`, then .venv-vllm/bin/python)")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise VLLMUnavailable(f"{PYTHON_ENV}={python} is not an executable file")
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise VLLMUnavailable(f"{PYTHON_ENV}={python} does not run: {exc}") from exc
+    if done.returncode != 0:
+        raise VLLMUnavailable(f"{PYTHON_ENV}={python} has no `vllm` package (exit {done.returncode}: "
+                              f"{done.stderr.decode(errors='replace')[-300:]})")
+    return python
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -38,7 +66,7 @@ class VLLMServer:
         """`python`: the interpreter of the environment vLLM is installed in (PRIMERL_VLLM_PYTHON,
         else this one)."""
         self.settings = settings
-        self.python = python or os.environ.get("PRIMERL_VLLM_PYTHON") or sys.executable
+        self.python = python or os.environ.get(PYTHON_ENV) or sys.executable
         self.port = settings.port or _free_port(settings.host)
         self.url = f"http://{settings.host}:{self.port}"
         self.log_path = Path(log_path) if log_path else None

@@ -70,6 +70,9 @@ def server_args(s: VLLMSettings, port: int) -> list[str]:
             "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
             "--enable-prefix-caching", "--seed", str(s.seed),
             "--enable-prompt-tokens-details",  # cached prompt tokens: detects stale-salt cache hits
+            # logprobs after temperature (log_softmax(logits / T)), what the built-in engine reports and
+            # the validator recomputes; vLLM's default is the raw logits' (equal only at T = 1)
+            "--logprobs-mode", "processed_logprobs",
             "--tensor-parallel-size", str(s.tensor_parallel), "--data-parallel-size", str(s.data_parallel)]
     if s.enforce_eager:
         args.append("--enforce-eager")
