@@ -15,6 +15,10 @@ class UnknownTask(ValueError):
 
 
 def get_env(name: str, **kwargs) -> Environment:
+    if name.startswith("verifiers:"):  # contrib is imported only when a run asks for it
+        from contrib.verifiers import load_environment
+
+        return load_environment(name.removeprefix("verifiers:"), **kwargs)
     try:
         cls = TASKS[name]
     except KeyError:
