@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -88,7 +89,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
         (out / name).mkdir(exist_ok=True)
         key.save(out / name / "node.key")
     origin, relay_port = free_port(), free_port()
-    cfg = {"run_id": f"sim-{task}-{seed}", "task": task, "batch_groups": batch_groups, "group_size": group_size,
+    run_id = re.sub(r"[^A-Za-z0-9._-]", "-", f"sim-{task}-{seed}")[:64]  # a run id is [A-Za-z0-9._-]; task names may hold ':'
+    cfg = {"run_id": run_id, "task": task, "batch_groups": batch_groups, "group_size": group_size,
            "max_off_policy_steps": max_off_policy_steps, "verification_rate": 1.0, "heartbeat_interval_s": 2.0,
            "dead_after_missed": 3, "lease_ttl_s": 60.0,
            "shardcast_sources": [f"http://127.0.0.1:{origin}", f"http://127.0.0.1:{relay_port}"],
