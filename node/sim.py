@@ -2,7 +2,8 @@
 
 A coordinator, a trainer, a validator, a relay and N inference nodes on 127.0.0.1 (real libp2p,
 real HTTP). `--churn` SIGKILLs and restarts inference nodes during the run, and the coordinator
-once; `--cheaters K` makes K inference nodes tamper. At the end it computes, from the
+once; `--cheaters K` makes K inference nodes tamper; `--vllm-nodes K` runs K of them on vLLM
+(`join --engine vllm`; needs $PRIMERL_VLLM_PYTHON) and makes the run accept vLLM rollouts. At the end it computes, from the
 coordinator's durable store and the trainer's per-step log (never assumed):
 `rollouts_lost` (accepted but unreadable from the store, or batched by the coordinator but never
 trained on) and `rollouts_duplicated` (trained on in more than one step), and writes
@@ -80,7 +81,14 @@ class Proc:
 
 def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "reverse", churn: bool = False,
             cheaters: int = 0, max_off_policy_steps: int = 1, seed: int = 0, batch_groups: int = 64,
-            group_size: int = 8, timeout_s: float = 1500, recipe: dict | None = None) -> dict:
+            group_size: int = 8, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0) -> dict:
+    if vllm_nodes:
+        if vllm_nodes > inference_nodes - cheaters:
+            raise ValueError("--vllm-nodes counts honest inference nodes: at most --inference-nodes minus --cheaters")
+        if not os.environ.get("PRIMERL_VLLM_PYTHON"):
+            raise ValueError("--vllm-nodes needs PRIMERL_VLLM_PYTHON (the python of vLLM's own environment)")
+        # vLLM's CPU attention needs head_dim >= 32; the recipe's model has head_dim = hidden / 4.
+        recipe = {"hidden": VLLM_MIN_HIDDEN, **(recipe or {})}
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     keys = {name: NodeKey.generate() for name in ["coordinator", "trainer", "validator", "relay",
@@ -97,6 +105,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
            "trainer": keys["trainer"].peer_id, "validators": [keys["validator"].peer_id],
            "listen": f"/ip4/127.0.0.1/tcp/{free_port()}", "status_port": free_port(),
            "recipe": {"steps": steps, "seed": seed, **(recipe or {})}}
+    if vllm_nodes:
+        cfg["engines"] = ["builtin", "vllm"]
     (out / "run.toml").write_text(to_toml(cfg))
     addr_file = out / "coordinator" / "addr"
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",
@@ -118,6 +128,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     for i in range(inference_nodes):
         name = f"inference-{i}"
         extra = ["--cheat", kinds[cheater_names.index(name) % len(kinds)]] if name in cheater_names else []
+        extra += ["--engine", "vllm"] if i < vllm_nodes else []
         procs[name] = member(name, "inference", extra)
     for p in procs.values():
         p.start()
@@ -179,6 +190,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     return summary
 
 
+VLLM_MIN_HIDDEN = 128
+"""Model width of a sim with vLLM nodes unless the recipe says otherwise (head_dim 32: vLLM CPU's least)."""
 REWARD_TARGET = 0.8
 """reward_last5 the reverse task must reach (the train-local target)."""
 
@@ -195,9 +208,11 @@ def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names:
         q = state.store.q
         accepted = state.store.accepted()
         unreadable = 0
+        engine_of: dict[int, str] = {}
         for rec in accepted:
             try:
-                state.load_rollout(rec)
+                unit = state.load_rollout(rec)
+                engine_of[rec.work_id] = getattr(unit, "rollouts", [unit])[0].engine
             except Exception:
                 unreadable += 1
         trained: dict[int, int] = {}
@@ -228,6 +243,8 @@ def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names:
         "rollouts_accepted": len(accepted) * g, "rollouts_rejected": rejected * g,
         "rollouts_trained": len(trained) * g, "rollouts_dropped_stale": stale * g,
         "rollouts_lost": lost_groups * g, "rollouts_duplicated": dup_groups * g,
+        "rollouts_trained_by_engine": {e: sum(engine_of.get(w) == e for w in trained) * g
+                                       for e in sorted(set(engine_of.values()))},
         "max_off_policy_seen": max((max(r["lags"]) for r in rows), default=0),
         "max_off_policy_steps": cfg["max_off_policy_steps"],
         "cheaters": len(cheater_ids), "cheaters_banned": len(cheater_ids & banned),
@@ -264,6 +281,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--churn", action="store_true", help="SIGKILL/restart inference nodes, and the coordinator once")
     p.add_argument("--cheaters", type=int, default=0, help="inference nodes that tamper with their work")
+    p.add_argument("--vllm-nodes", type=int, default=0,
+                   help="inference nodes on vLLM (join --engine vllm; needs PRIMERL_VLLM_PYTHON)")
     p.add_argument("--max-off-policy-steps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-groups", type=int, default=64, help="prompts per trainer step")
@@ -276,7 +295,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.cheaters > args.inference_nodes:
         raise SystemExit("--cheaters cannot exceed --inference-nodes")
     summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
-                      args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout)
+                      args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout,
+                      vllm_nodes=args.vllm_nodes)
     print(json.dumps(summary))
     print(f"report: {args.out / 'report.png'}")
     return 0 if summary["status"] == "done" else 1
