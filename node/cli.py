@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[Exception], ...]:
     from node.envs import UnknownTask
     from node.model import InvalidCheckpoint, InvalidModelConfig
+    from node.roles.inference import EngineUnavailable
     from protocol.errors import ProtocolError
 
-    return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError)
+    return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError, EngineUnavailable)
 
 
 if __name__ == "__main__":

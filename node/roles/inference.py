@@ -3,7 +3,10 @@
 Invariants: a rollout's every token records the version that produced it (new versions are loaded
 between two decode steps, in-flight sequences continue); proofs bind each version segment to the
 manifest hash the coordinator announced; work the coordinator cancelled as stale is not
-submitted. A cheating node (`cheat`, for the simulation) tampers with some of its groups; the
+submitted. With `engine="vllm"` the rollouts come from a supervised vLLM server (contrib/vllm, its
+own interpreter from $PRIMERL_VLLM_PYTHON): started on the first fetched version, each later version
+written as an HF checkpoint and loaded in place; its submissions say so (`engine`), and a run whose
+spec does not accept vLLM is refused at start. A cheating node (`cheat`, for the simulation) tampers with some of its groups; the
 validator must catch every one.
 """
 
@@ -13,15 +16,18 @@ import asyncio
 import json
 import logging
 import random
+import shutil
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from node.engine import Engine, SamplingParams
 from node.envs.rollout import Rollout, run_episodes
+from node.model.checkpoint import CONFIG, WEIGHTS
 from node.model.tokenizer import CharTokenizer
-from node.roles.common import call, environment, fetch_policy, fresh_model, join_run, recipe
+from node.roles.common import call, environment, fetch_policy, fresh_model, join_run, model_config, recipe
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.member import RunMember
@@ -35,6 +41,15 @@ MAX_WAITING_GROUPS = 64
 """Groups whose (simulated) tool calls may be pending at once before the node stops leasing."""
 CHEATS = ("reward", "tokens", "version")
 """Tampering kinds a simulated cheater mixes (see verification's attack classes)."""
+VLLM_CHECKPOINTS_KEPT = 2
+"""Checkpoint directories written for vLLM that stay on disk (the loaded version and the one before)."""
+VLLM_DTYPE = "float32"
+"""vLLM's dtype: the run's policies are float32, which the validator recomputes in (its thresholds)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine asked for cannot serve this run: the run does not accept its rollouts, or it is not
+    installed here (no usable $PRIMERL_VLLM_PYTHON)."""
 
 
 def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
@@ -54,10 +69,23 @@ def version_runs(versions: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def to_submission(work_id: int, r: Rollout, proof: bytes) -> RolloutSubmission:
+def to_submission(work_id: int, r: Rollout, proof: bytes, engine: str = "builtin") -> RolloutSubmission:
     return RolloutSubmission(work_id=work_id, version_runs=version_runs(r.versions), token_ids=r.completion_ids,
                              logprobs=[min(0.0, x) for x in r.logprobs], reward=r.reward, proof=proof,
-                             finish_reason=r.finish_reason, sampled=r.loss_mask)
+                             finish_reason=r.finish_reason, sampled=r.loss_mask, engine=engine)
+
+
+def write_hf_checkpoint(state: dict[str, torch.Tensor], spec: RunSpec, directory: Path) -> Path:
+    """A fetched version (HF names, as the trainer publishes it) as a checkpoint directory vLLM loads;
+    written beside and renamed, so a crash never leaves a half-written directory under its name."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / CONFIG).write_text(json.dumps(model_config(spec).to_hf_dict(), indent=2))
+    save_file({k: t.contiguous() for k, t in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory
 
 
 def tamper(sub: RolloutSubmission, kind: str, newest: int) -> RolloutSubmission:
@@ -77,17 +105,31 @@ class InferenceNode:
                  leases_per_request: int = 8, engine: str = "builtin"):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.engine_kind = engine
+        if engine == "vllm":
+            self._check_vllm()
         self.cheat = cheat
         self.leases_per_request = leases_per_request
         self.tok = CharTokenizer()
         self.env = environment(spec)
         self.hashes: dict[int, str] = {}
-        self.engine: Engine | None = None
+        self.engine: Engine | None = None  # or contrib's VLLMEngine: the same surface
         self.submitted = self.refused = 0
         self._rng = random.Random(key.peer_id)
         self._newest_loaded = -1
         self._fetching: asyncio.Task | None = None
         self._waiting: set[asyncio.Task] = set()
+        self._loading = asyncio.Lock()  # one version applied at a time, never an older after a newer
+
+    def _check_vllm(self) -> None:
+        if "vllm" not in self.spec.engines:
+            raise EngineUnavailable(f"run {self.spec.run_id} does not accept vLLM rollouts (its spec's engines: "
+                                    f"{', '.join(self.spec.engines)}); its run.toml must list \"vllm\" in engines")
+        from contrib.vllm import vllm_python
+        from contrib.vllm.server import VLLMUnavailable
+        try:
+            vllm_python()
+        except VLLMUnavailable as exc:
+            raise EngineUnavailable(str(exc)) from exc
 
     async def run(self, stop: asyncio.Event) -> None:
         member = await join_run(self.key, self.spec, "inference", self.bootstrap, stop)
@@ -103,6 +145,8 @@ class InferenceNode:
         finally:
             await member.leave("shutting down")
             await member.host.stop()
+            if self.engine_kind == "vllm" and self.engine is not None:
+                await asyncio.to_thread(self.engine.close)  # the vLLM server never outlives the node
             log.info("inference %s stopped: %d groups submitted, %d refused", self.key.peer_id[-8:],
                      self.submitted, self.refused)
 
@@ -134,15 +178,43 @@ class InferenceNode:
             signed = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version)
             manifest_hash = signed.manifest.manifest_hash()
         self.hashes[version] = manifest_hash
-        if self.engine is None:
-            model = fresh_model(self.spec)
-            self.engine = Engine(model, max_batch=self.leases_per_request * self.spec.group_size,
-                                 eos_id=self.tok.eos_id, decode=self.tok.decode, capture_hidden=True, version=version)
-        self.engine.load_weights(state, version)
-        self._newest_loaded = version
+        async with self._loading:
+            if version <= self._newest_loaded:
+                return  # a newer version was applied while this one was fetched
+            if self.engine_kind == "vllm":
+                await asyncio.to_thread(self._load_vllm, state, version)
+            else:
+                if self.engine is None:
+                    model = fresh_model(self.spec)
+                    self.engine = Engine(model, max_batch=self._max_batch, eos_id=self.tok.eos_id,
+                                         decode=self.tok.decode, capture_hidden=True, version=version)
+                self.engine.load_weights(state, version)
+            self._newest_loaded = version
         with (self.workdir / "versions.jsonl").open("a") as f:  # weight-latency benchmark reads this
             f.write(json.dumps({"version": version, "t_queued": time.time()}) + "\n")
         log.info("policy v%d queued for the engine", version)
+
+    @property
+    def _max_batch(self) -> int:
+        return self.leases_per_request * self.spec.group_size
+
+    def _load_vllm(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Write `version` as an HF checkpoint; start vLLM on it (first version) or load it in place
+        (sequences in flight are kept, or rerun by the adapter where vLLM recomputed their KV)."""
+        root = self.workdir / "vllm"
+        directory = write_hf_checkpoint(state, self.spec, root / f"v{version}")
+        if self.engine is None:
+            from contrib.vllm import make_engine
+            self.engine = make_engine(
+                str(directory), version=version, log_path=str(self.workdir / "vllm.log"), dtype=VLLM_DTYPE,
+                max_model_len=model_config(self.spec).max_position_embeddings, max_num_seqs=self._max_batch,
+                engine={"eos_id": self.tok.eos_id, "encode": self.tok.encode, "salt": self.spec.run_id,
+                        "max_concurrency": self._max_batch})
+        else:
+            self.engine.load_weights(directory, version)
+        written = sorted((int(d.name[1:]) for d in root.glob("v*") if d.name[1:].isdigit()), reverse=True)
+        for old in written[VLLM_CHECKPOINTS_KEPT:]:
+            shutil.rmtree(root / f"v{old}", ignore_errors=True)
 
     async def _one_round(self, member: RunMember, stop: asyncio.Event) -> None:
         async def lease() -> LeaseGrants:
@@ -192,7 +264,8 @@ class InferenceNode:
         proofs = prove_rollouts(hidden, {v: bytes.fromhex(h) for v, h in self.hashes.items()})
         out = []
         for i, grant in enumerate(grants):
-            subs = [to_submission(grant.work_id, rollouts[i * g + j], proofs[i * g + j]) for j in range(g)]
+            subs = [to_submission(grant.work_id, rollouts[i * g + j], proofs[i * g + j], self.engine_kind)
+                    for j in range(g)]
             if self.cheat and self._rng.random() < 0.5:
                 kind = self.cheat if self.cheat in CHEATS else self._rng.choice(CHEATS)
                 subs[0] = tamper(subs[0], kind, self._newest_loaded)
