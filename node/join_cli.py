@@ -163,6 +163,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                    help="inference: the built-in engine, or a supervised vLLM server (contrib/vllm; "
                         "its interpreter is $PRIMERL_VLLM_PYTHON)")
+    j.add_argument("--vllm", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
+                        "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
     par = j.add_argument_group("trainer parallelism (launch with torchrun; world = dp x cp)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2)")
     par.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp")

@@ -1,9 +1,10 @@
 """Render the Slurm batch scripts for a cluster layout.
 
-Invariants the rendered scripts keep: the trainer's world is exactly trainer_nodes x gpus_per_node
-processes and its dp x cp (ep borrowed from dp) covers it; every inference node serves one vLLM
-instance whose data x tensor parallel degree covers that node's GPUs; every node joins the same run
-through the same bootstrap peer. `python -m contrib.slurm.render --layout 28xh200 --out DIR`.
+Invariants the rendered scripts keep: the trainer's world is exactly trainer_nodes x procs per node
+(GPUs, or CPU ranks on a CPU test cluster) and its dp x cp (ep borrowed from dp) covers it; every
+vLLM inference node serves one instance whose data x tensor parallel degree covers that node's GPUs;
+every node joins the same run through the same bootstrap peer, with its own key and state directory.
+`python -m contrib.slurm.render --layout 28xh200 --out DIR` (flags below override layout fields).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import shlex
 from pathlib import Path
 from string import Template
+from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -23,47 +25,73 @@ class ClusterLayout(BaseModel):
     """Job-name prefix."""
     partition: str = "h200"
     """Slurm partition."""
-    gpus_per_node: int = Field(8, ge=1)
-    """GPUs on each node."""
+    gpus_per_node: int = Field(8, ge=0)
+    """GPUs on each node (0: CPU nodes, e.g. a test cluster; then `procs_per_node` trainer ranks each)."""
+    cpu_procs_per_node: int = Field(1, ge=1)
+    """Trainer ranks per node when gpus_per_node is 0 (gloo)."""
     trainer_nodes: int = Field(1, ge=1)
     """Nodes of the trainer job (one torchrun agent each)."""
     inference_nodes: int = Field(1, ge=1)
-    """Nodes of the inference fleet (one vLLM server each)."""
+    """Nodes of the inference fleet (one `join --role inference` each)."""
     dp: int = Field(1, ge=1)
     """Trainer data-parallel (FSDP) degree."""
     ep: int = Field(1, ge=1)
     """Trainer expert-parallel degree (taken from dp)."""
     cp: int = Field(1, ge=1)
     """Trainer context-parallel degree."""
+    engine: Literal["vllm", "builtin"] = "vllm"
+    """Inference engine on the fleet: vLLM on GPU nodes, the built-in one on CPU test clusters."""
     vllm_dp: int = Field(8, ge=1)
     """vLLM data-parallel replicas per inference node."""
     vllm_tp: int = Field(1, ge=1)
     """vLLM tensor-parallel degree per replica."""
     vllm_ep: bool = True
     """vLLM expert parallelism across the node's GPUs."""
-    quantization: str = "fp8"
+    quantization: Literal["none", "fp8"] = "fp8"
     """vLLM weight quantisation on inference nodes."""
     all2all_backend: str = "deepep_low_latency"
     """vLLM all-to-all for expert parallelism."""
-    model: str = "/models/base"
-    """Shared path of the base checkpoint."""
-    run_spec: str = "/runs/run.json"
-    """Signed run spec from `primerl-node coordinator launch`."""
+    spec: str = "/shared/run/spec.json"
+    """The run's signed spec (`primerl-node coordinator launch` writes STATE/spec.json), on a shared path."""
     bootstrap: str = "/ip4/10.0.0.1/tcp/4001/p2p/COORDINATOR_PEER_ID"
     """Multiaddr of the coordinator (bootstrap peer)."""
+    state_dir: str = "/scratch/primerl"
+    """Per-node state (shards, checkpoints, metrics): node-local disk is best."""
+    key_dir: str = "/shared/run/keys"
+    """Node keys (created on first start, 0600); inference nodes' are named by index in the job."""
+    log_dir: str = "."
+    """Where Slurm writes each job's output."""
+    shardcast_port: int = Field(8470, ge=1, le=65535)
+    """Trainer's shard server port (must be in the run spec's shardcast_sources)."""
+    rdzv_port: int = Field(29500, ge=1, le=65535)
+    """torchrun's c10d rendezvous port on the trainer job's first node."""
     time_limit: str = "7-00:00:00"
     """Slurm wall-time limit."""
 
+    @property
+    def procs_per_node(self) -> int:
+        return self.gpus_per_node or self.cpu_procs_per_node
+
     @model_validator(mode="after")
     def _check(self) -> "ClusterLayout":
-        world = self.trainer_nodes * self.gpus_per_node
+        world = self.trainer_nodes * self.procs_per_node
         if self.dp * self.cp != world:
-            raise ValueError(f"trainer dp*cp = {self.dp * self.cp} must equal its {world} GPUs")
+            raise ValueError(f"trainer dp*cp = {self.dp * self.cp} must equal its {world} ranks")
         if self.dp % self.ep:
             raise ValueError("ep must divide dp")
-        if self.vllm_dp * self.vllm_tp != self.gpus_per_node:
+        if self.engine == "vllm" and self.gpus_per_node and self.vllm_dp * self.vllm_tp != self.gpus_per_node:
             raise ValueError("vllm_dp * vllm_tp must equal gpus_per_node")
         return self
+
+    def engine_flags(self) -> list[str]:
+        """`join --vllm KEY=VALUE` settings (contrib/vllm/settings.py VLLMSettings) for a vLLM fleet."""
+        if self.engine != "vllm":
+            return []
+        opts = {"data_parallel": self.vllm_dp, "tensor_parallel": self.vllm_tp, "quantization": self.quantization,
+                "expert_parallel": str(self.vllm_ep).lower()}
+        if self.vllm_ep:
+            opts["all2all_backend"] = self.all2all_backend
+        return [f"--vllm {k}={v}" for k, v in opts.items()]
 
 
 GLM5_LIKE_28_NODES = ClusterLayout(
@@ -80,7 +108,10 @@ def render(layout: ClusterLayout, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     values = {k: shlex.quote(str(v)) if isinstance(v, str) else v for k, v in layout.model_dump().items()}
-    values["vllm_ep_flag"] = "--vllm-expert-parallel" if layout.vllm_ep else ""
+    values["procs_per_node"] = layout.procs_per_node
+    values["gpus_line"] = (f"#SBATCH --gpus-per-node={layout.gpus_per_node}" if layout.gpus_per_node
+                           else "# CPU nodes: no GPUs requested")
+    values["engine_flags"] = " ".join(layout.engine_flags())
     written = []
     for name in ("trainer.sbatch", "inference.sbatch"):
         text = Template((HERE / f"{name}.tmpl").read_text()).substitute(values)
