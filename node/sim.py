@@ -39,16 +39,17 @@ def free_port() -> int:
 
 
 class Proc:
-    """One role process; restartable with the same key and state directory."""
+    """One role process; restartable with the same key and state directory. With `launcher`
+    (torchrun's arguments), the role runs as that many processes under torchrun."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path):
-        self.name, self.argv, self.log_path = name, argv, log_path
+    def __init__(self, name: str, argv: list[str], log_path: Path, launcher: list[str] = ()):
+        self.name, self.argv, self.log_path, self.launcher = name, argv, log_path, list(launcher)
         self.p: subprocess.Popen | None = None
         self.events: list[tuple[float, str]] = []
 
     def start(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.p = subprocess.Popen([sys.executable, "-m", "node.cli", "--log-level", "INFO", *self.argv],
+        self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", "node.cli", "--log-level", "INFO", *self.argv],
                                   stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
         self.events.append((time.time(), "start"))
@@ -61,16 +62,22 @@ class Proc:
 
     def stop(self, timeout: float = 20) -> None:
         if self.p and self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
+            # Under torchrun the ranks get the SIGTERM (rank 0 stops them all, torchrun then exits
+            # with their status); torchrun itself, signalled, would exit non-zero whatever they do.
+            for pid in _children(self.p.pid) if self.launcher else [self.p.pid]:
+                _signal(pid, signal.SIGTERM)
             try:
                 self.p.wait(timeout)
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0fs of SIGTERM: its stacks go to its log, then SIGKILL",
                             self.name, timeout)
-                self.p.send_signal(signal.SIGUSR2)  # asyncio tasks (node/roles/common.py)
-                time.sleep(0.5)
-                self.p.send_signal(signal.SIGUSR1)  # threads (node/cli.py)
-                time.sleep(0.5)
+                roles = _children(self.p.pid) if self.launcher else [self.p.pid]
+                for sig in (signal.SIGUSR2, signal.SIGUSR1):  # asyncio tasks (node/roles/common.py), threads (node/cli.py)
+                    for pid in roles:
+                        _signal(pid, sig)
+                    time.sleep(0.5)
+                for pid in roles if self.launcher else []:  # torchrun's ranks are in sessions of their own
+                    _signal(pid, signal.SIGKILL)
                 self.p.kill()
                 self.p.wait(5)
             self.events.append((time.time(), "stop"))
@@ -79,9 +86,35 @@ class Proc:
         return self.p is not None and self.p.poll() is None
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
+    """torchrun's arguments and the join flags for a trainer layout such as 'dp2-ep2' (None: one process)."""
+    if not layout:
+        return [], []
+    from node.rl.parallel.launch import parse_layout
+
+    dims = parse_layout(layout)
+    return (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dims.world}"],
+            ["--dp", str(dims.dp), "--ep", str(dims.ep), "--cp", str(dims.cp)])
+
+
 def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "reverse", churn: bool = False,
             cheaters: int = 0, max_off_policy_steps: int = 1, seed: int = 0, batch_groups: int = 64,
-            group_size: int = 8, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0) -> dict:
+            group_size: int = 8, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0,
+            trainer_parallel: str | None = None) -> dict:
     if vllm_nodes:
         if vllm_nodes > inference_nodes - cheaters:
             raise ValueError("--vllm-nodes counts honest inference nodes: at most --inference-nodes minus --cheaters")
@@ -119,10 +152,12 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     cheater_names = [f"inference-{i}" for i in range(inference_nodes - cheaters, inference_nodes)]
     kinds = ["reward", "tokens", "version"]
 
-    def member(name: str, role: str, extra: list[str] = ()) -> Proc:
+    def member(name: str, role: str, extra: list[str] = (), launcher: list[str] = ()) -> Proc:
         return Proc(name, ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
-                           str(out / name / "node.key"), "--workdir", str(out / name), *extra], out / name / "log.txt")
-    procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin)]),
+                           str(out / name / "node.key"), "--workdir", str(out / name), *extra], out / name / "log.txt",
+                    launcher)
+    launcher, parallel_flags = trainer_launcher(trainer_parallel)
+    procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags], launcher),
              "validator": member("validator", "validator"),
              "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
     for i in range(inference_nodes):
@@ -288,6 +323,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-groups", type=int, default=64, help="prompts per trainer step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--timeout", type=float, default=1500, help="stop the run after this many seconds")
+    p.add_argument("--trainer-parallel", metavar="LAYOUT", default=None,
+                   help="run the trainer as torchrun ranks (gloo on CPU), e.g. dp2-ep2, cp2, dp2-ep2-cp2")
     p.set_defaults(func=_main)
 
 
@@ -296,7 +333,7 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit("--cheaters cannot exceed --inference-nodes")
     summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
                       args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout,
-                      vllm_nodes=args.vllm_nodes)
+                      vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel)
     print(json.dumps(summary))
     print(f"report: {args.out / 'report.png'}")
     return 0 if summary["status"] == "done" else 1

@@ -9,6 +9,10 @@ Invariants: every group trained on is re-checked here too (signature of its subm
 trainer loudly); each step logs the work ids it trained on, so a simulation can prove that no
 accepted rollout was lost or used twice. After a crash the trainer resumes from its last
 checkpoint, and the step it had not finished gets the same batch again (the request is idempotent).
+
+With `--dp/--ep/--cp` under torchrun, rank 0 is this networked trainer and the other ranks only
+compute: each step's batch goes to every rank and the step is taken by the distributed trainer
+(`node.rl.parallel.world`); rank 0 publishes the whole weights it gathers after the step.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import asyncio
 import copy
 import json
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -27,7 +33,8 @@ from node.envs.rollout import Rollout
 from node.model.checkpoint import state_dict_to_hf
 from node.model.tokenizer import CharTokenizer
 from node.rl.advantages import group_advantages
-from node.rl.batch import build_batch
+from node.rl.batch import TrainBatch, build_batch
+from node.rl.parallel.dims import ParallelDims
 from node.rl.train_local import LocalRunConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import call, environment, fresh_model, join_run, recipe
@@ -54,6 +61,10 @@ class TrainerNode:
                  parallel: dict | None = None):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.parallel = parallel or {}
+        try:
+            self.dims = ParallelDims(**self.parallel)
+        except ValueError as exc:
+            raise SystemExit(f"trainer parallelism {self.parallel}: {exc}") from exc
         self.port = shardcast_port
         self.tok = CharTokenizer()
         self.env = environment(spec)
@@ -66,11 +77,35 @@ class TrainerNode:
                                  minibatches=int(recipe(spec, "minibatches")))
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.dims.world == 1:
+            return await self._serve(stop, None)
+        if "RANK" not in os.environ:
+            raise SystemExit(f"--dp/--ep/--cp need {self.dims.world} processes: launch with torchrun "
+                             f"--nproc-per-node (x nodes) = {self.dims.world}")
+        from node.rl.parallel.world import Leader, follow
+
+        seed = int(recipe(self.spec, "seed"))
+        if int(os.environ["RANK"]) > 0:
+            # Only rank 0 decides when to stop (it must send the stop order, or ranks would hang in
+            # a collective): a signal here is logged and left to rank 0, which torchrun signals too.
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, log.info, "signal %s: waiting for rank 0's stop order", sig.name)
+            return await asyncio.to_thread(follow, self.dims, self.cfg, seed, fresh_model(self.spec))
+        leader = await asyncio.to_thread(Leader.connect, self.dims, self.cfg, seed)
+        try:
+            await self._serve(stop, leader)
+        finally:
+            await asyncio.to_thread(leader.stop)
+
+    async def _serve(self, stop: asyncio.Event, leader) -> None:
         server = ShardServer(self.store)
         await server.start("127.0.0.1", self.port)
         member = await join_run(self.key, self.spec, "trainer", self.bootstrap, stop)
         try:
             trainer = await asyncio.to_thread(self._resume_or_warm_up)
+            if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
+                trainer = await asyncio.to_thread(leader.start, trainer)
             await self._publish(member, stop, trainer)
             metrics = (self.workdir / "metrics.jsonl").open("a")
             while trainer.step < self.steps and not stop.is_set():
@@ -149,7 +184,8 @@ class TrainerNode:
             raise OffPolicyViolation(f"work {item.work_id} (min version {group.min_version}) in batch {step}")
         return item.work_id, item.task_index, group
 
-    def _train(self, trainer: Trainer, step: int, items: list[tuple[int, int, RolloutGroup]]) -> dict:
+    def train_batch(self, items: list[tuple[int, int, RolloutGroup]]) -> tuple[TrainBatch, torch.Tensor]:
+        """The step's batch from its rollout groups, and the rewards [groups, group size]."""
         rollouts, rewards = [], []
         for _wid, task_index, group in items:
             task = self.env.sample_task(task_index)
@@ -162,7 +198,11 @@ class TrainerNode:
             rewards.append([sub.reward for sub in group.rollouts])
         r = torch.tensor(rewards)
         adv = group_advantages(r, normalize_std=True).flatten().tolist()
-        stats = trainer.train_step(build_batch(rollouts, adv, self.tok.pad_id))
+        return build_batch(rollouts, adv, self.tok.pad_id), r
+
+    def _train(self, trainer: Trainer, step: int, items: list[tuple[int, int, RolloutGroup]]) -> dict:
+        batch, r = self.train_batch(items)
+        stats = trainer.train_step(batch)
         lags = [self.ledger.lag(g.min_version, step) for _, _, g in items]
         return {"step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [w for w, _, _ in items],
                 **stats}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,9 @@ class ParallelGroups:
                    ep_mesh.get_group(), cp_mesh.get_group())
 
 
-def init_distributed() -> str:
+def init_distributed(timeout_s: float | None = None) -> str:
     """Join the torchrun world (env:// rendezvous): NCCL with one GPU per local rank, else gloo.
+    `timeout_s` bounds every collective wait (None: torch's default, 30 min on gloo).
     Returns the device type."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,5 +83,5 @@ def init_distributed() -> str:
     else:
         backend, device = "gloo", "cpu"
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     return device

@@ -1,6 +1,9 @@
 """The distributed optimizer step. Invariant: with the loss divided by the GLOBAL count of loss
 tokens and gradients summed across ranks, every parallel layout computes the loss and gradients
-of one process on the whole batch (up to float reassociation). The gradient-norm clip is global too.
+of one process on the whole batch (up to float reassociation). The gradient-norm clip, the MoE
+load-balancing loss, the learning-rate schedule and the minibatch schedule are global too, so
+`train_step` on a batch takes the step `Trainer.train_step` takes on it when both draw the same
+minibatch permutation (`Trainer` draws it from torch's global generator, seeded here per step).
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from node.model.qwen3_moe import CausalLM
+from node.model.moe import expert_counts
+from node.model.qwen3_moe import CausalLM, ModelOutput
 from node.rl.batch import TrainBatch
 from node.rl.loss import policy_loss, token_logprobs
 from node.rl.parallel.apply import is_expert_param, sync_gradients
 from node.rl.parallel.context import sequence_slice
 from node.rl.parallel.dims import ParallelGroups
-from node.rl.trainer import TrainerConfig
+from node.rl.trainer import Trainer, TrainerConfig
 
 
 @dataclass
@@ -26,13 +30,19 @@ class LocalBatch:
 
     batch: TrainBatch
     positions: torch.Tensor  # [B_local, T_local]
+    real: torch.Tensor | None = None
+    """[B_local, T_local] bool: tokens of the one-process batch (not sequence or row padding added
+    to split it); the load-balancing loss counts these. None: every token is real."""
 
     def to(self, device: torch.device) -> "LocalBatch":
         b = self.batch
         moved = TrainBatch(*(x.to(device) for x in (b.input_ids, b.targets, b.loss_mask, b.inference_logprobs,
                                                      b.advantages)),
                            None if b.routed_experts is None else b.routed_experts.to(device))
-        return LocalBatch(moved, self.positions.to(device))
+        return LocalBatch(moved, self.positions.to(device), None if self.real is None else self.real.to(device))
+
+    def select(self, rows: torch.Tensor) -> "LocalBatch":
+        return LocalBatch(self.batch.select(rows), self.positions[rows], None if self.real is None else self.real[rows])
 
 
 def _pad_seq(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -42,8 +52,22 @@ def _pad_seq(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], dim=1)
 
 
-def shard_batch(batch: TrainBatch, groups: ParallelGroups) -> LocalBatch:
-    """Rows split evenly over dp ranks (the batch size must divide), sequence over cp ranks."""
+def pad_rows(batch: TrainBatch, multiple: int) -> tuple[TrainBatch, int]:
+    """Append rows with no loss tokens until the row count divides by `multiple`; returns the batch
+    and its count of real rows. Such rows add nothing to the loss or the global token count."""
+    real = len(batch)
+    extra = -real % multiple
+    if extra == 0:
+        return batch, real
+    idx = torch.cat([torch.arange(real), torch.zeros(extra, dtype=torch.long)])
+    padded = batch.select(idx)
+    padded.loss_mask[real:] = False
+    return padded, real
+
+
+def shard_batch(batch: TrainBatch, groups: ParallelGroups, real_rows: int | None = None) -> LocalBatch:
+    """Rows split evenly over dp ranks (the batch size must divide), sequence over cp ranks.
+    Rows from `real_rows` on are padding (see `pad_rows`)."""
     dims = groups.dims
     if len(batch) % dims.dp:
         raise ValueError(f"batch of {len(batch)} rows does not split over dp={dims.dp}")
@@ -56,25 +80,59 @@ def shard_batch(batch: TrainBatch, groups: ParallelGroups) -> LocalBatch:
                                                       local.inference_logprobs, local.advantages)]
     experts = None if local.routed_experts is None else _pad_seq(local.routed_experts, padded)[:, cols]
     positions = torch.arange(padded)[cols].expand(per, -1)
-    return LocalBatch(TrainBatch(*fields, experts), positions)
+    rows = torch.arange(groups.dp_rank * per, (groups.dp_rank + 1) * per)
+    real = (positions < t) & (rows < (len(batch) if real_rows is None else real_rows))[:, None]
+    return LocalBatch(TrainBatch(*fields, experts), positions, real)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def balancing_loss_share(out: ModelOutput, real: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """This rank's share of the one-process load-balancing loss (`node.model.moe.load_balancing_loss`
+    over the whole batch): E * sum_e f_e * P_e with f_e from the GLOBAL expert counts (a constant)
+    and P_e's sum over this rank's real tokens divided by the GLOBAL token count. Shares sum over
+    ranks to the one-process loss, and so do their gradients (collective: every rank calls)."""
+    logits = out.router_logits
+    if not logits:
+        return out.logits.new_zeros(())
+    n_tokens = logits[0].shape[0]
+    keep = torch.ones(n_tokens, dtype=torch.bool, device=out.logits.device) if real is None else real.reshape(-1)
+    chosen = out.routed_experts.reshape(n_tokens, len(logits), -1)[keep]  # [N_real, L, k]
+    counts = torch.stack([expert_counts(chosen[:, i].reshape(-1), num_experts) for i in range(len(logits))])
+    totals = torch.cat([counts.reshape(-1).float(), keep.sum().float().reshape(1)])
+    dist.all_reduce(totals)
+    f = totals[:-1].view(len(logits), num_experts) / (totals[-1].clamp(min=1) * chosen.shape[-1])
+    share = out.logits.new_zeros((), dtype=torch.float32)
+    for i, layer_logits in enumerate(logits):
+        p_sum = torch.softmax(layer_logits.float()[keep], dim=-1).sum(0)
+        share = share + num_experts * (f[i] * p_sum).sum() / totals[-1].clamp(min=1)
+    return share / len(logits)
+
+
 class DistributedTrainer:
     def __init__(self, model: CausalLM, groups: ParallelGroups, cfg: TrainerConfig = TrainerConfig(), seed: int = 0):
-        self.model, self.groups, self.cfg = model, groups, cfg
+        self.model, self.groups, self.cfg, self.seed = model, groups, cfg, seed
         # foreach=False: expert and dense parameters live on different meshes, and a fused
         # multi-tensor op across meshes is refused by DTensor.
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=(0.9, 0.99), foreach=False)
-        self.generator = torch.Generator().manual_seed(seed)
         self.step = 0
 
+    learning_rate = Trainer.learning_rate  # one schedule: it reads only cfg and step
+
+    def minibatch_generator(self) -> torch.Generator:
+        """The minibatch permutations of this step: the same on every rank, and the same again
+        when a resumed trainer repeats the step."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + self.step)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def loss(self, local: LocalBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """This rank's share of the global loss: its token sum over the global token count."""
+        """This rank's share of the global loss: its token sum over the global token count, plus
+        its share of the load-balancing loss. Metrics are global (summed over ranks)."""
         b = local.batch
         out = self.model(b.input_ids, positions=local.positions,
                          routed_experts=b.routed_experts if self.cfg.router_replay else None)
@@ -85,23 +143,31 @@ class DistributedTrainer:
         dist.all_reduce(n_global)
         # policy_loss divided by max(n_local, 1); rescale to the global denominator.
         loss = po.loss * n_local.clamp(min=1) / n_global.clamp(min=1)
-        # The aux loss is per rank (each rank's routing statistics), weighted by its token share.
-        loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss / self.groups.dims.world
-        return loss, {"masked_share": po.masked_share, "mismatch_kl": po.mismatch_kl}
+        aux = balancing_loss_share(out, local.real, self.model.config.num_experts) \
+            if torch.is_grad_enabled() else loss.new_zeros(())
+        stats = torch.stack([n_local.float() * po.masked_share, n_local.float() * po.mismatch_kl,
+                             aux.detach().float()])
+        dist.all_reduce(stats)
+        n = float(n_global.clamp(min=1))
+        return loss + self.model.config.router_aux_loss_coef * aux, {
+            "masked_share": float(stats[0]) / n, "mismatch_kl": float(stats[1]) / n, "aux_loss": float(stats[2])}
 
     def backward(self, local: LocalBatch) -> float:
         """Loss (summed over ranks) and gradients; after this, gradients are the global ones."""
-        loss, _ = self.loss(local)
+        return self._backward(local)[0]
+
+    def _backward(self, local: LocalBatch) -> tuple[float, dict[str, float]]:
+        loss, stats = self.loss(local)
         loss.backward()
         sync_gradients(self.model, self.groups)
         total = loss.detach().clone()
         dist.all_reduce(total)
-        return float(total)
+        return float(total), stats
 
     def clip_grad_norm(self, max_norm: float) -> float:
         g, dims = self.groups, self.groups.dims
         # accumulators live where the gradients do: NCCL reduces only device tensors
-        device = next(self.model.parameters()).device
+        device = self._device()
         dense = torch.zeros((), dtype=torch.float64, device=device)
         expert = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in self.model.named_parameters():
@@ -125,20 +191,27 @@ class DistributedTrainer:
                     p.grad.mul_(coef)
         return norm
 
-    def train_step(self, local: LocalBatch) -> dict[str, float]:
-        """Same schedule as `Trainer.train_step`; every rank draws the same minibatch permutation."""
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """`Trainer.train_step` over the world: every rank holds the whole batch, draws the same
+        permutation of its rows, and trains on its shard of each minibatch (collective)."""
         self.model.train()
-        local = local.to(next(self.model.parameters()).device)
-        metrics: dict[str, float] = {}
-        rows = len(local.batch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate()
+        device, dp = self._device(), self.groups.dims.dp
+        with torch.no_grad():
+            padded, real = pad_rows(batch, dp)
+            _, before = self.loss(shard_batch(padded, self.groups, real).to(device))
+        metrics: dict[str, float] = {"mismatch_kl": before["mismatch_kl"], "lr": self.learning_rate()}
+        generator = self.minibatch_generator()
         for _ in range(self.cfg.updates_per_batch):
-            order = torch.randperm(rows, generator=self.generator)
-            for chunk in order.chunk(self.cfg.minibatches):
-                mb = LocalBatch(local.batch.select(chunk), local.positions[chunk])
+            order = torch.randperm(len(batch), generator=generator)
+            for rows in order.chunk(self.cfg.minibatches):
+                mb, real = pad_rows(batch.select(rows), dp)
                 self.optimizer.zero_grad(set_to_none=True)
-                metrics["loss"] = self.backward(mb)
+                loss, stats = self._backward(shard_batch(mb, self.groups, real).to(device))
                 metrics["grad_norm"] = self.clip_grad_norm(self.cfg.max_grad_norm)
                 self.optimizer.step()
+                metrics.update(loss=loss, masked_share=stats["masked_share"], aux_loss=stats["aux_loss"])
         self.step += 1
         self.model.eval()
         return metrics
@@ -151,13 +224,15 @@ class DistributedTrainer:
         return self._gather(lambda p: p.detach())
 
     def _gather(self, get) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in self.model.named_parameters():
-            t = get(p)
-            t = t.full_tensor() if isinstance(t, DTensor) else t
-            if is_expert_param(name) and self.groups.dims.ep > 1:
-                parts = [torch.empty_like(t) for _ in range(self.groups.dims.ep)]
-                dist.all_gather(parts, t.contiguous(), group=self.groups.ep_group)
-                t = torch.cat(parts, dim=0)
-            out[name] = t.detach().clone()
-        return out
+        return {name: full_tensor(self.groups, name, get(p)) for name, p in self.model.named_parameters()}
+
+
+def full_tensor(groups: ParallelGroups, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A parameter-shaped tensor (the parameter, its gradient, an optimizer moment) whole, in
+    one-process layout: FSDP shards gathered, then EP slices (collective over the meshes of `name`)."""
+    t = t.full_tensor() if isinstance(t, DTensor) else t
+    if is_expert_param(name) and groups.dims.ep > 1:
+        parts = [torch.empty_like(t) for _ in range(groups.dims.ep)]
+        dist.all_gather(parts, t.contiguous(), group=groups.ep_group)
+        t = torch.cat(parts, dim=0)
+    return t.detach().clone()
