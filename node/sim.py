@@ -165,8 +165,19 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
         extra = ["--cheat", kinds[cheater_names.index(name) % len(kinds)]] if name in cheater_names else []
         extra += ["--engine", "vllm"] if i < vllm_nodes else []
         procs[name] = member(name, "inference", extra)
-    for p in procs.values():
+    vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
+    for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
         p.start()
+    try:
+        for p in vllm_procs:
+            _wait_for(out / p.name / "engine.ready", p, VLLM_START_S)
+    except (RuntimeError, TimeoutError):
+        for p in [*vllm_procs, coord]:
+            p.stop()
+        raise
+    for p in procs.values():
+        if p not in vllm_procs:
+            p.start()
     metrics_path = out / "trainer" / "metrics.jsonl"
     churn_every = (10.0, 20.0) if steps < 60 else (20.0, 40.0)
     coordinator_restarted, next_churn, status = False, time.time() + churn_every[0], "timeout"
@@ -225,6 +236,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     return summary
 
 
+VLLM_START_S = 300.0
+"""How long the sim waits for a vLLM node's server to come up (DESIGN.md: 30-55 s on a 2-core machine)."""
 VLLM_MIN_HIDDEN = 128
 """Model width of a sim with vLLM nodes unless the recipe says otherwise (head_dim 32: vLLM CPU's least)."""
 REWARD_TARGET = 0.8
