@@ -89,6 +89,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def minibatch_seed(seed: int, step: int) -> int:
+    """Seed of the minibatch permutations of the step taken at `step` (before it)."""
+    return seed * 1_000_003 + step
+
+
 def balancing_loss_share(out: ModelOutput, real: torch.Tensor | None, num_experts: int) -> torch.Tensor:
     """This rank's share of the one-process load-balancing loss (`node.model.moe.load_balancing_loss`
     over the whole batch): E * sum_e f_e * P_e with f_e from the GLOBAL expert counts (a constant)
@@ -125,14 +130,15 @@ class DistributedTrainer:
     def minibatch_generator(self) -> torch.Generator:
         """The minibatch permutations of this step: the same on every rank, and the same again
         when a resumed trainer repeats the step."""
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + self.step)
+        return torch.Generator().manual_seed(minibatch_seed(self.seed, self.step))
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def loss(self, local: LocalBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's share of the global loss: its token sum over the global token count, plus
-        its share of the load-balancing loss. Metrics are global (summed over ranks)."""
+        its share of the load-balancing loss. Metrics are global: `loss` is the policy loss alone,
+        as `Trainer` reports it."""
         b = local.batch
         out = self.model(b.input_ids, positions=local.positions,
                          routed_experts=b.routed_experts if self.cfg.router_replay else None)
@@ -145,12 +151,13 @@ class DistributedTrainer:
         loss = po.loss * n_local.clamp(min=1) / n_global.clamp(min=1)
         aux = balancing_loss_share(out, local.real, self.model.config.num_experts) \
             if torch.is_grad_enabled() else loss.new_zeros(())
-        stats = torch.stack([n_local.float() * po.masked_share, n_local.float() * po.mismatch_kl,
-                             aux.detach().float()])
+        stats = torch.stack([loss.detach().float(), n_local.float() * po.masked_share,
+                             n_local.float() * po.mismatch_kl, aux.detach().float()])
         dist.all_reduce(stats)
         n = float(n_global.clamp(min=1))
         return loss + self.model.config.router_aux_loss_coef * aux, {
-            "masked_share": float(stats[0]) / n, "mismatch_kl": float(stats[1]) / n, "aux_loss": float(stats[2])}
+            "loss": float(stats[0]), "masked_share": float(stats[1]) / n, "mismatch_kl": float(stats[2]) / n,
+            "aux_loss": float(stats[3])}
 
     def backward(self, local: LocalBatch) -> float:
         """Loss (summed over ranks) and gradients; after this, gradients are the global ones."""
@@ -208,10 +215,10 @@ class DistributedTrainer:
             for rows in order.chunk(self.cfg.minibatches):
                 mb, real = pad_rows(batch.select(rows), dp)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss, stats = self._backward(shard_batch(mb, self.groups, real).to(device))
+                _, stats = self._backward(shard_batch(mb, self.groups, real).to(device))
                 metrics["grad_norm"] = self.clip_grad_norm(self.cfg.max_grad_norm)
                 self.optimizer.step()
-                metrics.update(loss=loss, masked_share=stats["masked_share"], aux_loss=stats["aux_loss"])
+                metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], aux_loss=stats["aux_loss"])
         self.step += 1
         self.model.eval()
         return metrics
