@@ -9,17 +9,18 @@ from __future__ import annotations
 
 
 def make_engine(model_dir: str, *, version: int = 0, log_path: str | None = None, engine: dict | None = None,
-                **settings):
+                cancel=None, **settings):
     """Start vLLM on `model_dir` (the weights of policy `version`) with `VLLMSettings(**settings)` and
-    return a started VLLMEngine; `engine`: VLLMEngine options (eos_id, encode, salt, ...).
-    Raises `VLLMUnavailable` at once when there is no usable vLLM interpreter."""
+    return a started VLLMEngine; `engine`: VLLMEngine options (eos_id, encode, salt, ...); `cancel`: a
+    threading.Event that aborts the start-up. Raises `VLLMUnavailable` at once when there is no usable
+    vLLM interpreter, `VLLMServerError` when the server does not come up."""
     from contrib.vllm.engine import VLLMEngine
     from contrib.vllm.server import vllm_python
     from contrib.vllm.settings import VLLMSettings
 
     vllm_python()
-    return VLLMEngine.start(VLLMSettings(model=model_dir, **settings), log_path=log_path, version=version,
-                            **(engine or {}))
+    return VLLMEngine.start(VLLMSettings(model=model_dir, **settings), log_path=log_path, cancel=cancel,
+                            version=version, **(engine or {}))
 
 
 def vllm_python(python: str | None = None) -> str:

@@ -64,8 +64,9 @@ class VLLMEngine:
             server.rpc("primerl_capture", on=True)
 
     @classmethod
-    def start(cls, settings: VLLMSettings, log_path: str | Path | None = None, **kwargs) -> "VLLMEngine":
-        return cls(VLLMServer(settings, log_path=log_path).start(), **kwargs)
+    def start(cls, settings: VLLMSettings, log_path: str | Path | None = None,
+              cancel: threading.Event | None = None, **kwargs) -> "VLLMEngine":
+        return cls(VLLMServer(settings, log_path=log_path).start(cancel=cancel), **kwargs)
 
     # ---- the Engine surface ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -1,5 +1,6 @@
 """Start, watch and stop a vLLM API server process. Invariant: the server never outlives the node
-(it runs in its own process group, killed on `stop`, on the context manager's exit, and at exit).
+(it runs in its own process group, killed on `stop`, on the context manager's exit, at exit, and by
+a watchdog process when the node dies without running any of those, e.g. SIGKILL).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +32,14 @@ class VLLMServerError(RuntimeError):
 class VLLMUnavailable(VLLMServerError):
     """No usable vLLM interpreter: PRIMERL_VLLM_PYTHON unset, not an executable, or without vLLM."""
 
+
+STOP_GRACE_S = 5.0
+"""After SIGTERM the server's group gets this long before SIGKILL (vLLM ignores SIGTERM for 20+ s
+while it starts up; the node's own shutdown grace is 15 s)."""
+WATCHDOG = ("import os, signal, sys\n"
+            "sys.stdin.buffer.read()\n"  # EOF: the node is gone (its end of the pipe closed, however it exited)
+            "try:\n    os.killpg(int(sys.argv[1]), signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n")
+"""Run beside the server: kills the server's process group once the node's end of a pipe closes."""
 
 PYTHON_ENV = "PRIMERL_VLLM_PYTHON"
 """Names the interpreter of the environment vLLM is installed in (never this node's own)."""
@@ -71,11 +81,14 @@ class VLLMServer:
         self.url = f"http://{settings.host}:{self.port}"
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
+        self._lifeline: int | None = None
 
     def command(self) -> list[str]:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", *server_args(self.settings, self.port)]
 
-    def start(self, timeout: float = 300.0) -> "VLLMServer":
+    def start(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> "VLLMServer":
+        """Start and wait until healthy; `cancel` set meanwhile stops the server and raises."""
         env = dict(os.environ, **server_env(self.settings))
         # The worker extension is imported by vLLM's workers from this checkout.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -84,8 +97,12 @@ class VLLMServer:
         self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=REPO_ROOT)
         atexit.register(self.stop)
+        self._start_watchdog()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                self.stop()
+                raise VLLMServerError("vLLM start-up cancelled")
             if self.proc.poll() is not None:
                 raise VLLMServerError(f"vLLM exited with {self.proc.returncode} during start-up"
                                       + (f"; see {self.log_path}" if self.log_path else ""))
@@ -99,6 +116,14 @@ class VLLMServer:
             time.sleep(0.5)
         self.stop()
         raise VLLMServerError(f"vLLM not ready after {timeout:.0f} s")
+
+    def _start_watchdog(self) -> None:
+        read, self._lifeline = os.pipe()  # both ends non-inheritable: the server never holds the write end
+        try:
+            self._watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG, str(self.proc.pid)], stdin=read,
+                                              start_new_session=True)
+        finally:
+            os.close(read)
 
     def post(self, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
         """POST JSON to the server; typed error on HTTP failure."""
@@ -117,17 +142,25 @@ class VLLMServer:
         """Call a worker-extension method on every worker; returns each worker's result."""
         return self.post("/collective_rpc", {"method": method, "kwargs": kwargs}, timeout)["results"]
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            try:  # workers left in the group after the server itself exited
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
+            self._watchdog.wait(timeout=10)
 
     def __enter__(self) -> "VLLMServer":
         return self.start() if self.proc is None else self

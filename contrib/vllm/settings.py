@@ -56,6 +56,9 @@ class VLLMSettings(BaseModel):
     Without it the worker extension's router hooks supply the experts (CPU and GPU)."""
     seed: int = 0
     """vLLM's seed."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """dummy: start without reading weights (the model directory needs only config.json), so start-up
+    overlaps the first policy fetch; the node then loads every version in place."""
     extra_args: list[str] = Field(default_factory=list)
     """Further vLLM flags, appended verbatim."""
 
@@ -76,6 +79,8 @@ def server_args(s: VLLMSettings, port: int) -> list[str]:
             "--tensor-parallel-size", str(s.tensor_parallel), "--data-parallel-size", str(s.data_parallel)]
     if s.enforce_eager:
         args.append("--enforce-eager")
+    if s.load_format != "auto":
+        args += ["--load-format", s.load_format]
     if s.return_routed_experts:
         args.append("--enable-return-routed-experts")
     if s.quantization == "fp8":

@@ -4,7 +4,8 @@ Invariants: a rollout's every token records the version that produced it (new ve
 between two decode steps, in-flight sequences continue); proofs bind each version segment to the
 manifest hash the coordinator announced; work the coordinator cancelled as stale is not
 submitted. With `engine="vllm"` the rollouts come from a supervised vLLM server (contrib/vllm, its
-own interpreter from $PRIMERL_VLLM_PYTHON): started on the first fetched version, each later version
+own interpreter from $PRIMERL_VLLM_PYTHON), started without weights while the node joins and fetches
+(its start-up takes tens of seconds; WORKDIR/engine.ready marks the end), then every fetched version
 written as an HF checkpoint and loaded in place; its submissions say so (`engine`), and a run whose
 spec does not accept vLLM is refused at start. A cheating node (`cheat`, for the simulation) tampers with some of its groups; the
 validator must catch every one.
@@ -17,6 +18,7 @@ import json
 import logging
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +121,8 @@ class InferenceNode:
         self._fetching: asyncio.Task | None = None
         self._waiting: set[asyncio.Task] = set()
         self._loading = asyncio.Lock()  # one version applied at a time, never an older after a newer
+        self._vllm_start: asyncio.Task | None = None
+        self._vllm_cancel = threading.Event()
 
     def _check_vllm(self) -> None:
         if "vllm" not in self.spec.engines:
@@ -132,7 +136,13 @@ class InferenceNode:
             raise EngineUnavailable(str(exc)) from exc
 
     async def run(self, stop: asyncio.Event) -> None:
-        member = await join_run(self.key, self.spec, "inference", self.bootstrap, stop)
+        if self.engine_kind == "vllm":
+            self._vllm_start = asyncio.create_task(asyncio.to_thread(self._start_vllm))
+        try:
+            member = await join_run(self.key, self.spec, "inference", self.bootstrap, stop)
+        except BaseException:
+            await self._close_engine()
+            raise
         member.on_policy.append(self._on_announce)
         try:
             while not stop.is_set() and member.policy_version < 0:
@@ -145,10 +155,21 @@ class InferenceNode:
         finally:
             await member.leave("shutting down")
             await member.host.stop()
-            if self.engine_kind == "vllm" and self.engine is not None:
-                await asyncio.to_thread(self.engine.close)  # the vLLM server never outlives the node
+            await self._close_engine()
             log.info("inference %s stopped: %d groups submitted, %d refused", self.key.peer_id[-8:],
                      self.submitted, self.refused)
+
+    async def _close_engine(self) -> None:
+        """Stop the vLLM server, also while it is still starting (the server never outlives the node)."""
+        if self._vllm_start is None:
+            return
+        self._vllm_cancel.set()
+        try:
+            await asyncio.shield(self._vllm_start)
+        except BaseException:
+            pass
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
 
     async def _on_announce(self, msg: PolicyAnnounce) -> None:
         self.hashes[msg.version] = msg.manifest_hash
@@ -182,6 +203,10 @@ class InferenceNode:
             if version <= self._newest_loaded:
                 return  # a newer version was applied while this one was fetched
             if self.engine_kind == "vllm":
+                try:
+                    await self._vllm_start
+                except (RuntimeError, OSError) as exc:  # VLLMServerError: it died or never became healthy
+                    raise EngineUnavailable(f"vLLM did not start: {exc}") from exc
                 await asyncio.to_thread(self._load_vllm, state, version)
             else:
                 if self.engine is None:
@@ -198,20 +223,27 @@ class InferenceNode:
     def _max_batch(self) -> int:
         return self.leases_per_request * self.spec.group_size
 
+    def _start_vllm(self) -> None:
+        """Start vLLM on the run's model shape with placeholder weights (config.json only)."""
+        from contrib.vllm import make_engine
+
+        base = self.workdir / "vllm" / "base"
+        base.mkdir(parents=True, exist_ok=True)
+        (base / CONFIG).write_text(json.dumps(model_config(self.spec).to_hf_dict(), indent=2))
+        (self.workdir / "engine.ready").unlink(missing_ok=True)
+        self.engine = make_engine(
+            str(base), load_format="dummy", log_path=str(self.workdir / "vllm.log"), dtype=VLLM_DTYPE,
+            max_model_len=model_config(self.spec).max_position_embeddings, max_num_seqs=self._max_batch,
+            cancel=self._vllm_cancel, engine={"eos_id": self.tok.eos_id, "encode": self.tok.encode,
+                                              "salt": self.spec.run_id, "max_concurrency": self._max_batch})
+        (self.workdir / "engine.ready").write_text(self.engine.server.url + "\n")
+        log.info("vLLM engine ready at %s", self.engine.server.url)
+
     def _load_vllm(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Write `version` as an HF checkpoint; start vLLM on it (first version) or load it in place
-        (sequences in flight are kept, or rerun by the adapter where vLLM recomputed their KV)."""
+        """Write `version` as an HF checkpoint and load it in place (sequences in flight are kept, or
+        rerun by the adapter where vLLM recomputed their KV under the new weights)."""
         root = self.workdir / "vllm"
-        directory = write_hf_checkpoint(state, self.spec, root / f"v{version}")
-        if self.engine is None:
-            from contrib.vllm import make_engine
-            self.engine = make_engine(
-                str(directory), version=version, log_path=str(self.workdir / "vllm.log"), dtype=VLLM_DTYPE,
-                max_model_len=model_config(self.spec).max_position_embeddings, max_num_seqs=self._max_batch,
-                engine={"eos_id": self.tok.eos_id, "encode": self.tok.encode, "salt": self.spec.run_id,
-                        "max_concurrency": self._max_batch})
-        else:
-            self.engine.load_weights(directory, version)
+        self.engine.load_weights(write_hf_checkpoint(state, self.spec, root / f"v{version}"), version)
         written = sorted((int(d.name[1:]) for d in root.glob("v*") if d.name[1:].isdigit()), reverse=True)
         for old in written[VLLM_CHECKPOINTS_KEPT:]:
             shutil.rmtree(root / f"v{old}", ignore_errors=True)
