@@ -1,15 +1,25 @@
 """The trainer role under torchrun (`join --role trainer --dp 2 --ep 2`, gloo on CPU) trains a run
-through every other role, and what it publishes is the one-process trainer's step."""
+through every other role, and what it publishes is the one-process trainer's step; its checkpoint
+is a `Trainer` checkpoint that resumes (in another layout too) to the one-process next step.
+
+Run by torchrun, this file is also the world the checkpoint test drives (see `world_main`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from node.model.checkpoint import load_hf_state_dict, state_dict_to_hf
+from node.model.qwen3_moe import CausalLM
 from node.roles.common import fresh_model
 from node.roles.trainer import TrainerNode
 from node.rl.parallel.trainer import minibatch_seed
@@ -88,3 +98,96 @@ def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_pat
     row = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["lr"] == pytest.approx(metrics["lr"])
     assert row["mismatch_kl"] == pytest.approx(metrics["mismatch_kl"], rel=1e-4, abs=1e-7)
+
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_stops_every_rank_cleanly(tmp_path):
+    """The sim's stop (SIGTERM to every rank while the trainer is mid-run): rank 0 finishes its step,
+    sends the stop order, and every rank and torchrun exit 0 within the sim's 20 s grace."""
+    s = run_sim(tmp_path, inference_nodes=1, steps=500, batch_groups=8, group_size=4, timeout_s=45,
+                trainer_parallel="dp2-ep2")
+    assert s["status"] == "timeout" and 0 < s["steps"] < 500, s
+    assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]
+    assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
+    log = (tmp_path / "trainer" / "log.txt").read_text()
+    assert "waiting for rank 0's stop order" in log  # rank 1 got the SIGTERM and did not leave on its own
+    # the step in flight when the stop came may be trained but not yet logged
+    stopped_at = int(re.search(r"rank 1: stop from rank 0 at step (\d+)", log).group(1))
+    assert stopped_at in (s["steps"], s["steps"] + 1)
+
+# ---- checkpoint and resume through the world (no network): torchrun runs this file -------------
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = 3
+
+
+def _check_setup():
+    from node.rl.parallel.launch import check_batch
+    from node.rl.train_local import tiny_moe_config
+    from node.rl.trainer import TrainerConfig
+
+    cfg = TrainerConfig(lr=1e-3, decay_steps=4)  # the schedule moves between the two steps
+    torch.manual_seed(SEED)
+    model = CausalLM(tiny_moe_config(96, 32, 2, 4, 2))  # load-balancing loss on (coef 0.001)
+    # 6 rows: minibatches of 3 are padded to 4 rows for dp=2
+    batches = [check_batch(model, rows=6, length=20, seed=s) for s in (11, 12)]
+    return model.eval(), cfg, batches
+
+
+def world_main(argv: list[str]) -> None:
+    """One rank of `--layout`: start from the model or `--resume` checkpoint, take step `--step`
+    on its batch, then rank 0 saves the checkpoint to `--save`."""
+    from node.rl.parallel.launch import parse_layout
+    from node.rl.parallel.world import Leader, follow
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", required=True)
+    ap.add_argument("--step", type=int, required=True)
+    ap.add_argument("--resume", type=Path)
+    ap.add_argument("--save", type=Path, required=True)
+    args = ap.parse_args(argv)
+    model, cfg, batches = _check_setup()
+    dims = parse_layout(args.layout)
+    if int(os.environ["RANK"]) > 0:
+        follow(dims, cfg, SEED, model)
+        return
+    leader = Leader.connect(dims, cfg, SEED)
+    try:
+        leader.start(Trainer.load(args.resume, cfg) if args.resume else Trainer(model, cfg))
+        leader.train_step(batches[args.step - 1])
+        leader.save(args.save)
+    finally:
+        leader.stop()
+
+
+def _world(*args: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_world_checkpoint_resumes_in_another_layout_to_the_one_process_step(tmp_path):
+    _world("--layout", "dp2-ep2", "--step", "1", "--save", str(tmp_path / "s1"))
+    _world("--layout", "cp2", "--step", "2", "--resume", str(tmp_path / "s1"), "--save", str(tmp_path / "s2"))
+    model, cfg, batches = _check_setup()
+    one = Trainer(model, cfg)
+    for step, batch in enumerate(batches):
+        torch.manual_seed(minibatch_seed(SEED, step))
+        one.train_step(batch)
+        saved = Trainer.load(tmp_path / f"s{step + 1}", cfg)
+        assert saved.step == one.step == step + 1
+        errors = relative_errors(state_dict_to_hf(saved.model), state_dict_to_hf(one.model))
+        assert max(errors.values()) < PARAM_TOLERANCE, (step, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
+        # the AdamW moments the distributed trainer saved are the one-process ones
+        mine = {n: p for n, p in saved.model.named_parameters()}
+        for name, p in one.model.named_parameters():
+            want, got = one.optimizer.state[p], saved.optimizer.state[mine[name]]
+            assert float(got["step"]) == float(want["step"]) == cfg.updates_per_batch * cfg.minibatches * (step + 1)
+            scale = want["exp_avg_sq"].abs().max().clamp(min=1e-30)
+            assert float((got["exp_avg_sq"] - want["exp_avg_sq"]).abs().max() / scale) < 1e-3, name
+
+
+if __name__ == "__main__":
+    world_main(sys.argv[1:])
