@@ -1,8 +1,8 @@
 """torchrun entry: `torchrun --nproc-per-node N -m node.rl.parallel.launch --layouts dp2-ep2,cp2`.
 
-For each layout it builds the same tiny MoE model in every process, computes the one-process loss,
-gradients and post-step parameters locally (no collectives), then the parallel ones, and reports the
-largest differences (rank 0 writes them as JSON). It is both the CI check of the parallel trainer
+For each layout it builds the same tiny MoE model in every process, computes the one-process loss
+(policy loss plus the load-balancing loss), gradients and post-step parameters locally (no
+collectives), then the parallel ones, and reports the largest differences (rank 0 writes them as JSON). It is both the CI check of the parallel trainer
 and the smoke test to run first on a new cluster (NCCL on GPUs).
 """
 
@@ -37,7 +37,7 @@ def parse_layout(text: str, fsdp: bool = True) -> ParallelDims:
 def check_model(seed: int = 0) -> CausalLM:
     cfg = ModelConfig(vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                      num_experts_per_tok=2, router_aux_loss_coef=0.0, max_position_embeddings=256)
+                      num_experts_per_tok=2, router_aux_loss_coef=0.01, max_position_embeddings=256)
     torch.manual_seed(seed)
     return CausalLM(cfg)
 
@@ -58,12 +58,13 @@ def reference(model: CausalLM, batch: TrainBatch, cfg: TrainerConfig):
     out = model(batch.input_ids)
     po = policy_loss(token_logprobs(out.logits, batch.targets), batch.inference_logprobs, batch.advantages,
                      batch.loss_mask, cfg.loss)
-    po.loss.backward()
+    loss = po.loss + model.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), foreach=False)
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     opt.step()
-    return float(po.loss), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return float(loss), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def run_layout(dims: ParallelDims, device: str) -> dict:
