@@ -11,7 +11,9 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -145,7 +147,8 @@ def world_main(argv: list[str]) -> None:
     ap.add_argument("--layout", required=True)
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--resume", type=Path)
-    ap.add_argument("--save", type=Path, required=True)
+    ap.add_argument("--save", type=Path)
+    ap.add_argument("--leader-dies", action="store_true", help="rank 0 SIGKILLs itself once every rank started")
     args = ap.parse_args(argv)
     model, cfg, batches = _check_setup()
     dims = parse_layout(args.layout)
@@ -155,6 +158,8 @@ def world_main(argv: list[str]) -> None:
     leader = Leader.connect(dims, cfg, SEED)
     try:
         leader.start(Trainer.load(args.resume, cfg) if args.resume else Trainer(model, cfg))
+        if args.leader_dies:
+            os.kill(os.getpid(), signal.SIGKILL)
         leader.train_step(batches[args.step - 1])
         leader.save(args.save)
     finally:
@@ -187,6 +192,28 @@ def test_world_checkpoint_resumes_in_another_layout_to_the_one_process_step(tmp_
             assert float(got["step"]) == float(want["step"]) == cfg.updates_per_batch * cfg.minibatches * (step + 1)
             scale = want["exp_avg_sq"].abs().max().clamp(min=1e-30)
             assert float((got["exp_avg_sq"] - want["exp_avg_sq"]).abs().max() / scale) < 1e-3, name
+
+
+
+def test_a_dead_rank_0_never_leaves_a_rank_waiting(tmp_path):
+    """Without torchrun to clean up (a lost node of a multi-node job): rank 1 sees rank 0 gone and
+    raises `LeaderLost` instead of waiting for an order forever."""
+    from node.sim import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    cmd = [sys.executable, __file__, "--layout", "dp2-ep2", "--step", "1", "--leader-dies"]
+    t0 = time.time()
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == -signal.SIGKILL
+    assert procs[1].returncode not in (0, None) and "LeaderLost" in outs[1][1], outs[1][1][-2000:]
+    assert time.time() - t0 < 60
 
 
 if __name__ == "__main__":
