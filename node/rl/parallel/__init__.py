@@ -5,7 +5,9 @@ each MoE block's dispatch/combine for all-to-alls and keeps only this rank's exp
 attention's forward for one that gathers keys and values across the sequence shards; FSDP2 shards
 what is left). `DistributedTrainer` takes the optimizer step with a loss normalised over the global
 token count, so N processes compute the same loss and gradients as one process on the whole batch.
-Launched by torchrun (`python -m node.rl.parallel.launch`); gloo on CPU, NCCL on GPUs.
+Launched by torchrun (`python -m node.rl.parallel.launch` for the self-check; `join --role trainer
+--dp/--ep/--cp` for the networked trainer, whose rank 0 leads the others through `world`); gloo on
+CPU, NCCL on GPUs. A distributed checkpoint is a plain `Trainer` checkpoint (`state`).
 """
 
 from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed
