@@ -38,9 +38,22 @@ class ChatFormat:
     """Characters the model's tokenizer encodes; an env message's others are rendered as '?'."""
 
     def prompt(self, data: vf.TaskData) -> str:
-        """The system prompt (if any) on its own line, then the prompt's text, then the cue."""
-        system = f"{data.system_prompt}\n" if data.system_prompt else ""
-        return f"{system}{data.prompt_text}{self.cue}"
+        """The system prompt (if any) on its own line, then the prompt. A chat prompt (few-shot turns)
+        is rendered as a transcript would be: user text + cue, assistant text + turn_end, each
+        later user message on a new line; the model's turn follows the last cue."""
+        text = f"{data.system_prompt}\n" if data.system_prompt else ""
+        if not isinstance(data.prompt, list):
+            return f"{text}{data.prompt or ''}{self.cue}"
+        for i, message in enumerate(data.prompt):
+            body = content_text(message.content) or ""
+            if message.role == "system":
+                text += f"{body}\n"
+            elif message.role == "assistant":
+                text += f"{body}{self.turn_end}"
+            else:
+                new_line = "\n" if i > 0 and data.prompt[i - 1].role == "assistant" else ""
+                text += f"{new_line}{body}{self.cue}"
+        return text
 
     def follow_up(self, message: str | vf.Messages) -> str:
         """An env message after a model turn: a new line, its text, the cue."""

@@ -144,3 +144,16 @@ def test_prompts_the_char_tokenizer_cannot_encode_are_refused_at_load():
         VerifiersEnvironment("verifiers:test", Accented(DigitTasksetConfig(id="t")))
     fine = VerifiersEnvironment("verifiers:test", DigitTaskset(DigitTasksetConfig(id="t", size=3)))
     assert len(fine.rows) == 3 and fine.sample_task(4).data == {"row": 1}
+
+
+def test_a_few_shot_chat_prompt_renders_as_a_transcript_and_scores_the_reply():
+    class FewShot(DigitTaskset):
+        def load(self):
+            shots = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "21"},
+                     {"role": "user", "content": "345"}]
+            yield DigitTask(DigitData(prompt=shots, system_prompt="rev", answer="543"), self.config.task)
+
+    env = VerifiersEnvironment("verifiers:test", FewShot(DigitTasksetConfig(id="t")))
+    task = env.sample_task(0)
+    assert task.prompt == "rev\n12>21.\n345>"
+    assert env.reward(task, "543") == 1.0 and env.reward(task, "21") == 0.0  # the shot's reply is not the model's
