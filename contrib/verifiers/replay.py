@@ -65,8 +65,9 @@ class TranscriptMismatch(ValueError):
     """The transcript holds text this environment could not have produced."""
 
 
-class AwaitingModel(Exception):
-    """The env asked for a model turn the transcript does not have yet (carries the env's message)."""
+class AwaitingModel(BaseException):
+    """The env asked for a model turn the transcript does not have yet (carries the env's message).
+    A BaseException, like asyncio's CancelledError, so env code catching Exception lets it through."""
 
     def __init__(self, message: str):
         super().__init__(message)
