@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from node.engine import Engine, SamplingParams
+from node.engine import Engine, Request, SamplingParams
 from node.envs.rollout import Rollout, run_episodes
 from node.model.checkpoint import CONFIG, WEIGHTS
 from node.model.tokenizer import CharTokenizer
@@ -236,6 +236,10 @@ class InferenceNode:
             max_model_len=model_config(self.spec).max_position_embeddings, max_num_seqs=self._max_batch,
             cancel=self._vllm_cancel, engine={"eos_id": self.tok.eos_id, "encode": self.tok.encode,
                                               "salt": self.spec.run_id, "max_concurrency": self._max_batch})
+        # One short request first: vLLM's first batch is several times slower than the next (measured
+        # 2.4 s vs 0.35 s for 32 requests), and a node should take leases only once it is warm.
+        self.engine.generate([Request("warm-up", [self.tok.bos_id] * 8, SamplingParams(temperature=1.0,
+                                                                                       max_new_tokens=8))])
         (self.workdir / "engine.ready").write_text(self.engine.server.url + "\n")
         log.info("vLLM engine ready at %s", self.engine.server.url)
 
