@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 from pathlib import Path
 
 from protocol.coordinator import Coordinator
@@ -104,25 +105,31 @@ async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
 
 
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
-               shardcast_port: int, cheat: str | None, engine: str = "builtin", parallel: dict | None = None) -> None:
+               shardcast_port: int, cheat: str | None, engine: str = "builtin", parallel: dict | None = None,
+               host: str = "127.0.0.1") -> None:
     from node.roles.common import stop_on_signals
 
     spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
     workdir.mkdir(parents=True, exist_ok=True)
-    key = NodeKey.load_or_create(key_path or workdir / "node.key")
+    key_path = key_path or workdir / "node.key"
+    if role == "trainer" and int(os.environ.get("RANK", "0")) > 0:
+        # torchrun ranks > 0 never touch the network: they must not race rank 0 to create its key
+        key = NodeKey.load(key_path) if key_path.exists() else NodeKey.generate()
+    else:
+        key = NodeKey.load_or_create(key_path)
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
         node = InferenceNode(key, spec, bootstrap, workdir, cheat=cheat, engine=engine)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
-        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel)
+        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
         node = ValidatorNode(key, spec, bootstrap, workdir)
     else:
         from node.roles.relay import RelayNode
-        node = RelayNode(key, spec, bootstrap, workdir, shardcast_port)
+        node = RelayNode(key, spec, bootstrap, workdir, shardcast_port, host=host)
     print(f"node id: {key.peer_id} ({role})", flush=True)
     task = asyncio.create_task(node.run(stop))
     stopper = asyncio.create_task(stop.wait())
@@ -159,6 +166,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--key", type=Path, help="node key file (created if missing; default WORKDIR/node.key)")
     j.add_argument("--workdir", type=Path, default=Path("node-state"), help="shards, checkpoints, metrics")
     j.add_argument("--shardcast-port", type=int, default=8470, help="trainer/relay: HTTP port serving shards")
+    j.add_argument("--host", default="127.0.0.1",
+                   help="trainer/relay: address the shard server and libp2p listen on (0.0.0.0 to serve other "
+                        "machines; the run spec's shardcast_sources must name a reachable URL)")
     j.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # simulation only: tamper with work
     j.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                    help="inference: the built-in engine, or a supervised vLLM server (contrib/vllm; "
@@ -188,5 +198,5 @@ def _join(args: argparse.Namespace) -> int:
     if args.role != "inference" and args.engine != "builtin":
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port, args.cheat,
-                     engine=args.engine, parallel=parallel))
+                     engine=args.engine, parallel=parallel, host=args.host))
     return 0

@@ -63,6 +63,8 @@ class ClusterLayout(BaseModel):
     """Where Slurm writes each job's output."""
     shardcast_port: int = Field(8470, ge=1, le=65535)
     """Trainer's shard server port (must be in the run spec's shardcast_sources)."""
+    bind_host: str = "0.0.0.0"
+    """Address the trainer's shard server and libp2p host listen on (inference nodes must reach it)."""
     rdzv_port: int = Field(29500, ge=1, le=65535)
     """torchrun's c10d rendezvous port on the trainer job's first node."""
     time_limit: str = "7-00:00:00"

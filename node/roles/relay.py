@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from node.roles.common import join_run
 from protocol.identity import NodeKey
@@ -24,21 +26,20 @@ log = logging.getLogger(__name__)
 
 
 class RelayNode:
-    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, port: int):
-        self.key, self.spec, self.bootstrap, self.workdir, self.port = key, spec, bootstrap, workdir, port
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, port: int, host: str = "127.0.0.1"):
+        self.key, self.spec, self.bootstrap, self.workdir, self.port, self.host = key, spec, bootstrap, workdir, port, host
 
     async def run(self, stop: asyncio.Event) -> None:
         store = Store(self.workdir / "shardcast")
         server = ShardServer(store)
-        await server.start("127.0.0.1", self.port)
-        member = await join_run(self.key, self.spec, "relay", self.bootstrap, stop)
+        await server.start(self.host, self.port)
+        member = await join_run(self.key, self.spec, "relay", self.bootstrap, stop, listen=f"/ip4/{self.host}/tcp/0")
         wake = asyncio.Event()
 
         async def on_policy(msg: PolicyAnnounce) -> None:
             wake.set()
         member.on_policy.append(on_policy)
-        own = f"http://127.0.0.1:{self.port}"
-        upstream = [s for s in self.spec.shardcast_sources if s.rstrip("/") != own][:1]
+        upstream = [s for s in self.spec.shardcast_sources if not _is_own(s, self.host, self.port)][:1]
         trusted = TrustedPublishers([self.spec.trainer] if self.spec.trainer else [])
         try:
             async with Fetcher(store, upstream, trusted) as fetcher:
@@ -48,3 +49,18 @@ class RelayNode:
             await member.leave("relay stopping")
             await member.host.stop()
             await server.stop()
+
+
+def _is_own(url: str, host: str, port: int) -> bool:
+    """Whether a shardcast source URL is this relay's own server (never mirror from yourself)."""
+    parsed = urlsplit(url)
+    if parsed.port != port:
+        return False
+    names = {"127.0.0.1", "localhost", host}
+    if host == "0.0.0.0":  # every address of this machine is ours
+        names |= {socket.gethostname(), socket.getfqdn()}
+        try:
+            names |= set(socket.gethostbyname_ex(socket.gethostname())[2])
+        except OSError:
+            pass
+    return parsed.hostname in names

@@ -58,8 +58,9 @@ class OffPolicyViolation(RuntimeError):
 
 class TrainerNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
-                 parallel: dict | None = None):
+                 parallel: dict | None = None, host: str = "127.0.0.1"):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.host = host
         self.parallel = parallel or {}
         try:
             self.dims = ParallelDims(**self.parallel)
@@ -100,8 +101,8 @@ class TrainerNode:
 
     async def _serve(self, stop: asyncio.Event, leader) -> None:
         server = ShardServer(self.store)
-        await server.start("127.0.0.1", self.port)
-        member = await join_run(self.key, self.spec, "trainer", self.bootstrap, stop)
+        await server.start(self.host, self.port)
+        member = await join_run(self.key, self.spec, "trainer", self.bootstrap, stop, listen=f"/ip4/{self.host}/tcp/0")
         try:
             trainer = await asyncio.to_thread(self._resume_or_warm_up)
             if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer

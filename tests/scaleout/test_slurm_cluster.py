@@ -51,7 +51,8 @@ def test_two_node_layout_trains_when_submitted_to_a_slurm_cluster(tmp_path):
                            inference_nodes=1, dp=1, ep=1, cp=1, engine="builtin",
                            spec=str(tmp_path / "coordinator" / "spec.json"), bootstrap=bootstrap,
                            state_dir=str(tmp_path / "state"), key_dir=str(keys), log_dir=str(tmp_path),
-                           shardcast_port=origin, rdzv_port=free_port(), time_limit="00:10:00")
+                           shardcast_port=origin, bind_host="127.0.0.1", rdzv_port=free_port(),
+                           time_limit="00:10:00")
     trainer_job, inference_job = render(layout, tmp_path / "jobs")
     env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
