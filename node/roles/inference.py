@@ -3,12 +3,14 @@
 Invariants: a rollout's every token records the version that produced it (new versions are loaded
 between two decode steps, in-flight sequences continue); proofs bind each version segment to the
 manifest hash the coordinator announced; work the coordinator cancelled as stale is not
-submitted. With `engine="vllm"` the rollouts come from a supervised vLLM server (contrib/vllm, its
-own interpreter from $PRIMERL_VLLM_PYTHON), started without weights while the node joins and fetches
-(its start-up takes tens of seconds; WORKDIR/engine.ready marks the end), then every fetched version
-written as an HF checkpoint and loaded in place; its submissions say so (`engine`), and a run whose
-spec does not accept vLLM is refused at start. A cheating node (`cheat`, for the simulation) tampers with some of its groups; the
+submitted. A cheating node (`cheat`, for the simulation) tampers with some of its groups; the
 validator must catch every one.
+
+With `engine="vllm"` the rollouts come from a supervised vLLM server (contrib/vllm, run by its own
+interpreter, $PRIMERL_VLLM_PYTHON), started without weights while the node joins and fetches (its
+start-up takes tens of seconds; WORKDIR/engine.ready marks the end); every fetched version is written
+as an HF checkpoint and loaded in place. Its submissions say so (`engine`), and a run whose spec does
+not accept vLLM is refused at start (`EngineUnavailable`).
 """
 
 from __future__ import annotations
