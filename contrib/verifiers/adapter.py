@@ -14,7 +14,8 @@ import asyncio
 import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine, TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import verifiers.v1 as vf
 from verifiers.v1.configs.agent import agent_config_fields
