@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import verifiers.v1 as vf
