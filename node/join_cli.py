@@ -106,7 +106,7 @@ async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
 
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, cheat: str | None, engine: str = "builtin", parallel: dict | None = None,
-               host: str = "127.0.0.1") -> None:
+               host: str = "127.0.0.1", vllm: list[str] | None = None) -> None:
     from node.roles.common import stop_on_signals
 
     spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
@@ -120,7 +120,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
-        node = InferenceNode(key, spec, bootstrap, workdir, cheat=cheat, engine=engine)
+        node = InferenceNode(key, spec, bootstrap, workdir, cheat=cheat, engine=engine, vllm=vllm)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
@@ -197,6 +197,8 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit("primerl-node join: --dp/--ep/--cp apply to --role trainer only")
     if args.role != "inference" and args.engine != "builtin":
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
+    if args.vllm and args.engine != "vllm":
+        raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port, args.cheat,
-                     engine=args.engine, parallel=parallel, host=args.host))
+                     engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm))
     return 0

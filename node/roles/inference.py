@@ -47,6 +47,8 @@ CHEATS = ("reward", "tokens", "version")
 """Tampering kinds a simulated cheater mixes (see verification's attack classes)."""
 VLLM_CHECKPOINTS_KEPT = 2
 """Checkpoint directories written for vLLM that stay on disk (the loaded version and the one before)."""
+VLLM_NODE_OWNED = ("model", "load_format")
+"""VLLMSettings the node sets itself (the checkpoint it serves and how it is loaded)."""
 VLLM_DTYPE = "float32"
 """vLLM's dtype: the run's policies are float32, which the validator recomputes in (its thresholds)."""
 
@@ -106,13 +108,15 @@ def tamper(sub: RolloutSubmission, kind: str, newest: int) -> RolloutSubmission:
 
 class InferenceNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, cheat: str | None = None,
-                 leases_per_request: int = 8, engine: str = "builtin"):
+                 leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None):
+        """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.engine_kind = engine
-        if engine == "vllm":
-            self._check_vllm()
         self.cheat = cheat
         self.leases_per_request = leases_per_request
+        self._vllm_settings: dict[str, object] = {}
+        if engine == "vllm":
+            self._vllm_settings = self._check_vllm(vllm or [])
         self.tok = CharTokenizer()
         self.env = environment(spec)
         self.hashes: dict[int, str] = {}
@@ -126,7 +130,8 @@ class InferenceNode:
         self._vllm_start: asyncio.Task | None = None
         self._vllm_cancel = threading.Event()
 
-    def _check_vllm(self) -> None:
+    def _check_vllm(self, options: list[str]) -> dict[str, object]:
+        """The vLLM settings this node starts with, once the run, the interpreter and `options` are checked."""
         if "vllm" not in self.spec.engines:
             raise EngineUnavailable(f"run {self.spec.run_id} does not accept vLLM rollouts (its spec's engines: "
                                     f"{', '.join(self.spec.engines)}); its run.toml must list \"vllm\" in engines")
@@ -136,6 +141,22 @@ class InferenceNode:
             vllm_python()
         except VLLMUnavailable as exc:
             raise EngineUnavailable(str(exc)) from exc
+        from pydantic import ValidationError
+
+        from contrib.vllm.settings import VLLMSettings
+        settings: dict[str, object] = {"dtype": VLLM_DTYPE, "max_num_seqs": self._max_batch,
+                                       "max_model_len": model_config(self.spec).max_position_embeddings}
+        for option in options:
+            name, sep, value = option.partition("=")
+            if not sep or name in VLLM_NODE_OWNED or name not in VLLMSettings.model_fields:
+                raise EngineUnavailable(f"--vllm {option!r}: expected KEY=VALUE with KEY a VLLMSettings field "
+                                        f"other than {', '.join(VLLM_NODE_OWNED)}")
+            settings[name] = value
+        try:
+            checked = VLLMSettings(model="-", load_format="dummy", **settings)
+        except ValidationError as exc:
+            raise EngineUnavailable(f"--vllm: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
+        return {name: getattr(checked, name) for name in settings}
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.engine_kind == "vllm":
@@ -234,10 +255,9 @@ class InferenceNode:
         (base / CONFIG).write_text(json.dumps(model_config(self.spec).to_hf_dict(), indent=2))
         (self.workdir / "engine.ready").unlink(missing_ok=True)
         self.engine = make_engine(
-            str(base), load_format="dummy", log_path=str(self.workdir / "vllm.log"), dtype=VLLM_DTYPE,
-            max_model_len=model_config(self.spec).max_position_embeddings, max_num_seqs=self._max_batch,
-            cancel=self._vllm_cancel, engine={"eos_id": self.tok.eos_id, "encode": self.tok.encode,
-                                              "salt": self.spec.run_id, "max_concurrency": self._max_batch})
+            str(base), load_format="dummy", log_path=str(self.workdir / "vllm.log"), cancel=self._vllm_cancel,
+            engine={"eos_id": self.tok.eos_id, "encode": self.tok.encode, "salt": self.spec.run_id,
+                    "max_concurrency": self._max_batch}, **self._vllm_settings)
         # One short request first: vLLM's first batch is several times slower than the next (measured
         # 2.4 s vs 0.35 s for 32 requests), and a node should take leases only once it is warm.
         self.engine.generate([Request("warm-up", [self.tok.bos_id] * 8, SamplingParams(temperature=1.0,

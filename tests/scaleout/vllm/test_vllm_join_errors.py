@@ -39,3 +39,40 @@ def test_a_missing_or_invalid_vllm_interpreter_is_refused_at_start(tmp_path, cap
     rc, err = _join(tmp_path, ("builtin", "vllm"), capfd)
     assert rc == 2 and says in err, err
     assert not (tmp_path / "node" / "vllm").exists()  # nothing was started
+
+
+def _fake_vllm_python(tmp_path) -> str:
+    """An interpreter on whose path a package named `vllm` exists (enough for the start-up check)."""
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("")
+    script = tmp_path / "python"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "site"} exec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("option, says", [("nonsense", "expected KEY=VALUE"), ("model=/x", "expected KEY=VALUE"),
+                                          ("no_such_field=1", "expected KEY=VALUE"),
+                                          ("data_parallel=zero", "data_parallel")])
+def test_a_bad_vllm_setting_is_refused_at_start(tmp_path, capfd, monkeypatch, option, says):
+    monkeypatch.setenv("PRIMERL_VLLM_PYTHON", _fake_vllm_python(tmp_path))
+    spec = tmp_path / "spec.json"
+    spec.write_text(RunSpec(run_id="r", coordinator="c", environment="reverse", engines=("builtin", "vllm"))
+                    .model_dump_json())
+    rc = main(["join", "--role", "inference", "--engine", "vllm", "--vllm", option, "--spec", str(spec),
+               "--bootstrap", BOOTSTRAP, "--workdir", str(tmp_path / "node")])
+    err = capfd.readouterr().err
+    assert rc == 2 and says in err, err
+
+
+def test_vllm_settings_from_join_are_typed_and_override_the_nodes_defaults(tmp_path, monkeypatch):
+    from node.roles.inference import InferenceNode
+    from protocol.identity import NodeKey
+
+    monkeypatch.setenv("PRIMERL_VLLM_PYTHON", _fake_vllm_python(tmp_path))
+    spec = RunSpec(run_id="r", coordinator="c", environment="reverse", engines=("builtin", "vllm"), group_size=4)
+    node = InferenceNode(NodeKey.generate(), spec, BOOTSTRAP, tmp_path / "node", engine="vllm",
+                         vllm=["data_parallel=2", "quantization=fp8", "expert_parallel=true", "max_num_seqs=64"])
+    assert node._vllm_settings["data_parallel"] == 2 and node._vllm_settings["expert_parallel"] is True
+    assert node._vllm_settings["quantization"] == "fp8" and node._vllm_settings["max_num_seqs"] == 64
+    assert node._vllm_settings["dtype"] == "float32"  # the node's default where not overridden
