@@ -38,7 +38,8 @@ class RunConfig(BaseModel):
     run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     """Names the run."""
     task: str = "reverse"
-    """Built-in environment: reverse | addition | calculator | coding."""
+    """Environment: built-in reverse | addition | calculator | coding, or a `verifiers` one as
+    `verifiers:<id>` / `verifiers:<python.module>:<attr>` (contrib/verifiers; `pip install -e '.[verifiers]'`)."""
     model: str = "tiny-moe"
     """Model family (its shape comes from `recipe`)."""
     batch_groups: int = Field(64, ge=1)
