@@ -116,10 +116,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
             group_size: int = 8, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0,
             trainer_parallel: str | None = None) -> dict:
     if vllm_nodes:
-        if vllm_nodes > inference_nodes - cheaters:
-            raise ValueError("--vllm-nodes counts honest inference nodes: at most --inference-nodes minus --cheaters")
-        if not os.environ.get("PRIMERL_VLLM_PYTHON"):
-            raise ValueError("--vllm-nodes needs PRIMERL_VLLM_PYTHON (the python of vLLM's own environment)")
+        check_vllm_nodes(inference_nodes, cheaters, vllm_nodes)
         # vLLM's CPU attention needs head_dim >= 32; the recipe's model has head_dim = hidden / 4.
         recipe = {"hidden": VLLM_MIN_HIDDEN, **(recipe or {})}
     out.mkdir(parents=True, exist_ok=True)
@@ -236,6 +233,13 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "
     return summary
 
 
+def check_vllm_nodes(inference_nodes: int, cheaters: int, vllm_nodes: int) -> None:
+    if vllm_nodes > inference_nodes - cheaters:
+        raise ValueError("--vllm-nodes counts honest inference nodes: at most --inference-nodes minus --cheaters")
+    if not os.environ.get("PRIMERL_VLLM_PYTHON"):
+        raise ValueError("--vllm-nodes needs PRIMERL_VLLM_PYTHON (the python of vLLM's own environment)")
+
+
 VLLM_START_S = 300.0
 """How long the sim waits for a vLLM node's server to come up (DESIGN.md: 30-55 s on a 2-core machine)."""
 VLLM_MIN_HIDDEN = 128
@@ -344,6 +348,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     if args.cheaters > args.inference_nodes:
         raise SystemExit("--cheaters cannot exceed --inference-nodes")
+    if args.vllm_nodes:
+        try:
+            check_vllm_nodes(args.inference_nodes, args.cheaters, args.vllm_nodes)
+        except ValueError as exc:
+            raise SystemExit(f"primerl-node sim: {exc}") from None
     summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
                       args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout,
                       vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel)
