@@ -36,6 +36,10 @@ MAX_ROLLOUT_TOKENS = 131_072
 """Longest completion a submission may carry (128 Ki tokens: long-context RL, still < 4 MiB JSON)."""
 MAX_PROOF_BYTES = 1 << 20
 """258 bytes per 32-token chunk (TOPLOC-style) x 4096 chunks = ~1 MiB covers MAX_ROLLOUT_TOKENS."""
+MAX_ROUTED_EXPERTS_BYTES = 4 << 20
+"""Routes of one rollout (node/model/routing.py: one byte per expert id up to 256 experts). 4 MiB
+travels as ~5.3 MiB of base64, inside a submission's 8 MiB with its tokens and proof; at the
+Qwen3-30B-A3B shape (48 MoE layers x top-8 = 384 bytes per position) that is ~10,900 positions."""
 
 
 class Message(BaseModel):
@@ -198,12 +202,18 @@ class RolloutSubmission(Message):
     engine: EngineName = "builtin"
     """Engine that sampled the tokens; must be one the run spec's `engines` names (added in schema
     v1; omitted on the wire when "builtin", so such submissions keep their bytes and signatures)."""
+    routed_experts: bytes | None = Field(None, max_length=MAX_ROUTED_EXPERTS_BYTES)
+    """Experts the engine routed each of the prompt + completion - 1 positions to, for router replay
+    (`node.model.routing` wire form; None: not captured). Added in schema v1; omitted on the wire
+    when None, so submissions without it keep their bytes and signatures."""
 
     @model_serializer(mode="wrap")
-    def _omit_default_engine(self, handler):
+    def _omit_defaults(self, handler):
         data = handler(self)
         if data.get("engine") == "builtin":
             del data["engine"]
+        if data.get("routed_experts", b"") is None:
+            del data["routed_experts"]
         return data
 
     @model_validator(mode="after")

@@ -1,0 +1,95 @@
+"""Routed experts on the wire: which experts each position was sent to, as compact bytes.
+
+The engine records, for every position it fed to the model (prompt + completion - 1 of them: the
+last token is sampled, never fed), the top-k experts of every MoE layer: a tensor
+[positions, moe_layers, k]. That is exactly what the trainer's forward over (prompt +
+completion)[:-1] replays (`node.rl.batch.build_batch`, `CausalLM.forward(routed_experts=...)`).
+
+Wire form: the ids in C order (position, layer, slot), one byte each when the model has at most
+256 experts, else two bytes little-endian. Nothing else travels: the reader knows the shape from
+the run's model and the rollout's length, so `decode_routes` refuses bytes of any other length
+or an expert id outside the model (`InvalidRoutes`), never returns a tensor it could not vouch for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from node.model.config import ModelConfig
+
+
+class InvalidRoutes(ValueError):
+    """Route bytes that do not describe this model's routing of this many positions."""
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """What a reader must know to decode routes: the model's MoE layout."""
+
+    moe_layers: int
+    """MoE layers per forward (dense layers route nothing)."""
+    top_k: int
+    """Experts per token per layer."""
+    num_experts: int
+    """Experts per MoE layer (picks one or two bytes per id)."""
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "RouteShape | None":
+        """The shape of `cfg`'s routes, or None for a dense model (nothing to route)."""
+        layers = len(cfg.moe_layer_indices)
+        return cls(layers, cfg.num_experts_per_tok, cfg.num_experts) if layers else None
+
+    @property
+    def id_bytes(self) -> int:
+        return 1 if self.num_experts <= 256 else 2
+
+    def nbytes(self, positions: int) -> int:
+        return positions * self.moe_layers * self.top_k * self.id_bytes
+
+
+def _dtype(shape: RouteShape) -> np.dtype:
+    return np.dtype(np.uint8) if shape.id_bytes == 1 else np.dtype("<u2")
+
+
+def encode_routes(routes: torch.Tensor, shape: RouteShape) -> bytes:
+    """[positions, moe_layers, k] expert ids -> bytes (refuses a tensor of another layout)."""
+    if routes.dim() != 3 or tuple(routes.shape[1:]) != (shape.moe_layers, shape.top_k):
+        raise InvalidRoutes(f"routes of shape {tuple(routes.shape)}, expected [positions, {shape.moe_layers}, "
+                            f"{shape.top_k}]")
+    ids = routes.detach().cpu().to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shape.num_experts):
+        raise InvalidRoutes(f"expert id outside [0, {shape.num_experts})")
+    return ids.numpy().astype(_dtype(shape)).tobytes()
+
+
+def decode_routes(data: bytes, positions: int, shape: RouteShape) -> torch.Tensor:
+    """bytes -> [positions, moe_layers, k] long tensor; `InvalidRoutes` on a wrong length or an id
+    outside the model's experts."""
+    want = shape.nbytes(positions)
+    if positions < 0 or len(data) != want:
+        raise InvalidRoutes(f"{len(data)} route bytes for {positions} positions, expected {want}")
+    ids = np.frombuffer(data, dtype=_dtype(shape)).astype(np.int64)
+    if ids.size and int(ids.max()) >= shape.num_experts:
+        raise InvalidRoutes(f"expert id {int(ids.max())} outside [0, {shape.num_experts})")
+    return torch.from_numpy(ids.copy()).view(positions, shape.moe_layers, shape.top_k)
+
+
+def rollout_routes(turns: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """A rollout's routes from its turns' engine passes (one per model turn, in order), each
+    [its prompt + its completion - 1, L, k]. Every position is taken from the pass that first
+    computed it: a later turn re-prefills the earlier transcript (possibly under a newer version),
+    but the tokens before it were sampled from the earlier passes' routing. None if any turn's pass
+    did not capture routes (an engine without capture, or a prefix-cache hit that skipped positions)."""
+    if not turns or any(t is None for t in turns):
+        return None
+    parts, covered = [], 0
+    for t in turns:
+        if t.shape[0] < covered:
+            return None
+        parts.append(t[covered:])
+        covered = t.shape[0]
+    return torch.cat(parts)
