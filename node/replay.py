@@ -13,6 +13,7 @@ import torch
 from node.engine.sampling import SamplingParams, sample
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
+from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from verification.claim import SamplingSpec
 from verification.reference import Reference, Replay
 
@@ -43,8 +44,14 @@ class TorchReference(Reference):
         p = self.policies.get(version)
         return None if p is None else p[1]
 
+    def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
+        shape = RouteShape.of(next(iter(self.policies.values()))[0].config)
+        if shape is None:
+            raise InvalidRoutes("routes claimed for a dense model")
+        return decode_routes(data, positions, shape)
+
     @torch.inference_mode()
-    def prefill(self, version: int, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False) -> list[tuple]:
         model = self.policies[version][0]
         device = next(model.parameters()).device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
@@ -65,24 +72,30 @@ class TorchReference(Reference):
             for row, i in enumerate(members):
                 n = len(sequences[i])
                 out[i] = (res.logits[row, :n].float().cpu(), res.hidden[row, :n].cpu())
+                if with_routes:
+                    out[i] += (None if res.routed_experts is None else res.routed_experts[row, :n].cpu(),)
             start = end
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
+                      with_routes: bool = False) -> tuple:
         model = self.policies[segments[0][0]][0]
         cfg, param = model.config, next(model.parameters())
         cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
                         dtype=param.dtype, device=param.device)
         ids = torch.tensor([sequence], device=param.device)
         slots = torch.zeros(1, dtype=torch.long, device=param.device)
-        logits, hidden = [], []
+        logits, hidden, routes = [], [], []
         for version, start, end in segments:
             out = self.policies[version][0](ids[:, start:end], torch.arange(start, end, device=param.device)[None],
                                             cache, slots)
             logits.append(out.logits[0].float().cpu())
             hidden.append(out.hidden[0].cpu())
-        return torch.cat(logits), torch.cat(hidden)
+            routes.append(None if out.routed_experts is None else out.routed_experts[0].cpu())
+        if not with_routes:
+            return torch.cat(logits), torch.cat(hidden)
+        return torch.cat(logits), torch.cat(hidden), None if routes[0] is None else torch.cat(routes)
 
     def replay_sampling(self, logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
         params = sampling_params(spec)

@@ -65,6 +65,8 @@ class Reason(str, Enum):
     LOGPROB_MISMATCH = "logprob_mismatch"
     SAMPLING_MISMATCH = "sampling_mismatch"
     ENGINE_NOT_ALLOWED = "engine_not_allowed"
+    ROUTES_MALFORMED = "routes_malformed"
+    ROUTES_MISMATCH = "routes_mismatch"
 
 
 @dataclass(frozen=True)

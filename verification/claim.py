@@ -12,9 +12,9 @@ import hashlib
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from protocol.messages import EngineName
+from protocol.messages import MAX_ROUTED_EXPERTS_BYTES, EngineName
 
 MAX_TOKENS = 131_072
 """Longest prompt or completion accepted (matches protocol.messages.MAX_ROLLOUT_TOKENS)."""
@@ -67,6 +67,17 @@ class RolloutClaim(BaseModel):
     engine: EngineName = "builtin"
     """Engine that sampled the tokens (the submission says): only the built-in engine's seeded
     choices can be re-derived (`verification.checks.SEEDED_ENGINES`)."""
+    routed_experts: bytes | None = Field(None, max_length=MAX_ROUTED_EXPERTS_BYTES)
+    """Experts claimed for each of the prompt + completion - 1 positions, in the node's route wire form
+    (the `Reference` decodes it; None: no routes claimed). Omitted from the digest when None, so
+    claims without routes keep their digests."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_routes(self, handler):
+        data = handler(self)
+        if data.get("routed_experts", b"") is None:
+            del data["routed_experts"]
+        return data
 
     @model_validator(mode="after")
     def _lines_up(self) -> "RolloutClaim":

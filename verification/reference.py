@@ -41,14 +41,22 @@ class Reference(ABC):
         """32-byte manifest hash of `version`, or None if the validator does not hold it."""
 
     @abstractmethod
-    def prefill(self, version: int, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(logits [T, V], final hidden [T, H]) of each full sequence under `version`'s weights."""
+    def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False) -> list[tuple]:
+        """(logits [T, V], final hidden [T, H]) of each full sequence under `version`'s weights; with
+        `with_routes`, a third element: the experts chosen [T, moe_layers, k] (None: dense model)."""
 
     @abstractmethod
-    def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
+                      with_routes: bool = False) -> tuple:
         """(logits [T, V], hidden [T, H]) of one sequence whose positions [start, end) of each
         (version, start, end) segment were computed by that version, attending to the keys and values
-        the earlier segments' versions wrote (an in-flight sequence keeps its KV cache across a swap)."""
+        the earlier segments' versions wrote (an in-flight sequence keeps its KV cache across a swap);
+        with `with_routes`, a third element as in `prefill`."""
+
+    def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
+        """Claimed route bytes -> [positions, moe_layers, k] for this model; raise ValueError when
+        they cannot be this model's routes of that many positions (length, expert id)."""
+        raise ValueError("this reference does not read routed experts")
 
     @abstractmethod
     def replay_sampling(self, logits: torch.Tensor, sampling: SamplingSpec, positions: list[int]) -> Replay:

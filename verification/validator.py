@@ -3,7 +3,9 @@
 Invariant: every claim gets exactly one verdict, and nothing a claim holds can raise out of
 `verify_claims` (a bad claim is a `malformed` rejection, never a crash). Claims that share a policy
 version are prefilled together; a rollout whose tokens came from several versions is checked
-segment by segment, each against its own version.
+segment by segment, each against its own version. Claimed routed experts (router replay) are read
+with the cheap checks and compared with the experts the same prefill routed to
+(`verification.routing`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from verification.checks import Failure, Reason, check_segment, check_task, chec
 from verification.claim import RolloutClaim
 from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
 from verification.reference import Reference
+from verification.routing import check_routes, route_positions
 from verification.verdict import Verdict
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,8 @@ class _Plan:
     spans: dict[int, list[ChunkSpan]] = field(default_factory=dict)
     commitments: dict[int, list[Commitment]] = field(default_factory=dict)
     chunk_offsets: dict[int, list[int]] = field(default_factory=dict)
+    routes: torch.Tensor | None = None
+    """The claimed routed experts [positions, moe_layers, k], decoded (None: none claimed)."""
 
 
 def _plan(claim: RolloutClaim, ref: Reference) -> _Plan | Failure:
@@ -62,6 +67,11 @@ def _plan(claim: RolloutClaim, ref: Reference) -> _Plan | Failure:
         plan.spans.setdefault(span.version, []).append(local)
         plan.commitments.setdefault(span.version, []).append(c)
         plan.chunk_offsets.setdefault(span.version, []).append(n)
+    if claim.routed_experts is not None:
+        try:
+            plan.routes = ref.decode_routes(claim.routed_experts, route_positions(claim))
+        except ValueError as exc:  # node.model.routing.InvalidRoutes: wrong length, expert id out of range
+            return Failure(Reason.ROUTES_MALFORMED, str(exc))
     return plan
 
 
@@ -84,13 +94,16 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
     """A rollout whose tokens came from several versions: one forward per version segment, each
     attending to the KV the earlier versions wrote, then every segment checked against its version."""
     try:
-        logits, hidden = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim))
+        logits, hidden, *routes = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim),
+                                                    with_routes=p.routes is not None)
         for v in p.tokens:
             rows = torch.tensor([len(claim.prompt_ids) - 1 + t for t in p.tokens[v]])
             f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v], p.commitments[v],
                               p.chunk_offsets[v])
             if f is not None:
                 return f
+        if p.routes is not None:
+            return check_routes(claim, p.routes, routes[0], ref.precision)
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
         return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
@@ -128,14 +141,15 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
                 failures[i] = _verify_mixed(claims[i], p, ref)
     for v, members in sorted(by_version.items()):
         seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
+        with_routes = any(plans[i].routes is not None for i in members)
         try:
-            outs = ref.prefill(v, seqs)
+            outs = ref.prefill(v, seqs, with_routes=with_routes)
         except Exception as exc:
             log.warning("prefill of version %d failed: %r", v, exc)
             for i in members:
                 failures[i] = failures[i] or Failure(Reason.MALFORMED, f"prefill failed: {exc!r}"[:500])
             continue
-        for i, (logits, hidden) in zip(members, outs):
+        for i, (logits, hidden, *routes) in zip(members, outs):
             if failures[i] is not None:
                 continue
             p, claim = plans[i], claims[i]
@@ -143,6 +157,8 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
             try:
                 failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v],
                                             p.commitments[v], p.chunk_offsets[v])
+                if failures[i] is None and p.routes is not None:
+                    failures[i] = check_routes(claim, p.routes, routes[0], ref.precision)
             except Exception as exc:
                 log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
                 failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])

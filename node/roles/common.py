@@ -37,14 +37,23 @@ T = TypeVar("T")
 RECIPE_DEFAULTS: dict[str, float | int | str] = {
     "hidden": 64, "layers": 2, "experts": 4, "top_k": 2, "lr": 1e-3, "steps": 500, "temperature": 1.0,
     "warmup_target": 0.25, "seed": 0, "updates_per_batch": 2, "minibatches": 2,
-    "tool_wait_s": 0.0,
+    "tool_wait_s": 0.0, "router_replay": 1,
 }
 """The train-local recipe (node/rl/train_local.py) that reaches ~0.88 on reverse in ~500 steps;
-`tool_wait_s` > 0 adds a heavy-tailed tool-call wait per episode (median seconds; benchmarks)."""
+`tool_wait_s` > 0 adds a heavy-tailed tool-call wait per episode (median seconds; benchmarks);
+`router_replay` (1/0, true/false): inference nodes send the experts their engine routed each
+position to, validators check them, and the trainer replays them (MoE models only)."""
 
 
 def recipe(spec: RunSpec, name: str):
     return spec.recipe.get(name, RECIPE_DEFAULTS[name])
+
+
+def router_replay(spec: RunSpec) -> bool:
+    """Whether the run asks for routed experts to travel and be replayed (and its model has MoE layers)."""
+    value = recipe(spec, "router_replay")
+    on = value.strip().lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
+    return on and bool(model_config(spec).moe_layer_indices)
 
 
 def model_config(spec: RunSpec) -> ModelConfig:

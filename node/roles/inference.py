@@ -11,6 +11,12 @@ interpreter, $PRIMERL_VLLM_PYTHON), started without weights while the node joins
 start-up takes tens of seconds; WORKDIR/engine.ready marks the end); every fetched version is written
 as an HF checkpoint and loaded in place. Its submissions say so (`engine`), and a run whose spec does
 not accept vLLM is refused at start (`EngineUnavailable`).
+
+Router replay: when the run's recipe asks for it (`router_replay`, on by default) and its model has
+MoE layers, the built-in engine records the experts it routed every position to, and each
+submission carries them (`routed_experts`, node/model/routing.py) for the validator to check and
+the trainer to replay. vLLM submissions carry none (see docs/node.md): its routes are not yet
+calibrated against the validator's recomputation.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from safetensors.torch import save_file
 from node.engine import Engine, Request, SamplingParams
 from node.envs.rollout import Rollout, run_episodes
 from node.model.checkpoint import CONFIG, WEIGHTS
+from node.model.routing import RouteShape, encode_routes, rollout_routes
 from node.model.tokenizer import CharTokenizer
-from node.roles.common import call, environment, fetch_policy, fresh_model, join_run, model_config, recipe
+from node.roles.common import (call, environment, fetch_policy, fresh_model, join_run, model_config, recipe,
+                               router_replay)
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.member import RunMember
@@ -75,10 +83,22 @@ def version_runs(versions: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def to_submission(work_id: int, r: Rollout, proof: bytes, engine: str = "builtin") -> RolloutSubmission:
+def to_submission(work_id: int, r: Rollout, proof: bytes, engine: str = "builtin",
+                  routes: RouteShape | None = None) -> RolloutSubmission:
+    """`routes`: the model's route shape when the rollout's routed experts travel (None: they do not)."""
     return RolloutSubmission(work_id=work_id, version_runs=version_runs(r.versions), token_ids=r.completion_ids,
                              logprobs=[min(0.0, x) for x in r.logprobs], reward=r.reward, proof=proof,
-                             finish_reason=r.finish_reason, sampled=r.loss_mask, engine=engine)
+                             finish_reason=r.finish_reason, sampled=r.loss_mask, engine=engine,
+                             routed_experts=None if routes is None else routed_experts_bytes(r, routes))
+
+
+def routed_experts_bytes(r: Rollout, shape: RouteShape) -> bytes | None:
+    """The wire form of the experts each of the rollout's prompt + completion - 1 positions was routed
+    to, taken turn by turn from the engine passes that sampled the tokens (None if not captured)."""
+    routes = rollout_routes([t.routed_experts for t in r.turns])
+    if routes is None or routes.shape[0] != len(r.prompt_ids) + len(r.completion_ids) - 1:
+        return None
+    return encode_routes(routes, shape)
 
 
 def write_hf_checkpoint(state: dict[str, torch.Tensor], spec: RunSpec, directory: Path) -> Path:
@@ -121,6 +141,8 @@ class InferenceNode:
         self.env = environment(spec)
         self.hashes: dict[int, str] = {}
         self.engine: Engine | None = None  # or contrib's VLLMEngine: the same surface
+        self.routes = RouteShape.of(model_config(spec)) if router_replay(spec) and engine == "builtin" else None
+        """The route shape when submissions carry routed experts (None: they do not)."""
         self.submitted = self.refused = 0
         self._rng = random.Random(key.peer_id)
         self._newest_loaded = -1
@@ -235,7 +257,8 @@ class InferenceNode:
                 if self.engine is None:
                     model = fresh_model(self.spec)
                     self.engine = Engine(model, max_batch=self._max_batch, eos_id=self.tok.eos_id,
-                                         decode=self.tok.decode, capture_hidden=True, version=version)
+                                         decode=self.tok.decode, capture_hidden=True,
+                                         capture_experts=self.routes is not None, version=version)
                 self.engine.load_weights(state, version)
             self._newest_loaded = version
         with (self.workdir / "versions.jsonl").open("a") as f:  # weight-latency benchmark reads this
@@ -322,8 +345,8 @@ class InferenceNode:
         proofs = prove_rollouts(hidden, {v: bytes.fromhex(h) for v, h in self.hashes.items()})
         out = []
         for i, grant in enumerate(grants):
-            subs = [to_submission(grant.work_id, rollouts[i * g + j], proofs[i * g + j], self.engine_kind)
-                    for j in range(g)]
+            subs = [to_submission(grant.work_id, rollouts[i * g + j], proofs[i * g + j], self.engine_kind,
+                                  self.routes) for j in range(g)]
             if self.cheat and self._rng.random() < 0.5:
                 kind = self.cheat if self.cheat in CHEATS else self._rng.choice(CHEATS)
                 subs[0] = tamper(subs[0], kind, self._newest_loaded)

@@ -13,6 +13,11 @@ checkpoint, and the step it had not finished gets the same batch again (the requ
 With `--dp/--ep/--cp` under torchrun, rank 0 is this networked trainer and the other ranks only
 compute: each step's batch goes to every rank and the step is taken by the distributed trainer
 (`node.rl.parallel.world`); rank 0 publishes the whole weights it gathers after the step.
+
+Router replay (recipe `router_replay`, MoE models): each submission's routed experts are decoded into
+its rollout, and the step replays them when every rollout of the batch carries them; otherwise
+(a vLLM node's or an older node's submission in the batch) the step routes freely, as without
+replay. Each metrics row says which (`router_replay`, `routed_rollouts`).
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import torch
 from node.engine import Engine
 from node.envs.rollout import Rollout
 from node.model.checkpoint import state_dict_to_hf
+from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from node.model.tokenizer import CharTokenizer
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
 from node.rl.train_local import LocalRunConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
-from node.roles.common import call, environment, fresh_model, join_run, recipe
+from node.roles.common import call, environment, fresh_model, join_run, model_config, recipe, router_replay
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
@@ -75,7 +81,9 @@ class TrainerNode:
         self.cfg = TrainerConfig(lr=float(recipe(spec, "lr")), decay_steps=self.steps,
                                  temperature=float(recipe(spec, "temperature")),
                                  updates_per_batch=int(recipe(spec, "updates_per_batch")),
-                                 minibatches=int(recipe(spec, "minibatches")))
+                                 minibatches=int(recipe(spec, "minibatches")), router_replay=router_replay(spec))
+        self.routes = RouteShape.of(model_config(spec)) if self.cfg.router_replay else None
+        """The route shape submissions' routed experts are decoded with (None: not replayed)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.dims.world == 1:
@@ -195,15 +203,29 @@ class TrainerNode:
                 mask = sub.sampled or [True] * sub.n_tokens
                 versions = [v for v, n in sub.version_runs for _ in range(n)]
                 rollouts.append(Rollout(f"{sub.work_id}", task, prompt, list(sub.token_ids), list(mask),
-                                        list(sub.logprobs), versions, reward=sub.reward))
+                                        list(sub.logprobs), versions, reward=sub.reward,
+                                        routed_experts=self._routes(sub, len(prompt))))
             rewards.append([sub.reward for sub in group.rollouts])
         r = torch.tensor(rewards)
         adv = group_advantages(r, normalize_std=True).flatten().tolist()
         return build_batch(rollouts, adv, self.tok.pad_id), r
 
+    def _routes(self, sub, prompt_len: int) -> torch.Tensor | None:
+        """The submission's routed experts [prompt + completion - 1, L, k], or None (not replayed, not
+        sent, or unreadable: only possible for a unit no validator judged, and then it is not replayed)."""
+        if self.routes is None or sub.routed_experts is None:
+            return None
+        try:
+            return decode_routes(sub.routed_experts, prompt_len + sub.n_tokens - 1, self.routes)
+        except InvalidRoutes as exc:
+            log.warning("work %d: routed experts unreadable (%s); trained without replay", sub.work_id, exc)
+            return None
+
     def _train(self, trainer: Trainer, step: int, items: list[tuple[int, int, RolloutGroup]]) -> dict:
         batch, r = self.train_batch(items)
         stats = trainer.train_step(batch)
         lags = [self.ledger.lag(g.min_version, step) for _, _, g in items]
+        routed = sum(sub.routed_experts is not None for _, _, g in items for sub in g.rollouts)
         return {"step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [w for w, _, _ in items],
-                **stats}
+                "router_replay": self.cfg.router_replay and batch.routed_experts is not None,
+                "routed_rollouts": routed, **stats}

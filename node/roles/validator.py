@@ -6,6 +6,13 @@ its rollouts passes `verification.validator.verify_claims` against the policy ve
 produced it, each version held as its own model object (Engine/Reference loads are in place, so
 versions must not share one); nothing a submission holds can crash the validator (an unreadable
 unit is a `malformed` rejection).
+
+Routed experts (router replay) a submission carries are checked against the same recomputation
+(`verification.routing`): bytes that cannot be the model's routes, or routes that differ from the
+claimed version's beyond honest variation, reject the unit. A submission without routes is judged
+on everything else and accepted: routes are optional in the protocol (vLLM nodes, older nodes and
+dense models send none), a missing route asserts nothing false, and the trainer then trains that
+batch without replay (docs/node.md).
 """
 
 from __future__ import annotations
@@ -146,7 +153,8 @@ class ValidatorNode:
             sampling=SamplingSpec(temperature=float(recipe(self.spec, "temperature")),
                                   max_new_tokens=self.env.max_new_tokens, seed=sampling_seed(item.seed, j),
                                   stop_strings=tuple(self.env.stop_strings)),
-            finish_reason=sub.finish_reason, reward=sub.reward, proof=sub.proof, engine=sub.engine)
+            finish_reason=sub.finish_reason, reward=sub.reward, proof=sub.proof, engine=sub.engine,
+            routed_experts=sub.routed_experts)
 
 
 def fresh_model_max_len(node: ValidatorNode) -> int:

@@ -1,0 +1,180 @@
+"""Routed experts: the wire codec, and the validator's routing check (honest accepted, tampered rejected)."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import rollouts as R  # noqa: E402
+
+from node.engine import Engine  # noqa: E402
+from node.model.routing import InvalidRoutes, RouteShape, decode_routes, encode_routes, rollout_routes  # noqa: E402
+from verification.calibration.calibrate import perturb  # noqa: E402
+from verification.checks import Reason  # noqa: E402
+from verification.routing import MAX_ROUTE_MISMATCH_SHARE  # noqa: E402
+from verification.validator import verify_claims  # noqa: E402
+
+SEEDS = list(range(300, 316))
+
+
+# ---- codec ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_experts, id_bytes", [(4, 1), (256, 1), (257, 2), (1024, 2)])
+def test_routes_round_trip_in_one_or_two_bytes_per_expert_id(num_experts, id_bytes):
+    shape = RouteShape(moe_layers=3, top_k=2, num_experts=num_experts)
+    routes = torch.randint(0, num_experts, (11, 3, 2), generator=torch.Generator().manual_seed(num_experts))
+    routes[0, 0] = torch.tensor([0, num_experts - 1])
+    data = encode_routes(routes, shape)
+    assert len(data) == 11 * 3 * 2 * id_bytes == shape.nbytes(11)
+    assert torch.equal(decode_routes(data, 11, shape), routes)
+    if id_bytes == 2:  # little-endian on the wire whatever the host
+        assert data[:4] == (0).to_bytes(2, "little") + (num_experts - 1).to_bytes(2, "little")
+
+
+def test_route_bytes_of_a_wrong_length_or_expert_id_are_a_typed_error():
+    shape = RouteShape(moe_layers=2, top_k=2, num_experts=4)
+    data = encode_routes(torch.zeros(5, 2, 2, dtype=torch.long), shape)
+    with pytest.raises(InvalidRoutes, match="expected 24"):
+        decode_routes(data, 6, shape)
+    with pytest.raises(InvalidRoutes):
+        decode_routes(data[:-1], 5, shape)
+    with pytest.raises(InvalidRoutes, match="outside"):
+        decode_routes(data[:-1] + bytes([4]), 5, shape)
+    wide = RouteShape(moe_layers=1, top_k=1, num_experts=300)
+    with pytest.raises(InvalidRoutes, match="outside"):
+        decode_routes((300).to_bytes(2, "little"), 1, wide)
+    with pytest.raises(InvalidRoutes):
+        encode_routes(torch.full((1, 2, 2), 4), shape)
+    with pytest.raises(InvalidRoutes):
+        encode_routes(torch.zeros(3, 2, 3, dtype=torch.long), shape)
+
+
+def test_a_multi_turn_rollout_takes_each_position_from_the_pass_that_first_computed_it():
+    first = torch.zeros(5, 1, 1, dtype=torch.long)  # turn 0: prompt 3 + 3 tokens - 1
+    second = torch.ones(9, 1, 1, dtype=torch.long)  # turn 1 re-prefilled the first 5 positions
+    routes = rollout_routes([first, second])
+    assert routes.shape[0] == 9 and routes[:5].eq(0).all() and routes[5:].eq(1).all()
+    assert rollout_routes([first, None]) is None
+
+
+# ---- the validator's check -------------------------------------------------------------------------
+def _claims_with_routes(model, work, engine_model=None):
+    engine = Engine(engine_model or model, max_batch=8, max_seq_len=R.MAX_SEQ, eos_id=R.TOK.eos_id,
+                    decode=R.TOK.decode, capture_hidden=True, capture_experts=True)
+    comps = R.generate(engine, work)
+    shape = RouteShape.of(model.config)
+    return [c.model_copy(update={"routed_experts": encode_routes(comp.routed_experts, shape)})
+            for c, comp in zip(R.claims_from(comps, work), comps)], comps
+
+
+@pytest.fixture(scope="module")
+def world():
+    model = R.tiny_model()
+    work = [(s, R.spec(s)) for s in SEEDS]
+    claims, comps = _claims_with_routes(model, work)
+    return model, R.reference({0: model}), work, claims, comps
+
+
+def test_honest_routes_are_accepted(world):
+    _, ref, _, claims, _ = world
+    assert [v.reason for v in verify_claims(claims, ref)] == [Reason.OK] * len(claims)
+
+
+def test_claims_without_routes_are_still_judged_on_the_rest(world):
+    _, ref, _, claims, _ = world
+    bare = [c.model_copy(update={"routed_experts": None}) for c in claims]
+    assert all(v.accepted for v in verify_claims(bare, ref))
+
+
+def _forge(comp, share: float, seed: int) -> torch.Tensor:
+    """The honest routes with the given share of (position, layer) sets replaced by other experts."""
+    routes = comp.routed_experts.clone()
+    pos, layers, k = routes.shape
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(pos * layers, generator=g)[: max(1, round(share * pos * layers))]
+    for flat in pick.tolist():
+        p, layer = divmod(flat, layers)
+        routes[p, layer] = (routes[p, layer] + 1 + torch.randint(0, 3, (1,), generator=g)) % 4
+        if routes[p, layer, 0] == routes[p, layer, 1]:
+            routes[p, layer, 1] = (routes[p, layer, 0] + 1) % 4
+    return routes
+
+
+def test_forged_routes_are_rejected_beside_accepted_honest_ones(world):
+    model, ref, _, claims, comps = world
+    shape = RouteShape.of(model.config)
+    forged = [c.model_copy(update={"routed_experts": encode_routes(_forge(comp, 0.25, i), shape)})
+              for i, (c, comp) in enumerate(zip(claims, comps))]
+    verdicts = verify_claims(forged + claims, ref)
+    assert [v.reason for v in verdicts[: len(forged)]] == [Reason.ROUTES_MISMATCH] * len(forged)
+    assert all(v.accepted for v in verdicts[len(forged):])
+    # A forgery of a share below the threshold is what the threshold tolerates (honest variation).
+    light = claims[0].model_copy(update={"routed_experts": encode_routes(_forge(comps[0], 0.0, 1), shape)})
+    n_pairs = comps[0].routed_experts.shape[0] * comps[0].routed_experts.shape[1]
+    assert verify_claims([light], ref)[0].accepted == (1 / n_pairs <= MAX_ROUTE_MISMATCH_SHARE["float32"])
+
+
+def test_routes_of_a_wrong_length_or_expert_id_are_rejected_as_malformed(world):
+    _, ref, _, claims, _ = world
+    c = claims[0]
+    short = c.model_copy(update={"routed_experts": c.routed_experts[:-4]})
+    out_of_range = c.model_copy(update={"routed_experts": bytes([9]) + c.routed_experts[1:]})
+    verdicts = verify_claims([short, out_of_range, c], ref)
+    assert [v.reason for v in verdicts] == [Reason.ROUTES_MALFORMED, Reason.ROUTES_MALFORMED, Reason.OK]
+
+
+def test_routes_from_other_weights_are_rejected(world):
+    model, ref, work, claims, _ = world
+    # Routes computed by another model, pasted onto honest tokens, logprobs and proofs.
+    other, _ = _claims_with_routes(model, work, perturb(model, "noise1pct", seed=3))
+    swapped = [c.model_copy(update={"routed_experts": o.routed_experts}) for c, o in zip(claims, other)
+               if len(c.routed_experts) == len(o.routed_experts) and c.routed_experts != o.routed_experts]
+    verdicts = verify_claims(swapped, ref)
+    assert swapped and sum(v.reason == Reason.ROUTES_MISMATCH for v in verdicts) >= len(swapped) // 2
+
+
+def test_mixed_version_routes_are_checked_segment_by_segment(world):
+    model, _, work, _, _ = world
+    newer = perturb(model, "noise1pct", seed=7)
+    ref = R.reference({0: model, 1: newer})
+    engine = Engine(copy.deepcopy(model), max_batch=32, max_seq_len=R.MAX_SEQ, eos_id=R.TOK.eos_id,
+                    decode=R.TOK.decode, capture_hidden=True, capture_experts=True)
+    for s, sp in work:
+        engine.add_request(R.request(s, sp))
+    done = []
+    for _ in range(8):
+        done += engine.step()
+    engine.load_weights({k: v.clone() for k, v in newer.state_dict().items()}, version=1)
+    while engine.has_work():
+        done += engine.step()
+    done.sort(key=lambda c: int(c.request_id[1:]))
+    shape = RouteShape.of(model.config)
+    claims = [c.model_copy(update={"routed_experts": encode_routes(comp.routed_experts, shape)})
+              for c, comp in zip(R.claims_from(done, work), done)]
+    mixed = [i for i, c in enumerate(claims) if len(set(c.versions)) == 2]
+    assert len(mixed) >= len(work) // 2
+    assert all(v.accepted for v in verify_claims(claims, ref))
+    # The version-1 segment's routes replaced by version 0's routing of the same positions: wrong there.
+    v0 = ref.prefill(0, [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in mixed], with_routes=True)
+    stale = [claims[i].model_copy(update={"routed_experts": encode_routes(routes, shape)})
+             for i, (_, _, routes) in zip(mixed, v0)]
+    changed = [c for c, i in zip(stale, mixed) if c.routed_experts != claims[i].routed_experts]
+    bad = [v for v in verify_claims(changed, ref) if not v.accepted]
+    assert bad and all(v.reason == Reason.ROUTES_MISMATCH for v in bad)
+    # Either segment's routes forged (the other segment honest): rejected whenever the forged pairs
+    # are more than the threshold's share of the rollout's (the share is rollout-wide).
+    for segment in (0, 1):
+        forged, expect = [], []
+        for i in mixed:
+            c, routes = claims[i], done[i].routed_experts.clone()
+            first_v1 = len(c.prompt_ids) - 1 + c.versions.index(1)
+            rows = list(range(first_v1) if segment == 0 else range(first_v1, routes.shape[0]))
+            routes[rows] = _forge(done[i], 1.0, i)[rows]
+            changed = (routes.sort(-1).values != done[i].routed_experts.sort(-1).values).any(-1)
+            expect.append(Reason.ROUTES_MISMATCH if changed.float().mean() > MAX_ROUTE_MISMATCH_SHARE["float32"]
+                          else Reason.OK)
+            forged.append(c.model_copy(update={"routed_experts": encode_routes(routes, shape)}))
+        assert [v.reason for v in verify_claims(forged, ref)] == expect
+        assert expect.count(Reason.ROUTES_MISMATCH) >= len(mixed) // 2

@@ -1,0 +1,91 @@
+"""Honest variation of routed experts: `python -m verification.calibration.routing [--rollouts N]`.
+
+The engine routes each position while it generates (batched prefill of the prompt, then KV-cached
+decode steps next to other sequences, continuous batching at 1..32); the validator routes the same
+positions in one prefill of the whole sequence, alone or batched with others. Per rollout this
+measures the share of (position, MoE layer) pairs whose top-k sets differ, for float32 and bfloat16
+engines (each against the validator in its own precision), and, for scale, the same share for a
+tampered engine (1% weight noise) and for a rollout's routes claimed under a version one noisy step
+away. Writes routing.json next to this file; verification/routing.py's thresholds bound the honest
+maxima.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from node.engine import Engine
+from verification.calibration.calibrate import _harness, perturb
+from verification.routing import MAX_ROUTE_MISMATCH_SHARE, mismatched_pairs
+
+HERE = Path(__file__).parent
+log = logging.getLogger("calibrate.routing")
+
+
+def shares(R, engine_model, ref, seeds: list[int], max_batch: int, threads: int) -> list[float]:
+    """Per rollout: share of (position, layer) pairs whose engine top-k set differs from the reference's."""
+    torch.set_num_threads(threads)
+    work = [(s, R.spec(s)) for s in seeds]
+    engine = Engine(engine_model, max_batch=max_batch, max_seq_len=R.MAX_SEQ, eos_id=R.TOK.eos_id,
+                    decode=R.TOK.decode, capture_experts=True)
+    comps = R.generate(engine, work)
+    torch.set_num_threads(2)
+    outs = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1] for c in comps], with_routes=True)
+    return [float(mismatched_pairs(c.routed_experts, routes).float().mean()) for c, (_, _, routes) in zip(comps, outs)]
+
+
+def summary(rows: list[float], pairs_per_rollout: list[int] | None = None) -> dict:
+    return {"rollouts": len(rows), "max_share": round(max(rows), 5), "mean_share": round(sum(rows) / len(rows), 6),
+            "rollouts_with_any": sum(r > 0 for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rollouts", type=int, default=64, help="rollouts per variation")
+    ap.add_argument("--out", type=Path, default=HERE / "routing.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    R = _harness()
+    models = {"float32": R.tiny_model(), "bfloat16": R.tiny_model(dtype=torch.bfloat16)}
+    seeds = list(range(2000, 2000 + args.rollouts))
+    cases: dict[str, dict] = {}
+    honest: dict[str, list[float]] = {p: [] for p in models}
+    for precision, model in models.items():
+        for batch_tokens in (65_536, 1):  # the validator's prefill batched with others, or alone
+            ref = R.reference({0: model})
+            ref.batch_tokens = batch_tokens
+            for max_batch in (1, 8, 32):
+                for threads in (1, 2):
+                    name = f"honest/{precision}/engine_batch{max_batch}/threads{threads}/validator_" \
+                           f"{'batched' if batch_tokens > 1 else 'alone'}"
+                    t = time.perf_counter()
+                    rows = shares(R, model, ref, seeds, max_batch, threads)
+                    honest[precision] += rows
+                    cases[name] = summary(rows)
+                    log.info("%-72s %s (%.1fs)", name, cases[name], time.perf_counter() - t)
+        ref = R.reference({0: model})
+        for name, engine_model in (("tamper/noise1pct", perturb(model, "noise1pct")),
+                                   ("other_version/noise1pct_step", perturb(model, "noise1pct", seed=7))):
+            cases[f"{name}/{precision}"] = summary(shares(R, engine_model, ref, seeds, 32, 2))
+            log.info("%-72s %s", f"{name}/{precision}", cases[f"{name}/{precision}"])
+    result = {"command": f"python -m verification.calibration.routing --rollouts {args.rollouts}",
+              "torch": torch.__version__,
+              "honest_max_share": {p: round(max(rows), 5) for p, rows in honest.items()},
+              "honest_rollouts": {p: len(rows) for p, rows in honest.items()},
+              "in_force": MAX_ROUTE_MISMATCH_SHARE,
+              "honest_rejected": {p: sum(r > MAX_ROUTE_MISMATCH_SHARE[p] for r in rows) for p, rows in honest.items()},
+              "cases": cases}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("honest_max_share", "in_force", "honest_rejected")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
