@@ -29,8 +29,8 @@ HERE = Path(__file__).parent
 log = logging.getLogger("calibrate.routing")
 
 
-def shares(R, engine_model, ref, seeds: list[int], max_batch: int, threads: int) -> list[float]:
-    """Per rollout: share of (position, layer) pairs whose engine top-k set differs from the reference's."""
+def shares(R, engine_model, ref, seeds: list[int], max_batch: int, threads: int) -> list[tuple[int, int]]:
+    """Per rollout: (pairs whose engine top-k set differs from the reference's, (position, layer) pairs)."""
     torch.set_num_threads(threads)
     work = [(s, R.spec(s)) for s in seeds]
     engine = Engine(engine_model, max_batch=max_batch, max_seq_len=R.MAX_SEQ, eos_id=R.TOK.eos_id,
@@ -38,12 +38,15 @@ def shares(R, engine_model, ref, seeds: list[int], max_batch: int, threads: int)
     comps = R.generate(engine, work)
     torch.set_num_threads(2)
     outs = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1] for c in comps], with_routes=True)
-    return [float(mismatched_pairs(c.routed_experts, routes).float().mean()) for c, (_, _, routes) in zip(comps, outs)]
+    return [(int(mismatched_pairs(c.routed_experts, routes).sum()), routes.shape[0] * routes.shape[1])
+            for c, (_, _, routes) in zip(comps, outs)]
 
 
-def summary(rows: list[float], pairs_per_rollout: list[int] | None = None) -> dict:
-    return {"rollouts": len(rows), "max_share": round(max(rows), 5), "mean_share": round(sum(rows) / len(rows), 6),
-            "rollouts_with_any": sum(r > 0 for r in rows)}
+def summary(rows: list[tuple[int, int]]) -> dict:
+    share = [bad / pairs for bad, pairs in rows]
+    return {"rollouts": len(rows), "pairs": sum(p for _, p in rows), "mismatched_pairs": sum(b for b, _ in rows),
+            "max_share": round(max(share), 5), "mean_share": round(sum(share) / len(rows), 6),
+            "rollouts_with_any": sum(b > 0 for b, _ in rows)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     models = {"float32": R.tiny_model(), "bfloat16": R.tiny_model(dtype=torch.bfloat16)}
     seeds = list(range(2000, 2000 + args.rollouts))
     cases: dict[str, dict] = {}
-    honest: dict[str, list[float]] = {p: [] for p in models}
+    honest: dict[str, list[tuple[int, int]]] = {p: [] for p in models}
     for precision, model in models.items():
         for batch_tokens in (65_536, 1):  # the validator's prefill batched with others, or alone
             ref = R.reference({0: model})
@@ -77,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%-72s %s", f"{name}/{precision}", cases[f"{name}/{precision}"])
     result = {"command": f"python -m verification.calibration.routing --rollouts {args.rollouts}",
               "torch": torch.__version__,
-              "honest_max_share": {p: round(max(rows), 5) for p, rows in honest.items()},
-              "honest_rollouts": {p: len(rows) for p, rows in honest.items()},
+              "honest": {p: summary(rows) for p, rows in honest.items()},
               "in_force": MAX_ROUTE_MISMATCH_SHARE,
-              "honest_rejected": {p: sum(r > MAX_ROUTE_MISMATCH_SHARE[p] for r in rows) for p, rows in honest.items()},
+              "honest_rejected": {p: sum(b / n > MAX_ROUTE_MISMATCH_SHARE[p] for b, n in rows)
+                                  for p, rows in honest.items()},
               "cases": cases}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("honest_max_share", "in_force", "honest_rejected")}))
+    print(json.dumps({k: result[k] for k in ("honest", "in_force", "honest_rejected")}))
     return 0
 
 
