@@ -3,12 +3,15 @@
 For each layout it builds the same tiny MoE model in every process, computes the one-process loss
 (policy loss plus the load-balancing loss), gradients and post-step parameters locally (no
 collectives), then the parallel ones, and reports the largest differences (rank 0 writes them as JSON). It is both the CI check of the parallel trainer
-and the smoke test to run first on a new cluster (NCCL on GPUs).
+and the smoke test to run first on a new cluster (NCCL on GPUs). With `--router-replay` the batch
+carries routed experts (another router's choices, as an engine one version behind would send) and
+both sides replay them.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import time
@@ -42,7 +45,9 @@ def check_model(seed: int = 0) -> CausalLM:
     return CausalLM(cfg)
 
 
-def check_batch(model: CausalLM, rows: int = 4, length: int = 30, seed: int = 1) -> TrainBatch:
+def check_batch(model: CausalLM, rows: int = 4, length: int = 30, seed: int = 1, routes: bool = False) -> TrainBatch:
+    """`routes`: carry the experts a moved router (gate weights + noise) picks, which differ from the
+    model's own at some positions, so replaying them changes the loss."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (rows, length + 1), generator=g)
     mask = torch.rand(rows, length, generator=g) < 0.7
@@ -51,11 +56,18 @@ def check_batch(model: CausalLM, rows: int = 4, length: int = 30, seed: int = 1)
         logp = token_logprobs(model(ids[:, :-1]).logits, ids[:, 1:])
     inference = logp + 0.3 * torch.randn(rows, length, generator=g)  # some ratios leave the trust region
     adv = torch.randn(rows, 1, generator=g).expand(rows, length).contiguous()
-    return TrainBatch(ids[:, :-1], ids[:, 1:], mask, inference, adv, None)
+    experts = None
+    if routes:
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            for layer in moved.model.layers:
+                layer.mlp.gate.weight.add_(0.5 * torch.randn(layer.mlp.gate.weight.shape, generator=g))
+            experts = moved(ids[:, :-1]).routed_experts
+    return TrainBatch(ids[:, :-1], ids[:, 1:], mask, inference, adv, experts)
 
 
 def reference(model: CausalLM, batch: TrainBatch, cfg: TrainerConfig):
-    out = model(batch.input_ids)
+    out = model(batch.input_ids, routed_experts=batch.routed_experts if cfg.router_replay else None)
     po = policy_loss(token_logprobs(out.logits, batch.targets), batch.inference_logprobs, batch.advantages,
                      batch.loss_mask, cfg.loss)
     loss = po.loss + model.config.router_aux_loss_coef * out.aux_loss
@@ -67,10 +79,10 @@ def reference(model: CausalLM, batch: TrainBatch, cfg: TrainerConfig):
     return float(loss), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_layout(dims: ParallelDims, device: str) -> dict:
-    cfg = TrainerConfig(router_replay=False)
+def run_layout(dims: ParallelDims, device: str, router_replay: bool = False) -> dict:
+    cfg = TrainerConfig(router_replay=router_replay)
     ref_model = check_model()
-    batch = check_batch(ref_model)
+    batch = check_batch(ref_model, routes=router_replay)
     ref_loss, ref_grads, ref_params = reference(ref_model, batch, cfg)
 
     started = time.perf_counter()
@@ -97,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", required=True, help="comma-separated, e.g. dp2-ep2,cp2")
     parser.add_argument("--no-fsdp", action="store_true", help="replicate instead of sharding")
+    parser.add_argument("--router-replay", action="store_true", help="the batch carries routed experts to replay")
     parser.add_argument("--out", help="rank 0 writes the results here as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = init_distributed()
     results = []
     for text in args.layouts.split(","):
-        result = run_layout(parse_layout(text, fsdp=not args.no_fsdp), device)
+        result = run_layout(parse_layout(text, fsdp=not args.no_fsdp), device, args.router_replay)
         if dist.get_rank() == 0:
             log.info("%s: loss %.6g (one process %.6g) grad rel err %.2e param rel err %.2e", text,
                      result["loss"], result["ref_loss"], result["grad_rel_err"], result["param_rel_err"])
