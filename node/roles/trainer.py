@@ -47,7 +47,7 @@ from node.roles.common import call, environment, fresh_model, join_run, model_co
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
-from protocol.messages import BatchRequest, PublishPolicy, RolloutGroup, RunSpec, StoredWorkBatch
+from protocol.messages import BatchRequest, PublishPolicy, RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch
 from shardcast.publish import PublishOptions, publish
 from shardcast.server import ShardServer
 from shardcast.store import Store
@@ -210,7 +210,7 @@ class TrainerNode:
         adv = group_advantages(r, normalize_std=True).flatten().tolist()
         return build_batch(rollouts, adv, self.tok.pad_id), r
 
-    def _routes(self, sub, prompt_len: int) -> torch.Tensor | None:
+    def _routes(self, sub: RolloutSubmission, prompt_len: int) -> torch.Tensor | None:
         """The submission's routed experts [prompt + completion - 1, L, k], or None (not replayed, not
         sent, or unreadable: only possible for a unit no validator judged, and then it is not replayed)."""
         if self.routes is None or sub.routed_experts is None:
