@@ -13,10 +13,11 @@ as an HF checkpoint and loaded in place. Its submissions say so (`engine`), and 
 not accept vLLM is refused at start (`EngineUnavailable`).
 
 Router replay: when the run's recipe asks for it (`router_replay`, on by default) and its model has
-MoE layers, the built-in engine records the experts it routed every position to, and each
-submission carries them (`routed_experts`, node/model/routing.py) for the validator to check and
-the trainer to replay. vLLM submissions carry none (see docs/node.md): its routes are not yet
-calibrated against the validator's recomputation.
+MoE layers, the engine records the experts it routed every position to (the built-in one with
+`capture_experts`; vLLM through contrib/vllm's worker extension, which captures them with the
+hidden states), and each submission carries them (`routed_experts`, node/model/routing.py) for the
+validator to check and the trainer to replay. A rollout one of whose engine passes captured no
+routes (a vLLM prefix-cache hit) is sent without.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class InferenceNode:
         self.env = environment(spec)
         self.hashes: dict[int, str] = {}
         self.engine: Engine | None = None  # or contrib's VLLMEngine: the same surface
-        self.routes = RouteShape.of(model_config(spec)) if router_replay(spec) and engine == "builtin" else None
+        self.routes = RouteShape.of(model_config(spec)) if router_replay(spec) else None
         """The route shape when submissions carry routed experts (None: they do not)."""
         self.submitted = self.refused = 0
         self._rng = random.Random(key.peer_id)
