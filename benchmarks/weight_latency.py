@@ -1,5 +1,7 @@
 """Weight latency: from the end of a trainer step until every inference node has the new version
-loaded for its next decode step, for N = 1, 4, 8, 16 inference nodes (`primerl-node sim` processes).
+loaded for its next decode step, for N = 1, 4, 8, 16 inference nodes (`primerl-node sim` processes),
+with the slowest node's time split into stages (announce over gossip, queued behind an earlier
+fetch, fetch + verify, load).
 
     python -m benchmarks.weight_latency [--ns 1,4,8,16] [--steps 8]
 
@@ -26,19 +28,29 @@ from pathlib import Path
 from node.sim import run_sim
 
 
-def latencies(out: Path, n: int) -> list[float]:
+def latencies(out: Path, n: int) -> tuple[list[float], dict[str, list[float]]]:
+    """Per version: the slowest node's latency, and where that node's time went (stages)."""
     rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
     trained = {r["step"]: r["t_trained"] for r in rows}
-    loaded: list[list[tuple[int, float]]] = []
+    loaded: list[list[dict]] = []
     for i in range(n):
         path = out / f"inference-{i}" / "versions.jsonl"
-        loaded.append([(d["version"], d["t_queued"]) for d in map(json.loads, path.read_text().splitlines())])
-    result = []
+        loaded.append([json.loads(x) for x in path.read_text().splitlines()])
+    result: list[float] = []
+    stages: dict[str, list[float]] = {"announce_s": [], "queued_behind_fetch_s": [], "fetch_verify_s": [], "load_s": []}
     for v, t in sorted(trained.items()):
-        per_node = [min((tq for ver, tq in node if ver >= v), default=None) for node in loaded]
-        if all(x is not None for x in per_node):
-            result.append(max(per_node) - t)
-    return result
+        per_node = [min((d for d in node if d["version"] >= v), key=lambda d: d["t_queued"], default=None)
+                    for node in loaded]
+        if any(d is None for d in per_node):
+            continue
+        slowest = max(per_node, key=lambda d: d["t_queued"])
+        result.append(slowest["t_queued"] - t)
+        if slowest.get("t_announced") and slowest["version"] == v:
+            stages["announce_s"].append(slowest["t_announced"] - t)
+            stages["queued_behind_fetch_s"].append(max(0.0, slowest["t_fetch"] - slowest["t_announced"]))
+            stages["fetch_verify_s"].append(slowest["t_fetched"] - slowest["t_fetch"])
+            stages["load_s"].append(slowest["t_queued"] - slowest["t_fetched"])
+    return result, stages
 
 
 def main() -> None:
@@ -55,9 +67,11 @@ def main() -> None:
             out = Path(tmp) / f"n{n}"
             s = run_sim(out, inference_nodes=n, steps=args.steps, batch_groups=max(4, n), group_size=4,
                         max_off_policy_steps=1, seed=0, timeout_s=600)
-            lat = latencies(out, n)
+            lat, stages = latencies(out, n)
             results[n] = {"versions": len(lat), "median_s": round(statistics.median(lat), 3) if lat else None,
-                          "max_s": round(max(lat), 3) if lat else None, "status": s["status"]}
+                          "max_s": round(max(lat), 3) if lat else None, "status": s["status"],
+                          "slowest_node_median_stages_s": {k: round(statistics.median(v), 3)
+                                                           for k, v in stages.items() if v}}
             print(f"N={n}: {results[n]}", flush=True)
     ns = sorted(results)
     out = {"benchmark": "weight_latency", "machine": f"{platform.machine()}", "steps": args.steps, "by_n": results}

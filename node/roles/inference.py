@@ -141,6 +141,7 @@ class InferenceNode:
         self.tok = CharTokenizer()
         self.env = environment(spec)
         self.hashes: dict[int, str] = {}
+        self._announced_at: dict[int, float] = {}  # version -> when its announcement arrived (weight-latency breakdown)
         self.engine: Engine | None = None  # or contrib's VLLMEngine: the same surface
         self.routes = RouteShape.of(model_config(spec)) if router_replay(spec) else None
         """The route shape when submissions carry routed experts (None: they do not)."""
@@ -219,6 +220,7 @@ class InferenceNode:
 
     async def _on_announce(self, msg: PolicyAnnounce) -> None:
         self.hashes[msg.version] = msg.manifest_hash
+        self._announced_at.setdefault(msg.version, time.time())
         if self._fetching is None or self._fetching.done():
             self._fetching = asyncio.create_task(self._follow())
 
@@ -235,11 +237,13 @@ class InferenceNode:
         """Fetch and queue `version` for the engine (applied between two decode steps)."""
         if version <= self._newest_loaded:
             return
+        t_fetch = time.time()
         try:
             state = await fetch_policy(self.spec, self.workdir / "shardcast", version, manifest_hash)
         except ProtocolError as exc:
             log.warning("policy v%d not loaded: %s", version, exc)
             return
+        t_fetched = time.time()
         if manifest_hash is None:
             from shardcast.store import Store
             signed = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version)
@@ -263,7 +267,8 @@ class InferenceNode:
                 self.engine.load_weights(state, version)
             self._newest_loaded = version
         with (self.workdir / "versions.jsonl").open("a") as f:  # weight-latency benchmark reads this
-            f.write(json.dumps({"version": version, "t_queued": time.time()}) + "\n")
+            f.write(json.dumps({"version": version, "t_announced": self._announced_at.get(version), "t_fetch": t_fetch,
+                                "t_fetched": t_fetched, "t_queued": time.time()}) + "\n")
         log.info("policy v%d queued for the engine", version)
 
     @property
