@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from node.model.config import ModelConfig
+from node.rl.parallel.dims import shutdown_distributed
 
 H200_BF16_PEAK = 989.4e12
 """Dense bf16 FLOP/s of one H100/H200 SXM by NVIDIA's datasheet (MFU denominator, as usual)."""
@@ -312,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             with open(args.result, "w") as f:
                 json.dump(result, f)
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    shutdown_distributed()
     return 0
 
 

@@ -16,6 +16,7 @@ from node.engine.sampling import SamplingParams
 from node.model.checkpoint import InvalidCheckpoint, state_dict_to_hf
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
+from node.rl.parallel.dims import shutdown_distributed
 
 
 def model(seed: int) -> CausalLM:
@@ -70,8 +71,7 @@ def main() -> None:
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(everyone, f)
-    dist.barrier()  # no rank leaves while another still talks to it (gloo aborts otherwise)
-    dist.destroy_process_group()
+    shutdown_distributed()  # no rank leaves while another still talks to it (gloo aborts otherwise)
 
 
 if __name__ == "__main__":

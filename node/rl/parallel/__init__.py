@@ -10,8 +10,8 @@ Launched by torchrun (`python -m node.rl.parallel.launch` for the self-check; `j
 CPU, NCCL on GPUs. A distributed checkpoint is a plain `Trainer` checkpoint (`state`).
 """
 
-from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed
+from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
 from node.rl.parallel.apply import parallelize
 from node.rl.parallel.trainer import DistributedTrainer, shard_batch
 
-__all__ = ["ParallelDims", "ParallelGroups", "init_distributed", "parallelize", "DistributedTrainer", "shard_batch"]
+__all__ = ["ParallelDims", "ParallelGroups", "init_distributed", "shutdown_distributed", "parallelize", "DistributedTrainer", "shard_batch"]

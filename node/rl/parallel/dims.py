@@ -6,6 +6,7 @@ processes). Rank layout, outermost first: (dp // ep, ep, cp); world = dp * cp.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -71,6 +72,29 @@ class ParallelGroups:
         cp_mesh = _submesh(device, grid.reshape(-1, dims.cp), "cp")
         return cls(dims, rank, outer * dims.ep + ep_rank, ep_rank, cp_rank, world_mesh, expert_mesh,
                    ep_mesh.get_group(), cp_mesh.get_group())
+
+
+def shutdown_distributed(timeout_s: float = 60.0) -> None:
+    """Leave the world without aborting a peer. A gloo collective can return on one rank while
+    another still reads its last message; closing the sockets then makes gloo abort that rank
+    ("terminate called without an active exception": seen in CI, about 1 run in 2 of the 2-rank EP
+    engine test, with barrier + destroy). So every rank checks in through the rendezvous store once
+    its last collective has returned, and no rank closes its sockets before all have (or
+    `timeout_s` passed: a dead peer; or the store's host left: nobody is mid-collective then)."""
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add(_SHUTDOWN_KEY, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(_SHUTDOWN_KEY, 0) < dist.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except (RuntimeError, ValueError):
+        pass
+    dist.destroy_process_group()
+
+
+_SHUTDOWN_KEY = "primerl/shutdown"
 
 
 def init_distributed(timeout_s: float | None = None) -> str:

@@ -24,7 +24,7 @@ from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.loss import policy_loss, token_logprobs
 from node.rl.parallel.apply import parallelize
-from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed
+from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
 from node.rl.parallel.trainer import DistributedTrainer, shard_batch
 from node.rl.trainer import TrainerConfig
 
@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.parallel.apply import parallelize
-from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed
+from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
 from node.rl.parallel.state import MOMENTS, full_optimizer_state, load_optimizer_state
 from node.rl.parallel.trainer import DistributedTrainer
 from node.rl.trainer import Trainer, TrainerConfig
@@ -125,8 +125,7 @@ class TrainerRank:
         load_optimizer_state(self.trainer, state)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed(timeout_s=10.0)  # a peer that died is not waited for long
 
 
 def follow(dims: ParallelDims, cfg: TrainerConfig, seed: int, model: CausalLM) -> None:
