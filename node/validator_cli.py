@@ -25,7 +25,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="hex sha256 of the version's manifest (default: sha256 of the safetensors file)")
     p.add_argument("--key", default=None, help="validator key file (created if missing); unsigned without")
     p.add_argument("--max-seq-len", type=int, default=None, help="engine sequence limit (default: model's)")
+    p.add_argument("--engines", type=_engines, default=("builtin",),
+                   help="engines whose rollouts the run accepts, comma-separated (its spec's `engines`; "
+                        "default builtin): a claim naming another is rejected (engine_not_allowed)")
     p.set_defaults(func=run)
+
+
+def _engines(text: str) -> tuple[str, ...]:
+    from typing import get_args
+
+    from protocol.messages import EngineName
+
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [n for n in names if n not in get_args(EngineName)]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"engines must be among {', '.join(get_args(EngineName))}; got {text!r}")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +70,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             log.warning("claims line %d is not a valid claim: %s", n, str(exc)[:200])
     key = NodeKey.load_or_create(args.key) if args.key else None
-    for verdict in verify_claims(claims, ref, key):
+    for verdict in verify_claims(claims, ref, key, engines=args.engines):
         sys.stdout.write(json.dumps(json.loads(verdict.model_dump_json())) + "\n")
     return 0

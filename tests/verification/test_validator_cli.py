@@ -24,15 +24,26 @@ def test_verify_command_prints_signed_verdicts_for_a_checkpoint(tmp_path):
     proofs = prove_rollouts([(c.hidden, c.versions) for c in comps], {0: manifest})
     claims = [c.model_copy(update={"proof": p}) for c, p in zip(claims, proofs)]
     claims[2] = claims[2].model_copy(update={"reward": claims[2].reward + 0.5})
+    claims[3] = claims[3].model_copy(update={"engine": "vllm"})  # honest tokens, labelled as vLLM's
     lines = [c.model_dump_json() for c in claims] + ["{not json"]
     (tmp_path / "claims.jsonl").write_text("\n".join(lines) + "\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "node.cli", "verify", "--checkpoint", str(ckpt), "--claims", str(tmp_path / "claims.jsonl"),
-         "--manifest-hash", manifest.hex(), "--key", str(tmp_path / "validator.key"), "--max-seq-len", str(R.MAX_SEQ)],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+
+    def verify(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "node.cli", "verify", "--checkpoint", str(ckpt), "--claims", str(tmp_path / "claims.jsonl"),
+             "--manifest-hash", manifest.hex(), "--key", str(tmp_path / "validator.key"), "--max-seq-len", str(R.MAX_SEQ),
+             *extra], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+
+    out = verify()
     assert out.returncode == 0, out.stderr[-2000:]
     verdicts = [Verdict.model_validate(json.loads(line)) for line in out.stdout.splitlines()]
-    assert [v.accepted for v in verdicts] == [True, True, False, True]
+    assert [v.accepted for v in verdicts] == [True, True, False, False]
     assert verdicts[2].reason.value == "reward_mismatch"
+    assert verdicts[3].reason.value == "engine_not_allowed"  # the run (default) accepts built-in rollouts only
     for v in verdicts:
         v.check_signature()
+    out = verify("--engines", "builtin,vllm")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [json.loads(line)["accepted"] for line in out.stdout.splitlines()] == [True, True, False, True]
+    bad = verify("--engines", "sglang")
+    assert bad.returncode == 2 and "engines must be among" in bad.stderr
