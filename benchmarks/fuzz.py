@@ -113,7 +113,7 @@ def sample_messages():
     return [spec, Join(spec_hash=spec.spec_hash(), role="inference", addrs=["/ip4/127.0.0.1/tcp/4001"]),
             JoinAccepted(spec=spec, policy_version=3, members=[PeerAddress(peer_id=o.peer_id, addrs=["/ip4/1.2.3.4/tcp/1"])]),
             Heartbeat(seq=7, role="validator", addrs=["/ip4/127.0.0.1/tcp/4002"]), Leave(reason="bye"),
-            PolicyAnnounce(version=4, manifest_hash="ab" * 32, parent_version=3), LeaseRequest(policy_version=4), grant,
+            PolicyAnnounce(version=4, manifest_hash="ab" * 32), LeaseRequest(policy_version=4), grant,
             sub, SubmissionReceipt(work_id=9, accepted=True), Refusal(reason="StaleRollout", detail="lag"),
             WorkCancel(work_ids=[1, 2], policy_version=5), Verdict(work_id=9, submitter=o.peer_id, valid=False, reason="x"),
             Ban(peer_id=o.peer_id, reason="forged", until=None), Ok(),
@@ -122,7 +122,7 @@ def sample_messages():
             VerifyRequest(max_items=32),
             StoredWorkBatch(step=5, items=[StoredWork(work_id=9, task_index=1, seed=2, envelope=b"x" * 40)]),
             VerdictBatch(verdicts=[Verdict(work_id=9, submitter=o.peer_id, valid=True)]),
-            PublishPolicy(version=5, manifest_hash="cd" * 32, parent_version=4)]
+            PublishPolicy(version=5, manifest_hash="cd" * 32)]
 
 
 class EnvelopeSurface(Surface):

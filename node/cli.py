@@ -95,10 +95,13 @@ def _stack_dumps_on_sigusr1() -> None:
 def _user_errors() -> tuple[type[Exception], ...]:
     from node.envs import UnknownTask
     from node.model import InvalidCheckpoint, InvalidModelConfig
+    from node.recipe import InvalidRecipe
     from node.roles.inference import EngineUnavailable
+    from node.run_config import InvalidRunConfig
     from protocol.errors import ProtocolError
 
-    return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError, EngineUnavailable)
+    return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError, EngineUnavailable, InvalidRunConfig,
+            InvalidRecipe)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,18 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from node.envs import get_env
+from node.recipe import Recipe
 from protocol.messages import RunSpec
+
+_SPEC = RunSpec.model_fields
+"""Run-shape defaults live on the run spec; a run.toml that omits a key gets the spec's default."""
+
+
+class InvalidRunConfig(ValueError):
+    """A run.toml with an unknown key, a value out of bounds, or an unknown task."""
 
 
 class RunConfig(BaseModel):
@@ -46,15 +54,15 @@ class RunConfig(BaseModel):
     """Prompts (work units) per trainer step."""
     group_size: int = Field(8, ge=1, le=256)
     """Samples per prompt."""
-    max_off_policy_steps: int = Field(1, ge=0, le=1024)
+    max_off_policy_steps: int = Field(_SPEC["max_off_policy_steps"].default, ge=0, le=1024)
     """k: rollouts at most k versions behind enter a batch (0: synchronous)."""
-    verification_rate: float = Field(1.0, ge=0, le=1)
+    verification_rate: float = Field(_SPEC["verification_rate"].default, ge=0, le=1)
     """Share of work units verified before batching."""
-    heartbeat_interval_s: float = Field(10.0, gt=0)
+    heartbeat_interval_s: float = Field(_SPEC["heartbeat_interval_s"].default, gt=0)
     """Member heartbeat period."""
-    dead_after_missed: int = Field(3, ge=1)
+    dead_after_missed: int = Field(_SPEC["dead_after_missed"].default, ge=1)
     """Missed beats until a member is dead and its leases go back to the pool."""
-    lease_ttl_s: float = Field(120.0, gt=0)
+    lease_ttl_s: float = Field(_SPEC["lease_ttl_s"].default, gt=0)
     """Lease lifetime."""
     shardcast_sources: list[str] = Field(default_factory=list)
     """Where policy versions are served (trainer origin first, then relays)."""
@@ -66,16 +74,22 @@ class RunConfig(BaseModel):
     """Coordinator's libp2p listen multiaddr."""
     status_port: int = Field(8480, ge=0, le=65535)
     """HTTP port of the status page and /metrics (0: any free port)."""
-    recipe: dict[str, float | int | str] = Field(default_factory=dict)
-    """Learning recipe overrides (node/roles/common.py RECIPE_DEFAULTS)."""
+    recipe: Recipe = Field(default_factory=Recipe)
+    """Learning recipe (node/recipe.py: every key, its bounds and its default); unknown keys are refused."""
     engines: list[Literal["builtin", "vllm"]] = Field(default_factory=lambda: ["builtin"], min_length=1)
     """Inference engines whose rollouts the run accepts; add "vllm" to accept rollouts whose sampling
     a validator cannot re-derive (checked on proofs, logprobs, termination, reward; RunSpec.engines)."""
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
-        cfg = cls.model_validate(tomllib.loads(Path(path).read_text()))
-        get_env(cfg.task)  # an unknown task fails at launch, not in every node
+        try:
+            cfg = cls.model_validate(tomllib.loads(Path(path).read_text()))
+            get_env(cfg.task)  # an unknown task fails at launch, not in every node
+        except ValidationError as exc:
+            raise InvalidRunConfig(f"{path}: " + "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False))) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise InvalidRunConfig(f"{path}: {exc}") from None
         return cfg
 
     def run_spec(self, coordinator_peer_id: str) -> RunSpec:
@@ -84,7 +98,7 @@ class RunConfig(BaseModel):
                        dead_after_missed=self.dead_after_missed, lease_ttl_s=self.lease_ttl_s,
                        group_size=self.group_size, batch_groups=self.batch_groups,
                        verification_rate=self.verification_rate, shardcast_sources=self.shardcast_sources,
-                       trainer=self.trainer, validators=self.validators, recipe=self.recipe,
+                       trainer=self.trainer, validators=self.validators, recipe=self.recipe.wire(),
                        engines=tuple(self.engines))
 
 

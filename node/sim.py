@@ -26,10 +26,15 @@ import threading
 import time
 from pathlib import Path
 
-from node.run_config import to_toml
+from node.recipe import DEFAULT as DEFAULT_RECIPE
+from node.run_config import RunConfig, to_toml
 from protocol.identity import NodeKey
 
 log = logging.getLogger(__name__)
+
+
+_RUN = RunConfig.model_fields
+"""Run defaults come from run.toml's (node/run_config.py), recipe defaults from node/recipe.py."""
 
 
 def free_port() -> int:
@@ -111,9 +116,10 @@ def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
             ["--dp", str(dims.dp), "--ep", str(dims.ep), "--cp", str(dims.cp)])
 
 
-def run_sim(out: Path, inference_nodes: int = 4, steps: int = 500, task: str = "reverse", churn: bool = False,
-            cheaters: int = 0, max_off_policy_steps: int = 1, seed: int = 0, batch_groups: int = 64,
-            group_size: int = 8, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0,
+def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.steps, task: str = "reverse",
+            churn: bool = False, cheaters: int = 0, max_off_policy_steps: int = _RUN["max_off_policy_steps"].default,
+            seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
+            group_size: int = _RUN["group_size"].default, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0,
             trainer_parallel: str | None = None) -> dict:
     if vllm_nodes:
         check_vllm_nodes(inference_nodes, cheaters, vllm_nodes)
@@ -328,17 +334,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim", help="the whole network on this machine, one OS process per role",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--inference-nodes", type=int, default=4)
-    p.add_argument("--steps", type=int, default=500, help="trainer steps")
+    p.add_argument("--steps", type=int, default=DEFAULT_RECIPE.steps, help="trainer steps")
     p.add_argument("--task", default="reverse")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--churn", action="store_true", help="SIGKILL/restart inference nodes, and the coordinator once")
     p.add_argument("--cheaters", type=int, default=0, help="inference nodes that tamper with their work")
     p.add_argument("--vllm-nodes", type=int, default=0,
                    help="inference nodes on vLLM (join --engine vllm; needs PRIMERL_VLLM_PYTHON)")
-    p.add_argument("--max-off-policy-steps", type=int, default=1)
+    p.add_argument("--max-off-policy-steps", type=int, default=_RUN["max_off_policy_steps"].default)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-groups", type=int, default=64, help="prompts per trainer step")
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    p.add_argument("--batch-groups", type=int, default=_RUN["batch_groups"].default, help="prompts per trainer step")
+    p.add_argument("--group-size", type=int, default=_RUN["group_size"].default, help="samples per prompt")
     p.add_argument("--timeout", type=float, default=1500, help="stop the run after this many seconds")
     p.add_argument("--trainer-parallel", metavar="LAYOUT", default=None,
                    help="run the trainer as torchrun ranks (gloo on CPU), e.g. dp2-ep2, cp2, dp2-ep2-cp2")

@@ -126,11 +126,10 @@ class CoordinatorService:
         self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
         msg = o.message
         if msg.version > self.state.ledger.current_version:
-            stale = await self.announce_policy(msg.version, msg.manifest_hash, msg.parent_version)
+            stale = await self.announce_policy(msg.version, msg.manifest_hash)
             log.info("policy version %d announced (%d stale leases cancelled)", msg.version, len(stale))
         else:  # a retry after a lost reply, or a restarted trainer: re-announce so nobody misses it
-            await self.publish(PolicyAnnounce(version=msg.version, manifest_hash=msg.manifest_hash,
-                                              parent_version=msg.parent_version))
+            await self.publish(PolicyAnnounce(version=msg.version, manifest_hash=msg.manifest_hash))
         return Ok()
 
     async def _on_submission(self, o: Opened) -> SubmissionReceipt:
@@ -187,10 +186,10 @@ class CoordinatorService:
             await asyncio.sleep(self.spec.heartbeat_interval_s)
 
     # ---- announcements -------------------------------------------------------------------------
-    async def announce_policy(self, version: int, manifest_hash: str, parent_version: int = -1) -> list[int]:
+    async def announce_policy(self, version: int, manifest_hash: str) -> list[int]:
         """Record and gossip a new policy version; cancel (and gossip) leases now too stale."""
         stale = self.state.advance_policy(version, manifest_hash, time.time())
-        await self.publish(PolicyAnnounce(version=version, manifest_hash=manifest_hash, parent_version=parent_version))
+        await self.publish(PolicyAnnounce(version=version, manifest_hash=manifest_hash))
         if stale:
             await self.publish(WorkCancel(work_ids=stale, policy_version=version))
         return stale

@@ -68,7 +68,7 @@ class RunSpec(Message):
     """How often members announce themselves."""
     dead_after_missed: int = Field(3, ge=1, le=100)
     """Missed heartbeats after which a member is dead and its leases go back to the pool."""
-    lease_ttl_s: float = Field(300.0, gt=0, le=86_400)
+    lease_ttl_s: float = Field(120.0, gt=0, le=86_400)
     """How long a work lease lasts before it is re-granted to someone else."""
     tasks_per_step: int = Field(1 << 20, ge=1, le=MAX_INT64)
     """Size of the task pool work ids draw from (task index = derived seed mod this)."""
@@ -154,8 +154,6 @@ class PolicyAnnounce(Message):
     """The new policy version (= the trainer step that produced it)."""
     manifest_hash: Hex32
     """sha256 of the shardcast manifest for this version."""
-    parent_version: int = Field(-1, ge=-1, le=MAX_INT64)
-    """Version a delta applies to (-1: full weights)."""
 
 
 class LeaseRequest(Message):
@@ -338,8 +336,6 @@ class PublishPolicy(Message):
     """The new policy version."""
     manifest_hash: Hex32
     """sha256 of its shardcast manifest."""
-    parent_version: int = Field(-1, ge=-1, le=MAX_INT64)
-    """Version a delta applies to (-1: full)."""
 
 
 class SubmissionReceipt(Message):

@@ -1,5 +1,5 @@
-"""What every role shares: the run's model and task from the spec's recipe, joining with retries,
-fetching a policy version through shardcast, and a stop event wired to SIGINT/SIGTERM.
+"""What every role shares: the run's model and task from the spec's recipe (`node.recipe`), joining
+with retries, fetching a policy version through shardcast, and a stop event wired to SIGINT/SIGTERM.
 
 Invariant: a role never trusts weights it did not verify (shardcast checks the trainer's signature
 and every shard hash), and a coordinator that is briefly gone (restart, churn) only delays a role:
@@ -22,6 +22,7 @@ from node.envs import get_env
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.tokenizer import CharTokenizer
+from node.recipe import Recipe
 from protocol.errors import NotMember, ProtocolError, TransportError
 from protocol.identity import NodeKey
 from protocol.member import RunMember
@@ -34,37 +35,20 @@ from shardcast.store import Store
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RECIPE_DEFAULTS: dict[str, float | int | str] = {
-    "hidden": 64, "layers": 2, "experts": 4, "top_k": 2, "lr": 1e-3, "steps": 500, "temperature": 1.0,
-    "warmup_target": 0.25, "seed": 0, "updates_per_batch": 2, "minibatches": 2,
-    "tool_wait_s": 0.0, "router_replay": 1,
-}
-"""The train-local recipe (node/rl/train_local.py) that reaches ~0.88 on reverse in ~500 steps;
-`tool_wait_s` > 0 adds a heavy-tailed tool-call wait per episode (median seconds; benchmarks);
-`router_replay` (1/0, true/false): inference nodes send the experts their engine routed each
-position to, validators check them, and the trainer replays them (MoE models only)."""
-
-
-def recipe(spec: RunSpec, name: str):
-    return spec.recipe.get(name, RECIPE_DEFAULTS[name])
-
-
 def router_replay(spec: RunSpec) -> bool:
     """Whether the run asks for routed experts to travel and be replayed (and its model has MoE layers)."""
-    value = recipe(spec, "router_replay")
-    on = value.strip().lower() in ("1", "true", "yes", "on") if isinstance(value, str) else bool(value)
-    return on and bool(model_config(spec).moe_layer_indices)
+    return Recipe.of(spec).router_replay and bool(model_config(spec).moe_layer_indices)
 
 
 def model_config(spec: RunSpec) -> ModelConfig:
     from node.rl.train_local import tiny_moe_config
 
-    return tiny_moe_config(CharTokenizer().vocab_size, int(recipe(spec, "hidden")), int(recipe(spec, "layers")),
-                           int(recipe(spec, "experts")), int(recipe(spec, "top_k")))
+    r = Recipe.of(spec)
+    return tiny_moe_config(CharTokenizer().vocab_size, r.hidden, r.layers, r.experts, r.top_k)
 
 
 def fresh_model(spec: RunSpec) -> CausalLM:
-    torch.manual_seed(int(recipe(spec, "seed")))
+    torch.manual_seed(Recipe.of(spec).seed)
     return CausalLM(model_config(spec)).eval()
 
 

@@ -39,8 +39,8 @@ from node.envs.rollout import Rollout, run_episodes
 from node.model.checkpoint import CONFIG, WEIGHTS
 from node.model.routing import RouteShape, encode_routes, rollout_routes
 from node.model.tokenizer import CharTokenizer
-from node.roles.common import (call, environment, fetch_policy, fresh_model, join_run, model_config, recipe,
-                               router_replay)
+from node.recipe import Recipe
+from node.roles.common import (call, environment, fetch_policy, fresh_model, join_run, model_config, router_replay)
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.member import RunMember
@@ -140,6 +140,7 @@ class InferenceNode:
             self._vllm_settings = self._check_vllm(vllm or [])
         self.tok = CharTokenizer()
         self.env = environment(spec)
+        self.recipe = Recipe.of(spec)
         self.hashes: dict[int, str] = {}
         self._announced_at: dict[int, float] = {}  # version -> when its announcement arrived (weight-latency breakdown)
         self.engine: Engine | None = None  # or contrib's VLLMEngine: the same surface
@@ -317,7 +318,7 @@ class InferenceNode:
             await asyncio.sleep(0.1)
             return
         groups = await asyncio.to_thread(self._roll_out, grants)
-        wait = float(recipe(self.spec, "tool_wait_s"))
+        wait = self.recipe.tool_wait_s
         for grant, group in zip(grants, groups):
             if wait <= 0:
                 await self._finish(member, stop, grant, group, 0.0)
@@ -338,7 +339,7 @@ class InferenceNode:
 
     def _roll_out(self, grants: list[LeaseGrant]) -> list[RolloutGroup]:
         g = self.spec.group_size
-        temperature = float(recipe(self.spec, "temperature"))
+        temperature = self.recipe.temperature
         episodes = []
         for grant in grants:
             task = self.env.sample_task(grant.task_index)

@@ -42,8 +42,9 @@ from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
 from node.rl.train_local import LocalRunConfig, warm_up
+from node.recipe import Recipe
 from node.rl.trainer import Trainer, TrainerConfig
-from node.roles.common import call, environment, fresh_model, join_run, model_config, recipe, router_replay
+from node.roles.common import call, environment, fresh_model, join_run, model_config, router_replay
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
@@ -75,13 +76,13 @@ class TrainerNode:
         self.port = shardcast_port
         self.tok = CharTokenizer()
         self.env = environment(spec)
-        self.steps = int(recipe(spec, "steps"))
+        self.recipe = Recipe.of(spec)
+        self.steps = self.recipe.steps
         self.store = Store(workdir / "shardcast")
         self.ledger = OffPolicyLedger(spec.max_off_policy_steps)
-        self.cfg = TrainerConfig(lr=float(recipe(spec, "lr")), decay_steps=self.steps,
-                                 temperature=float(recipe(spec, "temperature")),
-                                 updates_per_batch=int(recipe(spec, "updates_per_batch")),
-                                 minibatches=int(recipe(spec, "minibatches")), router_replay=router_replay(spec))
+        self.cfg = TrainerConfig(lr=self.recipe.lr, decay_steps=self.steps, temperature=self.recipe.temperature,
+                                 updates_per_batch=self.recipe.updates_per_batch,
+                                 minibatches=self.recipe.minibatches, router_replay=router_replay(spec))
         self.routes = RouteShape.of(model_config(spec)) if self.cfg.router_replay else None
         """The route shape submissions' routed experts are decoded with (None: not replayed)."""
 
@@ -93,7 +94,7 @@ class TrainerNode:
                              f"--nproc-per-node (x nodes) = {self.dims.world}")
         from node.rl.parallel.world import Leader, follow
 
-        seed = int(recipe(self.spec, "seed"))
+        seed = self.recipe.seed
         if int(os.environ["RANK"]) > 0:
             # Only rank 0 decides when to stop (it must send the stop order, or ranks would hang in
             # a collective): a signal here is logged and left to rank 0, which torchrun signals too.
@@ -153,8 +154,8 @@ class TrainerNode:
         model = fresh_model(self.spec)
         engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=self.tok.eos_id, decode=self.tok.decode)
         warm = warm_up(model, engine, self.env, self.tok,
-                       LocalRunConfig(task=self.spec.environment, seed=int(recipe(self.spec, "seed")),
-                                      warmup_target=float(recipe(self.spec, "warmup_target"))))
+                       LocalRunConfig(task=self.spec.environment, seed=self.recipe.seed,
+                                      warmup_target=self.recipe.warmup_target))
         log.info("warm-up done: %s", warm)
         (self.workdir / "warmup.json").write_text(json.dumps(warm))
         return Trainer(model, self.cfg)
@@ -167,7 +168,7 @@ class TrainerNode:
             signed = await asyncio.to_thread(
                 publish, self.store, self.key, self.spec.run_id, v, state, v - 1 if v > 0 else None,
                 PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
-        msg = PublishPolicy(version=v, manifest_hash=signed.manifest.manifest_hash(), parent_version=-1)
+        msg = PublishPolicy(version=v, manifest_hash=signed.manifest.manifest_hash())
         await call(member, self.bootstrap, stop,
                    lambda: member.net.request(member.coordinator, msg, member.request_timeout), f"publish v{v}")
         self.ledger.current_version = v

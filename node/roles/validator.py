@@ -24,8 +24,9 @@ from pathlib import Path
 from node.model.qwen3_moe import CausalLM
 from node.model.checkpoint import load_hf_state_dict
 from node.model.tokenizer import CharTokenizer
+from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
-from node.roles.common import call, environment, fetch_policy, fresh_model, join_run, recipe
+from node.roles.common import call, environment, fetch_policy, fresh_model, join_run
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -43,6 +44,7 @@ class ValidatorNode:
         self.batch = batch
         self.tok = CharTokenizer()
         self.env = environment(spec)
+        self.recipe = Recipe.of(spec)
         self.hashes: dict[int, str] = {}
         self.policies: dict[int, tuple[CausalLM, bytes]] = {}
         self.judged = self.rejected = 0
@@ -150,7 +152,7 @@ class ValidatorNode:
             prompt_ids=self.tok.encode(self.env.sample_task(item.task_index).prompt, bos=True),
             token_ids=sub.token_ids, logprobs=sub.logprobs,
             versions=[v for v, n in sub.version_runs for _ in range(n)], sampled=sub.sampled,
-            sampling=SamplingSpec(temperature=float(recipe(self.spec, "temperature")),
+            sampling=SamplingSpec(temperature=self.recipe.temperature,
                                   max_new_tokens=self.env.max_new_tokens, seed=sampling_seed(item.seed, j),
                                   stop_strings=tuple(self.env.stop_strings)),
             finish_reason=sub.finish_reason, reward=sub.reward, proof=sub.proof, engine=sub.engine,

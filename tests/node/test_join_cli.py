@@ -11,10 +11,9 @@ import sys
 import time
 
 import pytest
-from pydantic import ValidationError
-
 from node.join_cli import fetch_spec
-from node.run_config import RunConfig, to_toml
+from node.recipe import DEFAULT, InvalidRecipe, Recipe
+from node.run_config import InvalidRunConfig, RunConfig, to_toml
 from node.sim import free_port
 from protocol.messages import RunSpec
 
@@ -30,11 +29,36 @@ def test_run_toml_round_trips_and_bad_keys_or_tasks_are_refused(tmp_path):
     spec = RunConfig.load(tmp_path / "ok.toml").run_spec("12D3KooWcoordinator")
     assert spec.batch_groups == 4 and spec.group_size == 2 and spec.recipe == {"steps": 3}
     write_config(tmp_path / "typo.toml", batch_group=4)
-    with pytest.raises(ValidationError):
+    with pytest.raises(InvalidRunConfig, match="batch_group"):
         RunConfig.load(tmp_path / "typo.toml")
     write_config(tmp_path / "task.toml", task="no-such-task")
     with pytest.raises(Exception, match="no-such-task"):
         RunConfig.load(tmp_path / "task.toml")
+
+
+def test_a_misspelt_or_out_of_bounds_recipe_key_is_refused_at_launch_with_its_name(tmp_path):
+    write_config(tmp_path / "lrr.toml", recipe={"steps": 3, "lrr": 1e-3})
+    with pytest.raises(InvalidRunConfig, match="recipe.lrr"):
+        RunConfig.load(tmp_path / "lrr.toml")
+    write_config(tmp_path / "neg.toml", recipe={"lr": -1.0})
+    with pytest.raises(InvalidRunConfig, match="recipe.lr"):
+        RunConfig.load(tmp_path / "neg.toml")
+    # `primerl-node coordinator launch` says so in one line and exits 2 (no traceback)
+    out = subprocess.run([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config",
+                          str(tmp_path / "lrr.toml"), "--state", str(tmp_path / "state")],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 2 and "recipe.lrr" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_recipe_travels_as_the_keys_set_and_reads_back_typed_with_defaults(tmp_path):
+    write_config(tmp_path / "ok.toml", recipe={"steps": 3, "router_replay": False, "lr": 0.01})
+    spec = RunConfig.load(tmp_path / "ok.toml").run_spec("12D3KooWcoordinator")
+    assert spec.recipe == {"steps": 3, "router_replay": 0, "lr": 0.01}  # only what the operator set, plain values
+    r = Recipe.of(spec)
+    assert (r.steps, r.router_replay, r.lr, r.hidden) == (3, False, 0.01, DEFAULT.hidden)
+    assert Recipe.of(spec.model_copy(update={"recipe": {}})) == DEFAULT
+    with pytest.raises(InvalidRecipe, match="recipe.nope"):  # a node refuses a key it does not know too
+        Recipe.of(spec.model_copy(update={"recipe": {"nope": 1}}))
 
 
 def test_joiner_gets_the_run_spec_from_the_bootstrap_coordinator_which_stops_cleanly(tmp_path):

@@ -29,7 +29,7 @@ SAMPLES = {
     JoinAccepted: JoinAccepted(spec=SPEC, policy_version=3, members=[PeerAddress(peer_id=OTHER.peer_id, addrs=["/ip4/1.2.3.4/tcp/1"])]),
     Heartbeat: Heartbeat(seq=7, role="validator", addrs=["/ip4/127.0.0.1/tcp/4002"]),
     Leave: Leave(reason="bye"),
-    PolicyAnnounce: PolicyAnnounce(version=4, manifest_hash="ab" * 32, parent_version=3),
+    PolicyAnnounce: PolicyAnnounce(version=4, manifest_hash="ab" * 32),
     LeaseRequest: LeaseRequest(policy_version=4),
     LeaseGrant: LeaseGrant(work_id=9, holder=OTHER.peer_id, policy_version=4, task_index=12, seed=2**63, deadline=1e9),
     RolloutSubmission: RolloutSubmission(work_id=9, version_runs=[(3, 2), (4, 2)], token_ids=[5, 6, 7, 8],
@@ -51,7 +51,7 @@ SAMPLES = {
     VerifyRequest: VerifyRequest(max_items=32),
     StoredWorkBatch: StoredWorkBatch(step=5, items=[StoredWork(work_id=9, task_index=1, seed=2, envelope=b"x" * 40)]),
     VerdictBatch: VerdictBatch(verdicts=[Verdict(work_id=9, submitter=OTHER.peer_id, valid=True)]),
-    PublishPolicy: PublishPolicy(version=5, manifest_hash="cd" * 32, parent_version=4),
+    PublishPolicy: PublishPolicy(version=5, manifest_hash="cd" * 32),
 }
 FUZZ_CASES = 10_000
 

@@ -1,0 +1,83 @@
+"""A run's learning recipe: model shape, optimiser, sampling, steps; the one home of their defaults.
+
+The coordinator's operator writes it as `run.toml`'s `[recipe]` table (`node.run_config`); the
+coordinator signs it into the run spec (`RunSpec.recipe`, the keys the operator set, as plain
+values: a spec's bytes and hash do not change when a default here does not apply); every role reads
+it back with `Recipe.of(spec)`. Unknown keys and values out of bounds are refused on both ends: at
+`coordinator launch` (a misspelt `lrr = 1e-3` is an error there, not a silent default), and by a
+node whose recipe does not know a key the coordinator's does (an older node).
+
+Defaults are the train-local recipe (node/rl/train_local.py) that reaches ~0.88 reward on reverse in
+~500 steps.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from protocol.messages import RunSpec
+
+
+class InvalidRecipe(ValueError):
+    """A recipe with an unknown key or a value out of bounds."""
+
+
+class Recipe(BaseModel):
+    """What the trainer and inference nodes follow (unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    hidden: int = Field(64, ge=4, le=65_536)
+    """Model width of the tiny MoE (head_dim = hidden / 4; vLLM's CPU attention needs >= 128)."""
+    layers: int = Field(2, ge=1, le=256)
+    """Decoder layers."""
+    experts: int = Field(4, ge=1, le=256)
+    """Routed experts per MoE layer."""
+    top_k: int = Field(2, ge=1, le=256)
+    """Experts each token is routed to."""
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    """AdamW learning rate (cosine-decayed over `steps`)."""
+    steps: int = Field(500, ge=1, le=10_000_000)
+    """Trainer steps (= the last policy version the run publishes)."""
+    temperature: float = Field(1.0, gt=0, le=10.0)
+    """Sampling temperature of inference nodes; the trainer and validators use it too."""
+    warmup_target: float = Field(0.25, ge=0, le=1)
+    """Greedy reward the trainer's supervised warm-up reaches before version 0."""
+    seed: int = Field(0, ge=0, lt=1 << 63)
+    """Initialisation seed of the model (and the warm-up's tasks)."""
+    updates_per_batch: int = Field(2, ge=1, le=64)
+    """Passes over each batch (each a trust-region-masked update)."""
+    minibatches: int = Field(2, ge=1, le=4096)
+    """Optimizer steps per pass."""
+    tool_wait_s: float = Field(0.0, ge=0, le=3600)
+    """Median of a heavy-tailed simulated tool-call wait per episode (0: none; benchmarks.async_speedup)."""
+    router_replay: bool = True
+    """Inference nodes send the experts their engine routed each position to, validators check them,
+    and the trainer replays them (MoE models only; 1/0, true/false)."""
+
+    @field_validator("router_replay", mode="before")
+    @classmethod
+    def _flag(cls, value: object) -> object:
+        if isinstance(value, str):  # "1", "true", "yes", "on" (as the dict recipe read them)
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        return value
+
+    @classmethod
+    def parse(cls, values: dict) -> "Recipe":
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise InvalidRecipe("; ".join(f"recipe.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                                          for e in exc.errors(include_url=False))) from None
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> "Recipe":
+        """The run spec's recipe (defaults for what it does not set)."""
+        return cls.parse(spec.recipe)
+
+    def wire(self) -> dict[str, float | int | str]:
+        """The keys set explicitly, as the run spec carries them (flags as 1/0)."""
+        return {k: int(v) if isinstance(v, bool) else v for k, v in self.model_dump(exclude_unset=True).items()}
+
+
+DEFAULT = Recipe()
+"""The recipe of a run whose spec sets nothing."""
