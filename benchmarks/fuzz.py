@@ -102,7 +102,7 @@ class Finding(Exception):
 def sample_messages():
     from protocol.identity import NodeKey
     from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrant,
-                                   LeaseGrants, LeaseRequest, Leave, Ok, PeerAddress, PolicyAnnounce, PublishPolicy,
+                                   LeaseGrants, Leave, Ok, PeerAddress, PolicyAnnounce, PublishPolicy,
                                    Refusal, RolloutGroup, RolloutSubmission, RunSpec, StoredWork, StoredWorkBatch,
                                    SubmissionReceipt, Verdict, VerdictBatch, VerifyRequest, WorkCancel)
     k, o = NodeKey.from_seed(b"k" * 32), NodeKey.from_seed(b"o" * 32)
@@ -113,7 +113,7 @@ def sample_messages():
     return [spec, Join(spec_hash=spec.spec_hash(), role="inference", addrs=["/ip4/127.0.0.1/tcp/4001"]),
             JoinAccepted(spec=spec, policy_version=3, members=[PeerAddress(peer_id=o.peer_id, addrs=["/ip4/1.2.3.4/tcp/1"])]),
             Heartbeat(seq=7, role="validator", addrs=["/ip4/127.0.0.1/tcp/4002"]), Leave(reason="bye"),
-            PolicyAnnounce(version=4, manifest_hash="ab" * 32), LeaseRequest(policy_version=4), grant,
+            PolicyAnnounce(version=4, manifest_hash="ab" * 32), grant,
             sub, SubmissionReceipt(work_id=9, accepted=True), Refusal(reason="StaleRollout", detail="lag"),
             WorkCancel(work_ids=[1, 2], policy_version=5), Verdict(work_id=9, submitter=o.peer_id, valid=False, reason="x"),
             Ban(peer_id=o.peer_id, reason="forged", until=None), Ok(),

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from protocol.client import ONCE, CoordinatorClient
 from protocol.coordinator import Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.envelope import seal
@@ -47,8 +48,9 @@ def pct(xs: list[float], q: float) -> float:
 
 async def bench_submissions(n: int, concurrency: int, workdir: Path) -> dict:
     ck = NodeKey.generate()
+    # batch_groups: the lease throttle (protocol/pipeline.py out_limit) lets all n units out at once
     spec = RunSpec(run_id="bench", coordinator=ck.peer_id, max_off_policy_steps=4, heartbeat_interval_s=5.0,
-                   lease_ttl_s=600)
+                   lease_ttl_s=600, batch_groups=min(65_536, max(1, n)))
     host = PeerHost(ck)
     await host.start()
     service = CoordinatorService(ck, Coordinator(workdir / "net", spec), host)
@@ -61,15 +63,21 @@ async def bench_submissions(n: int, concurrency: int, workdir: Path) -> dict:
         await h.start()
         m = RunMember(k, h, spec, "inference", request_timeout=30)
         await m.join(host.addrs[0])
-        members.append(m)
+        members.append(CoordinatorClient(m, retry=ONCE))
     per = n // concurrency
-    grants = [[(await m.request_lease()).work_id for _ in range(per)] for m in members]
+
+    async def take(c: CoordinatorClient) -> list[int]:
+        held: list[int] = []
+        while len(held) < per:
+            held += [g.work_id for g in await c.lease(min(1024, per - len(held)))]
+        return held
+    grants = [await take(c) for c in members]
     print(f"[submit] {concurrency} members hold {per} leases each; submitting {per * concurrency} rollouts", flush=True)
 
-    async def drive(m: RunMember, work_ids: list[int]) -> int:
+    async def drive(c: CoordinatorClient, work_ids: list[int]) -> int:
         ok = 0
         for w in work_ids:
-            ok += (await m.submit(rollout(w))).accepted
+            ok += (await c.submit(rollout(w))).accepted
         return ok
 
     t0 = time.perf_counter()
@@ -79,23 +87,23 @@ async def bench_submissions(n: int, concurrency: int, workdir: Path) -> dict:
     print(f"[submit] coordinator accepted {accepted} at {net_rate:.0f}/s (signed, verified, fsynced, indexed)", flush=True)
 
     # Peer 1: the bare transport, same payload size, same number of concurrent streams.
-    payload = seal(members[0].key, "bench", rollout(0))
+    payload = seal(members[0].member.key, "bench", rollout(0))
 
     async def echo(_peer: str, data: bytes) -> bytes:
         return data[:64]
     host.serve("/bench/echo/1", echo)
 
-    async def drive_echo(m: RunMember, count: int) -> None:
+    async def drive_echo(c: CoordinatorClient, count: int) -> None:
         for _ in range(count):
-            await m.host.request(ck.peer_id, "/bench/echo/1", payload, timeout=30)
+            await c.member.host.request(ck.peer_id, "/bench/echo/1", payload, timeout=30)
     t0 = time.perf_counter()
     await asyncio.gather(*(drive_echo(m, per) for m in members))
     echo_rate = per * concurrency / (time.perf_counter() - t0)
     print(f"[submit] bare libp2p request/response of the same {len(payload)} bytes: {echo_rate:.0f}/s", flush=True)
 
-    for m in members:
-        await m.crash()
-        await m.host.stop()
+    for c in members:
+        await c.member.crash()
+        await c.member.host.stop()
     await service.stop()
     service.state.close()
     await host.stop()

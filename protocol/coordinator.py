@@ -207,26 +207,6 @@ class Coordinator:
             raise MalformedMessage(f"stored rollout {record.work_id} does not match its index row")
         return opened.message
 
-    def build_batch(self, step: int, size: int) -> list[AcceptedRollout]:
-        """Take up to `size` unbatched rollouts for trainer step `step`, re-checking the bound:
-        a rollout now too stale is marked dropped and never enters any batch."""
-        banned = {r[0] for r in self.store.q("SELECT peer_id FROM bans")}
-        out: list[AcceptedRollout] = []
-        with self.store as db:
-            for rec in self.store.accepted():
-                if len(out) >= size:
-                    break
-                if rec.batch_step is not None or rec.dropped is not None:
-                    continue
-                reason = ("stale" if not self.ledger.admissible(rec.min_version, step)
-                          else "banned" if rec.submitter in banned else None)
-                if reason:
-                    db.execute("UPDATE accepted SET dropped=? WHERE work_id=?", (reason, rec.work_id))
-                    continue
-                db.execute("UPDATE accepted SET batch_step=? WHERE work_id=?", (step, rec.work_id))
-                out.append(rec)
-        return out
-
     # ---- bans --------------------------------------------------------------------------------
     def ban(self, peer_id: str, reason: str, now: float, until: float | None = None) -> list[int]:
         self.view.leave(peer_id)

@@ -4,26 +4,23 @@ Binds a `Coordinator` (durable state) to a `RunNetwork` (signed messages over li
 inbound is verified by RunNetwork first; a refusal goes back to the peer as a typed reason. A
 sweeper ejects dead members and re-grants their work; new policy versions cancel stale leases.
 
-Run it as a process (tests use this for SIGKILL/restart):
-    python -m protocol.coordinator_service --dir D --key K --spec spec.json [--port 0] [--addr-file F]
+It runs as a process through `primerl-node coordinator launch` (node/join_cli.py, the one launcher:
+run.toml -> signed spec, this service, the status page).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import time
-from pathlib import Path
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import Opened
 from protocol.errors import NotMember, ProtocolError
 from protocol import pipeline
 from protocol.identity import NodeKey
-from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrant,
-                               LeaseGrants, LeaseRequest, Leave, Message, Ok, PolicyAnnounce, PublishPolicy,
+from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrants,
+                               Leave, Message, Ok, PolicyAnnounce, PublishPolicy,
                                RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch, SubmissionReceipt,
                                VerdictBatch, VerifyRequest, WorkCancel)
 from protocol.network import RunNetwork
@@ -59,7 +56,6 @@ class CoordinatorService:
 
     async def start(self) -> None:
         self.net.serve(Join, self._on_join)
-        self.net.serve(LeaseRequest, self._on_lease_request)
         self.net.serve(RolloutSubmission, self._on_submission)
         self.net.serve(RolloutGroup, self._on_submission)
         self.net.serve(LeaseBatchRequest, self._on_lease_batch)
@@ -84,10 +80,6 @@ class CoordinatorService:
         reply = self.state.join(o.signer, o.message, time.time())
         log.info("member %s joined as %s", o.signer, o.message.role)
         return reply
-
-    async def _on_lease_request(self, o: Opened) -> LeaseGrant:
-        pipeline.check_lease_room(self.state, o.signer)
-        return self.state.grant_lease(o.signer, time.time())
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
         self.state._check_member(o.signer, time.time())
@@ -200,44 +192,3 @@ class CoordinatorService:
 
     async def publish(self, message: Message) -> None:
         await self.net.publish(message)
-
-
-async def serve_forever(directory: Path, key_path: Path, spec_path: Path, listen: str, addr_file: Path | None,
-                        policy_version: int | None) -> None:
-    key = NodeKey.load_or_create(key_path)
-    spec = RunSpec.model_validate_json(spec_path.read_bytes())
-    host = PeerHost(key, listen)
-    await host.start()
-    service = CoordinatorService(key, Coordinator(directory, spec), host)
-    await service.start()
-    if policy_version is not None and service.state.ledger.current_version < policy_version:
-        await service.announce_policy(policy_version, "0" * 64)
-    if addr_file is not None:
-        tmp = addr_file.with_suffix(".tmp")
-        tmp.write_text(host.addrs[0] + "\n")
-        tmp.replace(addr_file)
-    log.info("coordinator of run %s listening on %s", spec.run_id, host.addrs)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await service.stop()
-    service.state.close()
-    await host.stop()
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description="run a coordinator (protocol only: leases, submissions, membership)")
-    p.add_argument("--dir", type=Path, required=True, help="state directory (SQLite + rollouts)")
-    p.add_argument("--key", type=Path, required=True, help="coordinator key file (created if missing)")
-    p.add_argument("--spec", type=Path, required=True, help="run spec JSON (its coordinator must be this key)")
-    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="libp2p listen multiaddr")
-    p.add_argument("--addr-file", type=Path, help="write the full /p2p multiaddr here once listening")
-    p.add_argument("--policy-version", type=int, help="announce this policy version at start if newer")
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve_forever(args.dir, args.key, args.spec, args.listen, args.addr_file, args.policy_version))
-
-
-if __name__ == "__main__":
-    main()

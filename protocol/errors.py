@@ -22,6 +22,10 @@ class MalformedMessage(ProtocolError):
     """Bytes that do not decode to a known, well-formed message (truncated, random, bad fields)."""
 
 
+class UnexpectedReply(MalformedMessage):
+    """A well-formed reply of another type than the request asks for (protocol/client.py)."""
+
+
 class MessageTooLarge(ProtocolError):
     """A frame, envelope or message body over its size limit."""
 
@@ -99,14 +103,10 @@ class InconsistentRollout(Refused):
     """A rollout whose version runs, tokens and logprobs do not line up."""
 
 
-class TooManyLeases(Refused):
-    """The peer already holds its most leases (protocol/pipeline.py `MAX_LEASES_PER_PEER`)."""
-
-
 REFUSALS: dict[str, type[Refused]] = {
     cls.__name__: cls
     for cls in (NotMember, BannedPeer, SpecMismatch, UnknownLease, NotLeaseHolder, LeaseExpired,
-                DuplicateSubmission, StaleRollout, InconsistentRollout, TooManyLeases)
+                DuplicateSubmission, StaleRollout, InconsistentRollout)
 }
 
 

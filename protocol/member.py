@@ -1,4 +1,5 @@
-"""A run member (inference, trainer, validator, relay): join, heartbeat, discover peers, lease, submit, leave.
+"""A run member (inference, trainer, validator, relay): join, heartbeat, discover peers, follow the
+coordinator's announcements, leave. Requests to the coordinator go through `protocol.client`.
 
 Bootstrap is one multiaddr (the coordinator's); the join reply lists live members and every
 heartbeat carries its sender's addresses, so a member dials peers it learns of through the network
@@ -13,11 +14,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 from protocol.envelope import Opened
-from protocol.errors import MalformedMessage, ProtocolError
+from protocol.errors import ProtocolError, UnexpectedReply
 from protocol.identity import NodeKey
 from protocol.membership import MembershipConfig, MembershipView
-from protocol.messages import (Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, LeaseRequest, Leave, PolicyAnnounce,
-                               Role, RolloutSubmission, RunSpec, SubmissionReceipt, WorkCancel)
+from protocol.messages import Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, PolicyAnnounce, Role, RunSpec, WorkCancel
 from protocol.network import RunNetwork
 from protocol.transport import PeerHost
 
@@ -83,22 +83,10 @@ class RunMember:
         await self._stop_tasks()
         await self.net.close()
 
-    async def request_lease(self) -> LeaseGrant:
-        reply = await self.net.request(self.coordinator, LeaseRequest(policy_version=self.policy_version),
-                                       self.request_timeout)
-        _expect(reply, LeaseGrant)
-        return reply
-
     def lease_cancelled(self, grant: LeaseGrant) -> bool:
         """Whether this lease was cancelled. Gossip may bring the cancel of an earlier lease on the
         same work id after a re-grant arrived by request, so the versions decide, not the order."""
         return self.cancelled_at.get(grant.work_id, -1) > grant.policy_version
-
-    async def submit(self, submission: RolloutSubmission) -> SubmissionReceipt:
-        """Submit a rollout; raises the coordinator's typed refusal (`StaleRollout`, `DuplicateSubmission`, ...)."""
-        reply = await self.net.request(self.coordinator, submission, self.request_timeout)
-        _expect(reply, SubmissionReceipt)
-        return reply
 
     def alive_peers(self) -> set[str]:
         return {m.peer_id for m in self.view.alive(time.time())}
@@ -168,7 +156,7 @@ class RunMember:
 
 def _expect(reply: object, kind: type) -> None:
     if not isinstance(reply, kind):
-        raise MalformedMessage(f"expected {kind.__name__} in reply, got {type(reply).__name__}")
+        raise UnexpectedReply(f"expected {kind.__name__} in reply, got {type(reply).__name__}")
 
 
 async def _run_member(spec_path: str, bootstrap: str, key_path: str | None, role: str, leases: int,
@@ -183,7 +171,9 @@ async def _run_member(spec_path: str, bootstrap: str, key_path: str | None, role
     await host.start()
     member = RunMember(key, host, spec, role)  # type: ignore[arg-type]
     await member.join(bootstrap)
-    work_ids = [(await member.request_lease()).work_id for _ in range(leases)]
+    from protocol.client import ONCE, CoordinatorClient
+
+    work_ids = [g.work_id for g in await CoordinatorClient(member, retry=ONCE).lease(leases)] if leases else []
     if report:
         tmp = Path(report + ".tmp")
         tmp.write_text(json.dumps({"peer_id": key.peer_id, "work_ids": work_ids}))

@@ -156,12 +156,6 @@ class PolicyAnnounce(Message):
     """sha256 of the shardcast manifest for this version."""
 
 
-class LeaseRequest(Message):
-    type: Literal["lease_request"] = "lease_request"
-    policy_version: int = Field(ge=-1, le=MAX_INT64)
-    """Newest policy version the requester holds; work is granted at the coordinator's version."""
-
-
 class LeaseGrant(Message):
     type: Literal["lease_grant"] = "lease_grant"
     work_id: int = Field(ge=0, le=MAX_INT64)
@@ -266,6 +260,8 @@ class RolloutGroup(Message):
 
 
 class LeaseBatchRequest(Message):
+    """Inference: up to `count` work units (the one lease request; `LeaseGrants` answers it)."""
+
     type: Literal["lease_batch_request"] = "lease_batch_request"
     policy_version: int = Field(ge=-1, le=MAX_INT64)
     """Newest policy version the requester holds."""
@@ -394,14 +390,14 @@ VerdictBatch.model_rebuild()
 
 
 AnyMessage = Annotated[
-    Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseRequest, LeaseGrant,
+    Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseGrant,
           RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup,
           LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy],
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
 MESSAGE_TYPES: tuple[type[Message], ...] = (RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce,
-                                            LeaseRequest, LeaseGrant, RolloutSubmission, SubmissionReceipt,
+                                            LeaseGrant, RolloutSubmission, SubmissionReceipt,
                                             Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup, LeaseBatchRequest,
                                             LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch,
                                             PublishPolicy)

@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable
 
 from protocol.coordinator import Coordinator
-from protocol.errors import TooManyLeases
 from protocol.messages import LeaseGrant, StoredWork, Verdict
 
 log = logging.getLogger(__name__)
@@ -38,12 +37,6 @@ def out_limit(k: int, batch_groups: int) -> int:
     """Most work units out at once: one batch, plus half a batch per version of allowed lag. More
     would only go stale (measured: at (k + 1) batches, 15% of accepted work was dropped as stale)."""
     return batch_groups + (k * batch_groups) // 2
-
-
-MAX_LEASES_PER_PEER = 1024
-"""Leases one peer may hold through single `LeaseRequest`s (the unthrottled path): the most one
-`LeaseBatchRequest` may ask for. Held leases are re-granted before new work is minted, so this
-also bounds how much work state a flooding peer can make the coordinator store."""
 
 
 def peer_lease_cap(k: int, batch_groups: int) -> int:
@@ -68,13 +61,6 @@ def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_
         held = state.store.q("SELECT COUNT(*) FROM work WHERE state='leased' AND holder=?", peer_id)[0][0]
         room = min(room, peer_cap - held)
     return [state.grant_lease(peer_id, now) for _ in range(max(0, min(count, room)))]
-
-
-def check_lease_room(state: Coordinator, peer_id: str) -> None:
-    """Raise `TooManyLeases` if `peer_id` already holds `MAX_LEASES_PER_PEER` leases."""
-    held = state.store.q("SELECT COUNT(*) FROM work WHERE state='leased' AND holder=?", peer_id)[0][0]
-    if held >= MAX_LEASES_PER_PEER:
-        raise TooManyLeases(f"{peer_id} holds {held} leases")
 
 
 def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
@@ -120,7 +106,7 @@ def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict],
 
 def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -> list[int]:
     """The work ids of step `step`'s batch: those already assigned to it, topped up to `size` with
-    verified, admissible units (stale ones are marked dropped on the way, see `Coordinator.build_batch`)."""
+    verified, admissible units (stale ones and those of banned peers are marked dropped on the way)."""
     assigned = [r[0] for r in state.store.q("SELECT work_id FROM accepted WHERE batch_step=? ORDER BY work_id", step)]
     if len(assigned) >= size:
         return assigned[:size]

@@ -1,9 +1,9 @@
-"""What every role shares: the run's model and task from the spec's recipe (`node.recipe`), joining
-with retries, fetching a policy version through shardcast, and a stop event wired to SIGINT/SIGTERM.
+"""What every role shares: the run's model and task from the spec's recipe (`node.recipe`), fetching
+a policy version through shardcast, and a stop event wired to SIGINT/SIGTERM. Roles talk to the
+coordinator only through `protocol.client.CoordinatorClient` (retries, re-joins, reply types).
 
 Invariant: a role never trusts weights it did not verify (shardcast checks the trainer's signature
-and every shard hash), and a coordinator that is briefly gone (restart, churn) only delays a role:
-requests are retried with backoff, a `NotMember` answer leads to a fresh join.
+and every shard hash).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -23,17 +21,13 @@ from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
-from protocol.errors import NotMember, ProtocolError, TransportError
-from protocol.identity import NodeKey
-from protocol.member import RunMember
-from protocol.messages import Role, RunSpec
-from protocol.transport import PeerHost
+from protocol.errors import ProtocolError
+from protocol.messages import RunSpec
 from shardcast.fetch import fetch_version
 from shardcast.manifest import TrustedPublishers
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 def router_replay(spec: RunSpec) -> bool:
     """Whether the run asks for routed experts to travel and be replayed (and its model has MoE layers)."""
@@ -71,56 +65,6 @@ def dump_tasks() -> None:
     for task in asyncio.all_tasks():
         print(f"--- {task.get_name()}: {task.get_coro()!r}", file=sys.stderr, flush=True)
         task.print_stack(file=sys.stderr)
-
-
-async def join_run(key: NodeKey, spec: RunSpec, role: Role, bootstrap: str, stop: asyncio.Event,
-                   listen: str = "/ip4/127.0.0.1/tcp/0") -> RunMember:
-    """Start a libp2p host and join, retrying until the coordinator answers (or stop is set)."""
-    host = PeerHost(key, listen)
-    await host.start()
-    member = RunMember(key, host, spec, role)
-    delay = 0.5
-    while not stop.is_set():
-        try:
-            await member.join(bootstrap)
-            log.info("%s %s joined run %s (policy version %d)", role, key.peer_id[-8:], spec.run_id,
-                     member.policy_version)
-            return member
-        except ProtocolError as exc:
-            log.warning("join failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
-            await _sleep_or_stop(stop, delay)
-            delay = min(delay * 2, 5.0)
-    raise asyncio.CancelledError("stopped before joining")
-
-
-async def call(member: RunMember, bootstrap: str, stop: asyncio.Event, fn: Callable[[], Awaitable[T]],
-               what: str, tries: int = 1_000_000) -> T:
-    """Run a request; on transport errors retry with backoff, on `NotMember` re-join first.
-    Refusals other than NotMember are the caller's to handle (they are answers, not outages)."""
-    delay = 0.3
-    for _ in range(tries):
-        try:
-            return await fn()
-        except NotMember:
-            log.info("%s: not a member (coordinator restarted or ejected us); joining again", what)
-            try:
-                await member.join(bootstrap)
-            except ProtocolError as exc:
-                log.warning("re-join failed: %s", exc)
-        except TransportError as exc:
-            log.info("%s: %s; retrying in %.1fs", what, exc, delay)
-        if stop.is_set():
-            raise asyncio.CancelledError(f"stopped during {what}")
-        await _sleep_or_stop(stop, delay)
-        delay = min(delay * 2, 3.0)
-    raise TimeoutError(f"{what}: gave up")
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except asyncio.TimeoutError:
-        pass
 
 
 async def fetch_policy(spec: RunSpec, store_dir: Path, version: int, expect_hash: str | None = None,

@@ -40,11 +40,11 @@ from node.model.checkpoint import CONFIG, WEIGHTS
 from node.model.routing import RouteShape, encode_routes, rollout_routes
 from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
-from node.roles.common import (call, environment, fetch_policy, fresh_model, join_run, model_config, router_replay)
+from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
-from protocol.member import RunMember
-from protocol.messages import LeaseBatchRequest, LeaseGrant, LeaseGrants, PolicyAnnounce, RolloutGroup, RolloutSubmission, RunSpec
+from protocol.client import CoordinatorClient
+from protocol.messages import LeaseGrant, PolicyAnnounce, RolloutGroup, RolloutSubmission, RunSpec
 from protocol.work import sampling_seed
 from verification.proof import prove_rollouts
 
@@ -187,22 +187,21 @@ class InferenceNode:
         if self.engine_kind == "vllm":
             self._vllm_start = asyncio.create_task(asyncio.to_thread(self._start_vllm))
         try:
-            member = await join_run(self.key, self.spec, "inference", self.bootstrap, stop)
+            client = await CoordinatorClient.connect(self.key, self.spec, "inference", self.bootstrap, stop)
         except BaseException:
             await self._close_engine()
             raise
-        member.on_policy.append(self._on_announce)
+        client.on_policy(self._on_announce)
         try:
-            while not stop.is_set() and member.policy_version < 0:
+            while not stop.is_set() and client.policy_version < 0:
                 await asyncio.sleep(0.2)
-            await self._load(member.policy_version, None)
+            await self._load(client.policy_version, None)
             while not stop.is_set():
-                await self._one_round(member, stop)
+                await self._one_round(client)
         except asyncio.CancelledError:
             pass
         finally:
-            await member.leave("shutting down")
-            await member.host.stop()
+            await client.close("shutting down")
             await self._close_engine()
             log.info("inference %s stopped: %d groups submitted, %d refused", self.key.peer_id[-8:],
                      self.submitted, self.refused)
@@ -304,12 +303,9 @@ class InferenceNode:
         for old in written[VLLM_CHECKPOINTS_KEPT:]:
             shutil.rmtree(root / f"v{old}", ignore_errors=True)
 
-    async def _one_round(self, member: RunMember, stop: asyncio.Event) -> None:
-        async def lease() -> LeaseGrants:
-            return await member.net.request(member.coordinator, LeaseBatchRequest(
-                policy_version=self._newest_loaded, count=self.leases_per_request), member.request_timeout)
+    async def _one_round(self, client: CoordinatorClient) -> None:
         try:
-            grants = (await call(member, self.bootstrap, stop, lease, "lease")).grants
+            grants = await client.lease(self.leases_per_request, holds_version=self._newest_loaded)
         except Refused as exc:
             log.warning("lease refused: %s", exc)
             await asyncio.sleep(1.0)
@@ -321,21 +317,20 @@ class InferenceNode:
         wait = self.recipe.tool_wait_s
         for grant, group in zip(grants, groups):
             if wait <= 0:
-                await self._finish(member, stop, grant, group, 0.0)
+                await self._finish(client, grant, group, 0.0)
             else:  # episodes wait on their tools concurrently while the engine starts the next round
-                task = asyncio.create_task(self._finish(member, stop, grant, group, tool_wait(grant.seed, wait)))
+                task = asyncio.create_task(self._finish(client, grant, group, tool_wait(grant.seed, wait)))
                 self._waiting.add(task)
                 task.add_done_callback(self._waiting.discard)
         while len(self._waiting) >= MAX_WAITING_GROUPS:
             await asyncio.wait(set(self._waiting), return_when=asyncio.FIRST_COMPLETED)
 
-    async def _finish(self, member: RunMember, stop: asyncio.Event, grant: LeaseGrant, group: RolloutGroup,
-                      wait_s: float) -> None:
+    async def _finish(self, client: CoordinatorClient, grant: LeaseGrant, group: RolloutGroup, wait_s: float) -> None:
         if wait_s > 0:
             await asyncio.sleep(wait_s)
-        if member.lease_cancelled(grant):
+        if client.lease_cancelled(grant):
             return  # too stale to be admitted: the coordinator already took it back
-        await self._submit(member, stop, group)
+        await self._submit(client, group)
 
     def _roll_out(self, grants: list[LeaseGrant]) -> list[RolloutGroup]:
         g = self.spec.group_size
@@ -360,11 +355,9 @@ class InferenceNode:
             out.append(RolloutGroup(work_id=grant.work_id, rollouts=subs))
         return out
 
-    async def _submit(self, member: RunMember, stop: asyncio.Event, group: RolloutGroup) -> None:
-        async def send():
-            return await member.net.request(member.coordinator, group, member.request_timeout)
+    async def _submit(self, client: CoordinatorClient, group: RolloutGroup) -> None:
         try:
-            await call(member, self.bootstrap, stop, send, f"submit work {group.work_id}")
+            await client.submit(group)
             self.submitted += 1
         except Refused as exc:  # stale, expired, re-granted, banned: an answer, not an outage
             self.refused += 1

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from node.roles.common import join_run
+from protocol.client import CoordinatorClient
 from protocol.identity import NodeKey
 from protocol.messages import PolicyAnnounce, RunSpec
 from shardcast.fetch import Fetcher
@@ -33,12 +33,13 @@ class RelayNode:
         store = Store(self.workdir / "shardcast")
         server = ShardServer(store)
         await server.start(self.host, self.port)
-        member = await join_run(self.key, self.spec, "relay", self.bootstrap, stop, listen=f"/ip4/{self.host}/tcp/0")
+        client = await CoordinatorClient.connect(self.key, self.spec, "relay", self.bootstrap, stop,
+                                                listen=f"/ip4/{self.host}/tcp/0")
         wake = asyncio.Event()
 
         async def on_policy(msg: PolicyAnnounce) -> None:
             wake.set()
-        member.on_policy.append(on_policy)
+        client.on_policy(on_policy)
         upstream = [s for s in self.spec.shardcast_sources if not _is_own(s, self.host, self.port)][:1]
         trusted = TrustedPublishers([self.spec.trainer] if self.spec.trainer else [])
         try:
@@ -46,8 +47,7 @@ class RelayNode:
                 await mirror(fetcher, self.spec.run_id, keep_last=self.spec.max_off_policy_steps + 4, poll_s=2.0,
                              stop=stop, wake=wake)
         finally:
-            await member.leave("relay stopping")
-            await member.host.stop()
+            await client.close("relay stopping")
             await server.stop()
 
 

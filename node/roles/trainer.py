@@ -44,11 +44,12 @@ from node.rl.parallel.dims import ParallelDims
 from node.rl.train_local import LocalRunConfig, warm_up
 from node.recipe import Recipe
 from node.rl.trainer import Trainer, TrainerConfig
-from node.roles.common import call, environment, fresh_model, join_run, model_config, router_replay
+from node.roles.common import environment, fresh_model, model_config, router_replay
+from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
-from protocol.messages import BatchRequest, PublishPolicy, RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch
+from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec
 from shardcast.publish import PublishOptions, publish
 from shardcast.server import ShardServer
 from shardcast.store import Store
@@ -111,23 +112,24 @@ class TrainerNode:
     async def _serve(self, stop: asyncio.Event, leader) -> None:
         server = ShardServer(self.store)
         await server.start(self.host, self.port)
-        member = await join_run(self.key, self.spec, "trainer", self.bootstrap, stop, listen=f"/ip4/{self.host}/tcp/0")
+        client = await CoordinatorClient.connect(self.key, self.spec, "trainer", self.bootstrap, stop,
+                                                 listen=f"/ip4/{self.host}/tcp/0")
         try:
             trainer = await asyncio.to_thread(self._resume_or_warm_up)
             if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
                 trainer = await asyncio.to_thread(leader.start, trainer)
-            await self._publish(member, stop, trainer)
+            await self._publish(client, trainer)
             metrics = (self.workdir / "metrics.jsonl").open("a")
             while trainer.step < self.steps and not stop.is_set():
                 step = trainer.step + 1
                 t0 = time.time()
-                items = await self._batch(member, stop, step)
+                items = await self._batch(client, stop, step)
                 if items is None:
                     break
                 t_wait = time.time() - t0
                 row = await asyncio.to_thread(self._train, trainer, step, items)
                 t_trained = time.time()
-                await self._publish(member, stop, trainer)
+                await self._publish(client, trainer)
                 row.update(wait_s=t_wait, step_s=time.time() - t0, t=time.time(), t_trained=t_trained,
                            tokens=sum(g.n_tokens for _, _, g in items))
                 metrics.write(json.dumps(row) + "\n")
@@ -141,8 +143,7 @@ class TrainerNode:
         except asyncio.CancelledError:
             pass
         finally:
-            await member.leave("trainer stopping")
-            await member.host.stop()
+            await client.close("trainer stopping")
             await server.stop()
 
     def _resume_or_warm_up(self) -> Trainer:
@@ -160,7 +161,9 @@ class TrainerNode:
         (self.workdir / "warmup.json").write_text(json.dumps(warm))
         return Trainer(model, self.cfg)
 
-    async def _publish(self, member, stop: asyncio.Event, trainer: Trainer) -> None:
+    async def _publish(self, client: CoordinatorClient, trainer: Trainer) -> None:
+        """Publish the trainer's current version through shardcast and have the coordinator announce it
+        (the one publication path: a restart re-announces a version already in the store)."""
         v = trainer.step
         signed = self.store.manifest(self.spec.run_id, v)
         if signed is None:
@@ -168,18 +171,13 @@ class TrainerNode:
             signed = await asyncio.to_thread(
                 publish, self.store, self.key, self.spec.run_id, v, state, v - 1 if v > 0 else None,
                 PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
-        msg = PublishPolicy(version=v, manifest_hash=signed.manifest.manifest_hash())
-        await call(member, self.bootstrap, stop,
-                   lambda: member.net.request(member.coordinator, msg, member.request_timeout), f"publish v{v}")
+        await client.publish(v, signed.manifest.manifest_hash())
         self.ledger.current_version = v
 
-    async def _batch(self, member, stop: asyncio.Event, step: int) -> list[RolloutGroup] | None:
+    async def _batch(self, client: CoordinatorClient, stop: asyncio.Event, step: int) -> list[RolloutGroup] | None:
         want = self.spec.batch_groups
         while not stop.is_set():
-            reply: StoredWorkBatch = await call(
-                member, self.bootstrap, stop,
-                lambda: member.net.request(member.coordinator, BatchRequest(step=step, groups=want), 30.0),
-                f"batch {step}")
+            reply = await client.batch(step, want)
             if len(reply.items) >= want:
                 return [self._open(step, item) for item in reply.items[:want]]
             await asyncio.sleep(0.05)

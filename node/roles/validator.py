@@ -26,11 +26,12 @@ from node.model.checkpoint import load_hf_state_dict
 from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
-from node.roles.common import call, environment, fetch_policy, fresh_model, join_run
+from node.roles.common import environment, fetch_policy, fresh_model
+from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
-from protocol.messages import PolicyAnnounce, RolloutGroup, RunSpec, StoredWork, Verdict, VerdictBatch, VerifyRequest
+from protocol.messages import PolicyAnnounce, RolloutGroup, RunSpec, StoredWork, Verdict
 from protocol.work import sampling_seed
 from verification.claim import RolloutClaim, SamplingSpec
 from verification.validator import verify_claims
@@ -50,26 +51,23 @@ class ValidatorNode:
         self.judged = self.rejected = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        member = await join_run(self.key, self.spec, "validator", self.bootstrap, stop)
-        member.on_policy.append(self._on_announce)
+        client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
+        client.on_policy(self._on_announce)
         try:
             while not stop.is_set():
-                reply = await call(member, self.bootstrap, stop, lambda: member.net.request(
-                    member.coordinator, VerifyRequest(max_items=self.batch), 30.0), "verify request")
-                if not reply.items:
+                items = await client.to_verify(self.batch)
+                if not items:
                     await asyncio.sleep(0.1)
                     continue
-                verdicts = await self._judge(reply.items)
+                verdicts = await self._judge(items)
                 if not verdicts:
                     await asyncio.sleep(0.5)  # nothing judgeable yet (policy not fetchable): do not spin
                     continue
-                await call(member, self.bootstrap, stop, lambda: member.net.request(
-                    member.coordinator, VerdictBatch(verdicts=verdicts), 30.0), "verdicts")
+                await client.verdicts(verdicts)
         except asyncio.CancelledError:
             pass
         finally:
-            await member.leave("validator stopping")
-            await member.host.stop()
+            await client.close("validator stopping")
             log.info("validator stopped: %d units judged, %d rejected", self.judged, self.rejected)
 
     async def _on_announce(self, msg: PolicyAnnounce) -> None:

@@ -7,11 +7,12 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from protocol.client import ONCE, CoordinatorClient
 from protocol.coordinator import Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.identity import NodeKey
 from protocol.member import RunMember
-from protocol.messages import RunSpec
+from protocol.messages import LeaseGrant, RunSpec
 from protocol.transport import PeerHost
 
 
@@ -35,12 +36,28 @@ def make_spec(coordinator: NodeKey, **kw) -> RunSpec:
     return RunSpec(**base)
 
 
-async def start_coordinator(directory: Path, key: NodeKey, spec: RunSpec) -> CoordinatorService:
+async def start_coordinator(directory: Path, key: NodeKey, spec: RunSpec,
+                            policy_version: int | None = None) -> CoordinatorService:
+    """A coordinator service; with `policy_version`, that version is announced before anyone joins
+    (leases are granted only once there is a policy)."""
     host = PeerHost(key)
     await host.start()
     service = CoordinatorService(key, Coordinator(directory, spec), host)
     await service.start()
+    if policy_version is not None:
+        await service.announce_policy(policy_version, "ab" * 32)
     return service
+
+
+def client(member: RunMember) -> CoordinatorClient:
+    """The member's coordinator client without retries (errors reach the test as they are)."""
+    return CoordinatorClient(member, retry=ONCE)
+
+
+async def lease_one(member: RunMember) -> LeaseGrant:
+    grants = await client(member).lease(1)
+    assert len(grants) == 1, "no work granted"
+    return grants[0]
 
 
 async def start_member(spec: RunSpec, bootstrap: str, role: str = "inference", key: NodeKey | None = None) -> RunMember:

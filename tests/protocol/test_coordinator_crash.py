@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from protocol_testnet import run
 
+from node.run_config import to_toml
+from protocol.client import ONCE, CoordinatorClient
 from protocol.coordinator import Coordinator
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -25,20 +27,39 @@ from protocol.transport import PeerHost
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_coordinator_process(tmp: Path, tag: str) -> tuple[subprocess.Popen, str]:
+def start_coordinator_process(tmp: Path, tag: str, config: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`primerl-node coordinator launch` on tmp/run.toml (written from `config` on the first start),
+    state in tmp/state, key tmp/coord.key; returns the process and its bootstrap multiaddr."""
+    if config is not None:
+        (tmp / "run.toml").write_text(to_toml({"listen": "/ip4/127.0.0.1/tcp/0", "status_port": 0, **config}))
     addr_file = tmp / f"addr-{tag}"
     log = open(tmp / f"coordinator-{tag}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "protocol.coordinator_service", "--dir", str(tmp / "state"),
-                             "--key", str(tmp / "coord.key"), "--spec", str(tmp / "spec.json"),
-                             "--addr-file", str(addr_file), "--policy-version", "0"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(tmp / "run.toml"),
+                             "--state", str(tmp / "state"), "--key", str(tmp / "coord.key"), "--addr-file", str(addr_file)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 60
     while not addr_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"coordinator did not start: {(tmp / f'coordinator-{tag}.log').read_text()[-2000:]}")
         time.sleep(0.1)
-    return proc, addr_file.read_text().strip()
+    return proc, addr_file.read_text().splitlines()[0]
+
+
+def publish_version_zero(tmp: Path, addr: str) -> RunSpec:
+    """The run's spec; a trainer member has the coordinator announce policy version 0 (leases need one)."""
+    spec = RunSpec.model_validate_json((tmp / "state" / "spec.json").read_bytes())
+
+    async def go() -> None:
+        host = PeerHost(NodeKey.generate())
+        await host.start()
+        trainer = RunMember(host.key, host, spec, "trainer")
+        await trainer.join(addr)
+        await CoordinatorClient(trainer, retry=ONCE).publish(0, "00" * 32)
+        await trainer.leave()
+        await host.stop()
+    run(go(), 60)
+    return spec
 
 
 def rollout(work_id: int) -> RolloutSubmission:
@@ -48,12 +69,11 @@ def rollout(work_id: int) -> RolloutSubmission:
 
 @pytest.mark.slow
 def test_sigkilled_coordinator_restarts_without_losing_an_accepted_rollout(tmp_path):
-    ck = NodeKey.generate()
-    ck.save(tmp_path / "coord.key")
-    spec = RunSpec(run_id="crash-run", coordinator=ck.peer_id, max_off_policy_steps=2, heartbeat_interval_s=1.0,
-                   lease_ttl_s=120)
-    (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    proc, addr = start_coordinator_process(tmp_path, "1")
+    # batch_groups: room for every lease this test takes (nothing is batched here)
+    proc, addr = start_coordinator_process(tmp_path, "1", {"run_id": "crash-run", "max_off_policy_steps": 2,
+                                                           "heartbeat_interval_s": 1.0, "lease_ttl_s": 120,
+                                                           "batch_groups": 4096})
+    spec = publish_version_zero(tmp_path, addr)
     acked: set[int] = set()
     held: list[int] = []
 
@@ -61,18 +81,24 @@ def test_sigkilled_coordinator_restarts_without_losing_an_accepted_rollout(tmp_p
         host = PeerHost(NodeKey.generate())
         await host.start()
         member = RunMember(host.key, host, spec, "inference", request_timeout=5)
+        coordinator = CoordinatorClient(member, retry=ONCE)
+
+        async def lease() -> int:
+            grants = await coordinator.lease(1)
+            assert grants, "no work granted"
+            return grants[0].work_id
         try:
             await member.join(addr)
             for _ in range(10):
-                g = await member.request_lease()
-                assert (await member.submit(rollout(g.work_id))).accepted
-                acked.add(g.work_id)
+                w = await lease()
+                assert (await coordinator.submit(rollout(w))).accepted
+                acked.add(w)
 
             async def one() -> None:
-                g = await member.request_lease()
-                held.append(g.work_id)
-                if (await member.submit(rollout(g.work_id))).accepted:
-                    acked.add(g.work_id)
+                w = await lease()
+                held.append(w)
+                if (await coordinator.submit(rollout(w))).accepted:
+                    acked.add(w)
 
             async def flood() -> None:
                 while True:
@@ -94,17 +120,17 @@ def test_sigkilled_coordinator_restarts_without_losing_an_accepted_rollout(tmp_p
                 unacked = [w for w in held if w not in acked]
                 for w in unacked:
                     try:
-                        if (await member.submit(rollout(w))).accepted:
+                        if (await coordinator.submit(rollout(w))).accepted:
                             acked.add(w)
                     except ProtocolError:
                         pass  # e.g. the lease request itself never reached the disk before the kill
                 some = min(acked)
-                retry = await member.submit(rollout(some))
+                retry = await coordinator.submit(rollout(some))
                 assert retry.accepted and retry.duplicate
-                g = await member.request_lease()
-                assert g.work_id not in acked
-                assert (await member.submit(rollout(g.work_id))).accepted
-                acked.add(g.work_id)
+                w = await lease()
+                assert w not in acked
+                assert (await coordinator.submit(rollout(w))).accepted
+                acked.add(w)
             finally:
                 proc2.send_signal(signal.SIGTERM)
                 proc2.wait(20)

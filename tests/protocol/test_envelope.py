@@ -15,7 +15,7 @@ from protocol.errors import (ExpiredMessage, InvalidSignature, MalformedMessage,
                              ReplayedMessage, WrongRun)
 from protocol.identity import NodeKey
 from protocol.messages import (MESSAGE_TYPES, BatchRequest, LeaseBatchRequest, LeaseGrants, PublishPolicy, RolloutGroup,
-                               StoredWork, StoredWorkBatch, VerdictBatch, VerifyRequest, Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, LeaseRequest, Leave, Ok,
+                               StoredWork, StoredWorkBatch, VerdictBatch, VerifyRequest, Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, Ok,
                                PeerAddress, PolicyAnnounce, Refusal, RolloutSubmission, RunSpec, SubmissionReceipt,
                                Verdict, WorkCancel, decode_message, encode_message)
 
@@ -30,7 +30,6 @@ SAMPLES = {
     Heartbeat: Heartbeat(seq=7, role="validator", addrs=["/ip4/127.0.0.1/tcp/4002"]),
     Leave: Leave(reason="bye"),
     PolicyAnnounce: PolicyAnnounce(version=4, manifest_hash="ab" * 32),
-    LeaseRequest: LeaseRequest(policy_version=4),
     LeaseGrant: LeaseGrant(work_id=9, holder=OTHER.peer_id, policy_version=4, task_index=12, seed=2**63, deadline=1e9),
     RolloutSubmission: RolloutSubmission(work_id=9, version_runs=[(3, 2), (4, 2)], token_ids=[5, 6, 7, 8],
                                          logprobs=[-0.1, -2.0, 0.0, -0.3], reward=0.5, proof=bytes(range(64)),
@@ -82,11 +81,11 @@ def test_forged_signature_is_refused():
 
 def test_replayed_envelope_is_refused_but_a_fresh_one_passes():
     guard = ReplayGuard()
-    data = seal(KEY, RUN, SAMPLES[LeaseRequest])
+    data = seal(KEY, RUN, SAMPLES[LeaseBatchRequest])
     open_envelope(data, RUN, guard)
     with pytest.raises(ReplayedMessage):
         open_envelope(data, RUN, guard)
-    open_envelope(seal(KEY, RUN, SAMPLES[LeaseRequest]), RUN, guard)  # same content, new nonce
+    open_envelope(seal(KEY, RUN, SAMPLES[LeaseBatchRequest]), RUN, guard)  # same content, new nonce
 
 
 def test_expired_and_future_timestamps_are_refused():

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import struct
 
-from protocol_testnet import eventually, make_spec, run, start_coordinator, start_member, stop_all
+from protocol_testnet import client, eventually, make_spec, run, start_coordinator, start_member, stop_all
 
 from protocol.envelope import open_envelope, seal
 from protocol.errors import DuplicateSubmission, MessageTooLarge, LeaseExpired, StaleRollout, TransportError
 from protocol.identity import NodeKey
-from protocol.messages import LeaseRequest, Refusal, RolloutSubmission
+from protocol.messages import LeaseBatchRequest, Refusal, RolloutSubmission
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
@@ -26,7 +26,7 @@ def rollout(work_id: int, version: int, n: int = 4) -> RolloutSubmission:
 def test_bad_requests_are_refused_with_reasons_and_the_coordinator_keeps_serving(tmp_path):
     async def body():
         ck = NodeKey.generate()
-        spec = make_spec(ck, run_id="hostile", heartbeat_interval_s=1.0, max_off_policy_steps=1)
+        spec = make_spec(ck, run_id="hostile", heartbeat_interval_s=1.0, max_off_policy_steps=1, batch_groups=8)
         coord = await start_coordinator(tmp_path, ck, spec)
         await coord.announce_policy(0, "aa" * 32)
         honest = await start_member(spec, coord.host.addrs[0])
@@ -43,16 +43,16 @@ def test_bad_requests_are_refused_with_reasons_and_the_coordinator_keeps_serving
                 assert isinstance(msg, Refusal)
                 return msg.reason
 
-            good = seal(evil_key, spec.run_id, LeaseRequest(policy_version=0))
+            good = seal(evil_key, spec.run_id, LeaseBatchRequest(policy_version=0, count=1))
             forged = good[:-1] + bytes([good[-1] ^ 1])
             reasons = [
                 await raw(b""),
                 await raw(b"\x00" * 1000),
                 await raw(good[:50]),
                 await raw(forged),
-                await raw(seal(evil_key, "another-run", LeaseRequest(policy_version=0))),
-                await raw(seal(evil_key, spec.run_id, LeaseRequest(policy_version=0), now=1.0)),
-                await raw(seal(honest.key, spec.run_id, LeaseRequest(policy_version=0))),  # not the stream's peer
+                await raw(seal(evil_key, "another-run", LeaseBatchRequest(policy_version=0, count=1))),
+                await raw(seal(evil_key, spec.run_id, LeaseBatchRequest(policy_version=0, count=1), now=1.0)),
+                await raw(seal(honest.key, spec.run_id, LeaseBatchRequest(policy_version=0, count=1))),  # not the stream's peer
                 await raw(good),  # valid envelope, but evil never joined
                 await raw(good),  # the same bytes again
             ]
@@ -75,36 +75,37 @@ def test_bad_requests_are_refused_with_reasons_and_the_coordinator_keeps_serving
                 assert "exceeds" in str(exc)
 
             # Submissions: stale, duplicate, late: each refused with its reason, honest ones accepted.
-            g = await honest.request_lease()
-            assert (await honest.submit(rollout(g.work_id, 0))).accepted
-            assert (await honest.submit(rollout(g.work_id, 0))).duplicate  # idempotent retry
+            coordinator = client(honest)
+            g, = await coordinator.lease(1, holds_version=0)
+            assert (await coordinator.submit(rollout(g.work_id, 0))).accepted
+            assert (await coordinator.submit(rollout(g.work_id, 0))).duplicate  # idempotent retry
             try:
-                await honest.submit(rollout(g.work_id, 0, n=5))
+                await coordinator.submit(rollout(g.work_id, 0, n=5))
                 raise AssertionError("second different result accepted")
             except DuplicateSubmission as exc:
                 assert exc.reason == "DuplicateSubmission"
-            g2 = await honest.request_lease()
+            g2, = await coordinator.lease(1, holds_version=0)
             await coord.announce_policy(1, "bb" * 32)
             await coord.announce_policy(2, "cc" * 32)  # g2 (minted at 0) can no longer finish: cancelled
             await eventually(lambda: g2.work_id in honest.cancelled, 5, "cancel gossiped")
             try:
-                await honest.submit(rollout(g2.work_id, 0))
+                await coordinator.submit(rollout(g2.work_id, 0))
                 raise AssertionError("cancelled lease accepted")
             except LeaseExpired:
                 pass
-            g3 = await honest.request_lease()
+            g3, = await coordinator.lease(1, holds_version=2)
             assert g3.work_id == g2.work_id and g3.policy_version == 2
             try:
-                await honest.submit(rollout(g3.work_id, 0))  # lag 2 > k=1
+                await coordinator.submit(rollout(g3.work_id, 0))  # lag 2 > k=1
                 raise AssertionError("stale rollout accepted")
             except StaleRollout:
                 pass
-            assert (await honest.submit(rollout(g3.work_id, 2))).accepted
+            assert (await coordinator.submit(rollout(g3.work_id, 2))).accepted
 
             # Gossip garbage from the evil peer is dropped before delivery and forwarding.
             await evil.subscribe(coord.net.topic)
             await asyncio.sleep(1.0)
-            for junk in (b"junk", forged, seal(evil_key, "another-run", LeaseRequest(policy_version=0))):
+            for junk in (b"junk", forged, seal(evil_key, "another-run", LeaseBatchRequest(policy_version=0, count=1))):
                 await evil.publish(coord.net.topic, junk)
             await coord.announce_policy(3, "dd" * 32)
             await eventually(lambda: honest.policy_version == 3, 5, "honest announce after junk")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from protocol_testnet import eventually, make_spec, run, start_coordinator, start_member, stop_all
+from protocol_testnet import eventually, lease_one, make_spec, run, start_coordinator, start_member, stop_all
 
 from protocol.identity import NodeKey
 from protocol.errors import LeaseExpired, NotMember
@@ -14,8 +14,8 @@ from protocol.errors import LeaseExpired, NotMember
 def test_join_heartbeat_leave_and_death_regrants_the_dead_members_lease(tmp_path):
     async def body():
         ck = NodeKey.generate()
-        spec = make_spec(ck)
-        coord = await start_coordinator(tmp_path, ck, spec)
+        spec = make_spec(ck, batch_groups=16)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
         boot = coord.host.addrs[0]
         members = [await start_member(spec, boot) for _ in range(3)]
         try:
@@ -24,13 +24,13 @@ def test_join_heartbeat_leave_and_death_regrants_the_dead_members_lease(tmp_path
             await eventually(lambda: all(ids - {m.key.peer_id} <= m.alive_peers() for m in members), 10, "views converge")
             await eventually(lambda: ids <= set(coord.state.view.members), 5, "coordinator sees all")
 
-            grant_dying = await members[0].request_lease()
-            grant_leaving = await members[1].request_lease()
+            grant_dying = await lease_one(members[0])
+            grant_leaving = await lease_one(members[1])
             # Graceful leave: the lease is back in the pool at once and the others drop the member.
             await members[1].leave()
             await eventually(lambda: members[1].key.peer_id not in coord.state.view.members, 5, "leave seen")
             await eventually(lambda: members[1].key.peer_id not in members[2].alive_peers(), 5, "leave gossiped")
-            regrant = await members[2].request_lease()
+            regrant = await lease_one(members[2])
             assert regrant.work_id == grant_leaving.work_id and regrant.seed == grant_leaving.seed
 
             # Death: member 0 stops beating; after 3 missed beats it is ejected and its work re-granted.
@@ -40,11 +40,11 @@ def test_join_heartbeat_leave_and_death_regrants_the_dead_members_lease(tmp_path
             detected = time.monotonic() - t0
             assert detected >= spec.heartbeat_interval_s * 2, detected  # not before beats were really missed
             await eventually(lambda: members[0].key.peer_id not in members[2].alive_peers(), 10, "death in peer view")
-            again = await members[2].request_lease()
+            again = await lease_one(members[2])
             assert again.work_id == grant_dying.work_id and again.task_index == grant_dying.task_index
             # The dead member may not take new work until it joins again.
             try:
-                await members[0].request_lease()
+                await lease_one(members[0])
                 raise AssertionError("an ejected member got a lease")
             except NotMember:
                 pass

@@ -12,17 +12,17 @@ import time
 
 import pytest
 from protocol_testnet import eventually, run
-from test_coordinator_crash import REPO, start_coordinator_process
+from test_coordinator_crash import REPO, publish_version_zero, start_coordinator_process
 
+from protocol.client import ONCE, CoordinatorClient
 from protocol.identity import NodeKey
 from protocol.member import RunMember
-from protocol.messages import RunSpec
 from protocol.transport import PeerHost
 
 
 def start_member_process(tmp, addr: str, tag: str, leases: int) -> tuple[subprocess.Popen, dict]:
     report = tmp / f"member-{tag}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "protocol.member", "--spec", str(tmp / "spec.json"),
+    proc = subprocess.Popen([sys.executable, "-m", "protocol.member", "--spec", str(tmp / "state" / "spec.json"),
                              "--bootstrap", addr, "--leases", str(leases), "--report", str(report)],
                             cwd=REPO, stdout=open(tmp / f"member-{tag}.log", "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -36,14 +36,12 @@ def start_member_process(tmp, addr: str, tag: str, leases: int) -> tuple[subproc
 
 @pytest.mark.slow
 def test_members_in_other_processes_die_or_leave_and_their_work_is_regranted(tmp_path):
-    ck = NodeKey.generate()
-    ck.save(tmp_path / "coord.key")
-    spec = RunSpec(run_id="procs", coordinator=ck.peer_id, heartbeat_interval_s=0.5, dead_after_missed=3,
-                   lease_ttl_s=300)
-    (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    coord, addr = start_coordinator_process(tmp_path, "c")
+    coord, addr = start_coordinator_process(tmp_path, "c", {"run_id": "procs", "heartbeat_interval_s": 0.5,
+                                                            "dead_after_missed": 3, "lease_ttl_s": 300,
+                                                            "batch_groups": 256})
     procs = [coord]
     try:
+        spec = publish_version_zero(tmp_path, addr)
         killed, k_info = start_member_process(tmp_path, addr, "killed", 2)
         leaver, l_info = start_member_process(tmp_path, addr, "leaver", 1)
         procs += [killed, leaver]
@@ -59,15 +57,16 @@ def test_members_in_other_processes_die_or_leave_and_their_work_is_regranted(tmp
                 t0 = time.monotonic()
                 leaver.send_signal(signal.SIGTERM)  # graceful: its lease is back at once
                 await eventually(lambda: l_info["peer_id"] not in me.alive_peers(), 5, "leave seen")
-                assert (await me.request_lease()).work_id == l_info["work_ids"][0]
+                coordinator = CoordinatorClient(me, retry=ONCE)
+                assert (await coordinator.lease(1))[0].work_id == l_info["work_ids"][0]
                 assert time.monotonic() - t0 < spec.heartbeat_interval_s * spec.dead_after_missed
                 killed.send_signal(signal.SIGKILL)  # silent death: detected after 3 missed beats
                 await eventually(lambda: k_info["peer_id"] not in me.alive_peers(), 10, "death in our view")
                 regranted = []
                 deadline = time.monotonic() + 10
                 while len(regranted) < 2 and time.monotonic() < deadline:
-                    g = await me.request_lease()
-                    if g.work_id in k_info["work_ids"]:
+                    g = (await coordinator.lease(1) or [None])[0]
+                    if g is not None and g.work_id in k_info["work_ids"]:
                         regranted.append(g.work_id)
                     else:  # not yet swept by the coordinator: hand-made new work; keep asking
                         await asyncio.sleep(0.2)

@@ -1,0 +1,184 @@
+"""The one way a member talks to its coordinator: a typed client whose methods name the operations.
+
+Invariants:
+- every reply is checked against the type the operation expects; anything else is an
+  `UnexpectedReply` (a typed error, never an attribute error three calls later);
+- a coordinator that is briefly gone (restart, churn, a slow link) only delays a caller: transport
+  errors are retried with backoff, and a `NotMember` answer (the coordinator restarted without our
+  membership, or swept us as dead) leads to a fresh join and a retry;
+- every other refusal (`StaleRollout`, `LeaseExpired`, `BannedPeer`, ...) is an answer, raised to the
+  caller at once: it decides what to do;
+- with `stop` set, a waiting call ends with `asyncio.CancelledError` (a clean shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TypeVar
+
+from protocol.errors import NotMember, ProtocolError, TransportError, UnexpectedReply
+from protocol.identity import NodeKey
+from protocol.member import RunMember
+from protocol.messages import (BatchRequest, LeaseBatchRequest, LeaseGrant, LeaseGrants, Message, Ok, PublishPolicy,
+                               Role, RolloutGroup, RolloutSubmission, RunSpec, StoredWork, StoredWorkBatch,
+                               SubmissionReceipt, Verdict, VerdictBatch, VerifyRequest)
+from protocol.transport import PeerHost
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=Message)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How long a call keeps trying through outages."""
+
+    tries: int = 1_000_000
+    """Attempts before the last error is raised (1: no retry, no re-join)."""
+    first_delay_s: float = 0.3
+    """Wait after the first failed attempt; doubles after each one."""
+    max_delay_s: float = 3.0
+    """Longest wait between two attempts."""
+
+
+ONCE = Retry(tries=1)
+"""One attempt: errors, `NotMember` included, go straight to the caller (tests, benchmarks)."""
+
+BULK_TIMEOUT_S = 30.0
+"""Timeout of the requests whose replies carry stored rollouts (a batch, work to verify, verdicts)."""
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """What this member knows of the run (from its join reply and the coordinator's gossip)."""
+
+    policy_version: int
+    """Newest policy version announced (-1: none yet)."""
+    alive_peers: frozenset[str]
+    """Members whose heartbeats arrive."""
+    banned: dict[str, str]
+    """Banned peer -> reason, as the coordinator announced."""
+
+
+class CoordinatorClient:
+    """Lease, submit, batch, to-verify, verdicts, publish and status, over one `RunMember`.
+
+    `bootstrap`: the coordinator's multiaddr, for re-joins (None: a `NotMember` is raised)."""
+
+    def __init__(self, member: RunMember, bootstrap: str | None = None, stop: asyncio.Event | None = None,
+                 retry: Retry = Retry()):
+        self.member = member
+        self.bootstrap = bootstrap
+        self.stop = stop or asyncio.Event()
+        self.retry = retry
+
+    @classmethod
+    async def connect(cls, key: NodeKey, spec: RunSpec, role: Role, bootstrap: str, stop: asyncio.Event,
+                      listen: str = "/ip4/127.0.0.1/tcp/0", retry: Retry = Retry()) -> "CoordinatorClient":
+        """Start a libp2p host and join, retrying with backoff until the coordinator answers (or stop is set)."""
+        host = PeerHost(key, listen)
+        await host.start()
+        member = RunMember(key, host, spec, role)
+        delay = retry.first_delay_s
+        while not stop.is_set():
+            try:
+                await member.join(bootstrap)
+                log.info("%s %s joined run %s (policy version %d)", role, key.peer_id[-8:], spec.run_id,
+                         member.policy_version)
+                return cls(member, bootstrap, stop, retry)
+            except ProtocolError as exc:
+                log.warning("join failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
+                await _sleep_or_stop(stop, delay)
+                delay = min(delay * 2, max(retry.max_delay_s, 5.0))
+        await host.stop()
+        raise asyncio.CancelledError("stopped before joining")
+
+    # ---- operations --------------------------------------------------------------------------
+    async def lease(self, count: int, holds_version: int | None = None) -> list[LeaseGrant]:
+        """Up to `count` work units (possibly none: enough work is out, or no policy yet; ask again).
+        `holds_version`: the newest policy this node can roll out with (default: the newest announced)."""
+        held = self.member.policy_version if holds_version is None else holds_version
+        reply = await self._call(LeaseBatchRequest(policy_version=held, count=count), LeaseGrants, "lease")
+        return list(reply.grants)
+
+    async def submit(self, work: RolloutGroup | RolloutSubmission) -> SubmissionReceipt:
+        """Store a result; raises the coordinator's typed refusal (`StaleRollout`, `LeaseExpired`, ...)."""
+        return await self._call(work, SubmissionReceipt, f"submit work {work.work_id}")
+
+    async def batch(self, step: int, groups: int) -> StoredWorkBatch:
+        """The work units assigned to trainer step `step` so far (idempotent; fewer than `groups` while
+        verified work is still short)."""
+        return await self._call(BatchRequest(step=step, groups=groups), StoredWorkBatch, f"batch {step}",
+                                BULK_TIMEOUT_S)
+
+    async def to_verify(self, max_items: int) -> list[StoredWork]:
+        """Accepted work units that still need this validator's verdict."""
+        reply = await self._call(VerifyRequest(max_items=max_items), StoredWorkBatch, "verify request", BULK_TIMEOUT_S)
+        return list(reply.items)
+
+    async def verdicts(self, verdicts: list[Verdict]) -> None:
+        """Report verdicts (a failing one bans its submitter)."""
+        await self._call(VerdictBatch(verdicts=verdicts), Ok, "verdicts", BULK_TIMEOUT_S)
+
+    async def publish(self, version: int, manifest_hash: str) -> None:
+        """Have the coordinator announce policy `version` (idempotent: a retry re-announces)."""
+        await self._call(PublishPolicy(version=version, manifest_hash=manifest_hash), Ok, f"publish v{version}")
+
+    def status(self) -> MemberStatus:
+        return MemberStatus(self.member.policy_version, frozenset(self.member.alive_peers()), dict(self.member.banned))
+
+    # ---- what the coordinator gossips ----------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self.member.policy_version
+
+    def on_policy(self, callback) -> None:
+        """Call `await callback(PolicyAnnounce)` for every version the coordinator announces."""
+        self.member.on_policy.append(callback)
+
+    def lease_cancelled(self, grant: LeaseGrant) -> bool:
+        """Whether the coordinator cancelled this lease as too stale to finish."""
+        return self.member.lease_cancelled(grant)
+
+    async def close(self, reason: str = "shutting down") -> None:
+        """Leave the run (our leases go back to the pool at once) and stop the host."""
+        await self.member.leave(reason)
+        await self.member.host.stop()
+
+    # ---- the one request path ------------------------------------------------------------------
+    async def _call(self, message: Message, expect: type[R], what: str, timeout: float | None = None) -> R:
+        delay = self.retry.first_delay_s
+        for attempt in range(1, self.retry.tries + 1):
+            last = attempt == self.retry.tries
+            try:
+                reply = await self.member.net.request(self.member.coordinator, message,
+                                                      timeout or self.member.request_timeout)
+                if not isinstance(reply, expect):
+                    raise UnexpectedReply(f"{what}: expected {expect.__name__}, got {type(reply).__name__}")
+                return reply
+            except NotMember:
+                if last or self.bootstrap is None:
+                    raise
+                log.info("%s: not a member (coordinator restarted or ejected us); joining again", what)
+                try:
+                    await self.member.join(self.bootstrap)
+                except ProtocolError as exc:
+                    log.warning("re-join failed: %s", exc)
+            except TransportError as exc:
+                if last:
+                    raise
+                log.info("%s: %s; retrying in %.1fs", what, exc, delay)
+            if self.stop.is_set():
+                raise asyncio.CancelledError(f"stopped during {what}")
+            await _sleep_or_stop(self.stop, delay)
+            delay = min(delay * 2, self.retry.max_delay_s)
+        raise AssertionError("unreachable")
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+

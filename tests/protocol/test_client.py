@@ -1,0 +1,88 @@
+"""The coordinator client over real libp2p hosts: typed operations, reply types checked, re-join
+after `NotMember`, refusals passed through as answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from protocol_testnet import make_spec, run, start_coordinator, start_member, stop_all
+
+from protocol.client import ONCE, CoordinatorClient, Retry
+from protocol.errors import NotMember, StaleRollout, UnexpectedReply
+from protocol.identity import NodeKey
+from protocol.messages import LeaseBatchRequest, Ok, RolloutGroup, RolloutSubmission
+
+
+def group(work_id: int, version: int) -> RolloutGroup:
+    sub = RolloutSubmission(work_id=work_id, version_runs=[(version, 3)], token_ids=[4, 5, 6], logprobs=[-1.0] * 3,
+                            reward=1.0, finish_reason="eos")
+    return RolloutGroup(work_id=work_id, rollouts=[sub])
+
+
+def test_client_leases_submits_and_a_trainer_gets_the_batch_and_publishes(tmp_path):
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck, batch_groups=2)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        coord.selector = lambda work_id: False  # no verdicts needed here (tests/protocol/test_pipeline.py)
+        boot = coord.host.addrs[0]
+        worker, trainer = await start_member(spec, boot), await start_member(spec, boot, role="trainer")
+        try:
+            inference = CoordinatorClient(worker, boot)
+            grants = await inference.lease(2)
+            assert len(grants) == 2 and all(g.holder == worker.key.peer_id for g in grants)
+            for g in grants:
+                assert (await inference.submit(group(g.work_id, 0))).accepted
+            coordinator = CoordinatorClient(trainer, boot)
+            batch = await coordinator.batch(1, 2)
+            assert sorted(i.work_id for i in batch.items) == sorted(g.work_id for g in grants)
+            await coordinator.publish(1, "cd" * 32)
+            assert coord.state.ledger.current_version == 1
+            # A refusal is an answer: raised at once, typed (not retried as an outage).
+            more = await inference.lease(1, holds_version=1)
+            with pytest.raises(StaleRollout):
+                await asyncio.wait_for(inference.submit(group(more[0].work_id, 2)), 10)
+            assert inference.status().policy_version >= 0
+        finally:
+            await stop_all(coord, [worker, trainer])
+    run(body(), 90)
+
+
+def test_a_reply_of_the_wrong_type_is_a_typed_error_and_not_retried(tmp_path):
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        member = await start_member(spec, coord.host.addrs[0])
+        calls = []
+
+        async def wrong(opened) -> Ok:  # a buggy coordinator answers a lease request with Ok
+            calls.append(opened.message)
+            return Ok()
+        coord.net.serve(LeaseBatchRequest, wrong)
+        try:
+            with pytest.raises(UnexpectedReply, match="expected LeaseGrants, got Ok"):
+                await CoordinatorClient(member, coord.host.addrs[0], retry=Retry(tries=5)).lease(1)
+            assert len(calls) == 1
+        finally:
+            await stop_all(coord, [member])
+    run(body(), 60)
+
+
+def test_a_member_the_coordinator_forgot_joins_again_and_its_request_succeeds(tmp_path):
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck, batch_groups=4)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        boot = coord.host.addrs[0]
+        member = await start_member(spec, boot)
+        try:
+            coord.state.leave(member.key.peer_id, 0.0)  # as after a sweep: no longer a member
+            with pytest.raises(NotMember):
+                await CoordinatorClient(member, boot, retry=ONCE).lease(1)
+            grants = await CoordinatorClient(member, boot).lease(1)  # re-joins, then leases
+            assert len(grants) == 1 and member.key.peer_id in coord.state.view.members
+        finally:
+            await stop_all(coord, [member])
+    run(body(), 60)
