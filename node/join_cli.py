@@ -17,7 +17,7 @@ import logging
 import os
 from pathlib import Path
 
-from protocol.coordinator import Coordinator
+from protocol.coordinator import RETAIN_VERSIONS, Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
@@ -42,7 +42,8 @@ def quiet_libp2p() -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_file: Path | None = None) -> None:
+async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_file: Path | None = None,
+                             retain_versions: int = RETAIN_VERSIONS) -> None:
     from node.roles.common import stop_on_signals
     from node.roles.status import serve_status
     from node.run_config import RunConfig
@@ -58,7 +59,7 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     await host.start()
     # Which units need a verdict is keyed by a secret only the coordinator holds (nodes cannot predict it).
     secret = hmac.new(key.private_bytes(), b"primerl-node/verification-selection", hashlib.sha256).digest()
-    service = CoordinatorService(key, Coordinator(state, spec), host,
+    service = CoordinatorService(key, Coordinator(state, spec, retain_versions=retain_versions), host,
                                  selector=lambda wid: selected_for_verification(wid, spec.verification_rate, secret))
     await service.start()
     spec_bytes = spec.model_dump_json().encode()
@@ -158,6 +159,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     lp.add_argument("--state", type=Path, default=Path("coordinator-state"), help="state directory (SQLite + rollouts)")
     lp.add_argument("--key", type=Path, default=None, help="coordinator key (created if missing; default STATE/coordinator.key)")
     lp.add_argument("--addr-file", type=Path, help="write the bootstrap multiaddr and status URL here")
+    lp.add_argument("--retain-versions", type=int, default=RETAIN_VERSIONS,
+                    help="keep finished work (trained on or dropped) of this many newest policy versions; older "
+                         "work leaves the store (its totals and reward curve stay on the status page)")
     lp.set_defaults(func=_launch)
     j = sub.add_parser("join", help="join a run as inference | trainer | validator | relay")
     j.add_argument("--role", required=True, choices=["inference", "trainer", "validator", "relay"])
@@ -186,7 +190,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     quiet_libp2p()
-    asyncio.run(launch_coordinator(args.config, args.state, args.key or args.state / "coordinator.key", args.addr_file))
+    asyncio.run(launch_coordinator(args.config, args.state, args.key or args.state / "coordinator.key", args.addr_file,
+                                   args.retain_versions))
     return 0
 
 

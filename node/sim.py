@@ -147,7 +147,9 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     addr_file = out / "coordinator" / "addr"
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",
                                  str(out / "coordinator"), "--key", str(out / "coordinator" / "node.key"),
-                                 "--addr-file", str(addr_file)], out / "coordinator" / "log.txt")
+                                 "--addr-file", str(addr_file),
+                                 # the audit at the end reads every accepted unit: nothing may be pruned
+                                 "--retain-versions", str(steps + 1)], out / "coordinator" / "log.txt")
     t0 = time.time()
     coord.start()
     bootstrap = _wait_for(addr_file, coord, 60).splitlines()[0]
@@ -263,7 +265,6 @@ def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names:
     state = Coordinator(out / "coordinator", spec)
     g = cfg["group_size"]
     try:
-        q = state.store.q
         accepted = state.store.accepted()
         unreadable = 0
         engine_of: dict[int, str] = {}
@@ -277,17 +278,17 @@ def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names:
         for r in rows:
             for w in r["work_ids"]:
                 trained[w] = trained.get(w, 0) + 1
-        batched = {r[0] for r in q("SELECT work_id FROM accepted WHERE batch_step IS NOT NULL")}
+        batched = state.store.batched_ids()
         # Batched by the coordinator but never trained: lost, except a batch of a step the trainer
         # had not finished when the run ended (it would get the same batch again on resume).
         last_step = rows[-1]["step"] if rows else 0
-        open_batch = {r[0] for r in q("SELECT work_id FROM accepted WHERE batch_step > ?", last_step)}
+        open_batch = state.store.batched_ids(after_step=last_step)
         lost_groups = unreadable + len(batched - set(trained) - open_batch) + len(set(trained) - batched)
         dup_groups = sum(c - 1 for c in trained.values() if c > 1)
-        banned = {r[0] for r in q("SELECT peer_id FROM bans")}
+        banned = state.store.banned_peers()
         cheater_ids = {keys[n].peer_id for n in cheater_names}
-        rejected = q("SELECT COUNT(*) FROM verdicts WHERE valid=0")[0][0]
-        stale = q("SELECT COUNT(*) FROM accepted WHERE dropped='stale'")[0][0]
+        totals = state.store.totals()
+        rejected, stale = totals["rejected"], totals["dropped_stale"]
     finally:
         state.close()
     rewards = [r["reward_mean"] for r in rows]

@@ -26,15 +26,23 @@ from protocol.ledger import OffPolicyLedger
 from protocol.membership import MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutGroup, RolloutSubmission,
                                RunSpec, SubmissionReceipt)
-from protocol.store import AcceptedRollout, CoordinatorStore, dumps
+from protocol.store import AcceptedRollout, CoordinatorStore, Pruned
 from protocol.work import derive_work
 
 log = logging.getLogger(__name__)
 
 
+RETAIN_VERSIONS = 1000
+"""Policy versions of finished work the store keeps (`CoordinatorStore.prune`): a unit trained on or
+dropped whose version is further behind the newest leaves the index, its segment bytes once a whole
+segment is unused. 1000 steps of the sim's run (64 groups of 8) is ~0.7 GB of segments."""
+
+
 class Coordinator:
-    def __init__(self, directory: str | Path, spec: RunSpec, synchronous: str = "FULL", now: float | None = None):
+    def __init__(self, directory: str | Path, spec: RunSpec, synchronous: str = "FULL", now: float | None = None,
+                 retain_versions: int = RETAIN_VERSIONS):
         self.store = CoordinatorStore(directory, synchronous)
+        self.retain_versions = retain_versions
         saved = self.store.get_meta("run_spec")
         if saved is None:
             with self.store:
@@ -48,8 +56,8 @@ class Coordinator:
         self.view = MembershipView(MembershipConfig(spec.heartbeat_interval_s, spec.dead_after_missed))
         # Heartbeats are not persisted: after a restart every member gets a fresh full interval.
         restart = time.time() if now is None else now
-        for peer_id, role, addrs, _joined, _last_seen, seq in self.store.q("SELECT * FROM members"):
-            self.view.observe(peer_id, role, json.loads(addrs), seq, restart)
+        for peer_id, role, addrs, seq in self.store.members():
+            self.view.observe(peer_id, role, addrs, seq, restart)
 
     # ---- membership ------------------------------------------------------------------------
     def join(self, peer_id: str, msg: Join, now: float) -> JoinAccepted:
@@ -59,11 +67,10 @@ class Coordinator:
         self.view.leave(peer_id)  # a re-join is a fresh sighting
         self.view.observe(peer_id, msg.role, msg.addrs, 0, now)
         with self.store as db:
-            db.execute("INSERT OR REPLACE INTO members VALUES(?,?,?,?,?,?)",
-                       (peer_id, msg.role, dumps(msg.addrs), now, now, 0))
+            db.put_member(peer_id, msg.role, msg.addrs, now)
             # A (re-)join is a fresh incarnation: whatever an earlier one held died with it (a node
             # restarted after a crash would otherwise block its work until the leases expire).
-            released = self._release_leases_of(db, peer_id)
+            released = db.release_leases_of(peer_id)
         if released:
             log.info("member %s re-joined; its %d earlier leases are back in the pool", peer_id, len(released))
         members = [PeerAddress(peer_id=m.peer_id, addrs=m.addrs) for m in self.view.alive(now) if m.peer_id != peer_id]
@@ -79,8 +86,8 @@ class Coordinator:
     def leave(self, peer_id: str, now: float) -> list[int]:
         self.view.leave(peer_id)
         with self.store as db:
-            db.execute("DELETE FROM members WHERE peer_id=?", (peer_id,))
-            return self._release_leases_of(db, peer_id)
+            db.delete_member(peer_id)
+            return db.release_leases_of(peer_id)
 
     def sweep(self, now: float) -> tuple[list[str], list[int]]:
         """Eject dead members and return (dead peer ids, work ids put back in the pool)."""
@@ -89,48 +96,42 @@ class Coordinator:
             released: list[int] = []
             for peer_id in dead:
                 log.info("member %s missed %d heartbeats: dead, ejected", peer_id, self.spec.dead_after_missed)
-                db.execute("DELETE FROM members WHERE peer_id=?", (peer_id,))
-                released += self._release_leases_of(db, peer_id)
-            expired = [r[0] for r in db.execute("SELECT work_id FROM work WHERE state='leased' AND deadline<?", (now,))]
-            db.execute("UPDATE work SET state='pending', holder=NULL WHERE state='leased' AND deadline<?", (now,))
+                db.delete_member(peer_id)
+                released += db.release_leases_of(peer_id)
+            expired = db.release_expired(now)
         return dead, released + expired
-
-    def _release_leases_of(self, db, peer_id: str) -> list[int]:
-        ids = [r[0] for r in db.execute("SELECT work_id FROM work WHERE state='leased' AND holder=?", (peer_id,))]
-        db.execute("UPDATE work SET state='pending', holder=NULL WHERE state='leased' AND holder=?", (peer_id,))
-        return ids
 
     # ---- policy versions ---------------------------------------------------------------------
     def advance_policy(self, version: int, manifest_hash: str, now: float) -> list[int]:
         """Record a new version; cancel leases that can no longer yield an admissible rollout."""
         self.ledger.advance(version)
         with self.store as db:
-            db.execute("INSERT INTO policy_versions VALUES(?,?,?)", (version, manifest_hash, now))
-            self.store.set_meta("policy_version", str(version))
-            stale = [r[0] for r in db.execute("SELECT work_id, lease_version FROM work WHERE state='leased'")
-                     if not self.ledger.lease_can_finish(r[1])]
-            db.executemany("UPDATE work SET state='pending', holder=NULL WHERE work_id=?", [(w,) for w in stale])
+            db.add_policy_version(version, manifest_hash, now)
+            stale = [w for w, leased_at in db.leases() if not self.ledger.lease_can_finish(leased_at)]
+            db.release(stale)
+        self.prune()
         return stale
+
+    def prune(self) -> Pruned:
+        """Apply retention: finished work more than `retain_versions` behind the newest version goes."""
+        pruned = self.store.prune(self.ledger.current_version - self.retain_versions)
+        if pruned.units:
+            log.info("retention: %d finished work units and %d segments pruned", pruned.units, len(pruned.segments))
+        return pruned
 
     # ---- leases ------------------------------------------------------------------------------
     def grant_lease(self, peer_id: str, now: float) -> LeaseGrant:
-        self._check_member(peer_id, now)
+        self.check_member(peer_id, now)
         version = self.ledger.current_version
         deadline = now + self.spec.lease_ttl_s
         with self.store as db:
-            row = db.execute("SELECT work_id, mint_version, task_index, seed FROM work WHERE state='pending' "
-                             "ORDER BY work_id LIMIT 1").fetchone()
-            if row is None:
-                work_id = int(self.store.get_meta("next_work_id", "0"))
-                self.store.set_meta("next_work_id", str(work_id + 1))
-                task, seed = derive_work(self.spec.run_id, version, work_id, self.spec.tasks_per_step)
-                db.execute("INSERT INTO work VALUES(?,?,?,?,'leased',?,?,?,1)",
-                           (work_id, version, task, str(seed), peer_id, version, deadline))
+            pending = db.first_pending()
+            if pending is None:
+                task, seed = derive_work(self.spec.run_id, version, db.next_work_id(), self.spec.tasks_per_step)
+                work_id = db.mint_work(version, task, seed, peer_id, deadline)
             else:
-                work_id, _mint, task, seed = row
-                seed = int(seed)
-                db.execute("UPDATE work SET state='leased', holder=?, lease_version=?, deadline=?, grants=grants+1 "
-                           "WHERE work_id=?", (peer_id, version, deadline, work_id))
+                work_id, task, seed = pending
+                db.lease(work_id, peer_id, version, deadline)
         return LeaseGrant(work_id=work_id, holder=peer_id, policy_version=version, task_index=task, seed=seed,
                           deadline=deadline)
 
@@ -167,9 +168,7 @@ class Coordinator:
         with self.store as db:
             for (i, body_sha), loc in zip(order, where):
                 peer_id, sub, _ = items[i]
-                self.store.insert_accepted(sub.work_id, peer_id, body_sha, sub.min_version, sub.n_tokens,
-                                           sub.reward, loc, now)
-                db.execute("UPDATE work SET state='accepted' WHERE work_id=?", (sub.work_id,))
+                db.insert_accepted(sub.work_id, peer_id, body_sha, sub.min_version, sub.n_tokens, sub.reward, loc, now)
         for i, _ in order:
             results[i] = SubmissionReceipt(work_id=items[i][1].work_id, accepted=True)
         return results
@@ -183,10 +182,10 @@ class Coordinator:
                 return SubmissionReceipt(work_id=sub.work_id, accepted=True, duplicate=True)
             raise DuplicateSubmission(f"work {sub.work_id} was already accepted from {done[0].submitter}")
         self._check_not_banned(peer_id, now)
-        rows = self.store.q("SELECT state, holder, deadline FROM work WHERE work_id=?", sub.work_id)
-        if not rows:
-            raise UnknownLease(f"work {sub.work_id} was never granted")
-        state, holder, deadline = rows[0]
+        lease = self.store.lease_of(sub.work_id)
+        if lease is None:
+            raise UnknownLease(f"work {sub.work_id} was never granted (or was finished long ago and pruned)")
+        state, holder, deadline = lease
         if state == "pending" or (holder == peer_id and now > deadline):
             raise LeaseExpired(f"lease on work {sub.work_id} ended (deadline {deadline:.1f}, now {now:.1f}); "
                                "it was expired, cancelled as stale, or its holder was dropped")
@@ -211,16 +210,17 @@ class Coordinator:
     def ban(self, peer_id: str, reason: str, now: float, until: float | None = None) -> list[int]:
         self.view.leave(peer_id)
         with self.store as db:
-            db.execute("INSERT OR REPLACE INTO bans VALUES(?,?,?,?)", (peer_id, reason, until, now))
-            db.execute("DELETE FROM members WHERE peer_id=?", (peer_id,))
-            return self._release_leases_of(db, peer_id)
+            db.put_ban(peer_id, reason, until, now)
+            db.delete_member(peer_id)
+            return db.release_leases_of(peer_id)
 
     def _check_not_banned(self, peer_id: str, now: float) -> None:
-        rows = self.store.q("SELECT reason, until FROM bans WHERE peer_id=?", peer_id)
-        if rows and (rows[0][1] is None or rows[0][1] > now):
-            raise BannedPeer(f"{peer_id} is banned: {rows[0][0]}")
+        ban = self.store.ban_of(peer_id)
+        if ban and (ban[1] is None or ban[1] > now):
+            raise BannedPeer(f"{peer_id} is banned: {ban[0]}")
 
-    def _check_member(self, peer_id: str, now: float) -> None:
+    def check_member(self, peer_id: str, now: float) -> None:
+        """Raise `BannedPeer` or `NotMember` unless `peer_id` is a live member in good standing."""
         self._check_not_banned(peer_id, now)
         if self.view.state(peer_id, now) == "dead":
             raise NotMember(f"{peer_id} has not joined, left, or was ejected as dead; join again")

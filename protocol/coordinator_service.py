@@ -82,7 +82,6 @@ class CoordinatorService:
         return reply
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
-        self.state._check_member(o.signer, time.time())
         cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
         return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
                                                         holds_version=o.message.policy_version))

@@ -27,10 +27,8 @@ Selector = Callable[[int], bool]
 
 def work_out(state: Coordinator) -> int:
     """Work units leased, or accepted and waiting for a batch (and not dropped)."""
-    leased = state.store.q("SELECT COUNT(*) FROM work WHERE state='leased'")[0][0]
-    waiting = state.store.q("SELECT COUNT(*) FROM accepted WHERE batch_step IS NULL AND dropped IS NULL "
-                            "AND min_version >= ?", state.ledger.current_version - state.spec.max_off_policy_steps)[0][0]
-    return leased + waiting
+    return (state.store.leased_count()
+            + state.store.waiting_count(state.ledger.current_version - state.spec.max_off_policy_steps))
 
 
 def out_limit(k: int, batch_groups: int) -> int:
@@ -51,15 +49,15 @@ def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_
     holds `peer_cap` (the service passes `peer_lease_cap`); none before version 0, and none to a
     node whose newest policy (`holds_version`) could not yield an admissible rollout (at k = 0, a
     node that has not loaded the version just announced): its work would only be refused as stale
-    while the lease blocks that work."""
+    while the lease blocks that work. Raises `NotMember`/`BannedPeer` for a peer that may not lease."""
+    state.check_member(peer_id, now)
     if state.ledger.current_version < 0:
         return []
     if holds_version is not None and not state.ledger.admissible(holds_version):
         return []
     room = out_limit(state.spec.max_off_policy_steps, state.spec.batch_groups) - work_out(state)
     if peer_cap is not None:
-        held = state.store.q("SELECT COUNT(*) FROM work WHERE state='leased' AND holder=?", peer_id)[0][0]
-        room = min(room, peer_cap - held)
+        room = min(room, peer_cap - state.store.leased_count(holder=peer_id))
     return [state.grant_lease(peer_id, now) for _ in range(max(0, min(count, room)))]
 
 
@@ -67,8 +65,8 @@ def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
     out = []
     for wid in work_ids:
         rec = state.store.accepted(wid)[0]
-        task, seed = state.store.q("SELECT task_index, seed FROM work WHERE work_id=?", wid)[0]
-        out.append(StoredWork(work_id=wid, task_index=task, seed=int(seed), envelope=state.store.read_rollout(rec)))
+        task, seed = state.store.work_seed(wid)
+        out.append(StoredWork(work_id=wid, task_index=task, seed=seed, envelope=state.store.read_rollout(rec)))
     return out
 
 
@@ -76,12 +74,11 @@ def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[in
     """Accepted, unbatched, undropped work units without a verdict that the selector picks. Units
     that can no longer enter any batch are marked stale here instead (judging them is wasted work,
     and their policy version may already be gone from shardcast's retention)."""
-    rows = state.store.q("SELECT a.work_id, a.min_version FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
-                         "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL ORDER BY a.work_id")
+    rows = state.store.unjudged()
     stale = [w for w, v in rows if not state.ledger.admissible(v)]
     if stale:
         with state.store as db:
-            db.executemany("UPDATE accepted SET dropped='stale' WHERE work_id=?", [(w,) for w in stale])
+            db.drop(stale, "stale")
     return [w for w, v in rows if w not in set(stale) and selector(w)][:max_items]
 
 
@@ -96,10 +93,9 @@ def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict],
                 log.warning("verdict from %s on work %d names %s: no such accepted unit", validator, v.work_id,
                             v.submitter)
                 continue
-            db.execute("INSERT OR IGNORE INTO verdicts VALUES(?,?,?,?,?)", (v.work_id, int(v.valid), validator,
-                                                                          v.reason, now))
+            db.put_verdict(v.work_id, v.valid, validator, v.reason, now)
             if not v.valid:
-                db.execute("UPDATE accepted SET dropped='invalid' WHERE work_id=? AND batch_step IS NULL", (v.work_id,))
+                db.drop([v.work_id], "invalid")
                 offenders.append((v.submitter, f"work {v.work_id} failed verification: {v.reason}"))
     return offenders
 
@@ -107,11 +103,11 @@ def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict],
 def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -> list[int]:
     """The work ids of step `step`'s batch: those already assigned to it, topped up to `size` with
     verified, admissible units (stale ones and those of banned peers are marked dropped on the way)."""
-    assigned = [r[0] for r in state.store.q("SELECT work_id FROM accepted WHERE batch_step=? ORDER BY work_id", step)]
+    assigned = state.store.batch_of(step)
     if len(assigned) >= size:
         return assigned[:size]
-    banned = {r[0] for r in state.store.q("SELECT peer_id FROM bans")}
-    valid = {r[0]: bool(r[1]) for r in state.store.q("SELECT work_id, valid FROM verdicts")}
+    banned = state.store.banned_peers()
+    valid = state.store.verdicts()
     with state.store as db:
         for rec in state.store.accepted():
             if len(assigned) >= size:
@@ -121,10 +117,10 @@ def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -
             reason = ("stale" if not state.ledger.admissible(rec.min_version, step)
                       else "banned" if rec.submitter in banned else None)
             if reason:
-                db.execute("UPDATE accepted SET dropped=? WHERE work_id=?", (reason, rec.work_id))
+                db.drop([rec.work_id], reason)
                 continue
             if selector(rec.work_id) and not valid.get(rec.work_id, False):
                 continue  # waits for its verdict
-            db.execute("UPDATE accepted SET batch_step=? WHERE work_id=?", (step, rec.work_id))
+            db.assign(rec.work_id, step)
             assigned.append(rec.work_id)
     return assigned

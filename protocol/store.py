@@ -1,26 +1,30 @@
-"""Durable coordinator state: SQLite (WAL) for the index, append-only segment files for rollouts.
+"""Durable coordinator state: the one module that holds the coordinator's SQL.
 
-Invariant: a rollout is acknowledged only after its bytes are fsynced in a segment and its index
-row (segment, offset, length) is committed; so after any crash (SIGKILL included) every
-acknowledged rollout has both. Bytes past the last indexed record of a segment (a crash between
-the two steps) were never acknowledged and are cut off on open.
-Each record is `u32 length | signed envelope`, so a rollout stays attributable and re-verifiable
-by anyone later, and a segment can be read without the index. Appends are grouped: one fsync
-and one commit for every submission that arrived meanwhile (fsync costs ~4 ms on the test disk).
+SQLite (WAL) for the index, append-only segment files for the rollouts (`protocol.segments`).
+Everything else (the coordinator, the pipeline, the status page, `sim`'s audit) reads and writes
+through the named methods here, never through SQL of its own.
+
+Invariants:
+- a rollout is acknowledged only after its bytes are fsynced in a segment and its index row
+  (segment, offset, length) is committed; so after any crash (SIGKILL included) every acknowledged
+  rollout has both. Appends are grouped: one fsync and one commit for every submission that arrived
+  meanwhile (fsync costs ~4 ms on the test disk);
+- retention (`prune`): a work unit whose fate is final (trained on, or dropped) and whose policy
+  version is more than the retained window behind leaves the index, its verdict and its work row go
+  too, and a segment nothing points at any more is deleted. What the status page shows of it stays
+  as totals (`meta`) and one reward row per trained step (`step_rewards`); a late submission for a
+  pruned work id is still refused (`UnknownLease`: work ids are never minted twice).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-SEGMENT_BYTES = 256 << 20
-"""A new segment file starts once the current one passes this size."""
-_REC = struct.Struct(">I")
+from protocol.segments import Segments
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS members (
@@ -41,7 +45,10 @@ CREATE TABLE IF NOT EXISTS accepted (
 CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS step_rewards (step INTEGER PRIMARY KEY, groups INTEGER NOT NULL, reward_sum REAL NOT NULL);
 """
+_PRUNED = ("accepted", "rejected", "verified", "batched", "dropped_stale")
+"""Totals the status page shows, kept in meta as `pruned_<name>` for rows retention removed."""
 
 
 @dataclass(frozen=True)
@@ -60,102 +67,242 @@ class AcceptedRollout:
     dropped: str | None
 
 
+@dataclass(frozen=True)
+class Pruned:
+    units: int
+    """Work units removed from the index."""
+    segments: list[str]
+    """Segment files deleted."""
+
+
 class CoordinatorStore:
     def __init__(self, directory: str | Path, synchronous: str = "FULL"):
         self.dir = Path(directory)
-        self.rollout_dir = self.dir / "rollouts"
-        self.rollout_dir.mkdir(parents=True, exist_ok=True)
+        self.segments = Segments(self.dir / "rollouts")
         self.db = sqlite3.connect(self.dir / "coordinator.sqlite3", isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit survives power loss too, not only a killed process (NORMAL would).
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(_SCHEMA)
-        self._cut_unacknowledged_tails()
-        self._segment_fd: int | None = None  # each process appends to a fresh segment
-        self._segment_name = ""
-        self._segment_size = 0
+        self.segments.cut_unacknowledged_tails(dict(self._q(
+            "SELECT segment, MAX(offset + length) FROM accepted GROUP BY segment")))
 
     # ---- transactions ----------------------------------------------------------------------
-    def __enter__(self) -> sqlite3.Connection:
+    def __enter__(self) -> "CoordinatorStore":
         self.db.execute("BEGIN IMMEDIATE")
-        return self.db
+        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
 
-    def q(self, sql: str, *args) -> list[tuple]:
+    def _q(self, sql: str, *args) -> list[tuple]:
         return self.db.execute(sql, args).fetchall()
+
+    def _x(self, sql: str, *args) -> None:
+        self.db.execute(sql, args)
+
+    def _one(self, sql: str, *args):
+        return self._q(sql, *args)[0][0]
 
     # ---- meta --------------------------------------------------------------------------------
     def get_meta(self, key: str, default: str | None = None) -> str | None:
-        rows = self.q("SELECT value FROM meta WHERE key=?", key)
+        rows = self._q("SELECT value FROM meta WHERE key=?", key)
         return rows[0][0] if rows else default
 
     def set_meta(self, key: str, value: str) -> None:
-        self.db.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                        (key, value))
+        self._x("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                key, value)
 
-    # ---- rollouts ----------------------------------------------------------------------------
+    # ---- members and bans --------------------------------------------------------------------
+    def members(self) -> list[tuple[str, str, list[str], int]]:
+        """(peer id, role, addresses, last heartbeat seq) of every member on record."""
+        return [(p, r, json.loads(a), seq) for p, r, a, seq in
+                self._q("SELECT peer_id, role, addrs, last_seq FROM members")]
+
+    def put_member(self, peer_id: str, role: str, addrs: list[str], now: float) -> None:
+        self._x("INSERT OR REPLACE INTO members VALUES(?,?,?,?,?,?)", peer_id, role, dumps(addrs), now, now, 0)
+
+    def delete_member(self, peer_id: str) -> None:
+        self._x("DELETE FROM members WHERE peer_id=?", peer_id)
+
+    def put_ban(self, peer_id: str, reason: str, until: float | None, now: float) -> None:
+        self._x("INSERT OR REPLACE INTO bans VALUES(?,?,?,?)", peer_id, reason, until, now)
+
+    def ban_of(self, peer_id: str) -> tuple[str, float | None] | None:
+        """(reason, until) of the peer's ban, if any (expired ones included)."""
+        rows = self._q("SELECT reason, until FROM bans WHERE peer_id=?", peer_id)
+        return rows[0] if rows else None
+
+    def banned_peers(self) -> set[str]:
+        return {r[0] for r in self._q("SELECT peer_id FROM bans")}
+
+    # ---- policy versions ---------------------------------------------------------------------
+    def add_policy_version(self, version: int, manifest_hash: str, now: float) -> None:
+        self._x("INSERT INTO policy_versions VALUES(?,?,?)", version, manifest_hash, now)
+        self.set_meta("policy_version", str(version))
+
+    def policy_versions(self, last: int = 10) -> list[tuple[int, str, float]]:
+        """(version, manifest hash, announced at) of the newest `last` versions, oldest first."""
+        return self._q("SELECT * FROM (SELECT version, manifest_hash, announced_at FROM policy_versions "
+                       "ORDER BY version DESC LIMIT ?) ORDER BY version", last)
+
+    # ---- work and leases ---------------------------------------------------------------------
+    def first_pending(self) -> tuple[int, int, int] | None:
+        """(work id, task index, seed) of the oldest work unit back in the pool, if any."""
+        row = self._q("SELECT work_id, task_index, seed FROM work WHERE state='pending' ORDER BY work_id LIMIT 1")
+        return (row[0][0], row[0][1], int(row[0][2])) if row else None
+
+    def mint_work(self, version: int, task: int, seed: int, holder: str, deadline: float) -> int:
+        """A new work unit, leased to `holder`; work ids count up and are never reused."""
+        work_id = int(self.get_meta("next_work_id", "0"))
+        self.set_meta("next_work_id", str(work_id + 1))
+        self._x("INSERT INTO work VALUES(?,?,?,?,'leased',?,?,?,1)", work_id, version, task, str(seed), holder,
+                version, deadline)
+        return work_id
+
+    def next_work_id(self) -> int:
+        return int(self.get_meta("next_work_id", "0"))
+
+    def lease(self, work_id: int, holder: str, version: int, deadline: float) -> None:
+        self._x("UPDATE work SET state='leased', holder=?, lease_version=?, deadline=?, grants=grants+1 "
+                "WHERE work_id=?", holder, version, deadline, work_id)
+
+    def lease_of(self, work_id: int) -> tuple[str, str | None, float | None] | None:
+        """(state, holder, deadline) of a work unit, or None if it was never minted (or was pruned)."""
+        rows = self._q("SELECT state, holder, deadline FROM work WHERE work_id=?", work_id)
+        return rows[0] if rows else None
+
+    def work_seed(self, work_id: int) -> tuple[int, int]:
+        """(task index, seed) of a work unit."""
+        task, seed = self._q("SELECT task_index, seed FROM work WHERE work_id=?", work_id)[0]
+        return task, int(seed)
+
+    def leases(self) -> list[tuple[int, int]]:
+        """(work id, version it was leased at) of every lease out."""
+        return self._q("SELECT work_id, lease_version FROM work WHERE state='leased'")
+
+    def leased_count(self, holder: str | None = None) -> int:
+        if holder is None:
+            return self._one("SELECT COUNT(*) FROM work WHERE state='leased'")
+        return self._one("SELECT COUNT(*) FROM work WHERE state='leased' AND holder=?", holder)
+
+    def release(self, work_ids: list[int]) -> None:
+        """Back to the pool (granted again with the same task and seed)."""
+        self.db.executemany("UPDATE work SET state='pending', holder=NULL WHERE work_id=?", [(w,) for w in work_ids])
+
+    def release_leases_of(self, peer_id: str) -> list[int]:
+        ids = [r[0] for r in self._q("SELECT work_id FROM work WHERE state='leased' AND holder=?", peer_id)]
+        self.release(ids)
+        return ids
+
+    def release_expired(self, now: float) -> list[int]:
+        ids = [r[0] for r in self._q("SELECT work_id FROM work WHERE state='leased' AND deadline<?", now)]
+        self.release(ids)
+        return ids
+
+    # ---- accepted rollouts -------------------------------------------------------------------
     def append_rollouts(self, envelopes: list[bytes]) -> list[tuple[str, int, int]]:
-        """Append and fsync; returns (segment, offset, length) per envelope for the index rows,
-        which the caller commits next (only then are they acknowledged)."""
-        if not envelopes:
-            return []
-        if self._segment_fd is None or self._segment_size > SEGMENT_BYTES:
-            self._open_new_segment()
-        out, chunks, pos = [], [], self._segment_size
-        for env in envelopes:
-            chunks.append(_REC.pack(len(env)) + env)
-            out.append((self._segment_name, pos + _REC.size, len(env)))
-            pos += _REC.size + len(env)
-        os.write(self._segment_fd, b"".join(chunks))
-        os.fsync(self._segment_fd)
-        self._segment_size = pos
-        return out
-
-    def read_rollout(self, record: "AcceptedRollout") -> bytes:
-        with open(record.segment, "rb") as f:
-            f.seek(record.offset)
-            return f.read(record.length)
+        """Append and fsync; (segment, offset, length) per envelope for `insert_accepted`, which the
+        caller commits next (only then are they acknowledged)."""
+        return self.segments.append(envelopes)
 
     def insert_accepted(self, work_id: int, submitter: str, body_sha256: str, min_version: int, n_tokens: int,
                         reward: float, where: tuple[str, int, int], now: float) -> None:
-        self.db.execute("INSERT INTO accepted(work_id, submitter, body_sha256, min_version, n_tokens, reward, segment, "
-                        "offset, length, accepted_at) VALUES(?,?,?,?,?,?,?,?,?,?)",
-                        (work_id, submitter, body_sha256, min_version, n_tokens, reward, *where, now))
+        self._x("INSERT INTO accepted(work_id, submitter, body_sha256, min_version, n_tokens, reward, segment, "
+                "offset, length, accepted_at) VALUES(?,?,?,?,?,?,?,?,?,?)",
+                work_id, submitter, body_sha256, min_version, n_tokens, reward, *where, now)
+        self._x("UPDATE work SET state='accepted' WHERE work_id=?", work_id)
+
+    def read_rollout(self, record: AcceptedRollout) -> bytes:
+        return self.segments.read(record.segment.name, record.offset, record.length)
 
     def accepted(self, work_id: int | None = None) -> list[AcceptedRollout]:
         sql = "SELECT * FROM accepted" + (" WHERE work_id=?" if work_id is not None else "") + " ORDER BY work_id"
-        rows = self.q(sql, *(() if work_id is None else (work_id,)))
-        return [AcceptedRollout(r[0], r[1], r[2], r[3], r[4], r[5], self.rollout_dir / r[6], *r[7:]) for r in rows]
+        rows = self._q(sql, *(() if work_id is None else (work_id,)))
+        return [AcceptedRollout(r[0], r[1], r[2], r[3], r[4], r[5], self.segments.dir / r[6], *r[7:]) for r in rows]
 
-    def _open_new_segment(self) -> None:
-        if self._segment_fd is not None:
-            os.close(self._segment_fd)
-        existing = sorted(self.rollout_dir.glob("seg-*.log"))
-        n = int(existing[-1].stem[4:]) + 1 if existing else 0
-        self._segment_name = f"seg-{n:06d}.log"
-        self._segment_fd = os.open(self.rollout_dir / self._segment_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._segment_size = 0
-        dfd = os.open(self.rollout_dir, os.O_RDONLY)  # the new name itself must survive a crash
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    def waiting_count(self, min_version: int) -> int:
+        """Accepted units not yet batched nor dropped, of policy version >= `min_version`."""
+        return self._one("SELECT COUNT(*) FROM accepted WHERE batch_step IS NULL AND dropped IS NULL "
+                         "AND min_version >= ?", min_version)
 
-    def _cut_unacknowledged_tails(self) -> None:
-        ends = dict(self.q("SELECT segment, MAX(offset + length) FROM accepted GROUP BY segment"))
-        for seg in self.rollout_dir.glob("seg-*.log"):
-            end = ends.get(seg.name, 0)
-            if seg.stat().st_size > end:
-                os.truncate(seg, end)
-            if end == 0:
-                seg.unlink()
+    def unjudged(self) -> list[tuple[int, int]]:
+        """(work id, min version) of accepted, unbatched, undropped units without a verdict."""
+        return self._q("SELECT a.work_id, a.min_version FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
+                       "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL ORDER BY a.work_id")
+
+    def drop(self, work_ids: list[int], reason: str) -> None:
+        """Mark units that will never enter a batch (`stale`, `banned`, `invalid`); batched ones keep their batch."""
+        self.db.executemany("UPDATE accepted SET dropped=? WHERE work_id=? AND batch_step IS NULL",
+                            [(reason, w) for w in work_ids])
+
+    def put_verdict(self, work_id: int, valid: bool, validator: str, reason: str, now: float) -> None:
+        self._x("INSERT OR IGNORE INTO verdicts VALUES(?,?,?,?,?)", work_id, int(valid), validator, reason, now)
+
+    def verdicts(self) -> dict[int, bool]:
+        return {r[0]: bool(r[1]) for r in self._q("SELECT work_id, valid FROM verdicts")}
+
+    def batch_of(self, step: int) -> list[int]:
+        return [r[0] for r in self._q("SELECT work_id FROM accepted WHERE batch_step=? ORDER BY work_id", step)]
+
+    def assign(self, work_id: int, step: int) -> None:
+        self._x("UPDATE accepted SET batch_step=? WHERE work_id=?", step, work_id)
+
+    def batched_ids(self, after_step: int = -1) -> set[int]:
+        return {r[0] for r in self._q("SELECT work_id FROM accepted WHERE batch_step > ?", after_step)}
+
+    # ---- what the status page shows --------------------------------------------------------------
+    def totals(self) -> dict[str, int]:
+        """accepted, rejected, verified, batched, dropped_stale (retention's pruned rows included),
+        banned, leased."""
+        live = {
+            "accepted": self._one("SELECT COUNT(*) FROM accepted"),
+            "rejected": self._one("SELECT COUNT(*) FROM verdicts WHERE valid=0"),
+            "verified": self._one("SELECT COUNT(*) FROM verdicts WHERE valid=1"),
+            "batched": self._one("SELECT COUNT(*) FROM accepted WHERE batch_step IS NOT NULL"),
+            "dropped_stale": self._one("SELECT COUNT(*) FROM accepted WHERE dropped='stale'"),
+        }
+        out = {k: v + int(self.get_meta(f"pruned_{k}", "0")) for k, v in live.items()}
+        return out | {"banned": self._one("SELECT COUNT(*) FROM bans"), "leased": self.leased_count()}
+
+    def reward_curve(self) -> list[tuple[int, float]]:
+        """(trainer step, mean reward of its batch's units), every step trained, pruned ones included."""
+        return self._q("SELECT step, SUM(s) / SUM(n) FROM (SELECT step, reward_sum AS s, groups AS n FROM step_rewards "
+                       "UNION ALL SELECT batch_step, SUM(reward), COUNT(*) FROM accepted WHERE batch_step IS NOT NULL "
+                       "GROUP BY batch_step) GROUP BY step ORDER BY step")
+
+    # ---- retention ---------------------------------------------------------------------------
+    def prune(self, before_version: int) -> Pruned:
+        """Remove final units (batched or dropped) whose policy version is below `before_version`, keeping
+        their totals and their steps' rewards; then delete segments nothing points at. One transaction."""
+        with self:
+            gone = [r[0] for r in self._q("SELECT work_id FROM accepted WHERE min_version < ? AND "
+                                          "(batch_step IS NOT NULL OR dropped IS NOT NULL)", before_version)]
+            if gone:
+                self._x("CREATE TEMP TABLE IF NOT EXISTS gone (work_id INTEGER PRIMARY KEY)")
+                self._x("DELETE FROM gone")
+                self.db.executemany("INSERT INTO gone VALUES(?)", [(w,) for w in gone])
+                counts = self._q(
+                    "SELECT COUNT(*), SUM(batch_step IS NOT NULL), SUM(dropped='stale'), "
+                    "(SELECT COUNT(*) FROM verdicts WHERE valid=0 AND work_id IN gone), "
+                    "(SELECT COUNT(*) FROM verdicts WHERE valid=1 AND work_id IN gone) "
+                    "FROM accepted WHERE work_id IN gone")[0]
+                named = dict(zip(("accepted", "batched", "dropped_stale", "rejected", "verified"), counts))
+                for name in _PRUNED:
+                    self.set_meta(f"pruned_{name}", str(int(self.get_meta(f"pruned_{name}", "0")) + (named[name] or 0)))
+                # a step whose units straddle the cut keeps its pruned part here, the rest stays live
+                self._x("INSERT INTO step_rewards SELECT batch_step, COUNT(*), SUM(reward) FROM accepted "
+                        "WHERE work_id IN gone AND batch_step IS NOT NULL GROUP BY batch_step "
+                        "ON CONFLICT(step) DO UPDATE SET groups=groups+excluded.groups, "
+                        "reward_sum=reward_sum+excluded.reward_sum")
+                for table in ("accepted", "verdicts", "work"):
+                    self._x(f"DELETE FROM {table} WHERE work_id IN gone")
+            self._x("DELETE FROM policy_versions WHERE version < ?", before_version)
+        referenced = {r[0] for r in self._q("SELECT DISTINCT segment FROM accepted")}
+        return Pruned(len(gone), self.segments.delete_unreferenced(referenced))
 
     def close(self) -> None:
-        if self._segment_fd is not None:
-            os.close(self._segment_fd)
-            self._segment_fd = None
+        self.segments.close()
         self.db.close()
 
 

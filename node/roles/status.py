@@ -30,7 +30,7 @@ async function refresh(){
   m.innerHTML = '<tr><th>node</th><th>role</th><th>state</th></tr>' + s.members.map(
     x => `<tr class="member"><td>${x.peer_id}</td><td>${x.role}</td><td>${x.state}</td></tr>`).join('');
   const v = document.getElementById('versions');
-  v.innerHTML = '<tr><th>version</th><th>manifest</th><th>announced</th></tr>' + s.versions.slice(-10).map(
+  v.innerHTML = '<tr><th>version</th><th>manifest</th><th>announced</th></tr>' + s.versions.map(
     x => `<tr class="version"><td>${x.version}</td><td>${x.manifest_hash.slice(0,16)}</td><td>${x.at}</td></tr>`).join('');
   const pts = s.reward_curve, svg = document.getElementById('curve');
   const n = Math.max(pts.length - 1, 1);
@@ -42,27 +42,22 @@ refresh(); setInterval(refresh, 1000);
 </script></body></html>"""
 
 
+VERSIONS_SHOWN = 10
+"""Newest policy versions listed (the page shows them all; older ones age out of the store too)."""
+
+
 def status(service: CoordinatorService) -> dict:
     state, now = service.state, time.time()
-    q = state.store.q
     members = [{"peer_id": m.peer_id, "role": m.role, "state": state.view.state(m.peer_id, now)}
                for m in state.view.members.values()]
-    curve = q("SELECT batch_step, AVG(reward) FROM accepted WHERE batch_step IS NOT NULL GROUP BY batch_step "
-              "ORDER BY batch_step")
     return {
         "run_id": state.spec.run_id,
         "policy_version": state.ledger.current_version,
         "members": members,
         "versions": [{"version": v, "manifest_hash": h, "at": round(at, 2)}
-                     for v, h, at in q("SELECT version, manifest_hash, announced_at FROM policy_versions ORDER BY version")],
-        "accepted": q("SELECT COUNT(*) FROM accepted")[0][0],
-        "rejected": q("SELECT COUNT(*) FROM verdicts WHERE valid=0")[0][0],
-        "verified": q("SELECT COUNT(*) FROM verdicts WHERE valid=1")[0][0],
-        "batched": q("SELECT COUNT(*) FROM accepted WHERE batch_step IS NOT NULL")[0][0],
-        "dropped_stale": q("SELECT COUNT(*) FROM accepted WHERE dropped='stale'")[0][0],
-        "banned": q("SELECT COUNT(*) FROM bans")[0][0],
-        "leased": q("SELECT COUNT(*) FROM work WHERE state='leased'")[0][0],
-        "reward_curve": [[s, r] for s, r in curve],
+                     for v, h, at in state.store.policy_versions(last=VERSIONS_SHOWN)],
+        **state.store.totals(),
+        "reward_curve": [[s, r] for s, r in state.store.reward_curve()],
     }
 
 

@@ -65,7 +65,7 @@ def _step_items(out, spec, step: int) -> list[tuple]:
     try:
         items = []
         for wid in work_ids:
-            (task_index,), = state.store.q("SELECT task_index FROM work WHERE work_id=?", wid)
+            task_index, _seed = state.store.work_seed(wid)
             items.append((wid, task_index, state.load_rollout(state.store.accepted(wid)[0])))
         return items
     finally:
