@@ -121,7 +121,7 @@ def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[st
     from node.envs import get_env
 
     def prompt_ids(env: str, seed: int) -> list[int]:
-        return tokenizer.encode(get_env(env).sample_task(seed).prompt, bos=True)
+        return get_env(env).sample_task(seed).prompt_ids(tokenizer)
 
     def reward(env: str, seed: int, completion_ids: list[int]) -> float:
         e = get_env(env)

@@ -229,6 +229,22 @@ class RolloutSubmission(Message):
     def n_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def token_versions(self) -> list[int]:
+        """The policy version behind each completion token (the runs, expanded)."""
+        return [version for version, length in self.version_runs for _ in range(length)]
+
+    @staticmethod
+    def runs_of(versions: list[int]) -> list[tuple[int, int]]:
+        """Per-token versions as runs of (version, token count): the wire form of `version_runs`."""
+        runs: list[tuple[int, int]] = []
+        for v in versions:
+            if runs and runs[-1][0] == v:
+                runs[-1] = (v, runs[-1][1] + 1)
+            else:
+                runs.append((v, 1))
+        return runs
+
 
 class RolloutGroup(Message):
     """The answer to one work unit: `group_size` rollouts of the same task (one GRPO group)."""

@@ -19,6 +19,11 @@ class Task:
     answer: str
     data: dict = field(default_factory=dict)
 
+    def prompt_ids(self, tokenizer) -> list[int]:
+        """The prompt as the model sees it (the one place a prompt is built from a task: the rollout
+        driver, the trainer, the validator and the warm-up all read it here)."""
+        return tokenizer.encode(self.prompt, bos=True)
+
 
 class Environment(ABC):
     name: str = ""

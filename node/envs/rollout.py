@@ -13,7 +13,9 @@ import torch
 
 from node.engine import Completion, Engine, Request, SamplingParams
 from node.envs.base import Environment, Task
+from node.model.routing import RouteShape, encode_routes, rollout_routes
 from node.model.tokenizer import CharTokenizer
+from protocol.messages import RolloutSubmission
 
 
 @dataclass
@@ -39,6 +41,31 @@ class Rollout:
     def min_version(self) -> int:
         return min(v for v, m in zip(self.versions, self.loss_mask) if m)
 
+    def to_submission(self, work_id: int, proof: bytes, engine: str = "builtin",
+                      routes: RouteShape | None = None) -> RolloutSubmission:
+        """This rollout on the wire. `routes`: the model's route shape when routed experts travel (None: not)."""
+        return RolloutSubmission(work_id=work_id, version_runs=RolloutSubmission.runs_of(self.versions),
+                                 token_ids=self.completion_ids, logprobs=[min(0.0, x) for x in self.logprobs],
+                                 reward=self.reward, proof=proof, finish_reason=self.finish_reason,
+                                 sampled=self.loss_mask, engine=engine,
+                                 routed_experts=None if routes is None else self.routed_experts_bytes(routes))
+
+    @classmethod
+    def from_submission(cls, sub: RolloutSubmission, task: Task, prompt_ids: list[int],
+                        routed_experts: torch.Tensor | None = None) -> "Rollout":
+        """A submission back as a rollout of `task` (the trainer's view: tokens, mask, logprobs, versions)."""
+        return cls(f"{sub.work_id}", task, prompt_ids, list(sub.token_ids), list(sub.sampled or [True] * sub.n_tokens),
+                   list(sub.logprobs), sub.token_versions, reward=sub.reward, finish_reason=sub.finish_reason,
+                   routed_experts=routed_experts)
+
+    def routed_experts_bytes(self, shape: RouteShape) -> bytes | None:
+        """The wire form of the experts each of the prompt + completion - 1 positions was routed to, taken
+        turn by turn from the engine passes that sampled the tokens (None if not captured)."""
+        routes = rollout_routes([t.routed_experts for t in self.turns])
+        if routes is None or routes.shape[0] != len(self.prompt_ids) + len(self.completion_ids) - 1:
+            return None
+        return encode_routes(routes, shape)
+
 
 def run_episodes(engine: Engine, env: Environment, tokenizer: CharTokenizer,
                  episodes: list[tuple[str, Task, SamplingParams]]) -> list[Rollout]:
@@ -48,7 +75,7 @@ def run_episodes(engine: Engine, env: Environment, tokenizer: CharTokenizer,
         params = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed,
                                 max_new_tokens=env.max_new_tokens, stop_token_ids=params.stop_token_ids,
                                 stop_strings=env.stop_strings)
-        rollout = Rollout(episode_id, task, tokenizer.encode(task.prompt, bos=True))
+        rollout = Rollout(episode_id, task, task.prompt_ids(tokenizer))
         live[episode_id] = (rollout, params)
         engine.add_request(Request(f"{episode_id}/0", rollout.prompt_ids, params))
     done: dict[str, Rollout] = {}

@@ -20,7 +20,7 @@ def demonstration_batch(env: Environment, tok: CharTokenizer, seeds: list[int]) 
     seqs, starts = [], []
     for s in seeds:
         task = env.sample_task(s)
-        prompt = tok.encode(task.prompt, bos=True)
+        prompt = task.prompt_ids(tok)
         seqs.append(prompt + tok.encode(task.answer) + [tok.eos_id])
         starts.append(len(prompt))
     t = max(len(s) for s in seqs) - 1

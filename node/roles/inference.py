@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import save_file
 
 from node.engine import Engine, Request, SamplingParams
-from node.envs.rollout import Rollout, run_episodes
+from node.envs.rollout import run_episodes
 from node.model.checkpoint import CONFIG, WEIGHTS
-from node.model.routing import RouteShape, encode_routes, rollout_routes
+from node.model.routing import RouteShape
 from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
 from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay
@@ -72,34 +72,6 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
     work (so runs at different k do the same work); stands in for sandboxed tool latency."""
     xm = median_s / 2 ** (1 / alpha)
     return min(xm * random.Random(work_seed).paretovariate(alpha), 20 * median_s)
-
-
-def version_runs(versions: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for v in versions:
-        if runs and runs[-1][0] == v:
-            runs[-1] = (v, runs[-1][1] + 1)
-        else:
-            runs.append((v, 1))
-    return runs
-
-
-def to_submission(work_id: int, r: Rollout, proof: bytes, engine: str = "builtin",
-                  routes: RouteShape | None = None) -> RolloutSubmission:
-    """`routes`: the model's route shape when the rollout's routed experts travel (None: they do not)."""
-    return RolloutSubmission(work_id=work_id, version_runs=version_runs(r.versions), token_ids=r.completion_ids,
-                             logprobs=[min(0.0, x) for x in r.logprobs], reward=r.reward, proof=proof,
-                             finish_reason=r.finish_reason, sampled=r.loss_mask, engine=engine,
-                             routed_experts=None if routes is None else routed_experts_bytes(r, routes))
-
-
-def routed_experts_bytes(r: Rollout, shape: RouteShape) -> bytes | None:
-    """The wire form of the experts each of the rollout's prompt + completion - 1 positions was routed
-    to, taken turn by turn from the engine passes that sampled the tokens (None if not captured)."""
-    routes = rollout_routes([t.routed_experts for t in r.turns])
-    if routes is None or routes.shape[0] != len(r.prompt_ids) + len(r.completion_ids) - 1:
-        return None
-    return encode_routes(routes, shape)
 
 
 def write_hf_checkpoint(state: dict[str, torch.Tensor], spec: RunSpec, directory: Path) -> Path:
@@ -347,8 +319,8 @@ class InferenceNode:
         proofs = prove_rollouts(hidden, {v: bytes.fromhex(h) for v, h in self.hashes.items()})
         out = []
         for i, grant in enumerate(grants):
-            subs = [to_submission(grant.work_id, rollouts[i * g + j], proofs[i * g + j], self.engine_kind,
-                                  self.routes) for j in range(g)]
+            subs = [rollouts[i * g + j].to_submission(grant.work_id, proofs[i * g + j], self.engine_kind, self.routes)
+                    for j in range(g)]
             if self.cheat and self._rng.random() < 0.5:
                 kind = self.cheat if self.cheat in CHEATS else self._rng.choice(CHEATS)
                 subs[0] = tamper(subs[0], kind, self._newest_loaded)

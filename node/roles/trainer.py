@@ -197,13 +197,9 @@ class TrainerNode:
         rollouts, rewards = [], []
         for _wid, task_index, group in items:
             task = self.env.sample_task(task_index)
-            prompt = self.tok.encode(task.prompt, bos=True)
-            for sub in group.rollouts:
-                mask = sub.sampled or [True] * sub.n_tokens
-                versions = [v for v, n in sub.version_runs for _ in range(n)]
-                rollouts.append(Rollout(f"{sub.work_id}", task, prompt, list(sub.token_ids), list(mask),
-                                        list(sub.logprobs), versions, reward=sub.reward,
-                                        routed_experts=self._routes(sub, len(prompt))))
+            prompt = task.prompt_ids(self.tok)
+            rollouts += [Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt)))
+                         for sub in group.rollouts]
             rewards.append([sub.reward for sub in group.rollouts])
         r = torch.tensor(rewards)
         adv = group_advantages(r, normalize_std=True).flatten().tolist()

@@ -147,9 +147,8 @@ class ValidatorNode:
     def _claim(self, item: StoredWork, j: int, sub) -> RolloutClaim:
         return RolloutClaim(
             work_id=item.work_id, env=self.spec.environment, task_seed=item.task_index,
-            prompt_ids=self.tok.encode(self.env.sample_task(item.task_index).prompt, bos=True),
-            token_ids=sub.token_ids, logprobs=sub.logprobs,
-            versions=[v for v, n in sub.version_runs for _ in range(n)], sampled=sub.sampled,
+            prompt_ids=self.env.sample_task(item.task_index).prompt_ids(self.tok),
+            token_ids=sub.token_ids, logprobs=sub.logprobs, versions=sub.token_versions, sampled=sub.sampled,
             sampling=SamplingSpec(temperature=self.recipe.temperature,
                                   max_new_tokens=self.env.max_new_tokens, seed=sampling_seed(item.seed, j),
                                   stop_strings=tuple(self.env.stop_strings)),

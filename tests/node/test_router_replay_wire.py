@@ -11,7 +11,6 @@ from node.envs.base import Task
 from node.envs.rollout import Rollout
 from node.model import CausalLM, ModelConfig
 from node.model.routing import RouteShape, decode_routes
-from node.roles.inference import to_submission
 from protocol.errors import MalformedMessage
 from protocol.messages import MAX_ROUTED_EXPERTS_BYTES, RolloutSubmission, decode_message, encode_message
 
@@ -44,7 +43,7 @@ def test_the_inference_role_sends_the_engine_routes_of_every_position():
     r = Rollout("r", Task("t", "", ""), c.prompt_ids, c.token_ids, [True] * 6, c.logprobs, c.versions, turns=[c],
                 finish_reason=c.finish_reason)
     shape = RouteShape.of(cfg)
-    sub = to_submission(1, r, b"", routes=shape)
+    sub = r.to_submission(1, b"", routes=shape)
     assert len(sub.routed_experts) == (3 + 6 - 1) * 2 * 2
     assert torch.equal(decode_routes(sub.routed_experts, 3 + 6 - 1, shape), c.routed_experts)
-    assert to_submission(1, r, b"").routed_experts is None  # a run without router replay sends none
+    assert r.to_submission(1, b"").routed_experts is None  # a run without router replay sends none
