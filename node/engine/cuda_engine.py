@@ -137,6 +137,15 @@ class CudaEngine:
                 done[c.request_id] = c
         return [done[r.request_id] for r in requests]
 
+    def verify_prefill(self, sequences: list[list[int]], prompt_lens: list[int], params: list,
+                       with_routes: bool = False) -> list:
+        """The validator's batched recomputation under the served weights (`verify.verify_prefill`)."""
+        from node.engine.verify import verify_prefill
+
+        self._apply_pending()
+        return verify_prefill(self.model, sequences, prompt_lens, params, with_routes,
+                              batch_tokens=4 * self.prefill_tokens)
+
     def close(self) -> None:
         self._graphs.clear()
         self._graph_logits.clear()

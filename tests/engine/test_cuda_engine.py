@@ -104,3 +104,23 @@ def test_mismatched_version_refused_and_old_one_keeps_serving():
 def test_buckets():
     assert buckets_for(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert buckets_for(5) == [1, 2, 4, 5]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.0, 1.0), (0.7, 0.9)])
+def test_verify_prefill_re_derives_the_engines_tokens_logprobs_hidden_routes(temperature, top_p):
+    model = tiny(7)
+    eng = CudaEngine(copy.deepcopy(model), max_batch=4, eos_id=-1, capture_hidden=True, capture_experts=True)
+    reqs = requests(7, seed=2, temperature=temperature, top_p=top_p)
+    done = eng.generate(reqs)
+    checks = eng.verify_prefill([c.prompt_ids + c.token_ids for c in done], [len(c.prompt_ids) for c in done],
+                                [r.params for r in reqs], with_routes=True)
+    for c, v in zip(done, checks):
+        assert v.tokens.tolist() == c.token_ids
+        assert (v.logprobs - torch.tensor(c.logprobs)).abs().max() <= 1e-4
+        assert torch.allclose(v.hidden.float(), c.hidden.float(), atol=1e-4)
+        assert torch.equal(v.routes.long().sort(-1).values, c.routed_experts.sort(-1).values)
+    # a claimed token the rule would not pick shows up as a differing replay token
+    bad = list(done[0].prompt_ids + done[0].token_ids)
+    bad[-1] = (bad[-1] + 1) % 64
+    v = eng.verify_prefill([bad], [len(done[0].prompt_ids)], [reqs[0].params])[0]
+    assert v.tokens.tolist()[-1] != bad[-1]
