@@ -13,13 +13,27 @@ Quantised (FP8) projections and experts plug in as modules, as in the model.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from node.engine.attention import decode_attention
 from node.model.cache import KVCache
 from node.model.moe import MoEBlock
-from node.model.qwen3_moe import Attention, CausalLM, rope, rope_tables
+from node.model.qwen3_moe import Attention, CausalLM, RMSNorm, rope, rope_tables
+
+
+FUSED_NORM = os.environ.get("PRIMERL_FUSED_NORM", "1") == "1"
+"""On CUDA, RMSNorm as one Triton kernel (`norm_kernels`) instead of the module's seven."""
+
+
+def _norm(mod: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    if FUSED_NORM and x.is_cuda:
+        from node.engine.norm_kernels import rms_norm
+
+        return rms_norm(x, mod.weight, mod.eps)
+    return mod(x)
 
 
 def _qkv(attn: Attention, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
@@ -28,7 +42,7 @@ def _qkv(attn: Attention, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torc
     k = attn.k_proj(h).view(*shape, attn.n_kv, attn.head_dim)
     v = attn.v_proj(h).view(*shape, attn.n_kv, attn.head_dim)
     if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
     return q, k, v
 
 
@@ -52,15 +66,15 @@ def decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.T
     routes: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, layer.input_layernorm(x), (b,))
+        q, k, v = _qkv(attn, _norm(layer.input_layernorm, x), (b,))
         q = rope(q[:, :, None], cos, sin)[:, :, 0]
         k = rope(k[:, :, None], cos, sin)[:, :, 0]
         cache.k[i][slots, pos] = k
         cache.v[i][slots, pos] = v
         o = decode_attention(q, cache.k[i], cache.v[i], slots, lens, splits)
         x = x + attn.o_proj(o.reshape(b, -1))
-        x = x + _mlp(layer, layer.post_attention_layernorm(x), routes)
-    hidden = model.model.norm(x)
+        x = x + _mlp(layer, _norm(layer.post_attention_layernorm, x), routes)
+    hidden = _norm(model.model.norm, x)
     return hidden, torch.stack(routes, dim=1) if routes else None
 
 
@@ -76,7 +90,7 @@ def prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, c
     routes: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, layer.input_layernorm(x), (b, t))
+        q, k, v = _qkv(attn, _norm(layer.input_layernorm, x), (b, t))
         q = rope(q.transpose(1, 2), cos, sin)
         k = rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
@@ -91,6 +105,6 @@ def prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, c
             mask = (torch.arange(read_len, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        x = x + _mlp(layer, layer.post_attention_layernorm(x), routes)
-    hidden = model.model.norm(x)
+        x = x + _mlp(layer, _norm(layer.post_attention_layernorm, x), routes)
+    hidden = _norm(model.model.norm, x)
     return hidden, torch.stack([r.view(b, t, -1) for r in routes], dim=2) if routes else None

@@ -131,3 +131,17 @@ def test_deepgemm_masked_matches_triton_grouped():
     ref = grouped_gemm_triton(x_q, w, counts, x_s, w_s).float()
     out = masked_grouped_gemm(x_q, x_s, counts, w, w_s, tokens).float()
     assert ((out - ref).norm() / ref.norm()) < 1e-3
+
+
+def test_fused_rms_norm_matches_module():
+    from node.engine.norm_kernels import rms_norm
+    from node.model.qwen3_moe import RMSNorm
+
+    torch.manual_seed(8)
+    for n in (128, 2048):
+        mod = RMSNorm(n, 1e-6).cuda().to(torch.bfloat16)
+        mod.weight.data.normal_()
+        x = torch.randn(37, n, device="cuda", dtype=torch.bfloat16) * 3
+        a, b = mod(x).float(), rms_norm(x, mod.weight, 1e-6).float()
+        assert ((a - b).abs() <= a.abs() * 2**-7 + 1e-6).all()
+        assert (a == b).float().mean() > 0.98
