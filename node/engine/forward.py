@@ -24,12 +24,13 @@ from node.model.moe import MoEBlock
 from node.model.qwen3_moe import Attention, CausalLM, RMSNorm, rope, rope_tables
 
 
-FUSED_NORM = os.environ.get("PRIMERL_FUSED_NORM", "1") == "1"
-"""On CUDA, RMSNorm as one Triton kernel (`norm_kernels`) instead of the module's seven."""
+FUSED = os.environ.get("PRIMERL_FUSED_KERNELS", "1") == "1"
+"""On CUDA: RMSNorm as one Triton kernel (`norm_kernels`) instead of the module's seven, and in
+decode, q/k rotary embedding plus the KV-cache write as one (`rope_kernels`) instead of a dozen."""
 
 
 def _norm(mod: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    if FUSED_NORM and x.is_cuda:
+    if FUSED and x.is_cuda:
         from node.engine.norm_kernels import rms_norm
 
         return rms_norm(x, mod.weight, mod.eps)
@@ -67,10 +68,15 @@ def decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.T
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q, k, v = _qkv(attn, _norm(layer.input_layernorm, x), (b,))
-        q = rope(q[:, :, None], cos, sin)[:, :, 0]
-        k = rope(k[:, :, None], cos, sin)[:, :, 0]
-        cache.k[i][slots, pos] = k
-        cache.v[i][slots, pos] = v
+        if FUSED and x.is_cuda:
+            from node.engine.rope_kernels import rope_and_write
+
+            q = rope_and_write(q, k, v, cos[:, 0, 0], sin[:, 0, 0], slots, pos, cache.k[i], cache.v[i])
+        else:
+            q = rope(q[:, :, None], cos, sin)[:, :, 0]
+            k = rope(k[:, :, None], cos, sin)[:, :, 0]
+            cache.k[i][slots, pos] = k
+            cache.v[i][slots, pos] = v
         o = decode_attention(q, cache.k[i], cache.v[i], slots, lens, splits)
         x = x + attn.o_proj(o.reshape(b, -1))
         x = x + _mlp(layer, _norm(layer.post_attention_layernorm, x), routes)

@@ -145,3 +145,21 @@ def test_fused_rms_norm_matches_module():
         a, b = mod(x).float(), rms_norm(x, mod.weight, 1e-6).float()
         assert ((a - b).abs() <= a.abs() * 2**-7 + 1e-6).all()
         assert (a == b).float().mean() > 0.98
+
+
+def test_fused_rope_and_cache_write_match_model_ops():
+    from node.engine.rope_kernels import rope_and_write
+    from node.model.qwen3_moe import rope, rope_tables
+
+    torch.manual_seed(9)
+    b, nh, nkv, d = 33, 32, 4, 128
+    q = torch.randn(b, nh, d, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(b, nkv, d, device="cuda", dtype=torch.bfloat16), torch.randn(b, nkv, d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 500, (b,), device="cuda")
+    slots = torch.randperm(40, device="cuda")[:b]
+    cos, sin = rope_tables(pos[:, None], d, 1e6, torch.bfloat16)
+    kc, vc = torch.zeros(40, 512, nkv, d, device="cuda", dtype=torch.bfloat16), torch.zeros(40, 512, nkv, d, device="cuda", dtype=torch.bfloat16)
+    qo = rope_and_write(q, k, v, cos[:, 0, 0], sin[:, 0, 0], slots, pos, kc, vc)
+    assert torch.equal(qo, rope(q[:, :, None], cos, sin)[:, :, 0])
+    assert torch.equal(kc[slots, pos], rope(k[:, :, None], cos, sin)[:, :, 0])
+    assert torch.equal(vc[slots, pos], v)
