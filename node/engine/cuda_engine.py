@@ -56,7 +56,7 @@ def buckets_for(max_batch: int) -> list[int]:
 class CudaEngine:
     def __init__(self, model: CausalLM, max_batch: int = 64, max_seq_len: int | None = None,
                  eos_id: int = 2, decode=None, capture_hidden: bool = False,  # noqa: ANN001
-                 capture_experts: bool = False, version: int = 0, *, fp8: bool = False,
+                 capture_experts: bool = False, version: int = 0, *, fp8: bool | str = False,
                  use_graphs: bool | None = None, prefill_tokens: int = 8192):
         cfg = model.config
         param = next(model.parameters())
@@ -67,14 +67,20 @@ class CudaEngine:
                 raise FP8Unsupported(f"{torch.cuda.get_device_name(self.device)} has no FP8 tensor cores")
             from node.engine.fp8.model import quantize_model_fp8
 
-            quantize_model_fp8(model)
+            if fp8 not in (True, "all", "experts"):
+                raise ValueError(f"fp8 must be False, True/'all' or 'experts', not {fp8!r}")
+            quantize_model_fp8(model, dense=fp8 != "experts")
         self.fp8 = fp8
         self.model = model.eval()
         self.max_batch, self.eos_id, self.decode, self.version = max_batch, eos_id, decode, version
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         self.capture_hidden = capture_hidden
         self.capture_experts = capture_experts and cfg.num_experts > 0
-        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        # the MoE block's float32 expert path counts rows on the host: only bf16 / FP8 steps capture
+        capturable = self.device.type == "cuda" and (param.dtype == torch.bfloat16 or cfg.num_experts == 0)
+        if use_graphs and not capturable:
+            raise ValueError(f"CUDA graphs need a bf16 (or FP8) model on a CUDA device, not {param.dtype} on {self.device}")
+        self.use_graphs = capturable if use_graphs is None else use_graphs
         self.prefill_tokens = prefill_tokens
         self.scratch = max_batch  # slot that padding rows of a bucket read and write
         self.cache = KVCache(cfg.num_hidden_layers, max_batch + 1, cfg.num_key_value_heads, self.max_seq_len,
@@ -96,7 +102,8 @@ class CudaEngine:
         from node.engine.fp8.ops import grouped_backend
 
         log.info("CudaEngine on %s: %s, graphs %s, grouped GEMM backend %s", self.device,
-                 "fp8" if fp8 else str(param.dtype).removeprefix("torch."), self.use_graphs,
+                 f"fp8 ({'experts' if fp8 == 'experts' else 'all projections'})" if fp8
+                 else str(param.dtype).removeprefix("torch."), self.use_graphs,
                  grouped_backend(self.device) if fp8 else "torch")
 
     # ---- weights -------------------------------------------------------------------------

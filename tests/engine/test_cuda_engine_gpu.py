@@ -73,12 +73,16 @@ def test_device_sampler_matches_cpu_rule():
 def test_graphs_match_eager_and_cpu_engine(temperature, top_p):
     m = model(1)
     rs = reqs(21, temperature=temperature, top_p=top_p)
-    graphs = CudaEngine(copy.deepcopy(m), max_batch=8, eos_id=-1, capture_hidden=True, capture_experts=True).generate(rs)
-    eager = CudaEngine(copy.deepcopy(m), max_batch=8, eos_id=-1, capture_hidden=True, capture_experts=True,
+    bf = copy.deepcopy(m).to(torch.bfloat16)
+    graphs = CudaEngine(copy.deepcopy(bf), max_batch=8, eos_id=-1, capture_hidden=True, capture_experts=True).generate(rs)
+    assert graphs and CudaEngine(copy.deepcopy(bf), max_batch=2).use_graphs
+    eager = CudaEngine(copy.deepcopy(bf), max_batch=8, eos_id=-1, capture_hidden=True, capture_experts=True,
                        use_graphs=False).generate(rs)
-    cpu = Engine(copy.deepcopy(m).cpu(), max_batch=8, eos_id=-1).generate(rs)
     assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
-    same = sum(a.token_ids == b.token_ids for a, b in zip(graphs, cpu))
+    # float32 on the GPU (eager: that expert path counts rows on the host) against the CPU Engine
+    gpu32 = CudaEngine(copy.deepcopy(m), max_batch=8, eos_id=-1).generate(rs)
+    cpu = Engine(copy.deepcopy(m).cpu(), max_batch=8, eos_id=-1).generate(rs)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(gpu32, cpu))
     assert same >= len(rs) - 1, f"only {same}/{len(rs)} completions equal the CPU engine's"
     for a, b in zip(graphs, eager):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
@@ -117,7 +121,7 @@ def test_fp8_graphs_match_fp8_eager():
 def test_deepgemm_masked_matches_triton_grouped():
     from node.engine.fp8.deepgemm import available, masked_grouped_gemm
     from node.engine.fp8.kernels import grouped_gemm_triton
-    from node.engine.fp8.ops import quantize_activation
+    from node.engine.fp8.ops import deepgemm_shape, quantize_activation
     from node.engine.fp8.quantize import quantize_weight
 
     if not available():
@@ -131,6 +135,7 @@ def test_deepgemm_masked_matches_triton_grouped():
     ref = grouped_gemm_triton(x_q, w, counts, x_s, w_s).float()
     out = masked_grouped_gemm(x_q, x_s, counts, w, w_s, tokens).float()
     assert ((out - ref).norm() / ref.norm()) < 1e-3
+    assert not deepgemm_shape(torch.empty(8, 256, 128))  # K = 128: falls back to Triton
 
 
 def test_fused_rms_norm_matches_module():
@@ -160,6 +165,8 @@ def test_fused_rope_and_cache_write_match_model_ops():
     cos, sin = rope_tables(pos[:, None], d, 1e6, torch.bfloat16)
     kc, vc = torch.zeros(40, 512, nkv, d, device="cuda", dtype=torch.bfloat16), torch.zeros(40, 512, nkv, d, device="cuda", dtype=torch.bfloat16)
     qo = rope_and_write(q, k, v, cos[:, 0, 0], sin[:, 0, 0], slots, pos, kc, vc)
-    assert torch.equal(qo, rope(q[:, :, None], cos, sin)[:, :, 0])
-    assert torch.equal(kc[slots, pos], rope(k[:, :, None], cos, sin)[:, :, 0])
+    for got, want in ((qo, rope(q[:, :, None], cos, sin)[:, :, 0]), (kc[slots, pos], rope(k[:, :, None], cos, sin)[:, :, 0])):
+        got, want = got.float(), want.float()
+        assert ((got - want).abs() <= want.abs() * 2**-7 + 2**-14).all()  # within one bf16 rounding
+        assert (got == want).float().mean() > 0.95
     assert torch.equal(vc[slots, pos], v)

@@ -43,6 +43,8 @@ def _cases(device: str):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-machine test: kernels already built for the GPU in this process (GPU tests cover them)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import triton.runtime.interpreter as interp
 

@@ -118,12 +118,14 @@ def _is_projection(name: str) -> bool:
 
 
 @torch.no_grad()
-def quantize_model_fp8(model: nn.Module) -> nn.Module:
-    """Swap decoder projections and experts for FP8 twins, in place; returns the model."""
+def quantize_model_fp8(model: nn.Module, dense: bool = True) -> nn.Module:
+    """Swap decoder projections (unless `dense` is False) and experts for FP8 twins, in place;
+    returns the model. With dense=False only the experts are FP8: at decode batch sizes the
+    attention projections are GEMMs of a few hundred rows, where bf16 cuBLAS beats block-scaled FP8."""
     swaps: list[tuple[str, nn.Module]] = []
     top_k = {f"{name}.experts": mod.top_k for name, mod in model.named_modules() if isinstance(mod, MoEBlock)}
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and _is_projection(name):
+        if dense and isinstance(mod, nn.Linear) and _is_projection(name):
             swaps.append((name, FP8Linear(mod)))
         elif isinstance(mod, GroupedExperts):
             swaps.append((name, FP8GroupedExperts(mod, top_k.get(name))))

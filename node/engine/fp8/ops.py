@@ -21,6 +21,12 @@ DEEPGEMM_MAX_TOKENS = 512
 """Largest token count (rows / top-k) sent to DeepGEMM's masked kernel; larger batches go to Triton."""
 
 
+def deepgemm_shape(w: torch.Tensor) -> bool:
+    """Shapes DeepGEMM 1.0.0's masked kernel compiles for: K a multiple of 256, N of 128 (its
+    uniform-B-scale path needs an even number of K scale blocks)."""
+    return w.shape[-1] % 256 == 0 and w.shape[-2] % 128 == 0
+
+
 def grouped_backend(device: torch.device | str | None = None) -> str:
     """Which kernel serves FP8 expert GEMMs on `device`: 'deepgemm-masked+triton', 'triton' or 'torch'."""
     choice = os.environ.get("PRIMERL_FP8_GROUPED", "auto")
@@ -100,7 +106,7 @@ def grouped_linear(
         if w_s is None:
             return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype)
         x_q, x_s = quantize_activation(x)
-        if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.is_cuda
+        if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.is_cuda and deepgemm_shape(w)
                 and grouped_backend(x.device) != "triton"):
             from node.engine.fp8.deepgemm import masked_grouped_gemm
 
