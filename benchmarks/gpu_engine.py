@@ -67,7 +67,7 @@ def _fixed_once(engine: CudaEngine, cfg, b: int) -> dict:  # noqa: ANN001
 def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[int]) -> None:  # noqa: ANN001
     rows = {b: {"batch": b} for b in batches}
     variants = [("fp8", True, "auto"), ("fp8_experts", "experts", "auto"), ("bf16", False, "auto")]
-    if grouped_backend("cuda") != "triton":
+    if grouped_backend("cuda") != "triton" and os.environ.get("GPU_ENGINE_TRITON_VARIANT") == "1":
         variants.append(("fp8_triton", True, "triton"))
     for name, fp8, backend in variants:
         os.environ["PRIMERL_FP8_GROUPED"] = backend
@@ -83,7 +83,7 @@ def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[in
             rows[b][f"{name}_roofline_share"] = step_bytes(cfg, b, PROMPT + NEW, fp8) / bw / (r["step_ms"] / 1e3)
             log(f"batch {b} {name}: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step), "
                 f"end-to-end {r['e2e_tok_s']:.0f} tok/s")
-        if name in ("fp8", "bf16", "fp8_experts"):
+        if os.environ.get("GPU_ENGINE_PROFILE") == "1":
             result.setdefault("profile_b256_eager_step_top_kernels_ms", {})[name] = profile_step(eng, max(batches))
         del eng
         torch.cuda.empty_cache()
@@ -165,7 +165,15 @@ def section_rl(result: dict, bf16: CausalLM, cfg, n: int) -> None:  # noqa: ANN0
     checks = eng.verify_prefill(seqs, [len(c.prompt_ids) for c in done], [r.params for r in reqs], with_routes=True)
     t_ver = _sync() - t0
     agree = sum(int((v.tokens.cpu() == torch.tensor(c.token_ids)).sum()) for v, c in zip(checks, done)) / gen_tokens
-    errs = torch.cat([(v.logprobs.cpu() - torch.tensor(c.logprobs)).abs() for v, c in zip(checks, done)])
+    eng_lp = torch.cat([torch.tensor(c.logprobs) for c in done])
+    ver_lp = torch.cat([v.logprobs.cpu() for v in checks])
+    result.update(engine_nonfinite_logprobs=int((~torch.isfinite(eng_lp)).sum()),
+                  verify_nonfinite_logprobs=int((~torch.isfinite(ver_lp)).sum()),
+                  verify_nonfinite_hidden=int(sum(int((~torch.isfinite(v.hidden)).sum()) for v in checks)))
+    log(f"non-finite logprobs: engine {result['engine_nonfinite_logprobs']}, verify {result['verify_nonfinite_logprobs']}; "
+        f"non-finite verify hidden {result['verify_nonfinite_hidden']}")
+    errs = (ver_lp - eng_lp).abs()
+    errs = errs[torch.isfinite(errs)]
     lp_err = float(errs.max())
     result.update(verify_mean_logprob_err=float(errs.mean()), verify_p99_logprob_err=float(errs.quantile(0.99)))
     result.update(verify_s=t_ver, verify_tok_s=gen_tokens / t_ver, verify_over_generate=(gen_tokens / t_ver) / (gen_tokens / t_all),

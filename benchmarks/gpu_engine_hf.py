@@ -81,7 +81,7 @@ def hf_anchors(cfg, batches: list[int], prompt: int, new: int, compile_timeout: 
     from benchmarks.fp8_common import log
 
     res: dict = {}
-    for mode, timeout in (("eager", 300.0), ("static", compile_timeout)):
+    for mode, timeout in (("eager", 120.0), ("static", compile_timeout)):
         t = time.perf_counter()
         r = _run(mode, cfg.num_hidden_layers, batches, prompt, new, timeout)
         log(f"transformers {mode}: {r} ({time.perf_counter() - t:.0f}s)")

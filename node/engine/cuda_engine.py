@@ -57,7 +57,7 @@ class CudaEngine:
     def __init__(self, model: CausalLM, max_batch: int = 64, max_seq_len: int | None = None,
                  eos_id: int = 2, decode=None, capture_hidden: bool = False,  # noqa: ANN001
                  capture_experts: bool = False, version: int = 0, *, fp8: bool | str = False,
-                 use_graphs: bool | None = None, prefill_tokens: int = 8192):
+                 use_graphs: bool | None = None, prefill_tokens: int = 8192, admit_batch: int | None = None):
         cfg = model.config
         param = next(model.parameters())
         self.device = param.device
@@ -82,6 +82,9 @@ class CudaEngine:
             raise ValueError(f"CUDA graphs need a bf16 (or FP8) model on a CUDA device, not {param.dtype} on {self.device}")
         self.use_graphs = capturable if use_graphs is None else use_graphs
         self.prefill_tokens = prefill_tokens
+        self.admit_batch = admit_batch or max(1, max_batch // 8)
+        """While sequences are decoding, waiting requests are admitted once this many slots are free
+        (or all of them fit): one batched prefill instead of one eager prefill per finished sequence."""
         self.scratch = max_batch  # slot that padding rows of a bucket read and write
         self.cache = KVCache(cfg.num_hidden_layers, max_batch + 1, cfg.num_key_value_heads, self.max_seq_len,
                              cfg.head_dim, dtype=param.dtype, device=self.device)
@@ -164,7 +167,8 @@ class CudaEngine:
         decoding = sorted(self.running.values(), key=lambda s: s.slot)
         admitted = []
         self._free.sort(reverse=True)
-        while self.waiting and self._free:
+        ready = not self.running or len(self._free) >= min(self.admit_batch, len(self.waiting))
+        while ready and self.waiting and self._free:
             seq = _Sequence(self.waiting.popleft(), self._free.pop())
             self.running[seq.slot] = seq
             self.state.admit(seq.slot, seq.request)
