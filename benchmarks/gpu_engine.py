@@ -66,9 +66,11 @@ def _fixed_once(engine: CudaEngine, cfg, b: int) -> dict:  # noqa: ANN001
 
 def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[int]) -> None:  # noqa: ANN001
     rows = {b: {"batch": b} for b in batches}
-    variants = [("fp8", True, "auto"), ("fp8_experts", "experts", "auto"), ("bf16", False, "auto")]
-    if grouped_backend("cuda") != "triton" and os.environ.get("GPU_ENGINE_TRITON_VARIANT") == "1":
-        variants.append(("fp8_triton", True, "triton"))
+    default = os.environ.get("PRIMERL_FP8_GROUPED", "triton")
+    variants = [("fp8", True, default), ("fp8_experts", "experts", default), ("bf16", False, default)]
+    other = "triton" if default != "triton" else "auto"
+    if os.environ.get("GPU_ENGINE_OTHER_BACKEND") == "1":  # the other grouped-GEMM backend, for comparison
+        variants.append((f"fp8_{other}", True, other))
     for name, fp8, backend in variants:
         os.environ["PRIMERL_FP8_GROUPED"] = backend
         t = time.perf_counter()
@@ -87,7 +89,7 @@ def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[in
             result.setdefault("profile_b256_eager_step_top_kernels_ms", {})[name] = profile_step(eng, max(batches))
         del eng
         torch.cuda.empty_cache()
-    os.environ["PRIMERL_FP8_GROUPED"] = "auto"
+    os.environ["PRIMERL_FP8_GROUPED"] = default
     from node.engine.fp8.model import quantize_model_fp8
 
     fp8_model = quantize_model_fp8(copy.deepcopy(bf16))

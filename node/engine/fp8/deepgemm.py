@@ -39,6 +39,10 @@ def masked_grouped_gemm(x_q: torch.Tensor, x_s: torch.Tensor, counts: torch.Tens
     w[e] [N, K]^T (e4m3, scales w_s [E, N/128, K/128]); no expert may have more than `capacity` rows."""
     import deep_gemm
 
+    # Each expert's block must hold whole row tiles: the kernel loads and stores BLOCK_M (64 or 128)
+    # rows per tile, so with a capacity that is not a multiple, a tile of expert e spills into the
+    # rows of expert e + 1 (seen on the H200: rare NaN and wrong rows, benchmarks/results/logs/).
+    capacity = -(-capacity // 128) * 128
     t, k = x_q.shape
     e, n, _ = w.shape
     counts = counts.to(torch.int32)

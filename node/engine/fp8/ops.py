@@ -4,8 +4,11 @@ Invariant: the CUDA and CPU paths compute the same function (same quantisation, 
 scaling, float32 accumulation); only the summation order differs. CPU tests of the model path
 therefore exercise the numerics that the GPU runs.
 Set PRIMERL_FP8_TRITON=1 to force the Triton path (with TRITON_INTERPRET=1 it runs on CPU, slowly).
-Grouped (expert) GEMMs of decode-sized batches go to DeepGEMM's masked kernel when it is importable
-on Hopper (`fp8/deepgemm.py`), Triton otherwise; PRIMERL_FP8_GROUPED=triton|deepgemm forces one.
+Grouped (expert) GEMMs go to our Triton kernel; with PRIMERL_FP8_GROUPED=auto (DeepGEMM when
+importable on Hopper) or =deepgemm (required), decode-sized batches go to DeepGEMM's masked kernel
+(`fp8/deepgemm.py`). Triton is the default because on the H200 (docs/fp8.md) DeepGEMM gave no
+speed-up inside the captured step, and its masked layout produced wrong rows until the capacity
+was rounded to whole tiles (that fix is not yet re-measured on a GPU).
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ def deepgemm_shape(w: torch.Tensor) -> bool:
 
 def grouped_backend(device: torch.device | str | None = None) -> str:
     """Which kernel serves FP8 expert GEMMs on `device`: 'deepgemm-masked+triton', 'triton' or 'torch'."""
-    choice = os.environ.get("PRIMERL_FP8_GROUPED", "auto")
+    choice = os.environ.get("PRIMERL_FP8_GROUPED", "triton")
     if device is not None and torch.device(device).type != "cuda" and os.environ.get("PRIMERL_FP8_TRITON") != "1":
         return "torch"
-    if choice == "triton":
+    if choice not in ("auto", "deepgemm"):
         return "triton"
     from node.engine.fp8.deepgemm import DeepGEMMUnavailable, available
 
