@@ -29,7 +29,9 @@ from collections import deque
 
 import torch
 
-from node.engine.cuda_state import SlotState, WeightsMismatch, check_weights, expected_shapes
+from node.engine.bucket_graphs import BucketGraphs
+from node.engine.cuda_state import (FP8Unsupported, SlotState, WeightsMismatch, check_weights, expected_shapes,
+                                     prepare_model)
 from node.engine.device_sampling import sample_device, sample_torch
 from node.engine.engine import Completion, Engine, Request, RequestTooLong, _Sequence
 from node.engine.forward import decode_step, prefill_chunk
@@ -39,10 +41,6 @@ from node.model.qwen3_moe import CausalLM
 log = logging.getLogger(__name__)
 
 __all__ = ["CudaEngine", "FP8Unsupported", "WeightsMismatch"]
-
-
-class FP8Unsupported(RuntimeError):
-    """FP8 asked for on a device without e4m3 tensor cores (compute capability below 8.9)."""
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -57,19 +55,15 @@ class CudaEngine:
     def __init__(self, model: CausalLM, max_batch: int = 64, max_seq_len: int | None = None,
                  eos_id: int = 2, decode=None, capture_hidden: bool = False,  # noqa: ANN001
                  capture_experts: bool = False, version: int = 0, *, fp8: bool | str = False,
-                 use_graphs: bool | None = None, prefill_tokens: int = 8192, admit_batch: int | None = None):
+                 use_graphs: bool | None = None, prefill_tokens: int = 8192, admit_batch: int | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        """`device`/`dtype`: move the model there first (on CUDA, bf16 unless `dtype` says otherwise);
+        None serves it where it is. `fp8`: True/'all' (decoder projections and experts) or 'experts'."""
         cfg = model.config
+        self._shapes = expected_shapes(model)
+        model = prepare_model(model, device, dtype, fp8)
         param = next(model.parameters())
         self.device = param.device
-        self._shapes = expected_shapes(model)
-        if fp8:
-            if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-                raise FP8Unsupported(f"{torch.cuda.get_device_name(self.device)} has no FP8 tensor cores")
-            from node.engine.fp8.model import quantize_model_fp8
-
-            if fp8 not in (True, "all", "experts"):
-                raise ValueError(f"fp8 must be False, True/'all' or 'experts', not {fp8!r}")
-            quantize_model_fp8(model, dense=fp8 != "experts")
         self.fp8 = fp8
         self.model = model.eval()
         self.max_batch, self.eos_id, self.decode, self.version = max_batch, eos_id, decode, version
@@ -93,9 +87,7 @@ class CudaEngine:
         self.buckets = buckets_for(max_batch)
         self._slot_buf = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
         self._tok_out = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._graph_logits: dict[int, torch.Tensor] = {}
-        self._pool = None
+        self._graphs = BucketGraphs(self.device, self._decode_body, lambda b: self._slot_buf[:b].fill_(self.scratch))
         self.waiting: deque[Request] = deque()
         self.running: dict[int, _Sequence] = {}
         self._free = list(range(max_batch - 1, -1, -1))
@@ -158,7 +150,6 @@ class CudaEngine:
 
     def close(self) -> None:
         self._graphs.clear()
-        self._graph_logits.clear()
 
     # ---- the loop ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -224,12 +215,11 @@ class CudaEngine:
         b = next(x for x in self.buckets if x >= n)
         slots = torch.full((b,), self.scratch, dtype=torch.long)
         slots[:n] = torch.tensor([s.slot for s in seqs])
-        if self.use_graphs and b not in self._graphs:
-            self._capture(b)  # before the slot table is filled: capture runs padding rows only
+        if self.use_graphs:
+            self._graphs.ensure(b)  # before the slot table is filled: capture runs padding rows only
         self._slot_buf[:b].copy_(slots)
         if self.use_graphs:
-            self._graphs[b].replay()
-            logits = self._graph_logits[b]
+            logits = self._graphs.run(b)
         else:
             logits = self._decode_body(b)
         top_p = [i for i, s in enumerate(seqs) if s.request.params.top_p < 1]
@@ -250,30 +240,12 @@ class CudaEngine:
         self._tok_out[:b] = tok
         return logits
 
-    def _capture(self, b: int) -> None:
-        """Compile every kernel on a side stream (padding rows only: no live state changes), then
-        record the step for bucket b into the graph pool all buckets share."""
-        self._slot_buf[:b].fill_(self.scratch)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode_body(b)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._graph_logits[b] = self._decode_body(b)
-        self._graphs[b] = graph
-
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket's graph now (largest first), instead of on first use."""
         if self.use_graphs:
             for b in sorted(self.buckets, reverse=True):
-                if b not in self._graphs:
-                    self._capture(b)
+                self._graphs.ensure(b)
 
     def _advance(self, seqs: list[_Sequence], tokens: list[int]) -> list[Completion]:
         finished = []

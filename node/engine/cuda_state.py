@@ -17,6 +17,30 @@ from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 
 
+class FP8Unsupported(RuntimeError):
+    """FP8 asked for on a device without e4m3 tensor cores (compute capability below 8.9)."""
+
+
+def prepare_model(model: CausalLM, device: str | torch.device | None, dtype: torch.dtype | None,
+                  fp8: bool | str) -> CausalLM:
+    """Move the model to `device` (CUDA: bf16 unless `dtype` is given) and swap in FP8 modules."""
+    if device is not None:
+        device = torch.device(device)
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else None)
+        model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
+    if fp8:
+        if fp8 not in (True, "all", "experts"):
+            raise ValueError(f"fp8 must be False, True/'all' or 'experts', not {fp8!r}")
+        dev = next(model.parameters()).device
+        if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+            raise FP8Unsupported(f"{torch.cuda.get_device_name(dev)} has no FP8 tensor cores (compute capability "
+                                 f"{torch.cuda.get_device_capability(dev)}); run without fp8")
+        from node.engine.fp8.model import quantize_model_fp8
+
+        quantize_model_fp8(model, dense=fp8 != "experts")
+    return model
+
+
 class WeightsMismatch(InvalidCheckpoint):
     """A policy version whose tensors do not match the served model (names, shapes or dtype kind);
     refused before anything is copied, so the engine keeps serving the version it has."""

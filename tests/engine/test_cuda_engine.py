@@ -124,3 +124,13 @@ def test_verify_prefill_re_derives_the_engines_tokens_logprobs_hidden_routes(tem
     bad[-1] = (bad[-1] + 1) % 64
     v = eng.verify_prefill([bad], [len(done[0].prompt_ids)], [reqs[0].params])[0]
     assert v.tokens.tolist()[-1] != bad[-1]
+
+
+def test_device_and_dtype_arguments_move_the_model():
+    eng = CudaEngine(tiny(8).to(torch.float64), max_batch=2, eos_id=-1, device="cpu", dtype=torch.float32)
+    assert next(eng.model.parameters()).dtype == torch.float32 and eng.device.type == "cpu"
+    assert not eng.use_graphs
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        CudaEngine(tiny(8), max_batch=2, use_graphs=True)
+    with pytest.raises(ValueError, match="fp8"):
+        CudaEngine(tiny(8), max_batch=2, fp8="sometimes")

@@ -13,12 +13,27 @@ Every step is device-side (no host sync), so it runs inside a captured decode st
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
+_broken: str | None = None
 
 
 class DeepGEMMUnavailable(RuntimeError):
     """DeepGEMM asked for (PRIMERL_FP8_GROUPED=deepgemm) but not importable or not on Hopper."""
+
+
+def usable() -> bool:
+    """False once a DeepGEMM call failed (its JIT compile, say): later calls take Triton."""
+    return _broken is None
+
+
+def disable(reason: str) -> None:
+    global _broken
+    _broken = reason
+    log.error("DeepGEMM failed (%s); FP8 grouped GEMMs fall back to the Triton kernel", reason)
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,9 +37,9 @@ def grouped_backend(device: torch.device | str | None = None) -> str:
         return "torch"
     if choice not in ("auto", "deepgemm"):
         return "triton"
-    from node.engine.fp8.deepgemm import DeepGEMMUnavailable, available
+    from node.engine.fp8.deepgemm import DeepGEMMUnavailable, available, usable
 
-    if available():
+    if available() and usable():
         return "deepgemm-masked+triton"
     if choice == "deepgemm":
         raise DeepGEMMUnavailable("PRIMERL_FP8_GROUPED=deepgemm but deep_gemm is not importable on a Hopper GPU")
@@ -111,9 +111,14 @@ def grouped_linear(
         x_q, x_s = quantize_activation(x)
         if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.is_cuda and deepgemm_shape(w)
                 and grouped_backend(x.device) != "triton"):
-            from node.engine.fp8.deepgemm import masked_grouped_gemm
+            from node.engine.fp8 import deepgemm
 
-            return masked_grouped_gemm(x_q, x_s, counts, w, w_s, capacity, out_dtype=x.dtype)
+            try:
+                return deepgemm.masked_grouped_gemm(x_q, x_s, counts, w, w_s, capacity, out_dtype=x.dtype)
+            except Exception as exc:  # noqa: BLE001 - a JIT compile failure: logged, Triton from now on
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                deepgemm.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
         return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype)
     out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0
