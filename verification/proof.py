@@ -89,8 +89,9 @@ def topk_points(blocks: list[torch.Tensor], topk: int = TOPK) -> list[tuple[np.n
         stack = torch.stack([blocks[i] for i in members])
         k = min(topk, n)
         idx = stack.abs().topk(k, dim=-1).indices
-        bits = stack.gather(-1, idx).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-        idx = idx.numpy()
+        # top-k runs where the hidden states are (the GPU engine keeps them there); 2 x k values come back
+        bits = stack.gather(-1, idx).view(torch.int16).cpu().numpy().astype(np.int64) & 0xFFFF
+        idx = idx.cpu().numpy()
         for row, i in enumerate(members):
             out[i] = (idx[row].astype(np.int64), bits[row])
     return out  # type: ignore[return-value]

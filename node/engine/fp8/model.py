@@ -79,9 +79,11 @@ class FP8GroupedExperts(_QuantizedWeights):
 
     names = ("gate_up_proj", "down_proj")
 
-    def __init__(self, experts: GroupedExperts):
+    def __init__(self, experts: GroupedExperts, top_k: int | None = None):
         super().__init__()
         self.num_experts = experts.num_experts
+        self.top_k = top_k
+        """Experts per token of the owning MoE block: bounds any expert's rows by the token count."""
         self.dtype = experts.gate_up_proj.dtype
         for name in self.names:
             self.register_buffer(name, torch.empty(0), persistent=False)
@@ -89,9 +91,11 @@ class FP8GroupedExperts(_QuantizedWeights):
             self._set(name, getattr(experts, name))
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale)
+        cap = None if self.top_k is None else -(-x_sorted.shape[0] // self.top_k)
+        gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale, capacity=cap)
         gate, up = gu.chunk(2, dim=-1)
-        return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj, self.down_proj_scale)
+        return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj, self.down_proj_scale,
+                              capacity=cap)
 
 
 class TritonGroupedExperts(nn.Module):
@@ -114,14 +118,17 @@ def _is_projection(name: str) -> bool:
 
 
 @torch.no_grad()
-def quantize_model_fp8(model: nn.Module) -> nn.Module:
-    """Swap decoder projections and experts for FP8 twins, in place; returns the model."""
+def quantize_model_fp8(model: nn.Module, dense: bool = True) -> nn.Module:
+    """Swap decoder projections (unless `dense` is False) and experts for FP8 twins, in place;
+    returns the model. With dense=False only the experts are FP8: at decode batch sizes the
+    attention projections are GEMMs of a few hundred rows, where bf16 cuBLAS beats block-scaled FP8."""
     swaps: list[tuple[str, nn.Module]] = []
+    top_k = {f"{name}.experts": mod.top_k for name, mod in model.named_modules() if isinstance(mod, MoEBlock)}
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and _is_projection(name):
+        if dense and isinstance(mod, nn.Linear) and _is_projection(name):
             swaps.append((name, FP8Linear(mod)))
         elif isinstance(mod, GroupedExperts):
-            swaps.append((name, FP8GroupedExperts(mod)))
+            swaps.append((name, FP8GroupedExperts(mod, top_k.get(name))))
     for name, new in swaps:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)

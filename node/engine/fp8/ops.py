@@ -4,6 +4,11 @@ Invariant: the CUDA and CPU paths compute the same function (same quantisation, 
 scaling, float32 accumulation); only the summation order differs. CPU tests of the model path
 therefore exercise the numerics that the GPU runs.
 Set PRIMERL_FP8_TRITON=1 to force the Triton path (with TRITON_INTERPRET=1 it runs on CPU, slowly).
+Grouped (expert) GEMMs go to our Triton kernel; with PRIMERL_FP8_GROUPED=auto (DeepGEMM when
+importable on Hopper) or =deepgemm (required), decode-sized batches go to DeepGEMM's masked kernel
+(`fp8/deepgemm.py`). Triton is the default because on the H200 (docs/fp8.md) DeepGEMM gave no
+speed-up inside the captured step, and its masked layout produced wrong rows until the capacity
+was rounded to whole tiles (that fix is not yet re-measured on a GPU).
 """
 
 from __future__ import annotations
@@ -13,6 +18,32 @@ import os
 import torch
 
 from node.engine.fp8.quantize import BLOCK, UnsupportedTensor, quantize_act, reference_gemm
+
+
+DEEPGEMM_MAX_TOKENS = 512
+"""Largest token count (rows / top-k) sent to DeepGEMM's masked kernel; larger batches go to Triton."""
+
+
+def deepgemm_shape(w: torch.Tensor) -> bool:
+    """Shapes DeepGEMM 1.0.0's masked kernel compiles for: K a multiple of 256, N of 128 (its
+    uniform-B-scale path needs an even number of K scale blocks)."""
+    return w.shape[-1] % 256 == 0 and w.shape[-2] % 128 == 0
+
+
+def grouped_backend(device: torch.device | str | None = None) -> str:
+    """Which kernel serves FP8 expert GEMMs on `device`: 'deepgemm-masked+triton', 'triton' or 'torch'."""
+    choice = os.environ.get("PRIMERL_FP8_GROUPED", "triton")
+    if device is not None and torch.device(device).type != "cuda" and os.environ.get("PRIMERL_FP8_TRITON") != "1":
+        return "torch"
+    if choice not in ("auto", "deepgemm"):
+        return "triton"
+    from node.engine.fp8.deepgemm import DeepGEMMUnavailable, available, usable
+
+    if available() and usable():
+        return "deepgemm-masked+triton"
+    if choice == "deepgemm":
+        raise DeepGEMMUnavailable("PRIMERL_FP8_GROUPED=deepgemm but deep_gemm is not importable on a Hopper GPU")
+    return "triton"
 
 
 def triton_available() -> bool:
@@ -62,12 +93,14 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.T
 
 
 def grouped_linear(
-    x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor | None = None
+    x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """Rows of x [T, K] sorted by expert (counts [E]) times w[e] [N, K]^T.
 
     With w_s the weight is e4m3 with 128x128 block scales and x is quantised per row per group;
-    without it this is the plain (bf16) grouped product, the comparison path.
+    without it this is the plain (bf16) grouped product, the comparison path. `capacity` (the most
+    rows any expert can have: the token count) lets decode-sized batches take DeepGEMM.
     """
     if _use_triton(x):
         from node.engine.fp8.kernels import grouped_gemm_triton
@@ -76,6 +109,16 @@ def grouped_linear(
         if w_s is None:
             return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype)
         x_q, x_s = quantize_activation(x)
+        if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.is_cuda and deepgemm_shape(w)
+                and grouped_backend(x.device) != "triton"):
+            from node.engine.fp8 import deepgemm
+
+            try:
+                return deepgemm.masked_grouped_gemm(x_q, x_s, counts, w, w_s, capacity, out_dtype=x.dtype)
+            except Exception as exc:  # noqa: BLE001 - a JIT compile failure: logged, Triton from now on
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                deepgemm.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
         return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype)
     out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0

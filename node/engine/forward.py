@@ -1,0 +1,116 @@
+"""The CUDA engine's forward passes, walking a `CausalLM`'s own modules (same parameters, same
+math as `CausalLM.forward`) but shaped for serving:
+
+- `decode_step`: one token per row, rows at any mix of lengths; the KV write and the attention
+  read cache slot slots[b] up to position pos[b] on the device (`attention.decode_attention`), so
+  the step has fixed shapes and no host synchronisation and can be captured in a CUDA graph.
+- `prefill_chunk`: a right-padded [B, T] chunk of prompts; the first chunk attends causally to
+  its own keys (flash attention), later chunks of a long prompt read the cache with a mask.
+Neither computes logits: the caller applies the LM head to the rows it samples from, which at a
+151,936-token vocabulary is most of the cost of a prefill that computed all of them.
+Quantised (FP8) projections and experts plug in as modules, as in the model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from node.engine.attention import decode_attention
+from node.model.cache import KVCache
+from node.model.moe import MoEBlock
+from node.model.qwen3_moe import Attention, CausalLM, RMSNorm, rope, rope_tables
+
+
+FUSED = os.environ.get("PRIMERL_FUSED_KERNELS", "1") == "1"
+"""On CUDA: RMSNorm as one Triton kernel (`norm_kernels`) instead of the module's seven, and in
+decode, q/k rotary embedding plus the KV-cache write as one (`rope_kernels`) instead of a dozen."""
+
+
+def _norm(mod: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    if FUSED and x.is_cuda:
+        from node.engine.norm_kernels import rms_norm
+
+        return rms_norm(x, mod.weight, mod.eps)
+    return mod(x)
+
+
+def _qkv(attn: Attention, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """q [*shape, NH, D], k and v [*shape, NKV, D] of normed input h [..., H], q/k-normed, no rope."""
+    q = attn.q_proj(h).view(*shape, attn.n_heads, attn.head_dim)
+    k = attn.k_proj(h).view(*shape, attn.n_kv, attn.head_dim)
+    v = attn.v_proj(h).view(*shape, attn.n_kv, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+    return q, k, v
+
+
+def _mlp(layer, h: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
+    if isinstance(layer.mlp, MoEBlock):
+        y, routing = layer.mlp(h)
+        routes.append(routing.experts)
+        return y
+    return layer.mlp(h)
+
+
+def decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor,
+                slots: torch.Tensor, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Feed ids [B] at positions pos [B] of cache slots [B]; returns (final hidden [B, H], routes
+    [B, n_moe_layers, k] or None). Row b attends to positions 0..pos[b] of its slot."""
+    cfg = model.config
+    b = ids.shape[0]
+    x = model.model.embed_tokens(ids)
+    cos, sin = rope_tables(pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, 1, 1, D]
+    lens = pos + 1
+    routes: list[torch.Tensor] = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = _qkv(attn, _norm(layer.input_layernorm, x), (b,))
+        if FUSED and x.is_cuda:
+            from node.engine.rope_kernels import rope_and_write
+
+            q = rope_and_write(q, k, v, cos[:, 0, 0], sin[:, 0, 0], slots, pos, cache.k[i], cache.v[i])
+        else:
+            q = rope(q[:, :, None], cos, sin)[:, :, 0]
+            k = rope(k[:, :, None], cos, sin)[:, :, 0]
+            cache.k[i][slots, pos] = k
+            cache.v[i][slots, pos] = v
+        o = decode_attention(q, cache.k[i], cache.v[i], slots, lens, splits)
+        x = x + attn.o_proj(o.reshape(b, -1))
+        x = x + _mlp(layer, _norm(layer.post_attention_layernorm, x), routes)
+    hidden = _norm(model.model.norm, x)
+    return hidden, torch.stack(routes, dim=1) if routes else None
+
+
+def prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                  slots: torch.Tensor | None = None, read_len: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids, positions [B, T] (right-padded). Without a cache, or with read_len 0 (every row's chunk
+    starts at position 0), rows attend causally within the chunk; otherwise to cache positions
+    [0, read_len) masked by position. Returns (final hidden [B, T, H], routes [B, T, n_moe, k] | None)."""
+    cfg = model.config
+    b, t = ids.shape
+    x = model.model.embed_tokens(ids)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, 1, T, D]
+    routes: list[torch.Tensor] = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = _qkv(attn, _norm(layer.input_layernorm, x), (b, t))
+        q = rope(q.transpose(1, 2), cos, sin)
+        k = rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            cache.write(i, slots, positions, k, v)
+        if cache is None or read_len == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.n_heads != attn.n_kv)
+        else:
+            rep = attn.n_heads // attn.n_kv
+            kc = cache.k[i][slots, :read_len].transpose(1, 2).repeat_interleave(rep, dim=1)
+            vc = cache.v[i][slots, :read_len].transpose(1, 2).repeat_interleave(rep, dim=1)
+            mask = (torch.arange(read_len, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        x = x + _mlp(layer, _norm(layer.post_attention_layernorm, x), routes)
+    hidden = _norm(model.model.norm, x)
+    return hidden, torch.stack([r.view(b, t, -1) for r in routes], dim=2) if routes else None

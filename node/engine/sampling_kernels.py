@@ -1,0 +1,91 @@
+"""Triton passes of the seeded sampler (`device_sampling`): log-sum-exp, then the perturbed argmax.
+
+Each program reads one CHUNK of one row's logits; per-chunk partials are reduced in torch. The
+hash that draws the noise is splitmix64 in uint64 (Triton's shifts on unsigned types are logical
+and its multiplies wrap), so the noise equals `sampling.uniforms` bit for bit before the logs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 4096
+BLOCK = 1024
+
+
+@triton.jit
+def _lse_kernel(x_ptr, t_ptr, m_ptr, s_ptr, V, stride_x, NC,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(t_ptr + row)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    for j in range(0, CHUNK, BLOCK):
+        offs = c * CHUNK + j + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(t > 0, x / tl.where(t > 0, t, 1.0), x)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        m = m_new
+    mm = tl.max(m, 0)
+    ss = tl.sum(s * tl.exp(tl.where(m == float("-inf"), float("-inf"), m - mm)), 0)
+    tl.store(m_ptr + row * NC + c, mm)
+    tl.store(s_ptr + row * NC + c, ss)
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, t_ptr, seed_ptr, lse_ptr, best_ptr, idx_ptr, V, stride_x, NC,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(t_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    seed = tl.load(seed_ptr + row).to(tl.uint64)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_i = tl.zeros((BLOCK,), tl.int32)
+    for j in range(0, CHUNK, BLOCK):
+        offs = c * CHUNK + j + tl.arange(0, BLOCK)
+        valid = offs < V
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.where(t > 0, x / tl.where(t > 0, t, 1.0), x)
+        logp = x - lse
+        h = seed + (offs + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+        h = h ^ (h >> 31)
+        u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)
+        g = (-tl.log(-tl.log(u))).to(tl.float32)
+        score = logp + tl.where(t > 0, g, 0.0)
+        score = tl.where(valid, score, float("-inf"))
+        take = score > best
+        best = tl.where(take, score, best)
+        best_i = tl.where(take, offs, best_i)
+    b = tl.max(best, 0)
+    i = tl.min(tl.where(best == b, best_i, 2147483647), 0)
+    tl.store(best_ptr + row * NC + c, b)
+    tl.store(idx_ptr + row * NC + c, i)
+
+
+def sample_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B] long, logprobs [B], log-sum-exp [B]) by the seeded rule, top_p = 1; no host sync."""
+    b, v = logits.shape
+    nc = triton.cdiv(v, CHUNK)
+    dev = logits.device
+    m = torch.empty(b, nc, dtype=torch.float32, device=dev)
+    s = torch.empty(b, nc, dtype=torch.float32, device=dev)
+    temps = temps.float().contiguous()
+    _lse_kernel[(b, nc)](logits, temps, m, s, v, logits.stride(0), nc, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    mx = m.max(1, keepdim=True).values
+    lse = (mx + torch.log((s * torch.exp(m - mx)).sum(1, keepdim=True))).squeeze(1).contiguous()
+    best = torch.empty(b, nc, dtype=torch.float32, device=dev)
+    idx = torch.empty(b, nc, dtype=torch.int32, device=dev)
+    _argmax_kernel[(b, nc)](logits, temps, seeds.contiguous(), lse, best, idx, v, logits.stride(0), nc,
+                            CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    tokens = idx.gather(1, best.argmax(1, keepdim=True)).squeeze(1).long()
+    x = logits.gather(1, tokens[:, None]).squeeze(1).float()
+    scaled = torch.where(temps > 0, x / torch.where(temps > 0, temps, torch.ones_like(temps)), x)
+    return tokens, scaled - lse, lse
