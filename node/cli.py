@@ -96,7 +96,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from node.envs import UnknownTask
     from node.model import InvalidCheckpoint, InvalidModelConfig
     from node.recipe import InvalidRecipe
-    from node.roles.inference import EngineUnavailable
+    from node.engine.registry import EngineUnavailable
     from node.run_config import InvalidRunConfig
     from protocol.errors import ProtocolError
 

@@ -174,9 +174,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trainer/relay: address the shard server and libp2p listen on (0.0.0.0 to serve other "
                         "machines; the run spec's shardcast_sources must name a reachable URL)")
     j.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # simulation only: tamper with work
-    j.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
-                   help="inference: the built-in engine, or a supervised vLLM server (contrib/vllm; "
-                        "its interpreter is $PRIMERL_VLLM_PYTHON)")
+    from node.engine.registry import ENGINES
+    j.add_argument("--engine", choices=list(ENGINES), default="builtin",
+                   help="inference engine (node/engine/registry.py): "
+                        + "; ".join(f"{n}: {e.help}" for n, e in ENGINES.items()))
     j.add_argument("--vllm", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
                         "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
