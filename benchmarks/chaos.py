@@ -123,15 +123,18 @@ class Chaos:
         def member(name: str, role: str, extra: list[str] = ()) -> Role:
             link = self.proxy.add(f"coord-{name}", self.coord_port)
             bootstrap = real.replace(f"/tcp/{self.coord_port}/", f"/tcp/{link.listen_port}/")
-            return Role(name, ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
-                               str(out / name / "node.key"), "--workdir", str(out / name), *extra], out / name / "log.txt")
+            argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
+                    str(out / name / "node.key"), "--workdir", str(out / name), *extra]
+            if name in self.cheater_names:  # node/adversary.py: an inference node with its cheating hook
+                return Role(name, ["--cheat", kinds[self.cheater_names.index(name) % 3], *argv], out / name / "log.txt",
+                            module="node.adversary")
+            return Role(name, argv, out / name / "log.txt")
         self.procs["trainer"] = member("trainer", "trainer", ["--shardcast-port", str(self.origin)])
         self.procs["validator"] = member("validator", "validator")
         self.procs["relay"] = member("relay", "relay", ["--shardcast-port", str(self.relay_port)])
         for i in range(self.n):
             name = f"inference-{i}"
-            extra = ["--cheat", kinds[self.cheater_names.index(name) % 3]] if name in self.cheater_names else []
-            self.procs[name] = member(name, "inference", extra)
+            self.procs[name] = member(name, "inference")
         for name, p in self.procs.items():
             if name != "coordinator":
                 p.start()

@@ -67,9 +67,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, **overrides) -> int:
+    """`overrides`: attributes set on the parsed arguments (node/adversary.py passes `customize`)."""
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    for name, value in overrides.items():
+        setattr(args, name, value)
     setup_logging(args.log_level)
     _stack_dumps_on_sigusr1()
     if not getattr(args, "func", None):

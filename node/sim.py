@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from node.adversary import CHEATS
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.run_config import RunConfig, to_toml
 from protocol.identity import NodeKey
@@ -47,14 +48,16 @@ class Proc:
     """One role process; restartable with the same key and state directory. With `launcher`
     (torchrun's arguments), the role runs as that many processes under torchrun."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, launcher: list[str] = ()):
+    def __init__(self, name: str, argv: list[str], log_path: Path, launcher: list[str] = (), module: str = "node.cli"):
         self.name, self.argv, self.log_path, self.launcher = name, argv, log_path, list(launcher)
+        self.module = module
+        """The program: `primerl-node` (node.cli), or node.adversary for a cheater."""
         self.p: subprocess.Popen | None = None
         self.events: list[tuple[float, str]] = []
 
     def start(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", "node.cli", "--log-level", "INFO", *self.argv],
+        self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", self.module, "--log-level", "INFO", *self.argv],
                                   stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
         self.events.append((time.time(), "start"))
@@ -155,20 +158,22 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     bootstrap = _wait_for(addr_file, coord, 60).splitlines()[0]
     spec = str(out / "coordinator" / "spec.json")
     cheater_names = [f"inference-{i}" for i in range(inference_nodes - cheaters, inference_nodes)]
-    kinds = ["reward", "tokens", "version"]
+    kinds = list(CHEATS)
 
     def member(name: str, role: str, extra: list[str] = (), launcher: list[str] = ()) -> Proc:
-        return Proc(name, ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
-                           str(out / name / "node.key"), "--workdir", str(out / name), *extra], out / name / "log.txt",
-                    launcher)
+        argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
+                str(out / name / "node.key"), "--workdir", str(out / name), *extra]
+        if name in cheater_names:  # the adversary's program: an inference node with its cheating hook
+            return Proc(name, ["--cheat", kinds[cheater_names.index(name) % len(kinds)], *argv],
+                        out / name / "log.txt", module="node.adversary")
+        return Proc(name, argv, out / name / "log.txt", launcher)
     launcher, parallel_flags = trainer_launcher(trainer_parallel)
     procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags], launcher),
              "validator": member("validator", "validator"),
              "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
     for i in range(inference_nodes):
         name = f"inference-{i}"
-        extra = ["--cheat", kinds[cheater_names.index(name) % len(kinds)]] if name in cheater_names else []
-        extra += ["--engine", "vllm"] if i < vllm_nodes else []
+        extra = ["--engine", "vllm"] if i < vllm_nodes else []
         procs[name] = member(name, "inference", extra)
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy

@@ -3,8 +3,8 @@
 Invariants: a rollout's every token records the version that produced it (new versions are loaded
 between two decode steps, in-flight sequences continue); proofs bind each version segment to the
 manifest hash the coordinator announced; work the coordinator cancelled as stale is not
-submitted. A cheating node (`cheat`, for the simulation) tampers with some of its groups; the
-validator must catch every one.
+submitted. The role holds no cheating code: the simulation's adversary (node/adversary.py) installs
+a `before_submit` hook in a node of its own.
 
 The engine is looked up by name (`node/engine/registry.py`: "builtin", or "vllm", a supervised vLLM
 server from contrib/vllm, run by its own interpreter, $PRIMERL_VLLM_PYTHON) and started while the node
@@ -27,6 +27,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,8 +51,6 @@ log = logging.getLogger(__name__)
 
 MAX_WAITING_GROUPS = 64
 """Groups whose (simulated) tool calls may be pending at once before the node stops leasing."""
-CHEATS = ("reward", "tokens", "version")
-"""Tampering kinds a simulated cheater mixes (see verification's attack classes)."""
 
 
 def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
@@ -61,24 +60,10 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
     return min(xm * random.Random(work_seed).paretovariate(alpha), 20 * median_s)
 
 
-def tamper(sub: RolloutSubmission, kind: str, newest: int) -> RolloutSubmission:
-    if kind == "reward":
-        return sub.model_copy(update={"reward": 1.0 if sub.reward < 1.0 else 0.0})
-    if kind == "tokens":
-        toks = list(sub.token_ids)
-        toks[0] = (toks[0] + 7) % 80 + 4
-        return sub.model_copy(update={"token_ids": toks})
-    # "version": claim the tokens came from another policy version than the one that made them
-    other = newest - 1 if sub.min_version == newest else newest
-    return sub.model_copy(update={"version_runs": [(max(0, other), sub.n_tokens)]})
-
-
 class InferenceNode:
-    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, cheat: str | None = None,
-                 leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None):
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None):
         """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
-        self.cheat = cheat
         self.leases_per_request = leases_per_request
         self.tok = CharTokenizer()
         self.env = environment(spec)
@@ -104,7 +89,9 @@ class InferenceNode:
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0
-        self._rng = random.Random(key.peer_id)
+        self.before_submit: list[Callable[[list[RolloutGroup], int], list[RolloutGroup]]] = []
+        """Hooks that see each round's groups (and the newest loaded version) before they are submitted,
+        and return the groups to submit. None on an honest node (node/adversary.py installs one)."""
         self._newest_loaded = -1
         self._fetching: asyncio.Task | None = None
         self._waiting: set[asyncio.Task] = set()
@@ -242,10 +229,9 @@ class InferenceNode:
         for i, grant in enumerate(grants):
             subs = [rollouts[i * g + j].to_submission(grant.work_id, proofs[i * g + j], self.engine_claims, self.routes)
                     for j in range(g)]
-            if self.cheat and self._rng.random() < 0.5:
-                kind = self.cheat if self.cheat in CHEATS else self._rng.choice(CHEATS)
-                subs[0] = tamper(subs[0], kind, self._newest_loaded)
             out.append(RolloutGroup(work_id=grant.work_id, rollouts=subs))
+        for hook in self.before_submit:
+            out = hook(out, self._newest_loaded)
         return out
 
     async def _submit(self, client: CoordinatorClient, group: RolloutGroup) -> None:
