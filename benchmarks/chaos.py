@@ -17,7 +17,7 @@ a time, at random (seeded), with a random gap:
 A role that exits on its own is a crash: it is counted and restarted. Recovery time of a fault is
 the time from its end (restart, resume, heal) to the next finished trainer step. At the end,
 `rollouts_lost`, `rollouts_duplicated`, bans and cheaters come from the coordinator's store and the
-trainer's per-step log (node/sim.py `summarize`), never assumed. The last line is one JSON object.
+trainer's per-step log (node/sim_report.py `summarize`), never assumed. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from pathlib import Path
 
 from benchmarks.faultproxy import FaultProxy
 from node.run_config import to_toml
-from node.sim import Proc, _count_lines, _wait_for, free_port, summarize
+from node.sim import Proc, _count_lines, _wait_for, free_port
+from node.sim_report import summarize
 from protocol.identity import NodeKey
 
 log = logging.getLogger("chaos")
