@@ -43,7 +43,7 @@ from node.roles.common import environment, fetch_policy, fresh_model, model_conf
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
-from protocol.messages import LeaseGrant, PolicyAnnounce, RolloutGroup, RolloutSubmission, RunSpec
+from protocol.messages import LeaseGrant, PolicyAnnounce, RolloutGroup, RunSpec
 from protocol.work import sampling_seed
 from verification.proof import prove_rollouts
 
