@@ -17,7 +17,7 @@ a time, at random (seeded), with a random gap:
 A role that exits on its own is a crash: it is counted and restarted. Recovery time of a fault is
 the time from its end (restart, resume, heal) to the next finished trainer step. At the end,
 `rollouts_lost`, `rollouts_duplicated`, bans and cheaters come from the coordinator's store and the
-trainer's per-step log (node/sim.py `summarize`), never assumed. The last line is one JSON object.
+trainer's per-step log (node/sim_report.py `summarize`), never assumed. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from pathlib import Path
 
 from benchmarks.faultproxy import FaultProxy
 from node.run_config import to_toml
-from node.sim import Proc, _count_lines, _wait_for, free_port, summarize
+from node.sim import Proc, _count_lines, _wait_for, free_port
+from node.sim_report import summarize
 from protocol.identity import NodeKey
 
 log = logging.getLogger("chaos")
@@ -123,15 +124,18 @@ class Chaos:
         def member(name: str, role: str, extra: list[str] = ()) -> Role:
             link = self.proxy.add(f"coord-{name}", self.coord_port)
             bootstrap = real.replace(f"/tcp/{self.coord_port}/", f"/tcp/{link.listen_port}/")
-            return Role(name, ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
-                               str(out / name / "node.key"), "--workdir", str(out / name), *extra], out / name / "log.txt")
+            argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
+                    str(out / name / "node.key"), "--workdir", str(out / name), *extra]
+            if name in self.cheater_names:  # node/adversary.py: an inference node with its cheating hook
+                return Role(name, ["--cheat", kinds[self.cheater_names.index(name) % 3], *argv], out / name / "log.txt",
+                            module="node.adversary")
+            return Role(name, argv, out / name / "log.txt")
         self.procs["trainer"] = member("trainer", "trainer", ["--shardcast-port", str(self.origin)])
         self.procs["validator"] = member("validator", "validator")
         self.procs["relay"] = member("relay", "relay", ["--shardcast-port", str(self.relay_port)])
         for i in range(self.n):
             name = f"inference-{i}"
-            extra = ["--cheat", kinds[self.cheater_names.index(name) % 3]] if name in self.cheater_names else []
-            self.procs[name] = member(name, "inference", extra)
+            self.procs[name] = member(name, "inference")
         for name, p in self.procs.items():
             if name != "coordinator":
                 p.start()

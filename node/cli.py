@@ -67,9 +67,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, **overrides) -> int:
+    """`overrides`: attributes set on the parsed arguments (node/adversary.py passes `customize`)."""
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    for name, value in overrides.items():
+        setattr(args, name, value)
     setup_logging(args.log_level)
     _stack_dumps_on_sigusr1()
     if not getattr(args, "func", None):
@@ -96,7 +99,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from node.envs import UnknownTask
     from node.model import InvalidCheckpoint, InvalidModelConfig
     from node.recipe import InvalidRecipe
-    from node.roles.inference import EngineUnavailable
+    from node.engine.registry import EngineUnavailable
     from node.run_config import InvalidRunConfig
     from protocol.errors import ProtocolError
 

@@ -106,8 +106,10 @@ async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
 
 
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
-               shardcast_port: int, cheat: str | None, engine: str = "builtin", parallel: dict | None = None,
-               host: str = "127.0.0.1", vllm: list[str] | None = None) -> None:
+               shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
+               host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None) -> None:
+    """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
+    (node/adversary.py makes an inference node a cheater this way)."""
     from node.roles.common import stop_on_signals
 
     spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
@@ -121,7 +123,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
-        node = InferenceNode(key, spec, bootstrap, workdir, cheat=cheat, engine=engine, vllm=vllm)
+        node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
@@ -131,6 +133,8 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     else:
         from node.roles.relay import RelayNode
         node = RelayNode(key, spec, bootstrap, workdir, shardcast_port, host=host)
+    if customize is not None:
+        customize(node)
     print(f"node id: {key.peer_id} ({role})", flush=True)
     task = asyncio.create_task(node.run(stop))
     stopper = asyncio.create_task(stop.wait())
@@ -173,10 +177,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--host", default="127.0.0.1",
                    help="trainer/relay: address the shard server and libp2p listen on (0.0.0.0 to serve other "
                         "machines; the run spec's shardcast_sources must name a reachable URL)")
-    j.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # simulation only: tamper with work
-    j.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
-                   help="inference: the built-in engine, or a supervised vLLM server (contrib/vllm; "
-                        "its interpreter is $PRIMERL_VLLM_PYTHON)")
+    from node.engine.registry import ENGINES
+    j.add_argument("--engine", choices=list(ENGINES), default="builtin",
+                   help="inference engine (node/engine/registry.py): "
+                        + "; ".join(f"{n}: {e.help}" for n, e in ENGINES.items()))
     j.add_argument("--vllm", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
                         "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
@@ -204,6 +208,7 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
     if args.vllm and args.engine != "vllm":
         raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
-    asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port, args.cheat,
-                     engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm))
+    asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port,
+                     engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm,
+                     customize=getattr(args, "customize", None)))
     return 0

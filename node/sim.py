@@ -2,8 +2,11 @@
 
 A coordinator, a trainer, a validator, a relay and N inference nodes on 127.0.0.1 (real libp2p,
 real HTTP). `--churn` SIGKILLs and restarts inference nodes during the run, and the coordinator
-once; `--cheaters K` makes K inference nodes tamper; `--vllm-nodes K` runs K of them on vLLM
-(`join --engine vllm`; needs $PRIMERL_VLLM_PYTHON) and makes the run accept vLLM rollouts. At the end it computes, from the
+once; `--cheaters K` runs K inference nodes as cheaters (node/adversary.py); `--vllm-nodes K` runs K
+of them on vLLM (`join --engine vllm`; needs $PRIMERL_VLLM_PYTHON) and makes the run accept vLLM
+rollouts. It ends `--stop-after-target` steps after the reward target, or after `--steps`, and gives
+up after a timeout that follows the work (start-up + a per-step allowance); it says at the start
+how long it should take. At the end it computes, from the
 coordinator's durable store and the trainer's per-step log (never assumed):
 `rollouts_lost` (accepted but unreadable from the store, or batched by the coordinator but never
 trained on) and `rollouts_duplicated` (trained on in more than one step), and writes
@@ -26,7 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from node.adversary import CHEATS
 from node.recipe import DEFAULT as DEFAULT_RECIPE
+from node.sim_report import REWARD_TARGET, plot_report, summarize
 from node.run_config import RunConfig, to_toml
 from protocol.identity import NodeKey
 
@@ -47,14 +52,16 @@ class Proc:
     """One role process; restartable with the same key and state directory. With `launcher`
     (torchrun's arguments), the role runs as that many processes under torchrun."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, launcher: list[str] = ()):
+    def __init__(self, name: str, argv: list[str], log_path: Path, launcher: list[str] = (), module: str = "node.cli"):
         self.name, self.argv, self.log_path, self.launcher = name, argv, log_path, list(launcher)
+        self.module = module
+        """The program: `primerl-node` (node.cli), or node.adversary for a cheater."""
         self.p: subprocess.Popen | None = None
         self.events: list[tuple[float, str]] = []
 
     def start(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", "node.cli", "--log-level", "INFO", *self.argv],
+        self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", self.module, "--log-level", "INFO", *self.argv],
                                   stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
         self.events.append((time.time(), "start"))
@@ -119,8 +126,11 @@ def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
 def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.steps, task: str = "reverse",
             churn: bool = False, cheaters: int = 0, max_off_policy_steps: int = _RUN["max_off_policy_steps"].default,
             seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
-            group_size: int = _RUN["group_size"].default, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0,
-            trainer_parallel: str | None = None) -> dict:
+            group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
+            vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None) -> dict:
+    """Run the network; `timeout_s` None: `timeout_for(steps, vllm_nodes)`. `stop_after_target`: end
+    the run this many steps after the reward target is reached (None: train all `steps`)."""
+    timeout_s = timeout_for(steps, vllm_nodes) if timeout_s is None else timeout_s
     if vllm_nodes:
         check_vllm_nodes(inference_nodes, cheaters, vllm_nodes)
         # vLLM's CPU attention needs head_dim >= 32; the recipe's model has head_dim = hidden / 4.
@@ -155,20 +165,22 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     bootstrap = _wait_for(addr_file, coord, 60).splitlines()[0]
     spec = str(out / "coordinator" / "spec.json")
     cheater_names = [f"inference-{i}" for i in range(inference_nodes - cheaters, inference_nodes)]
-    kinds = ["reward", "tokens", "version"]
+    kinds = list(CHEATS)
 
     def member(name: str, role: str, extra: list[str] = (), launcher: list[str] = ()) -> Proc:
-        return Proc(name, ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
-                           str(out / name / "node.key"), "--workdir", str(out / name), *extra], out / name / "log.txt",
-                    launcher)
+        argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
+                str(out / name / "node.key"), "--workdir", str(out / name), *extra]
+        if name in cheater_names:  # the adversary's program: an inference node with its cheating hook
+            return Proc(name, ["--cheat", kinds[cheater_names.index(name) % len(kinds)], *argv],
+                        out / name / "log.txt", module="node.adversary")
+        return Proc(name, argv, out / name / "log.txt", launcher)
     launcher, parallel_flags = trainer_launcher(trainer_parallel)
     procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags], launcher),
              "validator": member("validator", "validator"),
              "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
     for i in range(inference_nodes):
         name = f"inference-{i}"
-        extra = ["--cheat", kinds[cheater_names.index(name) % len(kinds)]] if name in cheater_names else []
-        extra += ["--engine", "vllm"] if i < vllm_nodes else []
+        extra = ["--engine", "vllm"] if i < vllm_nodes else []
         procs[name] = member(name, "inference", extra)
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
@@ -186,6 +198,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     metrics_path = out / "trainer" / "metrics.jsonl"
     churn_every = (10.0, 20.0) if steps < 60 else (20.0, 40.0)
     coordinator_restarted, next_churn, status = False, time.time() + churn_every[0], "timeout"
+    reached_at, reported, checked, done_steps = None, 0, 0, 0
     interrupted = []
     # Ctrl-C / SIGTERM end the run early but still stop every child (they run in their own sessions).
     main = threading.current_thread() is threading.main_thread()
@@ -207,16 +220,32 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             time.sleep(1.0)
             victim.start()
             next_churn = time.time() + rng.uniform(*churn_every)
-        if churn and not coordinator_restarted and done_steps >= max(2, steps // 3):
+        if stop_after_target is not None and done_steps != checked:
+            checked = done_steps
+            rewards = _rewards(metrics_path)
+            if reached_at is None and len(rewards) >= 5 and sum(rewards[-5:]) / 5 >= REWARD_TARGET:
+                reached_at = len(rewards)
+                log.info("reward target %.2f reached at step %d; stopping %d steps later", REWARD_TARGET, reached_at,
+                         stop_after_target)
+            if reached_at is not None and done_steps >= reached_at + stop_after_target:
+                status = "target reached"
+                break
+        if done_steps >= reported + PROGRESS_EVERY:
+            reported = done_steps
+            rate = (time.time() - t0) / done_steps
+            log.info("step %d of at most %d: %.1f s/step so far; %s", done_steps, steps, rate,
+                     "reward target reached" if reached_at else
+                     f"at most {(steps - done_steps) * rate / 60:.0f} min to go")
+        if churn and not coordinator_restarted and done_steps >= max(2, min(steps // 3, COORDINATOR_KILL_STEP)):
             log.info("churn: SIGKILL coordinator at step %d", done_steps)
             coord.kill()
             time.sleep(1.0)
             coord.start()
             coordinator_restarted = True
-        if done_steps and done_steps % 10 == 0:
-            log.debug("step %d", done_steps)
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+    if status == "timeout":
+        log.error("the sim did not finish within %.0f s (%d steps done); raise --timeout", timeout_s, done_steps)
     if status == "done":  # the trainer exits by itself once done; a SIGTERM now would race its exit
         try:
             procs["trainer"].p.wait(30)
@@ -236,7 +265,6 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    from node.sim_report import plot_report
     plot_report(out / "report.png", rows, {p.name: p.events for p in [coord, *procs.values()]}, t0, summary)
     return summary
 
@@ -252,65 +280,39 @@ VLLM_START_S = 300.0
 """How long the sim waits for a vLLM node's server to come up (DESIGN.md: 30-55 s on a 2-core machine)."""
 VLLM_MIN_HIDDEN = 128
 """Model width of a sim with vLLM nodes unless the recipe says otherwise (head_dim 32: vLLM CPU's least)."""
-REWARD_TARGET = 0.8
-"""reward_last5 the reverse task must reach (the train-local target)."""
+STOP_AFTER_TARGET = 10
+"""`sim` (and `make run`) ends this many steps after the 5-step mean reward first reaches REWARD_TARGET."""
+START_ALLOWANCE_S = 180.0
+"""Time the timeout allows for start-up (processes, joins, the trainer's warm-up) and shutdown."""
+STEP_ALLOWANCE_S = 6.0
+"""Time the timeout allows per trainer step (64 groups x 8 samples, 4 inference nodes, churn, a cheater):
+measured on cpu-2core 2.0 s/step up to the target (step 261 at 532 s) and 2.8 s/step over 500 steps on
+a quiet machine, 4.5 s/step on a loaded one (step 334 at 1,500 s); 6 s leaves a third of margin."""
+MEASURED = {"machine": "cpu-2core", "target_step": 261, "target_s": 532, "steps": 500, "all_steps_s": 1410}
+"""The committed `make run` (benchmarks/results/sim-cpu-2core.json), quoted in the start-up estimate."""
+PROGRESS_EVERY = 25
+"""Steps between progress lines (rate so far, time left at most)."""
+COORDINATOR_KILL_STEP = 100
+"""With --churn the coordinator is SIGKILLed once, at a third of the steps but no later than this step
+(a run that stops at the reward target still sees the restart)."""
 
 
-def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names: list[str], wall: float,
-              status: str, t0: float) -> dict:
-    from protocol.coordinator import Coordinator
-    from protocol.messages import RunSpec
+def timeout_for(steps: int, vllm_nodes: int = 0) -> float:
+    """How long a sim of `steps` steps may run: start-up + a per-step allowance (+ vLLM's start)."""
+    return START_ALLOWANCE_S + steps * STEP_ALLOWANCE_S + (VLLM_START_S if vllm_nodes else 0.0)
 
-    spec = RunSpec.model_validate_json((out / "coordinator" / "spec.json").read_bytes())
-    state = Coordinator(out / "coordinator", spec)
-    g = cfg["group_size"]
-    try:
-        accepted = state.store.accepted()
-        unreadable = 0
-        engine_of: dict[int, str] = {}
-        for rec in accepted:
-            try:
-                unit = state.load_rollout(rec)
-                engine_of[rec.work_id] = getattr(unit, "rollouts", [unit])[0].engine
-            except Exception:
-                unreadable += 1
-        trained: dict[int, int] = {}
-        for r in rows:
-            for w in r["work_ids"]:
-                trained[w] = trained.get(w, 0) + 1
-        batched = state.store.batched_ids()
-        # Batched by the coordinator but never trained: lost, except a batch of a step the trainer
-        # had not finished when the run ended (it would get the same batch again on resume).
-        last_step = rows[-1]["step"] if rows else 0
-        open_batch = state.store.batched_ids(after_step=last_step)
-        lost_groups = unreadable + len(batched - set(trained) - open_batch) + len(set(trained) - batched)
-        dup_groups = sum(c - 1 for c in trained.values() if c > 1)
-        banned = state.store.banned_peers()
-        cheater_ids = {keys[n].peer_id for n in cheater_names}
-        totals = state.store.totals()
-        rejected, stale = totals["rejected"], totals["dropped_stale"]
-    finally:
-        state.close()
-    rewards = [r["reward_mean"] for r in rows]
-    reached = next((i for i in range(4, len(rows)) if sum(rewards[i - 4 : i + 1]) / 5 >= REWARD_TARGET), None)
-    warm = json.loads((out / "trainer" / "warmup.json").read_text()) if (out / "trainer" / "warmup.json").exists() else {}
-    return {
-        "status": status, "task": cfg["task"], "steps": len(rows), "steps_target": cfg["recipe"]["steps"],
-        "inference_nodes": sum(k.startswith("inference") for k in keys),
-        "reward_first": rewards[0] if rewards else None,
-        "reward_last5": sum(rewards[-5:]) / len(rewards[-5:]) if rewards else None,
-        "rollouts_accepted": len(accepted) * g, "rollouts_rejected": rejected * g,
-        "rollouts_trained": len(trained) * g, "rollouts_dropped_stale": stale * g,
-        "rollouts_lost": lost_groups * g, "rollouts_duplicated": dup_groups * g,
-        "rollouts_trained_by_engine": {e: sum(engine_of.get(w) == e for w in trained) * g
-                                       for e in sorted(set(engine_of.values()))},
-        "max_off_policy_seen": max((max(r["lags"]) for r in rows), default=0),
-        "max_off_policy_steps": cfg["max_off_policy_steps"],
-        "cheaters": len(cheater_ids), "cheaters_banned": len(cheater_ids & banned),
-        "honest_banned": len(banned - cheater_ids), "wall_s": round(wall, 1),
-        "reward_target": REWARD_TARGET, "target_reached_step": None if reached is None else rows[reached]["step"],
-        "target_reached_s": None if reached is None else round(rows[reached]["t"] - t0, 1), **warm,
-    }
+
+def plan(steps: int, stop_after_target: int | None, timeout_s: float) -> str:
+    """What the run will do and how long it should take, said before it starts."""
+    m = MEASURED
+    until = (f"until {stop_after_target} steps after the 5-step mean reward reaches {REWARD_TARGET} (at most {steps} "
+             f"steps)" if stop_after_target is not None else f"for {steps} steps")
+    est = (m["target_s"] * (m["target_step"] + stop_after_target) / m["target_step"]
+           if stop_after_target is not None and steps >= m["target_step"] else m["all_steps_s"] * steps / m["steps"])
+    return (f"sim: trains {until}. Measured with the defaults on {m['machine']} (quiet): target at step {m['target_step']} "
+            f"({m['target_s'] / 60:.0f} min), {m['steps']} steps in {m['all_steps_s'] / 60:.0f} min; expect about "
+            f"{est / 60:.0f} min here (up to 2x on a loaded machine); it gives up after {timeout_s / 60:.0f} min "
+            f"({START_ALLOWANCE_S:.0f} s + {STEP_ALLOWANCE_S:.0f} s per step).")
 
 
 def _wait_for(path: Path, proc: Proc, timeout: float) -> str:
@@ -322,6 +324,20 @@ def _wait_for(path: Path, proc: Proc, timeout: float) -> str:
             raise RuntimeError(f"{proc.name} exited; see {proc.log_path}")
         time.sleep(0.1)
     raise TimeoutError(f"{proc.name} did not come up in {timeout}s")
+
+
+def _rewards(path: Path) -> list[float]:
+    """Each finished step's mean reward, from the trainer's metrics (a line being written is skipped)."""
+    out = []
+    try:
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line)["reward_mean"])
+            except (ValueError, KeyError):
+                break
+    except OSError:
+        pass
+    return out
 
 
 def _count_lines(path: Path) -> int:
@@ -346,7 +362,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-groups", type=int, default=_RUN["batch_groups"].default, help="prompts per trainer step")
     p.add_argument("--group-size", type=int, default=_RUN["group_size"].default, help="samples per prompt")
-    p.add_argument("--timeout", type=float, default=1500, help="stop the run after this many seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"give up after this many seconds (default: {START_ALLOWANCE_S:.0f} s + {STEP_ALLOWANCE_S:.0f} s "
+                        "per step, + vLLM's start-up with --vllm-nodes)")
+    p.add_argument("--stop-after-target", type=int, default=STOP_AFTER_TARGET, metavar="N",
+                   help=f"end N steps after the 5-step mean reward reaches {REWARD_TARGET} (-1: train all --steps)")
     p.add_argument("--trainer-parallel", metavar="LAYOUT", default=None,
                    help="run the trainer as torchrun ranks (gloo on CPU), e.g. dp2-ep2, cp2, dp2-ep2-cp2")
     p.set_defaults(func=_main)
@@ -360,9 +380,12 @@ def _main(args: argparse.Namespace) -> int:
             check_vllm_nodes(args.inference_nodes, args.cheaters, args.vllm_nodes)
         except ValueError as exc:
             raise SystemExit(f"primerl-node sim: {exc}") from None
+    stop_after = None if args.stop_after_target < 0 else args.stop_after_target
+    timeout = timeout_for(args.steps, args.vllm_nodes) if args.timeout is None else args.timeout
+    print(plan(args.steps, stop_after, timeout), flush=True)
     summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
-                      args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout,
-                      vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel)
+                      args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, timeout,
+                      vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel, stop_after_target=stop_after)
     print(json.dumps(summary))
     print(f"report: {args.out / 'report.png'}")
-    return 0 if summary["status"] == "done" else 1
+    return 0 if summary["status"] in ("done", "target reached") else 1

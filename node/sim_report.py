@@ -1,9 +1,73 @@
-"""report.png for `primerl-node sim`: reward curve, staleness histogram, node timeline."""
+"""What a `primerl-node sim` run shows at its end: the audit (`summarize`, from the coordinator's store
+and the trainer's per-step log, never assumed) and report.png (reward curve, staleness, node timeline).
+"""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
+
+REWARD_TARGET = 0.8
+"""reward_last5 the reverse task must reach (the train-local target)."""
+
+
+def summarize(out: Path, rows: list[dict], cfg: dict, keys: dict, cheater_names: list[str], wall: float,
+              status: str, t0: float) -> dict:
+    from protocol.coordinator import Coordinator
+    from protocol.messages import RunSpec
+
+    spec = RunSpec.model_validate_json((out / "coordinator" / "spec.json").read_bytes())
+    state = Coordinator(out / "coordinator", spec)
+    g = cfg["group_size"]
+    try:
+        accepted = state.store.accepted()
+        unreadable = 0
+        engine_of: dict[int, str] = {}
+        for rec in accepted:
+            try:
+                unit = state.load_rollout(rec)
+                engine_of[rec.work_id] = getattr(unit, "rollouts", [unit])[0].engine
+            except Exception:
+                unreadable += 1
+        trained: dict[int, int] = {}
+        for r in rows:
+            for w in r["work_ids"]:
+                trained[w] = trained.get(w, 0) + 1
+        batched = state.store.batched_ids()
+        # Batched by the coordinator but never trained: lost, except a batch of a step the trainer
+        # had not finished when the run ended (it would get the same batch again on resume).
+        last_step = rows[-1]["step"] if rows else 0
+        open_batch = state.store.batched_ids(after_step=last_step)
+        lost_groups = unreadable + len(batched - set(trained) - open_batch) + len(set(trained) - batched)
+        dup_groups = sum(c - 1 for c in trained.values() if c > 1)
+        banned = state.store.banned_peers()
+        cheater_ids = {keys[n].peer_id for n in cheater_names}
+        totals = state.store.totals()
+        rejected, stale = totals["rejected"], totals["dropped_stale"]
+    finally:
+        state.close()
+    rewards = [r["reward_mean"] for r in rows]
+    reached = next((i for i in range(4, len(rows)) if sum(rewards[i - 4 : i + 1]) / 5 >= REWARD_TARGET), None)
+    warm = json.loads((out / "trainer" / "warmup.json").read_text()) if (out / "trainer" / "warmup.json").exists() else {}
+    return {
+        "status": status, "task": cfg["task"], "steps": len(rows), "steps_target": cfg["recipe"]["steps"],
+        "inference_nodes": sum(k.startswith("inference") for k in keys),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last5": sum(rewards[-5:]) / len(rewards[-5:]) if rewards else None,
+        "rollouts_accepted": len(accepted) * g, "rollouts_rejected": rejected * g,
+        "rollouts_trained": len(trained) * g, "rollouts_dropped_stale": stale * g,
+        "rollouts_lost": lost_groups * g, "rollouts_duplicated": dup_groups * g,
+        "rollouts_trained_by_engine": {e: sum(engine_of.get(w) == e for w in trained) * g
+                                       for e in sorted(set(engine_of.values()))},
+        "max_off_policy_seen": max((max(r["lags"]) for r in rows), default=0),
+        "max_off_policy_steps": cfg["max_off_policy_steps"],
+        "cheaters": len(cheater_ids), "cheaters_banned": len(cheater_ids & banned),
+        "honest_banned": len(banned - cheater_ids), "wall_s": round(wall, 1),
+        "reward_target": REWARD_TARGET, "target_reached_step": None if reached is None else rows[reached]["step"],
+        "target_reached_s": None if reached is None else round(rows[reached]["t"] - t0, 1), **warm,
+    }
+
 
 
 def plot_report(path: Path, rows: list[dict], events: dict[str, list[tuple[float, str]]], t0: float,

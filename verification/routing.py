@@ -5,7 +5,7 @@ The validator's recomputation prefill already runs every MoE layer under the cla
 the check costs a comparison: per (position, MoE layer), is the claimed top-k set the recomputed
 one (order inside the set does not matter)? A rollout is rejected when the share of pairs whose
 sets differ exceeds `MAX_ROUTE_MISMATCH_SHARE` for the run's engine precision. Those shares bound
-honest variation measured by `python -m verification.calibration.routing` (routing.json next to
+honest variation measured by `python -m benchmarks.route_calibration` (routing.json next to
 it): engines at batch 1..32, KV-cached decode against the validator's full prefill, 1 and 2
 threads. Routes the trainer would replay steer its gradient, so a node must not choose them.
 

@@ -6,8 +6,13 @@ from node.envs.arithmetic import Addition, Reverse
 from node.envs.base import Environment, Task
 from node.envs.calculator import Calculator
 from node.envs.coding import Coding
+from node.plugins import resolve
 
 TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition, "calculator": Calculator, "coding": Coding}
+"""The built-in tasks."""
+TASK_FAMILIES: dict[str, str] = {"verifiers": "contrib.verifiers:load_environment"}
+"""`<family>:<id>` task names -> the import path of the family's loader `(id, **kwargs) -> Environment`,
+imported only when a run names such a task (`verifiers:<id>`: contrib/verifiers, `pip install -e '.[verifiers]'`)."""
 
 
 class UnknownTask(ValueError):
@@ -15,15 +20,15 @@ class UnknownTask(ValueError):
 
 
 def get_env(name: str, **kwargs) -> Environment:
-    if name.startswith("verifiers:"):  # contrib is imported only when a run asks for it
-        from contrib.verifiers import load_environment
-
-        return load_environment(name.removeprefix("verifiers:"), **kwargs)
+    family, sep, rest = name.partition(":")
+    if sep and family in TASK_FAMILIES:
+        return resolve(TASK_FAMILIES[family])(rest, **kwargs)
     try:
         cls = TASKS[name]
     except KeyError:
-        raise UnknownTask(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+        raise UnknownTask(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, or "
+                          f"{' | '.join(f'{f}:<id>' for f in TASK_FAMILIES)}") from None
     return cls(**kwargs)
 
 
-__all__ = ["Environment", "Task", "get_env", "UnknownTask", "TASKS"]
+__all__ = ["Environment", "Task", "get_env", "UnknownTask", "TASKS", "TASK_FAMILIES"]

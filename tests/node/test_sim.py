@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from node.sim import run_sim
+from node.sim import START_ALLOWANCE_S, STEP_ALLOWANCE_S, plan, run_sim, timeout_for
 
 
 def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
@@ -25,6 +25,25 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+
+
+def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting():
+    assert timeout_for(500) == START_ALLOWANCE_S + 500 * STEP_ALLOWANCE_S
+    assert timeout_for(20) < timeout_for(500) < timeout_for(500, vllm_nodes=1)
+    said = plan(500, 10, timeout_for(500))
+    assert "10 steps after" in said and "at most 500 steps" in said and "gives up after 53 min" in said
+    assert "expect about 9 min" in said  # measured: target at step 261 after 532 s; + 10 steps
+    assert "for 20 steps" in plan(20, None, timeout_for(20))
+
+
+@pytest.mark.slow
+def test_a_run_that_reaches_the_reward_target_stops_a_few_steps_later(tmp_path):
+    # a warm-up to greedy reward 0.9, near-greedy sampling and a tiny lr reach the 0.8 target at once
+    s = run_sim(tmp_path, inference_nodes=1, steps=40, batch_groups=4, group_size=2, timeout_s=400,
+                recipe={"warmup_target": 0.9, "temperature": 0.05, "lr": 1e-7}, stop_after_target=2)
+    assert s["status"] == "target reached", s
+    assert s["target_reached_step"] is not None and s["steps"] <= s["target_reached_step"] + 2 + 1
+    assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ def _join(tmp_path, engines, capfd) -> tuple[int, str]:
 def test_a_run_that_does_not_accept_vllm_is_refused_at_start(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("PRIMERL_VLLM_PYTHON", sys.executable)
     rc, err = _join(tmp_path, ("builtin",), capfd)
-    assert rc == 2 and "does not accept vLLM rollouts" in err
+    assert rc == 2 and "does not accept vllm rollouts" in err
 
 
 @pytest.mark.parametrize("python, says", [(None, "PRIMERL_VLLM_PYTHON is not set"),
@@ -73,6 +73,6 @@ def test_vllm_settings_from_join_are_typed_and_override_the_nodes_defaults(tmp_p
     spec = RunSpec(run_id="r", coordinator="c", environment="reverse", engines=("builtin", "vllm"), group_size=4)
     node = InferenceNode(NodeKey.generate(), spec, BOOTSTRAP, tmp_path / "node", engine="vllm",
                          vllm=["data_parallel=2", "quantization=fp8", "expert_parallel=true", "max_num_seqs=64"])
-    assert node._vllm_settings["data_parallel"] == 2 and node._vllm_settings["expert_parallel"] is True
-    assert node._vllm_settings["quantization"] == "fp8" and node._vllm_settings["max_num_seqs"] == 64
-    assert node._vllm_settings["dtype"] == "float32"  # the node's default where not overridden
+    assert node.engine_settings["data_parallel"] == 2 and node.engine_settings["expert_parallel"] is True
+    assert node.engine_settings["quantization"] == "fp8" and node.engine_settings["max_num_seqs"] == 64
+    assert node.engine_settings["dtype"] == "float32"  # the node's default where not overridden

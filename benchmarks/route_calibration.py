@@ -1,4 +1,4 @@
-"""Honest variation of routed experts: `python -m verification.calibration.routing [--rollouts N]`.
+"""Honest variation of routed experts: `python -m benchmarks.route_calibration [--rollouts N]`.
 
 The engine routes each position while it generates (batched prefill of the prompt, then KV-cached
 decode steps next to other sequences, continuous batching at 1..32); the validator routes the same
@@ -6,8 +6,9 @@ positions in one prefill of the whole sequence, alone or batched with others. Pe
 measures the share of (position, MoE layer) pairs whose top-k sets differ, for float32 and bfloat16
 engines (each against the validator in its own precision), and, for scale, the same share for a
 tampered engine (1% weight noise) and for a rollout's routes claimed under a version one noisy step
-away. Writes routing.json next to this file; verification/routing.py's thresholds bound the honest
-maxima.
+away. Writes verification/calibration/routing.json; verification/routing.py's thresholds bound the
+honest maxima. It lives here, not in `verification`, because it drives the node's engine
+(`verification` imports nothing from `node`: tests/test_import_rules.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from node.engine import Engine
 from verification.calibration.calibrate import _harness, perturb
 from verification.routing import MAX_ROUTE_MISMATCH_SHARE, mismatched_pairs
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "verification" / "calibration"
 log = logging.getLogger("calibrate.routing")
 
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("other_version/noise1pct_step", perturb(model, "noise1pct", seed=7))):
             cases[f"{name}/{precision}"] = summary(shares(R, engine_model, ref, seeds, 32, 2))
             log.info("%-72s %s", f"{name}/{precision}", cases[f"{name}/{precision}"])
-    result = {"command": f"python -m verification.calibration.routing --rollouts {args.rollouts}",
+    result = {"command": f"python -m benchmarks.route_calibration --rollouts {args.rollouts}",
               "torch": torch.__version__,
               "honest": {p: summary(rows) for p, rows in honest.items()},
               "in_force": MAX_ROUTE_MISMATCH_SHARE,

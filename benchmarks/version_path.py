@@ -1,0 +1,179 @@
+"""The path of one policy version, module by module, before and after issue 13: `python -m benchmarks.version_path`.
+
+From the trainer's step that makes version v to the trainer opening the batch that holds rollouts
+sampled with v: publish, announce, fetch and load on an inference node, lease, roll out, prove,
+submit, verify, verdicts, batch. Each path is a list of the repository modules control passes
+through, in order (a call into another module, and the return from it, are each one entry;
+consecutive entries in one module are one; third-party and standard-library code is not counted;
+the wire between two processes is `protocol/transport.py` on both sides). Traced by hand from the
+code: `BEFORE` from main at c734c3a, `AFTER` from this branch; docs/architecture.md shows both.
+
+Counts: `modules` (distinct modules on the path), `returns` (entries into a module the path had
+already passed through) and `revisits` (returns other than the end of a call into one other module,
+A > B > A). The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+
+TR, INF, VAL = "node/roles/trainer.py", "node/roles/inference.py", "node/roles/validator.py"
+COMMON, CLIENT = "node/roles/common.py", "protocol/client.py"
+MSG, NET, ENV, ID, WIRE = ("protocol/messages.py", "protocol/network.py", "protocol/envelope.py",
+                           "protocol/identity.py", "protocol/transport.py")
+SVC, COORD, PIPE, STORE, SEG, LEDGER = ("protocol/coordinator_service.py", "protocol/coordinator.py",
+                                        "protocol/pipeline.py", "protocol/store.py", "protocol/segments.py",
+                                        "protocol/ledger.py")
+TASK, BASE, TOK, ROLL = "node/envs/arithmetic.py", "node/envs/base.py", "node/model/tokenizer.py", "node/envs/rollout.py"
+MODEL, MOE, CACHE, ROUTES = "node/model/qwen3_moe.py", "node/model/moe.py", "node/model/cache.py", "node/model/routing.py"
+SC_FETCH = ["shardcast/fetch.py", "shardcast/sources.py", "shardcast/fetch.py", "shardcast/manifest.py",
+            ID, "shardcast/manifest.py", "shardcast/fetch.py", "shardcast/codec.py", "shardcast/fetch.py",
+            "shardcast/store.py", "shardcast/fetch.py"]
+
+
+def send(seal_from: list[str]) -> list[str]:
+    """A signed request or reply leaving a process: seal, then the wire."""
+    return [*seal_from, NET, ENV, ID, ENV, NET, WIRE]
+
+
+def arrive() -> list[str]:
+    """A signed message arriving: the wire, open (signature, schema), dispatch."""
+    return [WIRE, NET, ENV, ID, ENV, MSG, ENV, NET]
+
+
+def served(handler: list[str]) -> list[str]:
+    """The coordinator answers one request."""
+    return [*arrive(), SVC, *handler, SVC, *send([])]
+
+
+def rpc_before(role: list[str], handler: list[str], built: str) -> list[str]:
+    """main: `common.call` runs a lambda or an inner async def of the role's that calls
+    `member.net.request`; nothing checks the reply's type. `built`: where the request message is made:
+    "first" (before `call`), "lambda" (inside a lambda: `call` awaits what it returns), "inner" (inside
+    an inner async def that `call` awaits), "given" (the message exists already, an inner def sends it)."""
+    r = role[-1]
+    make = [MSG, r]
+    if built == "first":
+        out, back = [*role, *make, COMMON, r, COMMON], [COMMON, r]
+    elif built == "lambda":
+        out, back = [*role, COMMON, r, *make, COMMON], [COMMON, r]
+    elif built == "inner":
+        out, back = [*role, COMMON, r, *make], [r, COMMON, r]
+    else:
+        out, back = [*role, COMMON, r], [r, COMMON, r]
+    return [*out, *send([]), *served(handler), *arrive(), *back]
+
+
+def rpc_after(role: list[str], handler: list[str]) -> list[str]:
+    """This branch: the role calls one `CoordinatorClient` method; the client builds the message,
+    sends, and checks the reply's type."""
+    return [*role, CLIENT, MSG, CLIENT, *send([]), *served(handler), *arrive(), CLIENT, role[-1]]
+
+
+def train_step(before: bool) -> list[str]:
+    to_rollouts = [TOK, TR, ROLL, TR] if before else [BASE, TOK, BASE, TR, ROLL, MSG, ROLL, TR]
+    return [TR, TASK, TR, *to_rollouts, ROUTES, TR, "node/rl/advantages.py", TR, "node/rl/batch.py", TR,
+            "node/rl/trainer.py", MODEL, MOE, MODEL, "node/rl/trainer.py", "node/rl/loss.py", "node/rl/trainer.py",
+            TR, LEDGER, TR]
+
+
+def publish_to_shardcast() -> list[str]:
+    return [TR, "shardcast/store.py", TR, "node/model/checkpoint.py", TR, "shardcast/publish.py", "shardcast/codec.py",
+            "shardcast/publish.py", "shardcast/manifest.py", ID, "shardcast/manifest.py", "shardcast/publish.py",
+            "shardcast/store.py", "shardcast/publish.py", TR]
+
+
+ANNOUNCE = [COORD, LEDGER, COORD, STORE, COORD]           # advance_policy: ledger, versions, stale leases
+ANNOUNCE_AFTER = [COORD, LEDGER, COORD, STORE, SEG, STORE, COORD]  # + retention (prune)
+GOSSIP = [SVC, *send([]), WIRE, NET, ENV, ID, ENV, MSG, ENV, NET, "protocol/member.py"]
+
+
+def fetch_and_load(role: str) -> list[str]:
+    return [role, COMMON, *SC_FETCH, COMMON, role]
+
+
+def lease_handler(before: bool) -> list[str]:
+    check = [COORD, "protocol/membership.py", COORD]
+    grant = [COORD, STORE, "protocol/work.py", COORD] if before else [COORD, STORE, "protocol/work.py", STORE, COORD]
+    return ([*check, PIPE, *grant, PIPE] if before      # the service checks membership, then the pipeline
+            else [PIPE, *check, PIPE, STORE, PIPE, *grant, PIPE])
+
+
+def roll_out(before: bool) -> list[str]:
+    episodes = [INF, TASK, INF, "protocol/work.py", INF, ROLL, *([TOK] if before else [BASE, TOK, BASE]), ROLL,
+                "node/engine/engine.py", "node/engine/sampling.py", "node/engine/engine.py", MODEL, CACHE, MODEL,
+                "node/engine/engine.py", ROLL, TASK, ROLL, INF, "verification/proof.py", "verification/poly.py",
+                "verification/proof.py", INF]
+    submission = ([INF, ROUTES, INF, MSG, INF] if before                      # version_runs + to_submission here
+                  else [INF, ROLL, MSG, ROLL, ROUTES, ROLL, INF, MSG, INF])   # Rollout.to_submission, runs_of
+    cheat = [INF] if before else []                                         # the cheating branch ran inline
+    return [*episodes, *submission, *cheat, INF, "protocol/member.py", INF] if before else \
+        [*episodes, *submission, INF, CLIENT, "protocol/member.py", CLIENT, INF]
+
+
+SUBMIT = [COORD, STORE, COORD, LEDGER, COORD, STORE, SEG, STORE, COORD]
+SUBMIT_BEFORE = [COORD, STORE, COORD, LEDGER, COORD, STORE, COORD]
+TO_VERIFY = [PIPE, STORE, PIPE, LEDGER, PIPE, STORE, SEG, STORE, PIPE]
+TO_VERIFY_BEFORE = [PIPE, STORE, PIPE, LEDGER, PIPE, STORE, PIPE]
+
+
+def judge(before: bool) -> list[str]:
+    claim = [VAL, TASK, VAL, TOK, VAL] if before else [VAL, TASK, BASE, TOK, BASE, VAL, MSG, VAL]
+    return [VAL, ENV, ID, ENV, MSG, ENV, VAL, *claim, "protocol/work.py", VAL, "verification/claim.py", VAL,
+            *fetch_and_load(VAL), "node/model/checkpoint.py", VAL, "node/replay.py", VAL, "verification/validator.py",
+            "verification/checks.py", "verification/proof.py", "verification/hidden_check.py", "verification/routing.py",
+            "verification/validator.py", "node/replay.py", MODEL, "node/replay.py", "verification/validator.py", VAL]
+
+
+VERDICTS = [PIPE, STORE, PIPE]
+BATCH = [PIPE, STORE, PIPE, LEDGER, PIPE, STORE, PIPE, STORE, SEG, STORE, PIPE]
+BATCH_BEFORE = [PIPE, STORE, PIPE, LEDGER, PIPE, STORE, PIPE, STORE, PIPE]
+OPEN_BATCH = [TR, ENV, ID, ENV, MSG, ENV, TR, LEDGER, TR]
+
+
+def path(before: bool) -> list[str]:
+    def rpc(role: list[str], handler: list[str], built: str) -> list[str]:
+        return rpc_before(role, handler, built) if before else rpc_after(role, handler)
+    seq = [*train_step(before), *publish_to_shardcast()]
+    seq += rpc([TR], ANNOUNCE if before else ANNOUNCE_AFTER, "first")   # publish: the coordinator records v
+    seq += GOSSIP                                                        # and gossips its announcement
+    seq += [INF, *fetch_and_load(INF), "node/engine/engine.py", INF]      # inference: fetch, verify, queue for the engine
+    seq += rpc([INF], lease_handler(before), "inner")                    # lease
+    seq += roll_out(before)
+    seq += rpc([INF], SUBMIT_BEFORE if before else SUBMIT, "given")       # submit
+    seq += rpc([VAL], TO_VERIFY_BEFORE if before else TO_VERIFY, "lambda")  # validator: work to verify
+    seq += judge(before)
+    seq += rpc([VAL], VERDICTS, "lambda")                                # verdicts
+    seq += rpc([TR], BATCH_BEFORE if before else BATCH, "lambda")        # trainer: the batch of step v + 1
+    seq += OPEN_BATCH
+    return [m for i, m in enumerate(seq) if i == 0 or m != seq[i - 1]]
+
+
+def counts(seq: list[str]) -> dict:
+    """modules; returns (entries into a module already passed through); revisits (those returns that
+    are not simply the end of a call into one other module, A > B > A)."""
+    seen: set[str] = set()
+    returns = revisits = 0
+    for i, m in enumerate(seq):
+        if m in seen:
+            returns += 1
+            revisits += not (i >= 2 and seq[i - 2] == m)
+        seen.add(m)
+    return {"modules": len(seen), "returns": returns, "revisits": revisits, "entries": len(seq)}
+
+
+BEFORE, AFTER = path(before=True), path(before=False)
+
+
+def main() -> None:
+    for name, seq in (("before", BEFORE), ("after", AFTER)):
+        print(f"[{name}] " + " > ".join(m.removesuffix(".py") for m in seq), flush=True)
+    b, a = counts(BEFORE), counts(AFTER)
+    print(json.dumps({"benchmark": "version_path", "method": "hand-traced module sequence (see module docstring)",
+                      "before": b, "after": a, "ratio_returns_after_vs_before": round(a["returns"] / b["returns"], 3),
+                      "ratio_modules_after_vs_before": round(a["modules"] / b["modules"], 3),
+                      "ratio_revisits_after_vs_before": round(a["revisits"] / b["revisits"], 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""vLLM as an inference node's engine (registered as "vllm" in node/engine/registry.py).
+
+The server starts without weights (config.json only, `load_format=dummy`) while the node joins and
+fetches; start-up takes tens of seconds, and WORKDIR/engine.ready marks its end. Every policy version
+the node fetches is written as an HF checkpoint (beside, then renamed: a crash never leaves a half
+written one under its name) and loaded in place; the last `CHECKPOINTS_KEPT` stay on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+from contrib.vllm import make_engine, vllm_python
+from contrib.vllm.server import VLLMUnavailable
+from contrib.vllm.settings import VLLMSettings
+from node.engine import Request, SamplingParams
+from node.engine.registry import EngineSetup, EngineUnavailable
+from node.model.checkpoint import CONFIG, WEIGHTS
+
+CHECKPOINTS_KEPT = 2
+"""Checkpoint directories written for vLLM that stay on disk (the loaded version and the one before)."""
+NODE_OWNED = ("model", "load_format")
+"""VLLMSettings the node sets itself (the checkpoint it serves and how it is loaded)."""
+DTYPE = "float32"
+"""vLLM's dtype: the run's policies are float32, which the validator recomputes in (its thresholds)."""
+
+
+def write_hf_checkpoint(state: dict[str, torch.Tensor], hf_config: dict, directory: Path) -> Path:
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2))
+    save_file({k: t.contiguous() for k, t in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory
+
+
+class VLLMNodeEngine:
+    """The built-in engine's surface over a supervised vLLM server."""
+
+    @staticmethod
+    def check(setup: EngineSetup) -> dict[str, object]:
+        """The vLLM settings the node starts with, once the interpreter and `setup.options` are checked."""
+        try:
+            vllm_python()
+        except VLLMUnavailable as exc:
+            raise EngineUnavailable(str(exc)) from exc
+        settings: dict[str, object] = {"dtype": DTYPE, "max_num_seqs": setup.max_batch,
+                                       "max_model_len": setup.max_seq_len}
+        for option in setup.options:
+            name, sep, value = option.partition("=")
+            if not sep or name in NODE_OWNED or name not in VLLMSettings.model_fields:
+                raise EngineUnavailable(f"--vllm {option!r}: expected KEY=VALUE with KEY a VLLMSettings field "
+                                        f"other than {', '.join(NODE_OWNED)}")
+            settings[name] = value
+        try:
+            checked = VLLMSettings(model="-", load_format="dummy", **settings)
+        except ValidationError as exc:
+            raise EngineUnavailable(f"--vllm: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
+        return {name: getattr(checked, name) for name in settings}
+
+    def __init__(self, setup: EngineSetup):
+        self.setup = setup
+        self.root = setup.workdir / "vllm"
+        base = self.root / "base"
+        base.mkdir(parents=True, exist_ok=True)
+        (base / CONFIG).write_text(json.dumps(setup.hf_config, indent=2))
+        (setup.workdir / "engine.ready").unlink(missing_ok=True)
+        self.engine = make_engine(
+            str(base), load_format="dummy", log_path=str(setup.workdir / "vllm.log"), cancel=setup.cancel,
+            engine={"eos_id": setup.eos_id, "encode": setup.encode, "salt": setup.salt,
+                    "max_concurrency": setup.max_batch}, **self.check(setup))
+        # One short request first: vLLM's first batch is several times slower than the next (measured
+        # 2.4 s vs 0.35 s for 32 requests), and a node should take leases only once it is warm.
+        self.engine.generate([Request("warm-up", [setup.bos_id] * 8, SamplingParams(temperature=1.0, max_new_tokens=8))])
+        (setup.workdir / "engine.ready").write_text(self.engine.server.url + "\n")
+
+    @property
+    def server(self):
+        return self.engine.server
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Write `version` as an HF checkpoint and load it in place (sequences in flight are kept, or
+        rerun by the adapter where vLLM recomputed their KV under the new weights)."""
+        self.engine.load_weights(write_hf_checkpoint(state_dict, self.setup.hf_config, self.root / f"v{version}"),
+                                 version)
+        written = sorted((int(d.name[1:]) for d in self.root.glob("v*") if d.name[1:].isdigit()), reverse=True)
+        for old in written[CHECKPOINTS_KEPT:]:
+            shutil.rmtree(self.root / f"v{old}", ignore_errors=True)
+
+    def add_request(self, request: Request) -> None:
+        self.engine.add_request(request)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self):
+        return self.engine.step()
+
+    def generate(self, requests: list[Request]):
+        return self.engine.generate(requests)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    def close(self) -> None:
+        self.engine.close()

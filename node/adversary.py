@@ -1,0 +1,73 @@
+"""Adversarial inference nodes for `primerl-node sim --cheaters K` and benchmarks.chaos.
+
+A cheater is an honest `InferenceNode` with one hook installed (`InferenceNode.before_submit`):
+half of its groups have their first rollout tampered with, in one of the ways verification's
+attack classes cover: a flipped reward, a changed token, or a claimed policy version other than the
+one that produced the tokens. The validator must catch every one (and the coordinator ban the node);
+the honest role holds no cheating code.
+
+    python -m node.adversary --cheat {reward,tokens,version,mixed} [--log-level L] join --role inference ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+from protocol.messages import RolloutGroup, RolloutSubmission
+
+CHEATS = ("reward", "tokens", "version")
+"""Tampering kinds; "mixed" draws one of them per tampered group."""
+TAMPERED_SHARE = 0.5
+"""Share of a cheater's groups it tampers with."""
+
+
+def tamper(sub: RolloutSubmission, kind: str, newest: int) -> RolloutSubmission:
+    if kind == "reward":
+        return sub.model_copy(update={"reward": 1.0 if sub.reward < 1.0 else 0.0})
+    if kind == "tokens":
+        toks = list(sub.token_ids)
+        toks[0] = (toks[0] + 7) % 80 + 4
+        return sub.model_copy(update={"token_ids": toks})
+    # "version": claim the tokens came from another policy version than the one that made them
+    other = newest - 1 if sub.min_version == newest else newest
+    return sub.model_copy(update={"version_runs": [(max(0, other), sub.n_tokens)]})
+
+
+class Cheater:
+    """The hook: `(groups, newest loaded version) -> groups`, some tampered."""
+
+    def __init__(self, kind: str, seed: str):
+        self.kind = kind
+        self.rng = random.Random(seed)
+
+    def __call__(self, groups: list[RolloutGroup], newest: int) -> list[RolloutGroup]:
+        out = []
+        for group in groups:
+            if self.rng.random() < TAMPERED_SHARE:
+                kind = self.kind if self.kind in CHEATS else self.rng.choice(CHEATS)
+                rollouts = [tamper(group.rollouts[0], kind, newest), *group.rollouts[1:]]
+                group = RolloutGroup(work_id=group.work_id, rollouts=rollouts)
+            out.append(group)
+        return out
+
+
+def install(node, kind: str) -> None:
+    """Make `node` (an InferenceNode) a cheater of `kind`."""
+    node.before_submit.append(Cheater(kind, node.key.peer_id))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m node.adversary", description=__doc__.splitlines()[0])
+    p.add_argument("--cheat", required=True, choices=[*CHEATS, "mixed"], help="how this node cheats")
+    ours, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "join" not in rest or "inference" not in rest:
+        p.error("the rest must be `join --role inference ...`")
+    from node import cli
+
+    return cli.main(rest, customize=lambda node: install(node, ours.cheat))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

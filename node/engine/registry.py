@@ -1,0 +1,128 @@
+"""Inference engines by name: a lookup table of import paths, each imported only when a node asks for it.
+
+`join --role inference --engine NAME` builds `ENGINES[NAME]`; the inference role sees only the
+`InferenceEngine` surface below, never an engine's module. Adding an engine is one entry:
+
+    "builtin-cuda": EngineEntry("node.engine.cuda:CudaEngine", claims="builtin", help="..."),
+
+An in-process entry (the default) names a class with the built-in `Engine`'s constructor
+(`cls(model, max_batch=, eos_id=, decode=, capture_hidden=, capture_experts=, version=)`); a
+`server` entry names a callable `factory(EngineSetup) -> InferenceEngine` that may start a process
+(vLLM) and may carry a `check(EngineSetup) -> dict` that refuses bad settings before anything starts.
+
+Invariant: `node`, `protocol`, `shardcast` and `verification` import nothing from `contrib`; the
+import paths here are strings, resolved by `importlib` only for the engine a node runs
+(tests/test_import_rules.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from node.plugins import resolve
+
+if TYPE_CHECKING:  # the registry stays light: `join --help` lists engines without importing torch
+    import torch
+
+    from node.engine.engine import Completion, Request
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine asked for cannot serve this run: unknown, not accepted by the run, or not installed here."""
+
+
+class InferenceEngine(Protocol):
+    """What the inference role drives (the built-in `Engine`'s surface)."""
+
+    def add_request(self, request: Request) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[Completion]: ...
+    def generate(self, requests: list[Request]) -> list[Completion]: ...
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue policy `version` (HF names); it takes effect between two decode steps."""
+
+
+@dataclass
+class EngineSetup:
+    """What a node knows when it builds its engine (before any policy version is loaded)."""
+
+    model: Callable[[], Any]
+    """A fresh model of the run's shape (in-process engines load policies into it)."""
+    hf_config: dict
+    """The model's Hugging Face config.json (engines that load checkpoints from disk)."""
+    max_batch: int
+    """Sequences decoded at once."""
+    max_seq_len: int
+    """Longest prompt + completion."""
+    eos_id: int
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    bos_id: int
+    capture_experts: bool
+    """Record each position's routed experts (router replay)."""
+    workdir: Path
+    """The node's state directory (engines write logs and checkpoints under it)."""
+    salt: str
+    """Per-run salt (the run id): prefix-cache keys of one run never match another's."""
+    options: list[str] = field(default_factory=list)
+    """`KEY=VALUE` settings from the command line (`join --vllm`), engine-specific."""
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set to abort a slow start-up (the node is stopping)."""
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    path: str
+    """"module:attribute" of the engine class (in-process) or factory (server)."""
+    claims: str
+    """The engine name its submissions carry (`RolloutSubmission.engine`; the run spec must accept it)."""
+    help: str
+    """One line for `join --help`."""
+    server: bool = False
+    """True: `path` is a factory(EngineSetup) that may start a process; False: an `Engine`-like class."""
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "builtin": EngineEntry("node.engine.engine:Engine", "builtin", "the built-in torch engine"),
+    "vllm": EngineEntry("contrib.vllm.node_engine:VLLMNodeEngine", "vllm",
+                        "a supervised vLLM server (contrib/vllm; its interpreter is $PRIMERL_VLLM_PYTHON)", server=True),
+}
+
+
+def entry(name: str) -> EngineEntry:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise EngineUnavailable(f"unknown engine {name!r}; known: {', '.join(ENGINES)}") from None
+
+
+def check(name: str, setup: EngineSetup) -> dict:
+    """Refuse bad settings before anything starts; returns the settings the engine will start with."""
+    e = entry(name)
+    if not e.server:
+        if setup.options:
+            raise EngineUnavailable(f"engine {name} takes no options ({', '.join(setup.options)})")
+        return {}
+    checker = getattr(resolve(e.path), "check", None)
+    return checker(setup) if checker else {}
+
+
+def build(name: str, setup: EngineSetup, version: int = -1) -> InferenceEngine:
+    """The engine `name`, started, with no policy loaded yet (blocking: run it in a thread)."""
+    e = entry(name)
+    cls = resolve(e.path)
+    if e.server:
+        return cls(setup)
+    return cls(setup.model(), max_batch=setup.max_batch, eos_id=setup.eos_id, decode=setup.decode,
+               capture_hidden=True, capture_experts=setup.capture_experts, version=version)
+
+
+def close(engine: InferenceEngine) -> None:
+    """Stop what the engine started (a server); in-process engines have nothing to stop."""
+    stop = getattr(engine, "close", None)
+    if stop is not None:
+        stop()
