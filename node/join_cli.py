@@ -107,7 +107,8 @@ async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
 
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
-               host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None) -> None:
+               host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
+               device: str = "cpu", fp8: str = "off") -> None:
     """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way)."""
     from node.roles.common import stop_on_signals
@@ -123,7 +124,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
-        node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm)
+        node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
@@ -184,6 +185,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--vllm", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
                         "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
+    j.add_argument("--device", default=None,
+                   help="inference: where the engine serves, cpu | cuda | cuda:I (default: cuda for --engine builtin-cuda, "
+                        "else cpu)")
+    j.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
+                   help="with --engine builtin-cuda: block-scaled FP8 weights for the routed experts only, or for every "
+                        "projection (an H100/H200-class GPU; docs/fp8.md)")
     par = j.add_argument_group("trainer parallelism (launch with torchrun; world = dp x cp)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2)")
     par.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp")
@@ -208,7 +215,10 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
     if args.vllm and args.engine != "vllm":
         raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
+    device = args.device or ("cuda" if args.engine == "builtin-cuda" else "cpu")
+    if args.role != "inference" and (args.device or args.fp8 != "off"):
+        raise SystemExit("primerl-node join: --device/--fp8 apply to --role inference only")
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port,
                      engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm,
-                     customize=getattr(args, "customize", None)))
+                     customize=getattr(args, "customize", None), device=device, fp8=args.fp8))
     return 0

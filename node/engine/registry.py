@@ -72,6 +72,10 @@ class EngineSetup:
     """`KEY=VALUE` settings from the command line (`join --vllm`), engine-specific."""
     cancel: threading.Event = field(default_factory=threading.Event)
     """Set to abort a slow start-up (the node is stopping)."""
+    device: str = "cpu"
+    """Where an in-process engine serves (`join --device cpu|cuda[:i]`)."""
+    fp8: str = "off"
+    """FP8 weights on a CUDA engine: off | experts (routed experts only) | all (`join --fp8`)."""
 
 
 @dataclass(frozen=True)
@@ -84,10 +88,15 @@ class EngineEntry:
     """One line for `join --help`."""
     server: bool = False
     """True: `path` is a factory(EngineSetup) that may start a process; False: an `Engine`-like class."""
+    placed: bool = False
+    """An in-process engine that takes `device=` and `fp8=` (and captures its graphs before serving)."""
 
 
 ENGINES: dict[str, EngineEntry] = {
     "builtin": EngineEntry("node.engine.engine:Engine", "builtin", "the built-in torch engine"),
+    "builtin-cuda": EngineEntry("node.engine.cuda_engine:CudaEngine", "builtin",
+                                "the built-in engine on a CUDA device (--device cuda[:i]): CUDA graphs per batch bucket, "
+                                "GPU sampling with the validator's seeded rule, FP8 with --fp8", placed=True),
     "vllm": EngineEntry("contrib.vllm.node_engine:VLLMNodeEngine", "vllm",
                         "a supervised vLLM server (contrib/vllm; its interpreter is $PRIMERL_VLLM_PYTHON)", server=True),
 }
@@ -106,7 +115,12 @@ def check(name: str, setup: EngineSetup) -> dict:
     if not e.server:
         if setup.options:
             raise EngineUnavailable(f"engine {name} takes no options ({', '.join(setup.options)})")
-        return {}
+        if not e.placed and (setup.device != "cpu" or setup.fp8 != "off"):
+            raise EngineUnavailable(f"engine {name} serves on the CPU without FP8; for --device {setup.device} "
+                                    f"--fp8 {setup.fp8} use --engine builtin-cuda")
+        if e.placed and setup.fp8 not in ("off", "experts", "all"):
+            raise EngineUnavailable(f"--fp8 must be off, experts or all, not {setup.fp8!r}")
+        return {"device": setup.device, "fp8": setup.fp8} if e.placed else {}
     checker = getattr(resolve(e.path), "check", None)
     return checker(setup) if checker else {}
 
@@ -117,8 +131,15 @@ def build(name: str, setup: EngineSetup, version: int = -1) -> InferenceEngine:
     cls = resolve(e.path)
     if e.server:
         return cls(setup)
-    return cls(setup.model(), max_batch=setup.max_batch, eos_id=setup.eos_id, decode=setup.decode,
-               capture_hidden=True, capture_experts=setup.capture_experts, version=version)
+    if not e.placed:
+        return cls(setup.model(), max_batch=setup.max_batch, eos_id=setup.eos_id, decode=setup.decode,
+                   capture_hidden=True, capture_experts=setup.capture_experts, version=version)
+    fp8 = {"off": False, "experts": "experts", "all": True}[setup.fp8]
+    engine = cls(setup.model(), max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, eos_id=setup.eos_id,
+                 decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts, version=version,
+                 fp8=fp8, device=setup.device)
+    engine.capture_all()  # every batch bucket's graph before the first lease (a few seconds; FP8 ~12 s once)
+    return engine
 
 
 def close(engine: InferenceEngine) -> None:

@@ -61,8 +61,10 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 
 
 class InferenceNode:
-    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None):
-        """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm)."""
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None,
+                 device: str = "cpu", fp8: str = "off"):
+        """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm);
+        `device`, `fp8`: where an in-process engine serves and whether with FP8 weights (builtin-cuda)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.leases_per_request = leases_per_request
         self.tok = CharTokenizer()
@@ -85,7 +87,7 @@ class InferenceNode:
             model=lambda: fresh_model(spec), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,
             max_seq_len=cfg.max_position_embeddings, eos_id=self.tok.eos_id, encode=self.tok.encode,
             decode=self.tok.decode, bos_id=self.tok.bos_id, capture_experts=self.routes is not None,
-            workdir=workdir, salt=spec.run_id, options=list(vllm or []))
+            workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8)
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0

@@ -1,0 +1,50 @@
+"""The inference role's engines by name: `builtin-cuda` (CudaEngine) is built through the registry with
+the node's device and FP8 choice, and settings an engine cannot honour are refused before it starts."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.engine import Engine, Request, SamplingParams
+from node.engine import registry as engines
+from node.engine.cuda_engine import CudaEngine
+from node.engine.registry import EngineSetup, EngineUnavailable
+from node.model import CausalLM, ModelConfig
+
+
+def setup(tmp_path: Path, model: CausalLM, **kw) -> EngineSetup:
+    cfg = model.config
+    return EngineSetup(model=lambda: copy.deepcopy(model), hf_config=cfg.to_hf_dict(), max_batch=4,
+                       max_seq_len=cfg.max_position_embeddings, eos_id=-1, encode=list, decode=str, bos_id=1,
+                       capture_experts=True, workdir=tmp_path, salt="run", **kw)
+
+
+def tiny() -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(vocab_size=64, hidden_size=32, moe_intermediate_size=32, head_dim=8)).eval()
+
+
+def test_builtin_cuda_engine_is_built_by_name_and_samples_as_the_builtin_one(tmp_path):
+    model = tiny()
+    s = setup(tmp_path, model, device="cpu")
+    assert engines.check("builtin-cuda", s) == {"device": "cpu", "fp8": "off"}
+    assert engines.entry("builtin-cuda").claims == "builtin"  # the validator re-derives its sampling
+    built = engines.build("builtin-cuda", s, version=0)
+    assert isinstance(built, CudaEngine)
+    reqs = [Request(str(i), [3 + i, 5, 7], SamplingParams(temperature=0.9, max_new_tokens=5, seed=i)) for i in range(6)]
+    ref = Engine(copy.deepcopy(model), max_batch=4, eos_id=-1).generate(reqs)
+    got = built.generate(reqs)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+
+
+def test_engine_settings_it_cannot_honour_are_refused_before_start(tmp_path):
+    model = tiny()
+    with pytest.raises(EngineUnavailable, match="builtin-cuda"):
+        engines.check("builtin", setup(tmp_path, model, device="cuda"))
+    with pytest.raises(EngineUnavailable, match="builtin-cuda"):
+        engines.check("builtin", setup(tmp_path, model, fp8="experts"))
+    with pytest.raises(EngineUnavailable, match="fp8"):
+        engines.check("builtin-cuda", setup(tmp_path, model, device="cpu", fp8="int4"))
+    assert engines.check("builtin", setup(tmp_path, model)) == {}
