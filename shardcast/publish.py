@@ -98,3 +98,61 @@ def publish(
              len(entries), len(payload) / 2**20, manifest.wire_bytes / 2**20)
     store.retain(run_id, opt.keep_last)
     return signed
+
+
+def publish_stream(
+    store: Store,
+    key: NodeKey,
+    run_id: str,
+    version: int,
+    tensors: list,
+    payload: np.ndarray,
+    filled,
+    parent: int | None = None,
+    options: PublishOptions | None = None,
+) -> SignedManifest:
+    """`publish` for a payload that is still being written: `tensors` is its layout
+    (`codec.layout`), `filled` yields increasing byte counts n (payload[:n] is final once n is
+    yielded). Each shard is compressed and hashed on the pool as soon as its range is final, so
+    the copy into `payload` (e.g. device-to-host, tensor by tensor) overlaps the encoding; the
+    payload file is written while the last shards encode. Same store layout, delta/keyframe
+    rule, signature and retention as `publish`."""
+    opt = options or PublishOptions()
+    if opt.keyframe_every < 1:
+        raise ValueError("keyframe_every must be >= 1")
+    parent_payload, keyframe, encoding = None, version, "full"
+    if parent is not None:
+        pm = store.manifest(run_id, parent)
+        if pm is not None and store.payload_path(run_id, parent).exists():
+            pm_ = pm.manifest
+            same_layout = [t.model_dump() for t in pm_.tensors] == [t.model_dump() for t in tensors] and pm_.shard_size == opt.shard_size
+            if same_layout and version - pm_.keyframe < opt.keyframe_every:
+                parent_payload, keyframe, encoding = store.payload(run_id, parent), pm_.keyframe, "delta"
+    ranges = shard_ranges(len(payload), opt.shard_size)
+    store.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
+
+    def one(i: int):
+        a, b = ranges[i]
+        entry, wire = encode_shard(i, payload[a:b], None if parent_payload is None else np.asarray(parent_payload[a:b]), opt.zstd_level)
+        store.put_shard(run_id, version, i, wire)
+        return entry
+
+    with ThreadPoolExecutor(max_workers=max(1, opt.threads)) as pool:
+        futures, submitted = [], 0
+        for n in filled:
+            while submitted < len(ranges) and ranges[submitted][1] <= n:
+                futures.append(pool.submit(one, submitted))
+                submitted += 1
+        futures += [pool.submit(one, i) for i in range(submitted, len(ranges))]
+        written = pool.submit(store.put_payload, run_id, version, payload)
+        entries = [f.result() for f in futures]
+        written.result()
+    manifest = Manifest(run_id=run_id, version=version, parent=parent if encoding == "delta" else None,
+                        encoding=encoding, keyframe=keyframe, shard_size=opt.shard_size, total_bytes=len(payload),
+                        tensors=tensors, shards=entries)
+    signed = SignedManifest.sign(manifest, key)
+    store.put_manifest(signed)
+    log.info("published %s v%d streamed (%s, %d shards, %.1f MiB raw -> %.1f MiB wire)", run_id, version, encoding,
+             len(entries), len(payload) / 2**20, manifest.wire_bytes / 2**20)
+    store.retain(run_id, opt.keep_last)
+    return signed
