@@ -187,54 +187,53 @@ def world_main(args) -> None:
         result["step_s"] = t_step
         result["mfu"] = flops / t_step / (world * H200_BF16_PEAK) if cuda else None
         log(f"{args.world}: step {t_step:.3f}s mfu {result['mfu']}")
+        result["rank0"] = rank_stats(leader.rank.trainer, "cuda" if cuda else "cpu")
+        Path(args.result).write_text(json.dumps(result))  # the training figures, whatever follows
         if args.world == "scale" and not args.no_publish:
-            key = NodeKey.generate()
-            root = Path(args.store) / "origin"
-            opts = PublishOptions(threads=args.threads, keep_last=2)
-            # publication waited for, as the role does today (`publish_trainer`, step then publish)
-            pub = []
-            for v in range(1, 3):
-                t = time.perf_counter()
-                times_w = step(v)
-                signed = publish_trainer(leader, __import__("shardcast.store", fromlist=["Store"]).Store(root), key,
-                                         "ts", v, v - 1, opts)
-                pub.append({"step_s": times_w, "publish_s": time.perf_counter() - t - times_w,
-                            "gather_s": leader.last_publish.get("gather_s"), "total_s": leader.last_publish.get("total_s")})
-            result["publish_waited"] = pub
-            result["payload_bytes"] = signed.manifest.total_bytes
-            result["wire_bytes"] = signed.manifest.wire_bytes
-            result["encoding_last"] = signed.manifest.encoding
-            # overlapped: the next step runs while rank 0 encodes the previous version
             from shardcast.store import Store
 
+            key = NodeKey.generate()
+            root = Path(args.store) / "origin"
             store = Store(root)
-            pending = None
+            opts = PublishOptions(threads=args.threads, keep_last=1, keyframe_every=1)  # full versions: two fit in RAM
+            # the role today: step, then publish and wait for the signed version (`publish_trainer`)
             t = time.perf_counter()
-            n_ov = args.iters
-            for v in range(3, 3 + n_ov):
+            t_step = step(1)
+            signed = publish_trainer(leader, store, key, "ts", 1, 0, opts)
+            waited = time.perf_counter() - t
+            result["publish_waited"] = {"step_s": t_step, "publish_s": waited - t_step, **leader.last_publish}
+            result["payload_bytes"] = signed.manifest.total_bytes
+            result["wire_bytes"] = signed.manifest.wire_bytes
+            log(f"publish waited: {result['publish_waited']}")
+            Path(args.result).write_text(json.dumps(result))
+            # overlapped: the next step runs while rank 0 encodes the previous version
+            pending, rows_ov = None, []
+            t = time.perf_counter()
+            for v in range(2, 2 + args.iters):
                 step(v)
                 if pending is not None:
                     pending.result()
-                pending = leader.publish_async(store, key, "ts", v, v - 1, opts)
+                    rows_ov.append(dict(leader.last_publish))
+                pending = leader.publish_async(store, key, "ts", v, None, opts)
             pending.result()
-            per = (time.perf_counter() - t) / n_ov
+            rows_ov.append(dict(leader.last_publish))
+            per = (time.perf_counter() - t) / args.iters
+            result["publish_overlapped"] = rows_ov
             result["overlapped_step_with_publish_s"] = per
-            w = sorted(p["step_s"] + p["publish_s"] for p in pub)[0]
-            result["waited_step_with_publish_s"] = w
+            result["waited_step_with_publish_s"] = waited
             result["mfu_with_publish"] = flops / per / (world * H200_BF16_PEAK) if cuda else None
-            result["mfu_with_publish_waited"] = flops / w / (world * H200_BF16_PEAK) if cuda else None
-            # a full version (keyframe) to another process's GPU
-            t = time.perf_counter()
-            full = leader.publish(store, key, "ts", 100, None, opts)
-            pub_s = time.perf_counter() - t
+            result["mfu_with_publish_waited"] = flops / waited / (world * H200_BF16_PEAK) if cuda else None
+            log(f"overlapped: {per:.3f}s per step+publish; {rows_ov}")
+            Path(args.result).write_text(json.dumps(result))
+            # the last version (a full one) to another process's GPU
+            last = 1 + args.iters
             dev = f"cuda:{1 if torch.cuda.device_count() > 1 else 0}" if cuda else "cpu"
-            got = _serve_and_fetch(root, key, "ts", 100, dev, args.timeout)
-            total = pub_s + got["fetch_s"] + got["h2d_s"]
-            result["publish_full"] = {"publish_s": pub_s, **leader.last_publish, **got, "end_to_end_s": total,
-                                      "wire_bytes": full.manifest.wire_bytes}
-            result["publish_gb_s"] = full.manifest.total_bytes / 1e9 / total
-            log(f"publish: {result['publish_full']}")
-        result["rank0"] = rank_stats(leader.rank.trainer, "cuda" if cuda else "cpu")
+            got = _serve_and_fetch(root, key, "ts", last, dev, args.timeout)
+            total = rows_ov[-1]["total_s"] + got["fetch_s"] + got["h2d_s"]
+            result["publish_full"] = {**rows_ov[-1], **got, "end_to_end_s": total}
+            result["publish_gb_s"] = result["payload_bytes"] / 1e9 / total
+            log(f"publish to another GPU: {result['publish_full']}")
+            result["rank0"] = rank_stats(leader.rank.trainer, "cuda" if cuda else "cpu")
     finally:
         leader.stop()
     Path(args.result).write_text(json.dumps(result))
@@ -246,18 +245,24 @@ def run_world(args, section: str, out: Path, extra: list[str]) -> dict:
            "-m", "benchmarks.trainer_scale", "--world", section, "--result", str(out), *extra]
     log(f"world {section}: {' '.join(cmd[-len(extra) - 4:])}")
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-6000:]
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = "timeout", str(exc.stderr or "")[-6000:]
-    if args.log_dir:
-        (Path(args.log_dir) / f"trainer_scale-{section}.log").write_text(tail)
-    if rc != 0 or not out.exists():
+    log_path = Path(args.log_dir or out.parent) / f"trainer_scale-{section}.log"
+    with open(log_path, "w") as f:  # streamed: a killed world still leaves its log
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+    tail = log_path.read_text()[-6000:]
+    if not out.exists():
         log(f"world {section} failed ({rc}):\n{tail[-3000:]}")
         return {"section": section, "error": f"rc {rc}", "tail": tail[-1500:]}
+    if rc != 0:
+        log(f"world {section} ended with rc {rc}; partial figures kept")
     res = json.loads(out.read_text())
     res["wall_s"] = time.perf_counter() - t0
+    if rc != 0:
+        res["error"] = f"rc {rc} (figures up to the failure)"
     for f in sorted(out.parent.glob(f"{section}-rank*.json")):
         res[f.stem.split("-")[-1]] = json.loads(f.read_text())
     return res

@@ -71,7 +71,7 @@ class Trainer:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         if self.distributed_checkpoint is not None:
-            self._load_distributed_optimizer()
+            self.load_pending_optimizer_state()
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
@@ -118,7 +118,8 @@ class Trainer:
                                                             "config": asdict(self.cfg)}))
         return directory
 
-    def _load_distributed_optimizer(self) -> None:
+    def load_pending_optimizer_state(self) -> None:
+        """Read the AdamW state of the distributed checkpoint `load` came from (whole: one process)."""
         from node.rl.parallel.checkpoint import load_whole
 
         params = dict(self.model.named_parameters())

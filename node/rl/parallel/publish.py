@@ -16,9 +16,11 @@ versions published either way are interchangeable (same names, order, dtypes, of
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -32,6 +34,8 @@ from shardcast.codec import layout
 from shardcast.manifest import SignedManifest
 from shardcast.publish import PublishOptions, publish_stream
 from shardcast.store import Store
+
+log = logging.getLogger(__name__)
 
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
@@ -80,7 +84,10 @@ class PayloadBuffer:
             self.busy.result()
         if self.tensor is None or self.tensor.numel() != total:
             self.tensor = None
+            t0 = time.perf_counter()
             self.tensor = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
+            log.info("payload buffer: %.2f GB %s in %.2fs", total / 1e9, "pinned" if pinned else "pageable",
+                     time.perf_counter() - t0)
         return self.tensor
 
 
@@ -98,8 +105,6 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
     Rank 0 passes `sink` = {store, key, run_id, version, parent, options, buffer, done: Future},
     and its encoding starts on a background thread; `done` gets the SignedManifest (or the error).
     Returns the seconds spent gathering."""
-    import time
-
     t0 = time.perf_counter()
     tied = model.config.tie_word_embeddings
     ready: queue.Queue = queue.Queue()

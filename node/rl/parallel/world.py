@@ -236,12 +236,12 @@ class Leader:
         """Every rank starts from `trainer` (warmed up, or resumed: weights, AdamW state, step);
         a `Trainer` loaded from a distributed checkpoint has every rank read its own shards."""
         path = getattr(trainer, "distributed_checkpoint", None)
+        self.rank.model = trainer.model  # its config (and, without a distributed checkpoint, its weights)
         if path is not None:
             self._order(Order("start", step=trainer.step, path=str(path)))
         else:
             names = {id(p): n for n, p in trainer.model.named_parameters()}
             self.rank.optimizer_state = {names[id(p)]: s for p, s in trainer.optimizer.state.items()}
-            self.rank.model = trainer.model
             self._order(Order("start", step=trainer.step, resume=bool(self.rank.optimizer_state)))
         self.step = self.rank.trainer.step
         return self
