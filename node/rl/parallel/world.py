@@ -99,6 +99,8 @@ class TrainerRank:
         if model is not None:
             dims.check_model(model.config)
         self.trainer: DistributedTrainer | None = None
+        self.seen_rows: list[int] = []
+        """Rows of each batch share this rank was sent (its part of the batch, then of each minibatch)."""
         self.publish_sink: dict | None = None
         """Rank 0, publish order: where the version goes (set by the `Leader` before the order)."""
 
@@ -122,6 +124,7 @@ class TrainerRank:
         if order.kind == "start":
             return self._start(order)
         if order.kind == "train":
+            self.seen_rows += [len(order.work.before.batch)] + [len(mb.batch) for mb in order.work.minibatches]
             return self.trainer.train_work(order.work)
         if order.kind == "publish":
             sink, self.publish_sink = self.publish_sink, None
