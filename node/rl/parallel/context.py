@@ -78,6 +78,7 @@ class RingAttention(torch.autograd.Function):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         groups = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v]).contiguous()
+        acc = torch.promote_types(q.dtype, torch.float32)  # merge in fp32 (fp64 stays fp64)
         out = lse = None
         extras = {}
         for i in range(n):
@@ -86,11 +87,12 @@ class RingAttention(torch.autograd.Function):
                 nxt, reqs = _exchange(kv, group)
             if src <= r:
                 o, l, extras[src] = _block_fwd(q, _expand(kv[0], groups), _expand(kv[1], groups), src == r)
+                o, l = o.to(acc), l.to(acc)
                 if out is None:
-                    out, lse = o.float(), l.float()
+                    out, lse = o, l
                 else:
-                    merged = torch.logaddexp(lse, l.float())
-                    out = out * torch.exp(lse - merged).unsqueeze(-1) + o.float() * torch.exp(l.float() - merged).unsqueeze(-1)
+                    merged = torch.logaddexp(lse, l)
+                    out = out * torch.exp(lse - merged).unsqueeze(-1) + o * torch.exp(l - merged).unsqueeze(-1)
                     lse = merged
             if i < n - 1:
                 _wait(reqs)
@@ -108,8 +110,9 @@ class RingAttention(torch.autograd.Function):
         groups = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         for i in range(n):
             src = (r - i) % n
             if i < n - 1:
@@ -117,9 +120,9 @@ class RingAttention(torch.autograd.Function):
             if src <= r:
                 dq_b, dk_b, dv_b = _block_bwd(dout, q, _expand(kv[0], groups), _expand(kv[1], groups), out, lse,
                                               src == r, ctx.extras[src])
-                dq += dq_b.float()
-                dkv[0] += _fold(dk_b.float(), groups)
-                dkv[1] += _fold(dv_b.float(), groups)
+                dq += dq_b.to(acc)
+                dkv[0] += _fold(dk_b.to(acc), groups)
+                dkv[1] += _fold(dv_b.to(acc), groups)
             dkv, dreqs = _exchange(dkv, group)  # the accumulator follows its K/V; home after n hops
             _wait(dreqs)
             if i < n - 1:
