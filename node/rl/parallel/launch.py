@@ -89,7 +89,7 @@ def run_layout(dims: ParallelDims, device: str, router_replay: bool = False) -> 
     groups = ParallelGroups.build(dims, device)
     model = parallelize(check_model().to(device), groups)
     trainer = DistributedTrainer(model, groups, cfg)
-    local = shard_batch(batch, groups)
+    local = shard_batch(batch, groups).to(torch.device(device))
     loss = trainer.backward(local)
     grads = trainer.full_gradients()
     trainer.clip_grad_norm(cfg.max_grad_norm)
