@@ -58,6 +58,35 @@ def test_streamed_publication_is_shardcast_publish_of_the_hf_weights(tmp_path):
     assert len(a.manifest.shards) > 10
 
 
+def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):
+    """The encoder never signs a payload whose copy did not finish: the failure reaches the caller
+    and the version's waiter gets `PublicationAborted`; nothing is listed in the store."""
+    from concurrent.futures import Future
+
+    import node.rl.parallel.publish as pub
+
+    real = pub.gather_tensors
+
+    def dies_after_two(model, groups, get=lambda p: p.detach()):
+        for i, item in enumerate(real(model, groups, get)):
+            if i == 2:
+                raise RuntimeError("rank lost mid-gather")
+            yield item
+
+    monkeypatch.setattr(pub, "gather_tensors", dies_after_two)
+    store, done = Store(tmp_path / "s"), Future()
+    sink = dict(store=store, key=NodeKey.generate(), run_id="r", version=0, parent=None,
+                options=PublishOptions(shard_size=4096, threads=2), buffer=pub.PayloadBuffer(), done=done)
+    with pytest.raises(RuntimeError, match="rank lost"):
+        pub.stream_publish(check_model(), None, None, sink)
+    with pytest.raises(pub.PublicationAborted):
+        done.result(timeout=30)
+    assert store.manifest("r", 0) is None
+    monkeypatch.setattr(pub, "gather_tensors", real)  # the same buffer then publishes a whole version
+    ok = pub.publish_model(check_model(), None, store, sink["key"], "r", 0, None, sink["options"], sink["buffer"])
+    assert store.manifest("r", 0).manifest.manifest_hash() == ok.manifest.manifest_hash()
+
+
 def test_layouts_that_do_not_fit_the_model_are_typed_errors_naming_the_mismatch():
     cfg = check_model().config  # 8 experts
     with pytest.raises(LayoutError, match="num_experts=6"):

@@ -44,7 +44,7 @@ def parallelize(model: CausalLM, groups: ParallelGroups) -> CausalLM:
             # on the instance, inside FSDP's hooks: the recompute runs while the layer is unsharded
             layer.forward = functools.partial(_checkpointed, layer.forward)
     if dims.fsdp:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dims.bf16 \
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dims.mixed_precision(groups.world_mesh.device_type) \
             else MixedPrecisionPolicy()
         for layer in model.model.layers:
             if isinstance(layer.mlp, MoEBlock):

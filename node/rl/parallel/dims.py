@@ -30,9 +30,10 @@ class ParallelDims(BaseModel):
     """Context-parallel ranks (each holds one slice of every sequence)."""
     fsdp: bool = True
     """Shard parameters, gradients and optimizer state with FSDP2 `fully_shard`."""
-    bf16: bool = False
+    bf16: bool | None = None
     """Mixed precision (FSDP2 `MixedPrecisionPolicy`): compute and all-gather in bf16, keep fp32
-    master weights, gradients reduced in fp32 and AdamW states in fp32. Needs `fsdp`."""
+    master weights, gradients reduced in fp32 and AdamW states in fp32; published versions are
+    bf16. Needs `fsdp`. None: on when the world runs on CUDA with fsdp (`mixed_precision`)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them."""
 
@@ -52,6 +53,12 @@ class ParallelDims(BaseModel):
             raise LayoutError(f"ep={self.ep} must divide the model's num_experts={cfg.num_experts}")
         if self.ep > 1 and not cfg.num_experts:
             raise LayoutError(f"ep={self.ep} on a dense model (num_experts=0)")
+
+    def mixed_precision(self, device_type: str) -> bool:
+        """Whether the bf16 policy applies on this device type."""
+        if self.bf16 is not None:
+            return self.bf16
+        return self.fsdp and device_type == "cuda"
 
     @property
     def world(self) -> int:

@@ -21,10 +21,8 @@ import queue
 import re
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import Future, wait
 
-import numpy as np
 import torch
 
 from node.rl.parallel.dims import ParallelGroups
@@ -81,7 +79,7 @@ class PayloadBuffer:
 
     def get(self, total: int, pinned: bool) -> torch.Tensor:
         if self.busy is not None:
-            self.busy.result()
+            wait([self.busy])  # done or failed: either way it no longer reads the buffer
         if self.tensor is None or self.tensor.numel() != total:
             self.tensor = None
             t0 = time.perf_counter()
@@ -91,12 +89,8 @@ class PayloadBuffer:
         return self.tensor
 
 
-@dataclass
-class Publication:
-    signed: Future
-    """The signed manifest once every shard is encoded and stored."""
-    gathered_s: float
-    """Seconds this rank spent in the gather (what the world waits for)."""
+class PublicationAborted(RuntimeError):
+    """The weights stopped arriving mid-version (a failed gather): the version is not signed."""
 
 
 def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None,
@@ -118,6 +112,8 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
 
         def filled():
             while (item := ready.get()) is not None:
+                if isinstance(item, BaseException):  # the gather failed: sign nothing
+                    raise PublicationAborted("the gather stopped before every tensor was copied") from item
                 event, n = item
                 if event is not None:
                     event.synchronize()
@@ -132,6 +128,7 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
 
         sink["buffer"].busy = sink["done"]
         threading.Thread(target=encode, name=f"publish-v{sink['version']}", daemon=True).start()
+    failed: BaseException | None = None
     try:
         for name, whole in gather_tensors(model, groups):
             if sink is None:
@@ -149,9 +146,12 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
                 event.record()
             if end:
                 ready.put((event, end))
+    except BaseException as exc:
+        failed = exc
+        raise
     finally:
         if sink is not None:
-            ready.put(None)
+            ready.put(failed)
     return time.perf_counter() - t0
 
 
@@ -175,6 +175,3 @@ def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: i
         return trainer.publish(store, key, run_id, version, parent, options)
     return publish_model(trainer.model, None, store, key, run_id, version, parent, options)
 
-
-def payload_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return len(a) == len(b) and bool(np.array_equal(a, b))

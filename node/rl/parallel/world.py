@@ -135,7 +135,7 @@ class TrainerRank:
 
     def publish_dtype(self) -> torch.dtype | None:
         """bf16 when the forward computes in bf16 (what inference should run), else the weights' own."""
-        return torch.bfloat16 if self.dims.bf16 else None
+        return torch.bfloat16 if self.dims.mixed_precision(self.device) else None
 
     def _start(self, order: Order) -> None:
         """Build the model on the meta device, shard it, allocate only this rank's shards and fill
