@@ -60,7 +60,7 @@ def synthetic_batch(cfg, rows: int, seq: int, seed: int):
 
 def state_bytes(trainer) -> int:
     """This rank's bytes of parameters + gradients + AdamW state (local shards)."""
-    from node.rl.parallel.state import _local
+    from node.rl.parallel.state import local_tensor as _local
 
     total = 0
     for p in trainer.model.parameters():

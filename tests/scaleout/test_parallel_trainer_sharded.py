@@ -112,7 +112,7 @@ def _setup():
 
 def world_main(argv: list[str]) -> None:
     from node.rl.parallel.launch import parse_layout
-    from node.rl.parallel.state import _local, global_shape
+    from node.rl.parallel.state import global_shape, local_tensor as _local
     from node.rl.parallel.world import Leader, follow
 
     ap = argparse.ArgumentParser()

@@ -42,7 +42,8 @@ def local_part(groups: ParallelGroups, name: str, p: torch.Tensor, full: torch.T
     return full.clone()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor as it is)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -62,7 +63,7 @@ def scatter_weights(model: torch.nn.Module, groups: ParallelGroups, source: dict
     with torch.no_grad():
         for name, p in model.named_parameters():
             whole = _broadcast_whole(groups, name, p, None if source is None else source[name])
-            _local(p).copy_(_local(local_part(groups, name, p, whole)))
+            local_tensor(p).copy_(local_tensor(local_part(groups, name, p, whole)))
             del whole
 
 
