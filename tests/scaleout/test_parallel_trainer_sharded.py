@@ -119,6 +119,7 @@ def world_main(argv: list[str]) -> None:
     ap.add_argument("--layout", required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--save", type=Path)
+    ap.add_argument("--other-layers", type=int, help="ranks > 0 get a model with this many layers")
     args = ap.parse_args(argv)
     model, cfg, batch = _setup()
     dims = parse_layout(args.layout)
@@ -136,12 +137,23 @@ def world_main(argv: list[str]) -> None:
 
     if rank > 0:
         out: dict = {}
-        follow(dims, cfg, SEED, CausalLM(model.config), on_stop=lambda r: out.update(holdings(r)))
+        config = model.config
+        if args.other_layers:
+            config = config.model_copy(update={"num_hidden_layers": args.other_layers})
+        try:
+            follow(dims, cfg, SEED, CausalLM(config), on_stop=lambda r: out.update(holdings(r)))
+        except ValueError as exc:
+            (args.out / f"rank{rank}.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+            raise
         (args.out / f"rank{rank}.json").write_text(json.dumps(out))
         return
     leader = Leader.connect(dims, cfg, SEED)
     try:
-        leader.start(Trainer(model, cfg))
+        try:
+            leader.start(Trainer(model, cfg))
+        except ValueError as exc:
+            (args.out / "rank0.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+            raise
         leader.train_step(batch)
         signed = leader.publish(Store(args.out / "store"), NodeKey.generate(), "w", 1, None, PublishOptions(shard_size=8192))
         if args.save:
@@ -194,6 +206,21 @@ def test_world_ranks_hold_shards_and_publish_the_one_process_step(tmp_path):
     assert len(files) == 2, files
     loaded = Trainer.load(tmp_path / "ckpt", cfg)
     assert max(float((a - b).abs().max()) for a, b in zip(state_dict_to_hf(loaded.model).values(), got.values())) < 1e-6
+
+
+@pytest.mark.slow
+def test_ranks_given_different_models_all_refuse_to_start_naming_the_field(tmp_path):
+    """E.g. rank 0 resumed a checkpoint of another model than the run's: no rank builds anything."""
+    out = tmp_path / "w"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--layout", "dp2-ep2", "--out", str(out), "--other-layers", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode != 0
+    for r in range(2):
+        error = json.loads((out / f"rank{r}.json").read_text())["error"]
+        assert error.startswith("ModelMismatch") and "num_hidden_layers: rank 0 2, rank 1 3" in error, error
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path):

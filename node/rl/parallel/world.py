@@ -63,6 +63,11 @@ class LeaderLost(RuntimeError):
     """Rank 0 sent nothing (no order, no keep-alive) within ORDER_TIMEOUT_S: it is gone."""
 
 
+class ModelMismatch(ValueError):
+    """Ranks were given different models (e.g. rank 0 resumed a checkpoint of another model than
+    the run's): every rank raises it at start, naming the fields that differ."""
+
+
 @dataclass
 class Order:
     kind: Literal["keepalive", "start", "train", "publish", "save", "stop"]
@@ -141,6 +146,12 @@ class TrainerRank:
         """Build the model on the meta device, shard it, allocate only this rank's shards and fill
         them: from a distributed checkpoint, or tensor by tensor from rank 0's weights."""
         config = self.model.config
+        configs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(configs, config.model_dump(), group=self.control)
+        for r, other in enumerate(configs):
+            diff = [f"{k}: rank 0 {v!r}, rank {r} {other.get(k)!r}" for k, v in configs[0].items() if other.get(k) != v]
+            if diff:
+                raise ModelMismatch("ranks hold different models: " + "; ".join(diff))
         with torch.device("meta"):
             skeleton = CausalLM(config)
         model = materialize(parallelize(skeleton, self.groups), self.device)
