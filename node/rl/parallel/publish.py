@@ -21,6 +21,7 @@ import queue
 import re
 import threading
 import time
+import weakref
 from concurrent.futures import Future, wait
 
 import torch
@@ -173,5 +174,9 @@ def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: i
     weights; a `world.Leader` has every rank of its world stream theirs."""
     if hasattr(trainer, "publish"):
         return trainer.publish(store, key, run_id, version, parent, options)
-    return publish_model(trainer.model, None, store, key, run_id, version, parent, options)
+    buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
+    return publish_model(trainer.model, None, store, key, run_id, version, parent, options, buffer)
+
+
+_buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
