@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.multigpu_work import H200_BF16_PEAK, shapes, train_flops_per_token
 
