@@ -82,6 +82,7 @@ def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):
     with pytest.raises(pub.PublicationAborted):
         done.result(timeout=30)
     assert store.manifest("r", 0) is None
+    assert not store.payload_path("r", 0).exists() and not list(store.version_dir("r", 0).glob(".*tmp"))
     monkeypatch.setattr(pub, "gather_tensors", real)  # the same buffer then publishes a whole version
     ok = pub.publish_model(check_model(), None, store, sink["key"], "r", 0, None, sink["options"], sink["buffer"])
     assert store.manifest("r", 0).manifest.manifest_hash() == ok.manifest.manifest_hash()

@@ -121,11 +121,15 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
                 yield n
 
         def encode():
-            try:
-                sink["done"].set_result(publish_stream(sink["store"], sink["key"], sink["run_id"], sink["version"],
-                                                       tensors, payload, filled(), sink["parent"], sink["options"]))
+            done: Future = sink["done"]
+            try:  # the waiter gets the version once it is listed; retention runs after
+                publish_stream(sink["store"], sink["key"], sink["run_id"], sink["version"], tensors, payload,
+                               filled(), sink["parent"], sink["options"], on_signed=done.set_result)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                sink["done"].set_exception(exc)
+                if not done.done():
+                    done.set_exception(exc)
+                else:
+                    log.warning("v%d: retention after publishing failed: %s", sink["version"], exc)
 
         sink["buffer"].busy = sink["done"]
         threading.Thread(target=encode, name=f"publish-v{sink['version']}", daemon=True).start()
