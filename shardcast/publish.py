@@ -9,6 +9,8 @@ full version; otherwise it is a full keyframe. So a late joiner never replays mo
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,5 +98,82 @@ def publish(
     store.put_manifest(signed)  # last: a version is listed only once everything is in place
     log.info("published %s v%d (%s, %d shards, %.1f MiB raw -> %.1f MiB wire)", run_id, version, encoding,
              len(entries), len(payload) / 2**20, manifest.wire_bytes / 2**20)
+    store.retain(run_id, opt.keep_last)
+    return signed
+
+
+def publish_stream(
+    store: Store,
+    key: NodeKey,
+    run_id: str,
+    version: int,
+    tensors: list,
+    payload: np.ndarray,
+    filled,
+    parent: int | None = None,
+    options: PublishOptions | None = None,
+    on_signed=None,
+) -> SignedManifest:
+    """`publish` for a payload that is still being written: `tensors` is its layout
+    (`codec.layout`), `filled` yields increasing byte counts n (payload[:n] is final once n is
+    yielded). As soon as a shard's range is final, a pool thread compresses and hashes it and
+    writes its raw bytes into the payload file at their offset (`os.pwrite`: the file is written
+    by every thread at once, not by one), so the copy into `payload` (e.g. device-to-host, tensor
+    by tensor), the encoding and the payload file all overlap. `on_signed(signed)` is called as
+    soon as the version is listed, before retention deletes old versions. Same store layout,
+    delta/keyframe rule, signature and retention as `publish`."""
+    opt = options or PublishOptions()
+    if opt.keyframe_every < 1:
+        raise ValueError("keyframe_every must be >= 1")
+    parent_payload, keyframe, encoding = None, version, "full"
+    if parent is not None:
+        pm = store.manifest(run_id, parent)
+        if pm is not None and store.payload_path(run_id, parent).exists():
+            pm_ = pm.manifest
+            same_layout = [t.model_dump() for t in pm_.tensors] == [t.model_dump() for t in tensors] and pm_.shard_size == opt.shard_size
+            if same_layout and version - pm_.keyframe < opt.keyframe_every:
+                parent_payload, keyframe, encoding = store.payload(run_id, parent), pm_.keyframe, "delta"
+    ranges = shard_ranges(len(payload), opt.shard_size)
+    final = store.payload_path(run_id, version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}-{threading.get_ident()}.stream.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def one(i: int):
+        a, b = ranges[i]
+        raw = payload[a:b]
+        entry, wire = encode_shard(i, raw, None if parent_payload is None else np.asarray(parent_payload[a:b]), opt.zstd_level)
+        store.put_shard(run_id, version, i, wire)
+        view, at = memoryview(raw), a
+        while len(view):
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
+        return entry
+
+    try:
+        os.ftruncate(fd, len(payload))
+        with ThreadPoolExecutor(max_workers=max(1, opt.threads)) as pool:
+            futures, submitted = [], 0
+            for n in filled:  # if it raises, the pool's exit still waits for the writes in flight
+                while submitted < len(ranges) and ranges[submitted][1] <= n:
+                    futures.append(pool.submit(one, submitted))
+                    submitted += 1
+            futures += [pool.submit(one, i) for i in range(submitted, len(ranges))]
+            entries = [f.result() for f in futures]
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, final)
+    manifest = Manifest(run_id=run_id, version=version, parent=parent if encoding == "delta" else None,
+                        encoding=encoding, keyframe=keyframe, shard_size=opt.shard_size, total_bytes=len(payload),
+                        tensors=tensors, shards=entries)
+    signed = SignedManifest.sign(manifest, key)
+    store.put_manifest(signed)
+    log.info("published %s v%d streamed (%s, %d shards, %.1f MiB raw -> %.1f MiB wire)", run_id, version, encoding,
+             len(entries), len(payload) / 2**20, manifest.wire_bytes / 2**20)
+    if on_signed is not None:
+        on_signed(signed)
     store.retain(run_id, opt.keep_last)
     return signed

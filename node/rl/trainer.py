@@ -52,6 +52,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=(0.9, 0.99))
         self.step = 0
+        self.distributed_checkpoint: Path | None = None
+        """Set by `load` on a distributed checkpoint: its AdamW state is read when first needed
+        (a world's ranks read their own shards of it instead; see `node.rl.parallel.world`)."""
 
     def logprobs(self, batch: TrainBatch, replay: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Trainer logprobs of the batch's targets [B, T] and the aux loss."""
@@ -67,6 +70,8 @@ class Trainer:
         return self.cfg.lr * (self.cfg.min_lr_ratio + (1 - self.cfg.min_lr_ratio) * cosine)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        if self.distributed_checkpoint is not None:
+            self.load_pending_optimizer_state()
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
@@ -113,9 +118,29 @@ class Trainer:
                                                             "config": asdict(self.cfg)}))
         return directory
 
+    def load_pending_optimizer_state(self) -> None:
+        """Read the AdamW state of the distributed checkpoint `load` came from (whole: one process)."""
+        from node.rl.parallel.checkpoint import load_whole
+
+        params = dict(self.model.named_parameters())
+        _, state = load_whole(self.model, self.distributed_checkpoint, optimizer=True)
+        for name, entry in state.items():
+            self.optimizer.state[params[name]] = {"step": entry["step"].float().reshape(()),
+                                                  "exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]}
+        self.distributed_checkpoint = None
+
     @classmethod
     def load(cls, directory: str | Path, cfg: TrainerConfig | None = None) -> "Trainer":
+        """A `Trainer` checkpoint (`save`), or a distributed one (`node.rl.parallel.checkpoint`):
+        then the weights are read now and the AdamW state at the first step (or by the world's
+        ranks, each its own shards, when this trainer starts a `world.Leader`)."""
         directory = Path(directory)
+        try:
+            distributed = "distributed_checkpoint" in json.loads((directory / "trainer.json").read_text())
+        except (OSError, ValueError):
+            distributed = False
+        if distributed:
+            return cls._load_distributed(directory, cfg)
         model = load_checkpoint(directory)
         try:
             state = json.loads((directory / "trainer.json").read_text())
@@ -132,4 +157,22 @@ class Trainer:
             name, field_name = key.split("::")
             trainer.optimizer.state[params[name]][field_name] = torch.tensor(value)
         trainer.step = int(state["step"])
+        return trainer
+
+    @classmethod
+    def _load_distributed(cls, directory: Path, cfg: TrainerConfig | None) -> "Trainer":
+        from node.model.config import InvalidModelConfig, ModelConfig
+        from node.rl.parallel.checkpoint import load_whole, read_meta
+
+        meta = read_meta(directory)
+        try:
+            model = CausalLM(ModelConfig.from_file(directory / "config.json"))
+        except InvalidModelConfig as exc:
+            raise InvalidCheckpoint(str(exc)) from exc
+        load_whole(model, directory, optimizer=False)
+        saved = meta["config"]
+        trainer = cls(model, cfg or TrainerConfig(**{k: v for k, v in saved.items() if k != "loss"},
+                                                  loss=LossConfig(**saved["loss"])))
+        trainer.step = int(meta["step"])
+        trainer.distributed_checkpoint = directory
         return trainer

@@ -41,6 +41,7 @@ from node.model.tokenizer import CharTokenizer
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
+from node.rl.parallel.publish import publish_trainer
 from node.rl.train_local import LocalRunConfig, warm_up
 from node.recipe import Recipe
 from node.rl.trainer import Trainer, TrainerConfig
@@ -167,9 +168,8 @@ class TrainerNode:
         v = trainer.step
         signed = self.store.manifest(self.spec.run_id, v)
         if signed is None:
-            state = {k: t.detach().clone() for k, t in state_dict_to_hf(trainer.model).items()}
-            signed = await asyncio.to_thread(
-                publish, self.store, self.key, self.spec.run_id, v, state, v - 1 if v > 0 else None,
+            signed = await asyncio.to_thread(  # streamed: a world's ranks never gather the model
+                publish_trainer, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
                 PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
         await client.publish(v, signed.manifest.manifest_hash())
         self.ledger.current_version = v

@@ -50,6 +50,12 @@ def test_four_processes_ep4_and_ep2_cp2_match_one_process(tmp_path):
     _assert_matches_one_process(_torchrun(4, layouts, tmp_path / "r.json"), layouts)
 
 
+def test_activation_checkpointing_and_ring_attention_match_one_process(tmp_path):
+    """Each layer recomputed in the backward (its EP all-to-alls and CP ring too) changes nothing."""
+    layouts = "dp2-ep2,cp2"
+    _assert_matches_one_process(_torchrun(2, layouts, tmp_path / "r.json", "--activation-checkpointing"), layouts)
+
+
 def test_without_fsdp_replicated_gradients_are_summed(tmp_path):
     layouts = "dp2-ep2,cp2"
     _assert_matches_one_process(_torchrun(2, layouts, tmp_path / "r.json", "--no-fsdp"), layouts)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
 from node.model.moe import GroupedExperts, MoEBlock, Routing, expert_counts
+from node.rl.parallel.dims import LayoutError
 
 
 @dataclass
@@ -61,15 +62,17 @@ def _combine(block: MoEBlock, y_local: torch.Tensor, routing: Routing, state: _D
 def shard_experts(block: MoEBlock, ep_rank: int, ep_size: int, ep_group: dist.ProcessGroup) -> None:
     """Keep experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) and route token-slots by all-to-all."""
     if block.num_experts % ep_size:
-        raise ValueError(f"ep={ep_size} must divide num_experts={block.num_experts}")
+        raise LayoutError(f"ep={ep_size} must divide num_experts={block.num_experts}")
     local = block.num_experts // ep_size
     full = block.experts
-    sliced = GroupedExperts(local, full.down_proj.shape[1], full.down_proj.shape[2])
-    with torch.no_grad():
-        rows = slice(ep_rank * local, (ep_rank + 1) * local)
-        sliced.gate_up_proj.copy_(full.gate_up_proj[rows])
-        sliced.down_proj.copy_(full.down_proj[rows])
-    block.experts = sliced.to(device=full.down_proj.device, dtype=full.down_proj.dtype)
+    with torch.device(full.down_proj.device):  # meta stays meta: nothing allocated, nothing copied
+        sliced = GroupedExperts(local, full.down_proj.shape[1], full.down_proj.shape[2]).to(full.down_proj.dtype)
+    if not full.down_proj.is_meta:
+        with torch.no_grad():
+            rows = slice(ep_rank * local, (ep_rank + 1) * local)
+            sliced.gate_up_proj.copy_(full.gate_up_proj[rows])
+            sliced.down_proj.copy_(full.down_proj[rows])
+    block.experts = sliced
     block.ep_size, block.ep_rank, block.ep_group = ep_size, ep_rank, ep_group
     block.expert_offset = ep_rank * local
     block.dispatch = types.MethodType(_dispatch, block)

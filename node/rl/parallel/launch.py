@@ -31,10 +31,10 @@ from node.rl.trainer import TrainerConfig
 log = logging.getLogger("node.rl.parallel")
 
 
-def parse_layout(text: str, fsdp: bool = True) -> ParallelDims:
+def parse_layout(text: str, fsdp: bool = True, activation_checkpointing: bool = False) -> ParallelDims:
     """'dp2-ep2-cp2' -> ParallelDims(dp=2, ep=2, cp=2); omitted dims are 1."""
     sizes = {part[:2]: int(part[2:]) for part in text.split("-")}
-    return ParallelDims(**sizes, fsdp=fsdp)
+    return ParallelDims(**sizes, fsdp=fsdp, activation_checkpointing=activation_checkpointing)
 
 
 def check_model(seed: int = 0) -> CausalLM:
@@ -89,7 +89,7 @@ def run_layout(dims: ParallelDims, device: str, router_replay: bool = False) -> 
     groups = ParallelGroups.build(dims, device)
     model = parallelize(check_model().to(device), groups)
     trainer = DistributedTrainer(model, groups, cfg)
-    local = shard_batch(batch, groups)
+    local = shard_batch(batch, groups).to(torch.device(device))
     loss = trainer.backward(local)
     grads = trainer.full_gradients()
     trainer.clip_grad_norm(cfg.max_grad_norm)
@@ -110,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", required=True, help="comma-separated, e.g. dp2-ep2,cp2")
     parser.add_argument("--no-fsdp", action="store_true", help="replicate instead of sharding")
     parser.add_argument("--router-replay", action="store_true", help="the batch carries routed experts to replay")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward")
     parser.add_argument("--out", help="rank 0 writes the results here as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = init_distributed()
     results = []
     for text in args.layouts.split(","):
-        result = run_layout(parse_layout(text, fsdp=not args.no_fsdp), device, args.router_replay)
+        dims = parse_layout(text, fsdp=not args.no_fsdp, activation_checkpointing=args.activation_checkpointing)
+        result = run_layout(dims, device, args.router_replay)
         if dist.get_rank() == 0:
             log.info("%s: loss %.6g (one process %.6g) grad rel err %.2e param rel err %.2e", text,
                      result["loss"], result["ref_loss"], result["grad_rel_err"], result["param_rel_err"])

@@ -20,7 +20,7 @@ from node.rl.batch import TrainBatch
 from node.rl.loss import policy_loss, token_logprobs
 from node.rl.parallel.apply import is_expert_param, sync_gradients
 from node.rl.parallel.context import sequence_slice
-from node.rl.parallel.dims import ParallelGroups
+from node.rl.parallel.dims import LayoutError, ParallelDims, ParallelGroups, RankCoords
 from node.rl.trainer import Trainer, TrainerConfig
 
 
@@ -65,12 +65,12 @@ def pad_rows(batch: TrainBatch, multiple: int) -> tuple[TrainBatch, int]:
     return padded, real
 
 
-def shard_batch(batch: TrainBatch, groups: ParallelGroups, real_rows: int | None = None) -> LocalBatch:
+def shard_batch(batch: TrainBatch, groups: ParallelGroups | RankCoords, real_rows: int | None = None) -> LocalBatch:
     """Rows split evenly over dp ranks (the batch size must divide), sequence over cp ranks.
     Rows from `real_rows` on are padding (see `pad_rows`)."""
     dims = groups.dims
     if len(batch) % dims.dp:
-        raise ValueError(f"batch of {len(batch)} rows does not split over dp={dims.dp}")
+        raise LayoutError(f"batch of {len(batch)} rows does not split over dp={dims.dp}")
     per = len(batch) // dims.dp
     local = batch.select(torch.arange(groups.dp_rank * per, (groups.dp_rank + 1) * per))
     t = local.input_ids.shape[1]
@@ -83,6 +83,37 @@ def shard_batch(batch: TrainBatch, groups: ParallelGroups, real_rows: int | None
     rows = torch.arange(groups.dp_rank * per, (groups.dp_rank + 1) * per)
     real = (positions < t) & (rows < (len(batch) if real_rows is None else real_rows))[:, None]
     return LocalBatch(TrainBatch(*fields, experts), positions, real)
+
+
+@dataclass
+class RankWork:
+    """One rank's share of a step: its part of the whole batch (for the metrics taken before the
+    update) and its part of each minibatch, in the order they are trained."""
+
+    before: LocalBatch
+    minibatches: list[LocalBatch]
+
+
+def plan_rank(batch: TrainBatch, coords: RankCoords, cfg: TrainerConfig, seed: int) -> RankWork:
+    """What rank `coords` trains on in a step over `batch`: `Trainer.train_step`'s minibatches
+    (updates_per_batch passes, each a permutation drawn from a generator seeded with `seed`),
+    each padded to a multiple of dp rows and sharded by `shard_batch`."""
+    dp = coords.dims.dp
+    padded, real = pad_rows(batch, dp)
+    before = shard_batch(padded, coords, real)
+    generator = torch.Generator().manual_seed(seed)
+    minibatches = []
+    for _ in range(cfg.updates_per_batch):
+        order = torch.randperm(len(batch), generator=generator)
+        for rows in order.chunk(cfg.minibatches):
+            mb, real = pad_rows(batch.select(rows), dp)
+            minibatches.append(shard_batch(mb, coords, real))
+    return RankWork(before, minibatches)
+
+
+def plan_world(batch: TrainBatch, dims: ParallelDims, cfg: TrainerConfig, seed: int) -> list[RankWork]:
+    """Every rank's `RankWork`, indexed by global rank (rank 0 scatters them)."""
+    return [plan_rank(batch, RankCoords.of(dims, r), cfg, seed) for r in range(dims.world)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -193,53 +224,49 @@ class DistributedTrainer:
         norm = float((dense + expert).sqrt())
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        _local(p.grad).mul_(coef)
         return norm
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """`Trainer.train_step` over the world: every rank holds the whole batch, draws the same
-        permutation of its rows, and trains on its shard of each minibatch (collective)."""
+        """`Trainer.train_step` over the world when every rank holds the whole batch: each takes its
+        own share (`plan_rank`) and trains on it (collective)."""
+        return self.train_work(plan_rank(batch, RankCoords.of(self.groups.dims, dist.get_rank()),
+                                         self.cfg, minibatch_seed(self.seed, self.step)))
+
+    def train_work(self, work: "RankWork") -> dict[str, float]:
+        """Take the step on this rank's share of the batch (collective): the same minibatches as
+        `Trainer.train_step` draws, each split over the ranks; this rank holds only its rows and
+        its sequence slice of each."""
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
-        device, dp = self._device(), self.groups.dims.dp
+        device = self._device()
         with torch.no_grad():
-            padded, real = pad_rows(batch, dp)
-            _, before = self.loss(shard_batch(padded, self.groups, real).to(device))
+            _, before = self.loss(work.before.to(device))
         metrics: dict[str, float] = {"mismatch_kl": before["mismatch_kl"], "lr": self.learning_rate()}
-        generator = self.minibatch_generator()
-        for _ in range(self.cfg.updates_per_batch):
-            order = torch.randperm(len(batch), generator=generator)
-            for rows in order.chunk(self.cfg.minibatches):
-                mb, real = pad_rows(batch.select(rows), dp)
-                self.optimizer.zero_grad(set_to_none=True)
-                _, stats = self._backward(shard_batch(mb, self.groups, real).to(device))
-                metrics["grad_norm"] = self.clip_grad_norm(self.cfg.max_grad_norm)
-                self.optimizer.step()
-                metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], aux_loss=stats["aux_loss"])
+        for local in work.minibatches:
+            self.optimizer.zero_grad(set_to_none=True)
+            _, stats = self._backward(local.to(device))
+            metrics["grad_norm"] = self.clip_grad_norm(self.cfg.max_grad_norm)
+            self.optimizer.step()
+            metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], aux_loss=stats["aux_loss"])
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step is over when its optimizer update is
         self.step += 1
         self.model.eval()
         return metrics
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's whole gradient, in one-process layout (collective: all ranks call)."""
-        return self._gather(lambda p: p.grad)
+        """Every parameter's whole gradient, in one-process layout (collective: all ranks call;
+        tests and the self-check only: training never gathers)."""
+        from node.rl.parallel.state import gather_tensors
+
+        return {n: t.clone() for n, t in gather_tensors(self.model, self.groups, lambda p: p.grad)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self._gather(lambda p: p.detach())
+        from node.rl.parallel.state import gather_tensors
 
-    def _gather(self, get) -> dict[str, torch.Tensor]:
-        return {name: full_tensor(self.groups, name, get(p)) for name, p in self.model.named_parameters()}
-
-
-def full_tensor(groups: ParallelGroups, name: str, t: torch.Tensor) -> torch.Tensor:
-    """A parameter-shaped tensor (the parameter, its gradient, an optimizer moment) whole, in
-    one-process layout: FSDP shards gathered, then EP slices (collective over the meshes of `name`)."""
-    t = t.full_tensor() if isinstance(t, DTensor) else t
-    if is_expert_param(name) and groups.dims.ep > 1:
-        parts = [torch.empty_like(t) for _ in range(groups.dims.ep)]
-        dist.all_gather(parts, t.contiguous(), group=groups.ep_group)
-        t = torch.cat(parts, dim=0)
-    return t.detach().clone()
+        return {n: t.clone() for n, t in gather_tensors(self.model, self.groups)}

@@ -1,12 +1,15 @@
 """The trainer role over a torchrun world: rank 0 is the networked trainer, the other ranks compute.
 
 Rank 0 alone talks to the network (joins the run, takes and verifies each step's batch, publishes
-versions). It hands the world each piece of work as an `Order`, broadcast over a gloo control
-group; every rank then carries out the same order with the same collectives in the same order
-(`TrainerRank.carry_out`), and rank 0 keeps what the order returns: the whole parameters after a
-step (to publish), the whole optimizer state (to checkpoint). `Leader` gives rank 0 the surface of
-`node.rl.trainer.Trainer` (`step`, `model`, `train_step`, `save`), so the role reads the same with
-one process or many; `follow` is what every other rank runs.
+versions). It hands the world each piece of work as an `Order`, scattered over a gloo control
+group (a `train` order carries each rank its own share of the batch, nothing more); every rank
+then carries out its order with the same collectives in the same order (`TrainerRank.carry_out`).
+Nothing whole stays on any rank: `start` streams rank 0's weights tensor by tensor into the
+shards (or every rank reads its shards of a distributed checkpoint), `publish` streams them
+tensor by tensor into rank 0's shardcast payload, `save` writes a sharded checkpoint.
+`Leader` gives rank 0 the surface of `node.rl.trainer.Trainer` (`step`, `train_step`, `save`,
+plus `publish`), so the role reads the same with one process or many; `follow` is what every
+other rank runs.
 
 Invariants: on rank 0 one thread issues every collective (`Leader`'s one-thread executor), so
 orders, keep-alives and the stop are totally ordered; rank 0 sends an order or a keep-alive at
@@ -17,7 +20,6 @@ rank (the `stop` order), and a dead one leaves no rank hung for longer than thos
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -30,13 +32,21 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from concurrent.futures import Future
+
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
-from node.rl.parallel.apply import parallelize
+from node.rl.parallel import checkpoint as dcp_checkpoint
+from node.rl.parallel.apply import init_local, materialize, parallelize
 from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
-from node.rl.parallel.state import MOMENTS, full_optimizer_state, load_optimizer_state
-from node.rl.parallel.trainer import DistributedTrainer
+from node.rl.parallel.publish import PayloadBuffer, stream_publish
+from node.rl.parallel.state import scatter_optimizer_state, scatter_weights
+from node.rl.parallel.trainer import DistributedTrainer, RankWork, minibatch_seed, plan_world
 from node.rl.trainer import Trainer, TrainerConfig
+from protocol.identity import NodeKey
+from shardcast.manifest import SignedManifest
+from shardcast.publish import PublishOptions
+from shardcast.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +63,26 @@ class LeaderLost(RuntimeError):
     """Rank 0 sent nothing (no order, no keep-alive) within ORDER_TIMEOUT_S: it is gone."""
 
 
+class ModelMismatch(ValueError):
+    """Ranks were given different models (e.g. rank 0 resumed a checkpoint of another model than
+    the run's): every rank raises it at start, naming the fields that differ."""
+
+
 @dataclass
 class Order:
-    kind: Literal["keepalive", "start", "train", "save", "stop"]
+    kind: Literal["keepalive", "start", "train", "publish", "save", "stop"]
     step: int = 0
     """start: the step the trainer is at (0, or a checkpoint's)."""
     resume: bool = False
-    """start: optimizer state follows the weights (a resumed checkpoint)."""
-    batch: TrainBatch | None = None
-    """train: the whole batch (every rank takes its shard of each minibatch)."""
+    """start: optimizer state follows the weights (a resumed one-process checkpoint)."""
+    work: RankWork | None = None
+    """train: this rank's share of the step (its rows and sequence slice of each minibatch)."""
+    fresh: bool = False
+    """start: every rank draws its own shards (`apply.init_local`): a fresh model too large to
+    build whole on rank 0 (benchmarks, a run that starts from random weights)."""
+    path: str | None = None
+    """start: a distributed checkpoint every rank reads its shards from (instead of rank 0's
+    weights); save: where every rank writes its shards."""
 
 
 class TrainerRank:
@@ -71,8 +92,8 @@ class TrainerRank:
                  optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None):
         self.dims, self.cfg, self.seed = dims, cfg, seed
         self.model = model
-        """Whole, unsharded, until `start`: rank 0's holds the weights every rank starts from; the
-        others' (a model of the same shape) are overwritten by them."""
+        """Until `start`: rank 0's whole model (the weights every rank starts from); on other
+        ranks a model of the same shape, only its config is read (it may live on the meta device)."""
         self.optimizer_state = optimizer_state or {}
         self.device = init_distributed(COLLECTIVE_TIMEOUT_S)
         self.rank = dist.get_rank()
@@ -80,13 +101,23 @@ class TrainerRank:
         # their timeout (ORDER_TIMEOUT_S) differs from the training collectives'.
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=ORDER_TIMEOUT_S))
         self.groups = ParallelGroups.build(dims, self.device)
+        if model is not None:
+            dims.check_model(model.config)
         self.trainer: DistributedTrainer | None = None
+        self.seen_rows: list[int] = []
+        """Rows of each batch share this rank was sent (its part of the batch, then of each minibatch)."""
+        self.publish_sink: dict | None = None
+        """Rank 0, publish order: where the version goes (set by the `Leader` before the order)."""
 
-    def exchange(self, order: Order | None) -> Order:
-        """Rank 0 sends `order`; every other rank receives it (None) and gets it back."""
-        box = [order]
+    def exchange(self, order: Order | list[Order] | None) -> Order:
+        """Rank 0 sends `order` (one for all, or one per rank); every rank receives its own."""
+        box: list = [None]
+        if self.rank == 0:
+            orders = order if isinstance(order, list) else [order] * dist.get_world_size()
+        else:
+            orders = None
         try:
-            dist.broadcast_object_list(box, src=0, group=self.control)
+            dist.scatter_object_list(box, orders, src=0, group=self.control)
         except RuntimeError as exc:
             if self.rank == 0:
                 raise
@@ -98,39 +129,55 @@ class TrainerRank:
         if order.kind == "start":
             return self._start(order)
         if order.kind == "train":
-            metrics = self.trainer.train_step(order.batch)
-            return metrics, self.trainer.full_parameters()
+            self.seen_rows += [len(order.work.before.batch)] + [len(mb.batch) for mb in order.work.minibatches]
+            return self.trainer.train_work(order.work)
+        if order.kind == "publish":
+            sink, self.publish_sink = self.publish_sink, None
+            return stream_publish(self.trainer.model, self.groups, self.publish_dtype(), sink)
         if order.kind == "save":
-            return full_optimizer_state(self.trainer)
+            return dcp_checkpoint.save(self.trainer, order.path)
         return None
 
+    def publish_dtype(self) -> torch.dtype | None:
+        """bf16 when the forward computes in bf16 (what inference should run), else the weights' own."""
+        return torch.bfloat16 if self.dims.mixed_precision(self.device) else None
+
     def _start(self, order: Order) -> None:
-        """Rank 0's weights (and optimizer state on resume) to every rank, then shard."""
-        with torch.no_grad():
-            for _, t in sorted(self.model.state_dict().items()):
-                dist.broadcast(t, src=0, group=self.control)
-        state = {}
-        if order.resume:
-            for name, p in sorted(self.model.named_parameters()):
-                mine = self.optimizer_state.get(name, {})
-                entry = {k: mine[k].clone() if k in mine else torch.zeros_like(p) for k in MOMENTS}
-                entry["step"] = mine["step"].clone().float() if "step" in mine else torch.zeros(())
-                for k in (*MOMENTS, "step"):
-                    dist.broadcast(entry[k], src=0, group=self.control)
-                state[name] = entry
-        model = parallelize(self.model.to(self.device), self.groups)
-        self.model = None  # parallelize rewired it in place: the trainer owns it now
-        self.trainer = DistributedTrainer(model, self.groups, self.cfg, self.seed)
-        self.trainer.step = order.step
-        load_optimizer_state(self.trainer, state)
+        """Build the model on the meta device, shard it, allocate only this rank's shards and fill
+        them: from a distributed checkpoint, or tensor by tensor from rank 0's weights."""
+        config = self.model.config
+        configs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(configs, config.model_dump(), group=self.control)
+        for r, other in enumerate(configs):
+            diff = [f"{k}: rank 0 {v!r}, rank {r} {other.get(k)!r}" for k, v in configs[0].items() if other.get(k) != v]
+            if diff:
+                raise ModelMismatch("ranks hold different models: " + "; ".join(diff))
+        with torch.device("meta"):
+            skeleton = CausalLM(config)
+        model = materialize(parallelize(skeleton, self.groups), self.device)
+        trainer = DistributedTrainer(model, self.groups, self.cfg, self.seed)
+        if order.fresh:
+            init_local(model, self.seed)
+        elif order.path:
+            dcp_checkpoint.load(trainer, order.path)
+        else:
+            source = dict(self.model.named_parameters()) if self.rank == 0 else None
+            scatter_weights(model, self.groups, source)
+            trainer.step = order.step
+            if order.resume:
+                scatter_optimizer_state(model, trainer.optimizer, self.groups,
+                                        self.optimizer_state if self.rank == 0 else None)
+        self.model, self.optimizer_state = None, {}  # the trainer owns the weights now
+        self.trainer = trainer
 
     def close(self) -> None:
         shutdown_distributed(timeout_s=10.0)  # a peer that died is not waited for long
 
 
-def follow(dims: ParallelDims, cfg: TrainerConfig, seed: int, model: CausalLM) -> None:
+def follow(dims: ParallelDims, cfg: TrainerConfig, seed: int, model: CausalLM, on_stop=None) -> None:
     """What ranks > 0 run: carry out rank 0's orders until it sends `stop` (raises `LeaderLost`
-    when it goes silent). `model` is a model of the run's shape; rank 0's weights replace its own."""
+    when it goes silent). `model` gives the run's shape (its weights are not used: it may be on
+    the meta device). `on_stop(rank)`: called before leaving (benchmarks read the rank's memory)."""
     rank = TrainerRank(dims, cfg, seed, model)
     log.info("rank %d of %d: following rank 0 (%s)", rank.rank, dims.world, dims)
     try:
@@ -139,6 +186,8 @@ def follow(dims: ParallelDims, cfg: TrainerConfig, seed: int, model: CausalLM) -
             if order.kind == "stop":
                 log.info("rank %d: stop from rank 0 at step %s", rank.rank,
                          rank.trainer.step if rank.trainer else "-")
+                if on_stop is not None:
+                    on_stop(rank)
                 return
             rank.carry_out(order)
     finally:
@@ -146,38 +195,46 @@ def follow(dims: ParallelDims, cfg: TrainerConfig, seed: int, model: CausalLM) -
 
 
 class Leader:
-    """Rank 0's trainer: `Trainer`'s surface over the whole world. `model` is a whole, unsharded
-    copy of the weights after the last step (what the role publishes)."""
+    """Rank 0's trainer: `Trainer`'s surface over the whole world. It holds no weights itself:
+    `publish` and `save` have every rank stream or write its shards."""
 
     def __init__(self, rank: TrainerRank, collectives: ThreadPoolExecutor):
         self.rank, self.cfg = rank, rank.cfg
         self.collectives = collectives
-        self.model: CausalLM | None = None
         self.step = 0
+        self.buffer = PayloadBuffer()
+        self.last_publish: dict[str, float] = {}
+        """Timings of the last publication: gather_s (the world busy), total_s (signed)."""
         self._last_order = time.monotonic()
         self._stopped = False  # touched only on the collectives thread
         self._closing = threading.Event()
         threading.Thread(target=self._keep_alive, name="keepalive", daemon=True).start()
 
     @classmethod
-    def connect(cls, dims: ParallelDims, cfg: TrainerConfig, seed: int) -> "Leader":
+    def connect(cls, dims: ParallelDims, cfg: TrainerConfig, seed: int, model: CausalLM | None = None) -> "Leader":
         """Join the torchrun world as rank 0 (blocking: waits for every rank)."""
         collectives = ThreadPoolExecutor(1, thread_name_prefix="collectives")
-        rank = collectives.submit(TrainerRank, dims, cfg, seed).result()
+        rank = collectives.submit(TrainerRank, dims, cfg, seed, model).result()
         if rank.rank != 0:
             raise RuntimeError(f"Leader.connect on rank {rank.rank}")
         log.info("rank 0 of %d: leading (%s)", dims.world, dims)
         return cls(rank, collectives)
 
-    def _send(self, order: Order):
+    @property
+    def trainer(self) -> DistributedTrainer:
+        """Rank 0's shard of the distributed trainer (touch only from the collectives thread)."""
+        return self.rank.trainer
+
+    def _send(self, order: Order | list[Order]):
+        first = order[0] if isinstance(order, list) else order
         if self._stopped:
             return None
-        self._stopped = order.kind == "stop"
-        self.rank.exchange(order)
+        self._stopped = first.kind == "stop"
+        mine = self.rank.exchange(order)
         self._last_order = time.monotonic()
-        return self.rank.carry_out(order)
+        return self.rank.carry_out(mine)
 
-    def _order(self, order: Order):
+    def _order(self, order: Order | list[Order]):
         return self.collectives.submit(self._send, order).result()
 
     def _keep_alive(self) -> None:
@@ -190,33 +247,61 @@ class Leader:
                     return
 
     def start(self, trainer: Trainer) -> "Leader":
-        """Every rank starts from `trainer` (warmed up, or resumed: weights, AdamW state, step)."""
-        self.model = copy.deepcopy(trainer.model).eval()
-        names = {id(p): n for n, p in trainer.model.named_parameters()}
-        self.rank.optimizer_state = {names[id(p)]: s for p, s in trainer.optimizer.state.items()}
-        self.rank.model = trainer.model
-        self._order(Order("start", step=trainer.step, resume=bool(self.rank.optimizer_state)))
-        self.step = trainer.step
+        """Every rank starts from `trainer` (warmed up, or resumed: weights, AdamW state, step);
+        a `Trainer` loaded from a distributed checkpoint has every rank read its own shards."""
+        path = getattr(trainer, "distributed_checkpoint", None)
+        self.rank.model = trainer.model  # its config (and, without a distributed checkpoint, its weights)
+        if path is not None:
+            self._order(Order("start", step=trainer.step, path=str(path)))
+        else:
+            names = {id(p): n for n, p in trainer.model.named_parameters()}
+            self.rank.optimizer_state = {names[id(p)]: s for p, s in trainer.optimizer.state.items()}
+            self._order(Order("start", step=trainer.step, resume=bool(self.rank.optimizer_state)))
+        self.step = self.rank.trainer.step
+        return self
+
+    def start_fresh(self) -> "Leader":
+        """Every rank draws its own shards of a fresh model (the model given to `connect`)."""
+        self._order(Order("start", fresh=True))
         return self
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        metrics, params = self._order(Order("train", batch=batch))
-        own = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, t in params.items():
-                own[name].copy_(t)
+        """One step; each rank gets only its share of `batch` (planned here, scattered)."""
+        works = plan_world(batch, self.rank.dims, self.cfg, minibatch_seed(self.rank.seed, self.step))
+        metrics = self._order([Order("train", work=w) for w in works])
         self.step += 1
         return metrics
 
+    def publish_async(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+                      options: PublishOptions | None = None) -> Future:
+        """Stream the weights into `store` as `version`. Returns once the world has gathered them
+        (the next order, e.g. the next step, may run while rank 0 encodes); the Future gets the
+        SignedManifest."""
+        done: Future = Future()
+        started = time.perf_counter()
+
+        def stamp(f: Future) -> None:
+            self.last_publish["total_s"] = time.perf_counter() - started
+
+        done.add_done_callback(stamp)
+
+        def send() -> float:
+            self.rank.publish_sink = dict(store=store, key=key, run_id=run_id, version=version, parent=parent,
+                                          options=options, buffer=self.buffer, done=done)
+            return self._send(Order("publish"))
+
+        self.last_publish = {"gather_s": self.collectives.submit(send).result()}
+        return done
+
+    def publish(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+                options: PublishOptions | None = None) -> SignedManifest:
+        return self.publish_async(store, key, run_id, version, parent, options).result()
+
     def save(self, directory: str | Path) -> Path:
-        """A `Trainer` checkpoint (rank 0 writes it; `Trainer.load` reads it)."""
-        state = self._order(Order("save"))
-        whole = Trainer(self.model, self.cfg)
-        whole.step = self.step
-        for name, p in self.model.named_parameters():
-            if float(state[name]["step"]) > 0:
-                whole.optimizer.state[p] = state[name]
-        return whole.save(directory)
+        """A distributed checkpoint: every rank writes its shards of the weights and AdamW state
+        (`checkpoint.save`); `Trainer.load` on it resumes one process, `start` any layout."""
+        self._order(Order("save", path=str(directory)))
+        return Path(directory)
 
     def stop(self) -> None:
         """Every rank leaves (idempotent); waits for an order in flight to finish first."""

@@ -1,0 +1,186 @@
+"""Publishing the trainer's weights without gathering the model: a version streams tensor by tensor
+from the shards to rank 0's payload buffer while shardcast encodes the shards already complete.
+
+Each parameter is gathered whole (FSDP all-gather, then EP all-gather: one tensor extra per rank
+at a time, never the model), cast to the published dtype on the device, split into the HF tensors
+`state_dict_to_hf` writes (experts unstacked) and copied device-to-host into rank 0's pinned
+payload buffer without waiting (`non_blocking`); a thread waits for each tensor's copy (a CUDA
+event) and hands the byte count written so far to `shardcast.publish.publish_stream`, whose pool
+compresses and hashes every shard whose range is complete. So copies, compression and hashing
+overlap, and the world is free for the next step as soon as the last copy is issued
+(`Publication.gathered`): the encoding finishes on rank 0's threads while it trains.
+
+The payload's layout is the one `shardcast.publish` gives `state_dict_to_hf(model)`, so
+versions published either way are interchangeable (same names, order, dtypes, offsets).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+import weakref
+from concurrent.futures import Future, wait
+
+import torch
+
+from node.rl.parallel.dims import ParallelGroups
+from node.rl.parallel.state import gather_tensors, global_shape
+from protocol.identity import NodeKey
+from shardcast.codec import layout
+from shardcast.manifest import SignedManifest
+from shardcast.publish import PublishOptions, publish_stream
+from shardcast.store import Store
+
+log = logging.getLogger(__name__)
+
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def hf_pieces(name: str, t: torch.Tensor, tied: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one whole parameter (as `node.model.checkpoint.state_dict_to_hf`)."""
+    if tied and name == "lm_head.weight":
+        return []
+    m = _STACKED.match(name)
+    if not m:
+        return [(name, t)]
+    prefix, kind = m.groups()
+    out = []
+    for e in range(t.shape[0]):
+        if kind == "gate_up_proj":
+            gate, up = t[e].chunk(2, dim=0)
+            out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+        else:
+            out.append((f"{prefix}.{e}.down_proj.weight", t[e]))
+    return out
+
+
+def hf_layout(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None) -> list:
+    """The payload layout (shardcast `TensorEntry`s) of the model's HF tensors, from shapes alone."""
+    tied = model.config.tie_word_embeddings
+    meta = {}
+    for name, p in model.named_parameters():
+        shape = p.shape if groups is None else global_shape(groups, name, p)
+        for hf, t in hf_pieces(name, torch.empty(shape, dtype=dtype or p.dtype, device="meta"), tied):
+            meta[hf] = t
+    return layout(meta)[0]
+
+
+class PayloadBuffer:
+    """Rank 0's host buffer for a version's payload: pinned when CUDA is there (so the device-to-
+    host copies run asynchronously at full speed), allocated once and reused version after
+    version (padding between tensors stays zero)."""
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+        self.busy: Future | None = None
+        """The publication still reading this buffer (the next one waits for it)."""
+
+    def get(self, total: int, pinned: bool) -> torch.Tensor:
+        if self.busy is not None:
+            wait([self.busy])  # done or failed: either way it no longer reads the buffer
+        if self.tensor is None or self.tensor.numel() != total:
+            self.tensor = None
+            t0 = time.perf_counter()
+            self.tensor = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
+            log.info("payload buffer: %.2f GB %s in %.2fs", total / 1e9, "pinned" if pinned else "pageable",
+                     time.perf_counter() - t0)
+        return self.tensor
+
+
+class PublicationAborted(RuntimeError):
+    """The weights stopped arriving mid-version (a failed gather): the version is not signed."""
+
+
+def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None,
+                   sink: dict | None) -> float:
+    """Every rank: gather the weights tensor by tensor (collective when `groups` is given).
+    Rank 0 passes `sink` = {store, key, run_id, version, parent, options, buffer, done: Future},
+    and its encoding starts on a background thread; `done` gets the SignedManifest (or the error).
+    Returns the seconds spent gathering."""
+    t0 = time.perf_counter()
+    tied = model.config.tie_word_embeddings
+    ready: queue.Queue = queue.Queue()
+    if sink is not None:
+        tensors = hf_layout(model, groups, dtype)
+        total = tensors[-1].offset + tensors[-1].nbytes
+        cuda = next(model.parameters()).is_cuda
+        buf = sink["buffer"].get(total, pinned=cuda)
+        payload = buf.numpy()
+        offsets = {e.name: e for e in tensors}
+
+        def filled():
+            while (item := ready.get()) is not None:
+                if isinstance(item, BaseException):  # the gather failed: sign nothing
+                    raise PublicationAborted("the gather stopped before every tensor was copied") from item
+                event, n = item
+                if event is not None:
+                    event.synchronize()
+                yield n
+
+        def encode():
+            done: Future = sink["done"]
+            try:  # the waiter gets the version once it is listed; retention runs after
+                publish_stream(sink["store"], sink["key"], sink["run_id"], sink["version"], tensors, payload,
+                               filled(), sink["parent"], sink["options"], on_signed=done.set_result)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                if not done.done():
+                    done.set_exception(exc)
+                else:
+                    log.warning("v%d: retention after publishing failed: %s", sink["version"], exc)
+
+        sink["buffer"].busy = sink["done"]
+        threading.Thread(target=encode, name=f"publish-v{sink['version']}", daemon=True).start()
+    failed: BaseException | None = None
+    try:
+        for name, whole in gather_tensors(model, groups):
+            if sink is None:
+                continue
+            whole = whole.to(dtype) if dtype is not None else whole
+            end = 0
+            for hf, piece in hf_pieces(name, whole, tied):
+                e = offsets[hf]
+                src = piece.contiguous().reshape(-1).view(torch.uint8)
+                buf[e.offset:e.offset + e.nbytes].copy_(src, non_blocking=src.is_cuda)
+                end = e.offset + e.nbytes
+            event = None
+            if whole.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
+            if end:
+                ready.put((event, end))
+    except BaseException as exc:
+        failed = exc
+        raise
+    finally:
+        if sink is not None:
+            ready.put(failed)
+    return time.perf_counter() - t0
+
+
+def publish_model(model: torch.nn.Module, groups: ParallelGroups | None, store: Store, key: NodeKey, run_id: str,
+                  version: int, parent: int | None, options: PublishOptions | None, buffer: PayloadBuffer | None = None,
+                  dtype: torch.dtype | None = None) -> SignedManifest:
+    """One process (or rank 0 of a world whose other ranks call `stream_publish(..., None)`):
+    publish `model` as `version` and wait for the signed manifest."""
+    done: Future = Future()
+    sink = dict(store=store, key=key, run_id=run_id, version=version, parent=parent, options=options,
+                buffer=buffer or PayloadBuffer(), done=done)
+    stream_publish(model, groups, dtype, sink)
+    return done.result()
+
+
+def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+                    options: PublishOptions | None = None) -> SignedManifest:
+    """What the trainer role calls to publish a version: a one-process `Trainer` streams its own
+    weights; a `world.Leader` has every rank of its world stream theirs."""
+    if hasattr(trainer, "publish"):
+        return trainer.publish(store, key, run_id, version, parent, options)
+    buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
+    return publish_model(trainer.model, None, store, key, run_id, version, parent, options, buffer)
+
+
+_buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
