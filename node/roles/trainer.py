@@ -12,7 +12,9 @@ checkpoint, and the step it had not finished gets the same batch again (the requ
 
 With `--dp/--ep/--cp` under torchrun, rank 0 is this networked trainer and the other ranks only
 compute: each step's batch goes to every rank and the step is taken by the distributed trainer
-(`node.rl.parallel.world`); rank 0 publishes the whole weights it gathers after the step.
+(`node.rl.parallel.world`); each version is published streamed (`node.rl.parallel.publish`): one
+parameter gathered at a time into rank 0's pinned buffer, shards encoded as their ranges complete,
+so no rank ever holds the whole model twice.
 
 Router replay (recipe `router_replay`, MoE models): each submission's routed experts are decoded into
 its rollout, and the step replays them when every rollout of the batch carries them; otherwise
@@ -35,7 +37,6 @@ import torch
 
 from node.engine import Engine
 from node.envs.rollout import Rollout
-from node.model.checkpoint import state_dict_to_hf
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from node.model.tokenizer import CharTokenizer
 from node.rl.advantages import group_advantages
@@ -51,7 +52,7 @@ from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
 from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec
-from shardcast.publish import PublishOptions, publish
+from shardcast.publish import PublishOptions
 from shardcast.server import ShardServer
 from shardcast.store import Store
 
