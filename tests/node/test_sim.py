@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from node.sim import STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S, Deadline, plan, run_sim, timeout_for
+from node.sim import run_sim
+from node.sim_deadline import STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S, Deadline, plan, timeout_for
 
 
 def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
