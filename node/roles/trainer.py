@@ -38,11 +38,11 @@ from node.envs.rollout import Rollout
 from node.model.checkpoint import state_dict_to_hf
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from node.model.tokenizer import CharTokenizer
+from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
 from node.rl.train_local import LocalRunConfig, warm_up
-from node.recipe import Recipe
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay
 from protocol.client import CoordinatorClient
