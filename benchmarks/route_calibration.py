@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.verification_calibration import _harness
 from node.engine import Engine
-from verification.calibration.calibrate import _harness, perturb
+from verification.calibration.perturb import perturb
 from verification.routing import MAX_ROUTE_MISMATCH_SHARE, mismatched_pairs
 
 HERE = Path(__file__).resolve().parents[1] / "verification" / "calibration"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from verification.calibration.calibrate import perturb
+from verification.calibration.perturb import perturb
 from verification.checks import THRESHOLDS, Reason
 from verification.hidden_check import compare_blocks
 from verification.proof import (Commitment, build_proofs_many, chunk_blocks, chunk_spans, decode_rollout_proof,

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from node.adversary import CHEATS
 from node.recipe import DEFAULT as DEFAULT_RECIPE
+from node.sim_deadline import (COORDINATOR_KILL_STEP, PROGRESS_EVERY, STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S,
+                               STOP_AFTER_TARGET, VLLM_START_S, Deadline, plan, timeout_for)
 from node.sim_report import REWARD_TARGET, plot_report, summarize
 from node.run_config import RunConfig, to_toml
 from protocol.identity import NodeKey
@@ -128,9 +130,11 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
             vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None) -> dict:
-    """Run the network; `timeout_s` None: `timeout_for(steps, vllm_nodes)`. `stop_after_target`: end
-    the run this many steps after the reward target is reached (None: train all `steps`)."""
-    timeout_s = timeout_for(steps, vllm_nodes) if timeout_s is None else timeout_s
+    """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
+    the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
+    `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`)."""
+    deadline = Deadline(steps, timeout_for(steps, vllm_nodes) if timeout_s is None else timeout_s,
+                        follow=timeout_s is None)
     if vllm_nodes:
         check_vllm_nodes(inference_nodes, cheaters, vllm_nodes)
         # vLLM's CPU attention needs head_dim >= 32; the recipe's model has head_dim = hidden / 4.
@@ -204,7 +208,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, lambda *_: interrupted.append(1)) for sig in (signal.SIGTERM, signal.SIGINT)} \
         if main else {}
-    while time.time() - t0 < timeout_s and not interrupted:
+    while not interrupted:
         time.sleep(0.5)
         done_steps = _count_lines(metrics_path)
         if (out / "trainer" / "done").exists():
@@ -212,6 +216,11 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             break
         if not procs["trainer"].alive():
             status = "trainer exited"
+            break
+        ended = deadline.check(done_steps, time.time() - t0)
+        if ended:
+            status = ended
+            log.error("giving up (%s) after %.0f s with %d steps done", ended, time.time() - t0, done_steps)
             break
         if churn and time.time() > next_churn:
             victim = procs[f"inference-{rng.randrange(inference_nodes)}"]
@@ -244,8 +253,6 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             coordinator_restarted = True
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-    if status == "timeout":
-        log.error("the sim did not finish within %.0f s (%d steps done); raise --timeout", timeout_s, done_steps)
     if status == "done":  # the trainer exits by itself once done; a SIGTERM now would race its exit
         try:
             procs["trainer"].p.wait(30)
@@ -276,44 +283,8 @@ def check_vllm_nodes(inference_nodes: int, cheaters: int, vllm_nodes: int) -> No
         raise ValueError("--vllm-nodes needs PRIMERL_VLLM_PYTHON (the python of vLLM's own environment)")
 
 
-VLLM_START_S = 300.0
-"""How long the sim waits for a vLLM node's server to come up (DESIGN.md: 30-55 s on a 2-core machine)."""
 VLLM_MIN_HIDDEN = 128
 """Model width of a sim with vLLM nodes unless the recipe says otherwise (head_dim 32: vLLM CPU's least)."""
-STOP_AFTER_TARGET = 10
-"""`sim` (and `make run`) ends this many steps after the 5-step mean reward first reaches REWARD_TARGET."""
-START_ALLOWANCE_S = 180.0
-"""Time the timeout allows for start-up (processes, joins, the trainer's warm-up) and shutdown."""
-STEP_ALLOWANCE_S = 6.0
-"""Time the timeout allows per trainer step (64 groups x 8 samples, 4 inference nodes, churn, a cheater):
-measured on cpu-2core 2.0 s/step up to the target (step 261 at 532 s) and 2.8 s/step over 500 steps on
-a quiet machine, 4.5 s/step on a loaded one (step 334 at 1,500 s); 6 s leaves a third of margin."""
-MEASURED = {"machine": "cpu-2core", "target_step": 261, "target_s": 532, "steps": 500, "all_steps_s": 1410}
-"""The committed `make run` (benchmarks/results/sim-cpu-2core.json), quoted in the start-up estimate."""
-PROGRESS_EVERY = 25
-"""Steps between progress lines (rate so far, time left at most)."""
-COORDINATOR_KILL_STEP = 100
-"""With --churn the coordinator is SIGKILLed once, at a third of the steps but no later than this step
-(a run that stops at the reward target still sees the restart)."""
-
-
-def timeout_for(steps: int, vllm_nodes: int = 0) -> float:
-    """How long a sim of `steps` steps may run: start-up + a per-step allowance (+ vLLM's start)."""
-    return START_ALLOWANCE_S + steps * STEP_ALLOWANCE_S + (VLLM_START_S if vllm_nodes else 0.0)
-
-
-def plan(steps: int, stop_after_target: int | None, timeout_s: float) -> str:
-    """What the run will do and how long it should take, said before it starts."""
-    m = MEASURED
-    until = (f"until {stop_after_target} steps after the 5-step mean reward reaches {REWARD_TARGET} (at most {steps} "
-             f"steps)" if stop_after_target is not None else f"for {steps} steps")
-    est = (m["target_s"] * (m["target_step"] + stop_after_target) / m["target_step"]
-           if stop_after_target is not None and steps >= m["target_step"] else m["all_steps_s"] * steps / m["steps"])
-    return (f"sim: trains {until}. Measured with the defaults on {m['machine']} (quiet): target at step {m['target_step']} "
-            f"({m['target_s'] / 60:.0f} min), {m['steps']} steps in {m['all_steps_s'] / 60:.0f} min; expect about "
-            f"{est / 60:.0f} min here (up to 2x on a loaded machine); it gives up after {timeout_s / 60:.0f} min "
-            f"({START_ALLOWANCE_S:.0f} s + {STEP_ALLOWANCE_S:.0f} s per step).")
-
 
 def _wait_for(path: Path, proc: Proc, timeout: float) -> str:
     end = time.time() + timeout
@@ -363,8 +334,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-groups", type=int, default=_RUN["batch_groups"].default, help="prompts per trainer step")
     p.add_argument("--group-size", type=int, default=_RUN["group_size"].default, help="samples per prompt")
     p.add_argument("--timeout", type=float, default=None,
-                   help=f"give up after this many seconds (default: {START_ALLOWANCE_S:.0f} s + {STEP_ALLOWANCE_S:.0f} s "
-                        "per step, + vLLM's start-up with --vllm-nodes)")
+                   help=f"a hard limit in seconds (default: {START_ALLOWANCE_S:.0f} s + {STEP_ALLOWANCE_S:.0f} s per step, "
+                        "+ vLLM's start-up, raised to the measured pace; the run also ends when no step finishes "
+                        f"for {STALL_S:.0f} s)")
     p.add_argument("--stop-after-target", type=int, default=STOP_AFTER_TARGET, metavar="N",
                    help=f"end N steps after the 5-step mean reward reaches {REWARD_TARGET} (-1: train all --steps)")
     p.add_argument("--trainer-parallel", metavar="LAYOUT", default=None,
@@ -384,7 +356,7 @@ def _main(args: argparse.Namespace) -> int:
     timeout = timeout_for(args.steps, args.vllm_nodes) if args.timeout is None else args.timeout
     print(plan(args.steps, stop_after, timeout), flush=True)
     summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
-                      args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, timeout,
+                      args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout,
                       vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel, stop_after_target=stop_after)
     print(json.dumps(summary))
     print(f"report: {args.out / 'report.png'}")

@@ -20,7 +20,7 @@ from verification.reference import Reference
 class Thresholds:
     """Tolerances of the recomputation checks for one engine precision (the run spec fixes it and
     the validator recomputes in it). Each bounds an honest maximum measured by
-    verification/calibration/calibrate.py (thresholds.json: `honest_max`), with headroom."""
+    benchmarks/verification_calibration.py (verification/calibration/thresholds.json: `honest_max`), with headroom."""
 
     max_exp_mismatches: int
     """Per chunk, of 128: exponent or sign differs at the validator's top-k."""

@@ -39,12 +39,12 @@ from node.engine import Engine
 from node.envs.rollout import Rollout
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from node.model.tokenizer import CharTokenizer
+from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
 from node.rl.parallel.publish import publish_trainer
 from node.rl.train_local import LocalRunConfig, warm_up
-from node.recipe import Recipe
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay
 from protocol.client import CoordinatorClient

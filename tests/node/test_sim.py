@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from node.sim import START_ALLOWANCE_S, STEP_ALLOWANCE_S, plan, run_sim, timeout_for
+from node.sim import run_sim
+from node.sim_deadline import STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S, Deadline, plan, timeout_for
 
 
 def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
@@ -32,8 +33,20 @@ def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting
     assert timeout_for(20) < timeout_for(500) < timeout_for(500, vllm_nodes=1)
     said = plan(500, 10, timeout_for(500))
     assert "10 steps after" in said and "at most 500 steps" in said and "gives up after 53 min" in said
+    assert "measured pace" in said and "no step finishes for 10 min" in said
     assert "expect about 9 min" in said  # measured: target at step 261 after 532 s; + 10 steps
     assert "for 20 steps" in plan(20, None, timeout_for(20))
+
+
+def test_a_slow_run_that_progresses_goes_on_and_a_stalled_one_ends():
+    d = Deadline(steps=100, limit=timeout_for(100))  # 780 s
+    assert d.check(0, 100) is None
+    for step in range(1, 51):  # 20 s per step: 100 steps need ~2,000 s, more than the static limit
+        assert d.check(step, 20.0 * step) is None
+    assert d.limit >= 1000 + 50 * 20 * 1.5 and d.check(51, 1020) is None
+    assert d.check(51, 1020 + STALL_S - 1) is None and d.check(51, 1020 + STALL_S + 1) == "stalled"
+    hard = Deadline(steps=100, limit=300, follow=False)  # --timeout: a hard limit
+    assert hard.check(50, 299) is None and hard.check(60, 301) == "timeout"
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import rollouts as R  # noqa: E402
 
 from node.engine import Engine  # noqa: E402
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes, encode_routes, rollout_routes  # noqa: E402
-from verification.calibration.calibrate import perturb  # noqa: E402
+from verification.calibration.perturb import perturb  # noqa: E402
 from verification.checks import Reason  # noqa: E402
 from verification.routing import MAX_ROUTE_MISMATCH_SHARE  # noqa: E402
 from verification.validator import verify_claims  # noqa: E402

@@ -49,7 +49,7 @@ def _rollouts(model, tok, prompts_of=None):
 
 
 def test_smollm2_honest_generations_pass_and_tampering_is_caught(smol):
-    from verification.calibration.calibrate import perturb
+    from verification.calibration.perturb import perturb
 
     model, tok = smol
     ref = _reference(model, tok)

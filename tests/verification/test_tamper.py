@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import rollouts as R  # noqa: E402
 
-from verification.calibration.calibrate import perturb  # noqa: E402
+from verification.calibration.perturb import perturb  # noqa: E402
 from verification.checks import Reason  # noqa: E402
 from verification.validator import verify_claims  # noqa: E402
 

@@ -1,18 +1,19 @@
-"""Re-derive the verification thresholds: `python -m verification.calibration.calibrate`.
+"""Re-derive the verification thresholds: `python -m benchmarks.verification_calibration`.
 
 Generates honest rollouts of the tiny test model under every variation an honest node may run
 (batch size 1..32 with continuous batching, 1 or 2 threads, and, per engine precision, the
 KV-cached decode against the validator's prefill in that precision), measures them, does the same
 for tampered engines (1% weight noise, fp8 and int8 weight rounding, a bf16 engine claiming
-float32), and writes `data.json` (one row per rollout) and `thresholds.json` (honest maxima per
-precision, the thresholds in force, and the share of tampered rollouts they reject) next to this
-file. tests/verification/test_calibration.py holds the thresholds in force above the honest maxima.
+float32), and writes verification/calibration/`data.json` (one row per rollout) and `thresholds.json`
+(honest maxima per precision, the thresholds in force, and the share of tampered rollouts they
+reject). tests/verification/test_calibration.py holds the thresholds in force above the honest
+maxima. It lives here, not in `verification`, because it drives the node's engine through the test
+harness (`verification` imports nothing from `node`).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import sys
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 
 from verification.calibration.measure import FIELDS, RolloutFigures, measure, summarize
+from verification.calibration.perturb import perturb
 from verification.checks import THRESHOLDS, Thresholds
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "verification" / "calibration"
 log = logging.getLogger("calibrate")
 
 
@@ -34,30 +36,6 @@ def _harness():
     import rollouts  # the shared test harness: tiny model, engine, claims
 
     return rollouts
-
-
-def perturb(model: torch.nn.Module, kind: str, seed: int = 1) -> torch.nn.Module:
-    """A tampered copy: 'noise1pct' (weights x (1 + 0.01 N(0,1))), 'fp8' (e4m3 round trip with a
-    per-row scale), 'int8' (symmetric per-row round trip). Norm weights are left alone."""
-    m = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            w = p.float()
-            if kind == "noise1pct":
-                q = w * (1 + 0.01 * torch.randn(p.shape, generator=g))
-            else:
-                scale = w.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-                if kind == "fp8":
-                    q = (w / scale * 448.0).to(torch.float8_e4m3fn).float() / 448.0 * scale
-                elif kind == "int8":
-                    q = (w / scale * 127.0).round() / 127.0 * scale
-                else:
-                    raise ValueError(kind)
-            p.copy_(q.to(p.dtype))
-    return m
 
 
 def rejected_by(r: RolloutFigures, t: Thresholds) -> bool:
@@ -102,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     cases["tamper/float32/bf16_engine"] = run_case(R, models["bfloat16"], refs["float32"], seeds, 32, 2)
     log.info("%-36s %s", "tamper/float32/bf16_engine", summarize(cases["tamper/float32/bf16_engine"]))
 
-    result = {"command": f"python -m verification.calibration.calibrate --rollouts {args.rollouts}",
+    result = {"command": f"python -m benchmarks.verification_calibration --rollouts {args.rollouts}",
               "torch": torch.__version__, "precisions": {}}
     for precision in models:
         honest = [r for k, rows in cases.items() if k.startswith(f"honest/{precision}/") for r in rows]
