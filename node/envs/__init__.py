@@ -6,8 +6,10 @@ from node.envs.arithmetic import Addition, Reverse
 from node.envs.base import Environment, Task
 from node.envs.calculator import Calculator
 from node.envs.coding import Coding
+from node.envs.text_tasks import Arithmetic, ReverseText
 
-TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition, "calculator": Calculator, "coding": Coding}
+TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition, "calculator": Calculator, "coding": Coding,
+                                     "reverse-text": ReverseText, "arithmetic": Arithmetic}
 
 
 class UnknownTask(ValueError):
