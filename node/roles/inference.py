@@ -38,9 +38,8 @@ from node.engine import Engine, Request, SamplingParams
 from node.envs.rollout import run_episodes
 from node.model.checkpoint import CONFIG, WEIGHTS
 from node.model.routing import RouteShape
-from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
-from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay
+from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay, tokenizer
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
@@ -110,7 +109,7 @@ class InferenceNode:
         self._vllm_settings: dict[str, object] = {}
         if engine == "vllm":
             self._vllm_settings = self._check_vllm(vllm or [])
-        self.tok = CharTokenizer()
+        self.tok = tokenizer(spec)
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.hashes: dict[int, str] = {}
