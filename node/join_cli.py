@@ -173,6 +173,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--host", default="127.0.0.1",
                    help="trainer/relay: address the shard server and libp2p listen on (0.0.0.0 to serve other "
                         "machines; the run spec's shardcast_sources must name a reachable URL)")
+    j.add_argument("--device", default="cpu", help="where this role runs the run's model: cpu, cuda or cuda:<index>")
     j.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # simulation only: tamper with work
     j.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                    help="inference: the built-in engine, or a supervised vLLM server (contrib/vllm; "
@@ -204,6 +205,11 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
     if args.vllm and args.engine != "vllm":
         raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
+    from node.roles.common import set_device
+    try:
+        set_device(args.device)
+    except ValueError as exc:
+        raise SystemExit(f"primerl-node join: {exc}") from None
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port, args.cheat,
                      engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm))
     return 0

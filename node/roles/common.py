@@ -47,9 +47,23 @@ def model_config(spec: RunSpec) -> ModelConfig:
     return spec_model_config(spec.model, tiny_shape(spec))
 
 
-def fresh_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
-    """Version 0 of the run's model, its weights checked against the spec's hash."""
-    return load_model(spec.model, device, tiny=tiny_shape(spec)).model.eval()
+_device = "cpu"
+"""Where this process's role runs its model (`join --device`); the run's spec does not say."""
+
+
+def set_device(device: str) -> None:
+    """`cpu`, `cuda` or `cuda:i` for this role's model (checked now, not at the first forward pass)."""
+    global _device
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:<index>")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device on this machine")
+    _device = device
+
+
+def fresh_model(spec: RunSpec) -> CausalLM:
+    """Version 0 of the run's model on this role's device, its weights checked against the spec's hash."""
+    return load_model(spec.model, _device, tiny=tiny_shape(spec)).model.eval()
 
 
 def tokenizer(spec: RunSpec) -> Tokenizer:
