@@ -120,7 +120,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             churn: bool = False, cheaters: int = 0, max_off_policy_steps: int = _RUN["max_off_policy_steps"].default,
             seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
             group_size: int = _RUN["group_size"].default, timeout_s: float = 1500, recipe: dict | None = None, vllm_nodes: int = 0,
-            trainer_parallel: str | None = None, model: dict | None = None) -> dict:
+            trainer_parallel: str | None = None, model: dict | None = None, run: dict | None = None) -> dict:
+    """`run`: run.toml keys to override (e.g. a longer dead_after_missed for a large model on a busy machine)."""
     if vllm_nodes:
         check_vllm_nodes(inference_nodes, cheaters, vllm_nodes)
         # vLLM's CPU attention needs head_dim >= 32; the recipe's model has head_dim = hidden / 4.
@@ -145,6 +146,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         cfg["engines"] = ["builtin", "vllm"]
     if model:  # a [model] table (protocol/model_spec.py); the default is the recipe-shaped tiny MoE
         cfg["model"] = model
+    cfg.update(run or {})
     (out / "run.toml").write_text(to_toml(cfg))
     addr_file = out / "coordinator" / "addr"
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",

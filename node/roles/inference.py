@@ -39,7 +39,7 @@ from node.envs.rollout import run_episodes
 from node.model.checkpoint import CONFIG, WEIGHTS
 from node.model.routing import RouteShape
 from node.recipe import Recipe
-from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay, tokenizer
+from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
@@ -231,7 +231,7 @@ class InferenceNode:
                 await asyncio.to_thread(self._load_vllm, state, version)
             else:
                 if self.engine is None:
-                    model = fresh_model(self.spec)
+                    model = blank_model(self.spec)  # the fetched version is loaded into it before any step
                     self.engine = Engine(model, max_batch=self._max_batch, eos_id=self.tok.eos_id,
                                          decode=self.tok.decode, capture_hidden=True,
                                          capture_experts=self.routes is not None, version=version)
