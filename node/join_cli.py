@@ -186,8 +186,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
                         "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
     j.add_argument("--device", default=None,
-                   help="inference: where the engine serves, cpu | cuda | cuda:I (default: cuda for --engine builtin-cuda, "
-                        "else cpu)")
+                   help="where this role runs the run's model: cpu | cuda | cuda:I (default: cuda for --engine "
+                        "builtin-cuda, else cpu)")
     j.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
                    help="with --engine builtin-cuda: block-scaled FP8 weights for the routed experts only, or for every "
                         "projection (an H100/H200-class GPU; docs/fp8.md)")
@@ -216,8 +216,13 @@ def _join(args: argparse.Namespace) -> int:
     if args.vllm and args.engine != "vllm":
         raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
     device = args.device or ("cuda" if args.engine == "builtin-cuda" else "cpu")
-    if args.role != "inference" and (args.device or args.fp8 != "off"):
-        raise SystemExit("primerl-node join: --device/--fp8 apply to --role inference only")
+    if args.role != "inference" and args.fp8 != "off":
+        raise SystemExit("primerl-node join: --fp8 applies to --role inference only")
+    from node.roles.common import set_device
+    try:
+        set_device(device)
+    except ValueError as exc:
+        raise SystemExit(f"primerl-node join: {exc}") from None
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port,
                      engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm,
                      customize=getattr(args, "customize", None), device=device, fp8=args.fp8))

@@ -19,7 +19,10 @@ import torch
 from node.envs import get_env
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.model.tokenizer import CharTokenizer
+from node.model.errors import WeightsHashMismatch
+from node.model.spec import DTYPES, TinyMoE, load_model, resolve, weights_hash
+from node.model.spec import model_config as spec_model_config
+from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from node.recipe import Recipe
 from protocol.errors import ProtocolError
 from protocol.messages import RunSpec
@@ -34,16 +37,60 @@ def router_replay(spec: RunSpec) -> bool:
     return Recipe.of(spec).router_replay and bool(model_config(spec).moe_layer_indices)
 
 
-def model_config(spec: RunSpec) -> ModelConfig:
-    from node.rl.train_local import tiny_moe_config
-
+def tiny_shape(spec: RunSpec) -> TinyMoE:
+    """The tiny MoE's shape and seed from the run's recipe (used when the spec's model is tiny-moe)."""
     r = Recipe.of(spec)
-    return tiny_moe_config(CharTokenizer().vocab_size, r.hidden, r.layers, r.experts, r.top_k)
+    return TinyMoE(hidden=r.hidden, layers=r.layers, experts=r.experts, top_k=r.top_k, seed=r.seed)
+
+
+def model_config(spec: RunSpec) -> ModelConfig:
+    """The run's model architecture (`RunSpec.model`; node/model/spec.py)."""
+    return spec_model_config(spec.model, tiny_shape(spec))
+
+
+_device = "cpu"
+"""Where this process's role runs its model (`join --device`); the run's spec does not say."""
+
+
+def set_device(device: str) -> None:
+    """`cpu`, `cuda` or `cuda:i` for this role's model (checked now, not at the first forward pass)."""
+    global _device
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:<index>")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device on this machine")
+    _device = device
 
 
 def fresh_model(spec: RunSpec) -> CausalLM:
-    torch.manual_seed(Recipe.of(spec).seed)
-    return CausalLM(model_config(spec)).eval()
+    """Version 0 of the run's model on this role's device, its weights checked against the spec's hash."""
+    return load_model(spec.model, _device, tiny=tiny_shape(spec)).model.eval()
+
+
+def blank_model(spec: RunSpec) -> CausalLM:
+    """The run's architecture on this role's device with uninitialised weights, for a role that loads a
+    fetched version into it at once: no weights read from disk, nothing hashed (a 135M model costs
+    seconds of CPU per version otherwise, enough to miss heartbeats)."""
+    cfg = model_config(spec)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=_device).to(DTYPES[spec.model.dtype])
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def check_version0(spec: RunSpec, model: CausalLM) -> None:
+    """Version 0 as fetched must hash to the spec's pin (WeightsHashMismatch otherwise)."""
+    pinned = spec.model.weights_hash
+    if pinned is not None and (got := weights_hash(model)) != pinned:
+        raise WeightsHashMismatch(f"version 0 of run {spec.run_id} hashes to {got}, its spec pins {pinned}")
+
+
+def tokenizer(spec: RunSpec) -> Tokenizer:
+    """The run's tokenizer: the checkpoint's own, or the tiny model's character tokenizer."""
+    directory = resolve(spec.model.source)
+    return CharTokenizer() if directory is None else HFTokenizer(directory)
 
 
 def environment(spec: RunSpec):

@@ -37,9 +37,8 @@ from node.engine import registry as engines
 from node.engine.registry import EngineSetup, EngineUnavailable, InferenceEngine
 from node.envs.rollout import run_episodes
 from node.model.routing import RouteShape
-from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
-from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay
+from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
@@ -67,7 +66,7 @@ class InferenceNode:
         `device`, `fp8`: where an in-process engine serves and whether with FP8 weights (builtin-cuda)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.leases_per_request = leases_per_request
-        self.tok = CharTokenizer()
+        self.tok = tokenizer(spec)
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.hashes: dict[int, str] = {}
@@ -84,7 +83,7 @@ class InferenceNode:
                                     f"\"{self.engine_claims}\" in engines")
         cfg = model_config(spec)
         self.engine_setup = EngineSetup(
-            model=lambda: fresh_model(spec), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,
+            model=lambda: blank_model(spec), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,
             max_seq_len=cfg.max_position_embeddings, eos_id=self.tok.eos_id, encode=self.tok.encode,
             decode=self.tok.decode, bos_id=self.tok.bos_id, capture_experts=self.routes is not None,
             workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8)
