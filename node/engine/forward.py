@@ -22,6 +22,7 @@ from node.engine.attention import decode_attention
 from node.model.cache import KVCache
 from node.model.moe import MoEBlock
 from node.model.qwen3_moe import Attention, CausalLM, RMSNorm, rope, rope_tables
+from node.model.rope import inv_frequencies
 
 
 FUSED = os.environ.get("PRIMERL_FUSED_KERNELS", "1") == "1"
@@ -62,7 +63,7 @@ def decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.T
     cfg = model.config
     b = ids.shape[0]
     x = model.model.embed_tokens(ids)
-    cos, sin = rope_tables(pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, 1, 1, D]
+    cos, sin = rope_tables(pos[:, None], inv_frequencies(cfg, x.device), x.dtype)  # [B, 1, 1, D]
     lens = pos + 1
     routes: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
@@ -92,7 +93,7 @@ def prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, c
     cfg = model.config
     b, t = ids.shape
     x = model.model.embed_tokens(ids)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, 1, T, D]
+    cos, sin = rope_tables(positions, inv_frequencies(cfg, x.device), x.dtype)  # [B, 1, T, D]
     routes: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn

@@ -172,7 +172,7 @@ def test_fused_rope_and_cache_write_match_model_ops():
     k, v = torch.randn(b, nkv, d, device="cuda", dtype=torch.bfloat16), torch.randn(b, nkv, d, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 500, (b,), device="cuda")
     slots = torch.randperm(40, device="cuda")[:b]
-    cos, sin = rope_tables(pos[:, None], d, 1e6, torch.bfloat16)
+    cos, sin = rope_tables(pos[:, None], 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda") / d), torch.bfloat16)
     kc, vc = torch.zeros(40, 512, nkv, d, device="cuda", dtype=torch.bfloat16), torch.zeros(40, 512, nkv, d, device="cuda", dtype=torch.bfloat16)
     qo = rope_and_write(q, k, v, cos[:, 0, 0], sin[:, 0, 0], slots, pos, kc, vc)
     for x, got in ((q, qo), (k, kc[slots, pos])):
