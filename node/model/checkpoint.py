@@ -1,4 +1,5 @@
-"""Checkpoints as safetensors + config.json, with Hugging Face parameter names on disk.
+"""Checkpoints in the Hugging Face layout: config.json, safetensors (one file, or shards listed by
+model.safetensors.index.json), generation_config.json and the tokenizer's files.
 
 In memory, experts are stacked (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 [E, H, I]); on disk each expert has its own `mlp.experts.{e}.{gate,up,down}_proj.weight`, the
@@ -7,23 +8,30 @@ layout Qwen3-MoE checkpoints ship in and that `transformers` and vLLM load.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from node.model.config import InvalidModelConfig, ModelConfig
+from node.model.config import ModelConfig
+from node.model.errors import MissingModelFile, ModelLoadError
 from node.model.qwen3_moe import CausalLM
 
 WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+"""Files that travel with the weights so a saved checkpoint opens in transformers/vLLM with its tokenizer."""
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class InvalidCheckpoint(ValueError):
+class InvalidCheckpoint(ModelLoadError):
     """A checkpoint that is missing, unreadable, or does not fit the model it claims."""
 
 
@@ -88,26 +96,81 @@ def load_hf_state_dict(model: CausalLM, sd: dict[str, torch.Tensor]) -> None:
             p.copy_(internal[name])
 
 
-def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, str] | None = None) -> Path:
+def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, str] | None = None,
+                    companions_from: str | Path | None = None, max_shard_bytes: int | None = None) -> Path:
+    """Write `model` in the HF layout; `companions_from`: a model directory whose tokenizer and
+    generation config are copied alongside; `max_shard_bytes`: split weights into shards + index."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    import json
-
-    (directory / CONFIG).write_text(json.dumps(model.config.to_hf_dict(), indent=2))
-    save_file(state_dict_to_hf(model), str(directory / WEIGHTS), metadata=metadata or {"format": "pt"})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    (directory / CONFIG).write_text(json.dumps(model.config.to_hf_dict(dtype), indent=2))
+    tensors, meta = state_dict_to_hf(model), metadata or {"format": "pt"}
+    if max_shard_bytes is None:
+        save_file(tensors, str(directory / WEIGHTS), metadata=meta)
+    else:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / fname), metadata=meta)
+            weight_map.update({name: fname for name in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if companions_from is not None:
+        for name in COMPANION_FILES:
+            src = Path(companions_from) / name
+            if src.exists() and src.resolve() != (directory / name).resolve():
+                shutil.copyfile(src, directory / name)
     return directory
 
 
-def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF-layout directory: model.safetensors, or the shards its index lists."""
     directory = Path(directory)
-    try:
-        cfg = ModelConfig.from_file(directory / CONFIG)
-    except InvalidModelConfig as exc:
-        raise InvalidCheckpoint(str(exc)) from exc
-    try:
-        sd = load_file(str(directory / WEIGHTS))
-    except (OSError, SafetensorError) as exc:
-        raise InvalidCheckpoint(f"cannot read weights in {directory}: {exc}") from exc
+    index = directory / INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise InvalidCheckpoint(f"{index}: not a safetensors index ({exc})") from exc
+        files = sorted(set(weight_map.values()))
+    elif (directory / WEIGHTS).exists():
+        weight_map, files = None, [WEIGHTS]
+    else:
+        raise MissingModelFile(f"{directory}: neither {WEIGHTS} nor {INDEX} is there; a model directory needs its "
+                               "weights as safetensors (convert .bin/.pt checkpoints with transformers' save_pretrained)")
+    out: dict[str, torch.Tensor] = {}
+    for fname in files:
+        path = directory / fname
+        if not path.exists():
+            raise MissingModelFile(f"{path} is missing (listed in {INDEX}); copy the complete checkpoint")
+        try:
+            part = load_file(str(path))
+        except (OSError, SafetensorError) as exc:
+            raise InvalidCheckpoint(f"cannot read weights {path}: {exc}") from exc
+        if weight_map is not None:
+            stray = [n for n in part if weight_map.get(n) != fname]
+            if stray:
+                raise InvalidCheckpoint(f"{path}: tensors {stray[:3]} are not listed for this file in {INDEX}")
+        out.update(part)
+    if weight_map is not None and set(weight_map) - set(out):
+        raise InvalidCheckpoint(f"{INDEX} lists tensors no shard holds: {sorted(set(weight_map) - set(out))[:3]}")
+    return out
+
+
+def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The model in an HF-layout directory; every config field used or refused, every tensor present."""
+    directory = Path(directory)
+    cfg = ModelConfig.from_file(directory / CONFIG)
+    sd = read_weights(directory)
     model = CausalLM(cfg)
     load_hf_state_dict(model, sd)
     return model.to(dtype)

@@ -17,6 +17,7 @@ from torch import nn
 from node.model.cache import KVCache
 from node.model.config import ModelConfig
 from node.model.moe import MoEBlock, load_balancing_loss
+from node.model.rope import inv_frequencies, rope, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -32,26 +33,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, 1, T, D] of the rotary embedding at positions [B, T] (computed once per forward)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention) of x [B, H, T, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
@@ -160,7 +146,7 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
-        rope_cs = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        rope_cs = rope_tables(positions, inv_frequencies(self.config, positions.device), x.dtype)
         router_logits, chosen = [], []
         moe_i = 0
         for layer in self.model.layers:

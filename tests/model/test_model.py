@@ -5,6 +5,8 @@ import torch
 
 from node.model import CausalLM, InvalidCheckpoint, ModelConfig, load_checkpoint, save_checkpoint
 from node.model.cache import KVCache
+from node.model.config import InvalidModelConfig
+from node.model.errors import UnsupportedModelType
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,5 +98,9 @@ def test_missing_expert_and_bad_config_fail_clearly(tmp_path):
     with pytest.raises(InvalidCheckpoint, match="expert"):
         load_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text('{"num_attention_heads": 3, "num_key_value_heads": 2}')
-    with pytest.raises(InvalidCheckpoint, match="config"):
+    with pytest.raises(UnsupportedModelType, match="model_type None"):
+        load_checkpoint(tmp_path)
+    cfg = CausalLM(moe_config()).config.to_hf_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 3}))
+    with pytest.raises(InvalidModelConfig, match="(?s)config.json.*num_key_value_heads must divide"):
         load_checkpoint(tmp_path)

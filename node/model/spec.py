@@ -1,0 +1,173 @@
+"""The run's model, as every member must build it: where the weights come from, their dtype, and the
+hash of the initial weights.
+
+Invariant: version 0 is the same tensors on every node. `load_model` hashes the weights it built
+(after the dtype cast) and refuses with `WeightsHashMismatch` when they differ from the spec's pin.
+Loading is all-or-nothing: the directory's config, tokenizer and weights are checked, and the memory
+the model needs is estimated against what this node has, before a model object is handed out.
+The device (`cpu`, `cuda:i`) is the role's choice, not the run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import blake3
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from node.model.checkpoint import load_hf_state_dict, read_weights, state_dict_to_hf
+from node.model.config import ModelConfig
+from node.model.errors import ModelTooLarge, TokenizerMismatch, UnknownModelName, WeightsHashMismatch
+from node.model.hf_config import read_config
+from node.model.qwen3_moe import CausalLM
+from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+TINY_MOE = "tiny-moe"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class TinyMoE(BaseModel):
+    """The randomly initialised tiny MoE of tests and the default sim (character tokenizer)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden: int = Field(64, ge=8)
+    """Residual width (head_dim = hidden / 4)."""
+    layers: int = Field(2, ge=1)
+    """Decoder layers."""
+    experts: int = Field(4, ge=1)
+    """Routed experts per layer."""
+    top_k: int = Field(2, ge=1)
+    """Experts per token."""
+    seed: int = 0
+    """torch seed of the random initialisation (every member draws the same weights)."""
+
+
+class ModelSpec(BaseModel):
+    """Which model a run trains; part of the signed run spec."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = TINY_MOE
+    """A registry name (`tiny-moe`, `smollm2-135m-instruct`) or the path of an HF-layout directory
+    (config.json, model.safetensors or shards + model.safetensors.index.json, tokenizer files,
+    generation_config.json)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights' dtype on every role (float32 keeps trainer and engines numerically close on CPU)."""
+    weights_hash: str | None = None
+    """`blake3:<hex>` of the initial weights (see `weights_hash`); None skips the check (local use only)."""
+    tiny: TinyMoE = TinyMoE()
+    """Shape of the tiny model (only read when source is `tiny-moe`)."""
+    max_seq_len: int = Field(512, ge=8)
+    """Longest prompt + completion any role runs; sizes engine KV caches (not the model's own limit)."""
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    directory: Path | None
+    """HF-layout directory the weights came from (None for the tiny model)."""
+    weights_hash: str
+
+
+def resolve(source: str) -> Path | None:
+    """The HF-layout directory behind `source` (None for tiny-moe), converting a registry model once."""
+    from node.model.pretrained import SMOLLM2, smollm2_dir
+
+    if source == TINY_MOE:
+        return None
+    if source == SMOLLM2:
+        return smollm2_dir()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    raise UnknownModelName(f"model {source!r} is neither a directory nor a known name ({TINY_MOE}, {SMOLLM2})")
+
+
+def model_config(spec: ModelSpec) -> ModelConfig:
+    """The architecture only (cheap: no weights read, though a registry model may be converted once)."""
+    directory = resolve(spec.source)
+    if directory is None:
+        t, vocab = spec.tiny, CharTokenizer().vocab_size
+        return ModelConfig(vocab_size=vocab, hidden_size=t.hidden, intermediate_size=2 * t.hidden,
+                           moe_intermediate_size=t.hidden, num_hidden_layers=t.layers, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=t.hidden // 4, num_experts=t.experts,
+                           num_experts_per_tok=t.top_k, max_position_embeddings=spec.max_seq_len)
+    return read_config(directory)
+
+
+def weights_hash(model: CausalLM) -> str:
+    """blake3 over every HF-named tensor in name order: name, dtype, shape, then the raw bytes."""
+    h = blake3.blake3()
+    for name, t in sorted(state_dict_to_hf(model).items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
+    return "blake3:" + h.hexdigest()
+
+
+def available_memory(device: str) -> int:
+    """Bytes this node can still allocate on `device` (GPU: free memory; CPU: MemAvailable)."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_fits(cfg: ModelConfig, dtype: str, device: str, copies: float, available: int | None = None) -> int:
+    """Estimated bytes (parameters x dtype size x `copies`: 1 to serve, ~4 to train with AdamW); raises
+    ModelTooLarge before anything is allocated when they exceed what `device` has."""
+    need = int(cfg.num_parameters() * DTYPES[dtype].itemsize * copies)
+    have = available_memory(device) if available is None else available
+    if need > have:
+        raise ModelTooLarge(f"the model needs ~{need / 2**30:.1f} GiB on {device} ({cfg.num_parameters() / 1e6:.0f}M "
+                            f"parameters x {DTYPES[dtype].itemsize} B x {copies} copies) but {have / 2**30:.1f} GiB "
+                            "is available: use a machine with more memory, another device, or a smaller model")
+    return need
+
+
+def load_model(spec: ModelSpec, device: str = "cpu", copies: float = 1.0) -> LoadedModel:
+    """Build the spec's model and tokenizer on `device`, weights checked against the spec's hash."""
+    directory = resolve(spec.source)
+    cfg = model_config(spec)
+    if directory is None:
+        tokenizer: Tokenizer = CharTokenizer()
+    else:
+        tokenizer = HFTokenizer(directory)
+    if tokenizer.vocab_size > cfg.vocab_size or max(tokenizer.stop_ids) >= cfg.vocab_size:
+        raise TokenizerMismatch(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids (EOS {tokenizer.eos_id}) but "
+                                f"config.json's vocab_size (the embedding) is {cfg.vocab_size}; use the tokenizer "
+                                "files that came with these weights")
+    check_fits(cfg, spec.dtype, device, copies)
+    if directory is None:
+        torch.manual_seed(spec.tiny.seed)
+        model = CausalLM(cfg)
+    else:
+        tensors = read_weights(directory)
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        model = model.to_empty(device="cpu")
+        load_hf_state_dict(model, tensors)
+        del tensors
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(DTYPES[spec.dtype]).eval()
+    digest = weights_hash(model)
+    if spec.weights_hash is not None and digest != spec.weights_hash:
+        raise WeightsHashMismatch(f"{spec.source}: initial weights hash to {digest}, the run's spec pins "
+                                  f"{spec.weights_hash}; fetch the exact checkpoint the run names (or the "
+                                  "package version that carries it)")
+    return LoadedModel(model.to(device), tokenizer, directory, digest)
