@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from node.model.tokenizer import Prompt, Tokenizer
+
 
 @dataclass(frozen=True)
 class Task:
@@ -18,11 +20,21 @@ class Task:
     prompt: str
     answer: str
     data: dict = field(default_factory=dict)
+    system: str | None = None
+    """Set for chat tasks: the prompt is then the messages [system, user: prompt], rendered by the
+    tokenizer's chat template; None: the prompt is plain text."""
 
-    def prompt_ids(self, tokenizer) -> list[int]:
+    def as_prompt(self) -> Prompt:
+        """Plain text, or chat messages for a chat task."""
+        if self.system is None:
+            return self.prompt
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": self.prompt}]
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The prompt as the model sees it (the one place a prompt is built from a task: the rollout
-        driver, the trainer, the validator and the warm-up all read it here)."""
-        return tokenizer.encode(self.prompt, bos=True)
+        driver, the trainer, the validator and the warm-up all read it here); text prompts start with
+        the tokenizer's BOS convention, chat prompts go through its chat template."""
+        return tokenizer.encode_prompt(self.as_prompt())
 
 
 class Environment(ABC):

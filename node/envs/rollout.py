@@ -14,7 +14,7 @@ import torch
 from node.engine import Completion, Engine, Request, SamplingParams
 from node.envs.base import Environment, Task
 from node.model.routing import RouteShape, encode_routes, rollout_routes
-from node.model.tokenizer import CharTokenizer
+from node.model.tokenizer import Tokenizer
 from protocol.messages import RolloutSubmission
 
 
@@ -67,7 +67,7 @@ class Rollout:
         return encode_routes(routes, shape)
 
 
-def run_episodes(engine: Engine, env: Environment, tokenizer: CharTokenizer,
+def run_episodes(engine: Engine, env: Environment, tokenizer: Tokenizer,
                  episodes: list[tuple[str, Task, SamplingParams]]) -> list[Rollout]:
     """Play every (episode_id, task, params) to the end; results in input order."""
     live: dict[str, tuple[Rollout, SamplingParams]] = {}

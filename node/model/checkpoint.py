@@ -125,11 +125,16 @@ def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, 
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     if companions_from is not None:
-        for name in COMPANION_FILES:
-            src = Path(companions_from) / name
-            if src.exists() and src.resolve() != (directory / name).resolve():
-                shutil.copyfile(src, directory / name)
+        copy_companions(companions_from, directory)
     return directory
+
+
+def copy_companions(source: str | Path, directory: str | Path) -> None:
+    """Copy the tokenizer and generation config of model directory `source` into `directory`."""
+    for name in COMPANION_FILES:
+        src, dst = Path(source) / name, Path(directory) / name
+        if src.exists() and src.resolve() != dst.resolve():
+            shutil.copyfile(src, dst)
 
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:

@@ -3,7 +3,10 @@
 One step: sample `prompts` tasks (seeds derived from run seed, step and index) x `samples` each
 with the engine, score them, compute group-relative advantages, take the trainer's masked-ratio
 updates, and hand the new weights to the engine through `load_weights` (version = step + 1).
-Before RL it runs a supervised warm-up (see node/rl/warmup.py) from a randomly initialised tiny MoE.
+The model is a `ModelSpec` source (`--model`): the default randomly initialised tiny MoE first gets
+a supervised warm-up (see node/rl/warmup.py); a pretrained checkpoint (e.g. smollm2-135m-instruct)
+goes straight to RL. The held-out set (node/envs/evaluate.py, greedy) is scored before RL, every
+`eval_every` steps and after the last step.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from tqdm import tqdm
 
 from node.engine import Engine, Request, SamplingParams
 from node.envs import Environment, get_env
+from node.envs.evaluate import evaluate
 from node.envs.rollout import run_episodes
-from node.model.checkpoint import state_dict_to_hf
+from node.model.checkpoint import copy_companions, state_dict_to_hf
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.model.tokenizer import CharTokenizer
+from node.model.spec import TINY_MOE, ModelSpec, TinyMoE, load_model
+from node.model.tokenizer import Tokenizer
 from node.rl.advantages import group_advantages
 from node.rl.batch import build_batch
 from node.rl.trainer import Trainer, TrainerConfig
@@ -37,6 +42,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class LocalRunConfig:
     task: str = "reverse"
+    model: str = TINY_MOE
+    """ModelSpec source: tiny-moe, smollm2-135m-instruct, or an HF-layout directory."""
+    max_seq_len: int = 64
+    """Engine sequence limit (prompt + completion)."""
+    eval_n: int = 0
+    """Held-out tasks scored greedily before, during and after RL (0: none)."""
+    eval_every: int = 0
+    """Score the held-out set every n steps (0: only before and after)."""
     steps: int = 500
     prompts: int = 64
     samples: int = 8
@@ -66,13 +79,13 @@ def task_seed(run_seed: int, step: int, index: int) -> int:
     return (run_seed * 1_000_003 + step) * 10_007 + index
 
 
-def greedy_reward(engine: Engine, env: Environment, tok: CharTokenizer, seeds: list[int]) -> float:
+def greedy_reward(engine: Engine, env: Environment, tok: Tokenizer, seeds: list[int]) -> float:
     episodes = [(f"eval-{s}", env.sample_task(s), SamplingParams(temperature=0.0, seed=s)) for s in seeds]
     rollouts = run_episodes(engine, env, tok, episodes)
     return sum(r.reward for r in rollouts) / len(rollouts)
 
 
-def warm_up(model: CausalLM, engine: Engine, env: Environment, tok: CharTokenizer, cfg: LocalRunConfig) -> dict:
+def warm_up(model: CausalLM, engine: Engine, env: Environment, tok: Tokenizer, cfg: LocalRunConfig) -> dict:
     """Supervised steps until greedy reward on held-out tasks reaches cfg.warmup_target."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     held_out = [10**9 + i for i in range(64)]
@@ -91,14 +104,31 @@ def warm_up(model: CausalLM, engine: Engine, env: Environment, tok: CharTokenize
 def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    env, tok = get_env(cfg.task), CharTokenizer()
-    model = CausalLM(tiny_moe_config(tok.vocab_size, cfg.hidden, cfg.layers, cfg.experts, cfg.top_k))
-    engine = Engine(copy.deepcopy(model), max_batch=cfg.prompts * cfg.samples, eos_id=tok.eos_id,
-                    decode=tok.decode, capture_experts=cfg.trainer.router_replay)
+    env = get_env(cfg.task)
+    spec = ModelSpec(source=cfg.model, max_seq_len=cfg.max_seq_len,
+                     tiny=TinyMoE(hidden=cfg.hidden, layers=cfg.layers, experts=cfg.experts, top_k=cfg.top_k, seed=cfg.seed))
+    loaded = load_model(spec, copies=4)  # weights, gradients and AdamW's two moments
+    model, tok = loaded.model, loaded.tokenizer
+    engine = Engine(copy.deepcopy(model), max_batch=cfg.prompts * cfg.samples, max_seq_len=cfg.max_seq_len,
+                    eos_id=tok.eos_id, decode=tok.decode, capture_experts=cfg.trainer.router_replay)
     t0 = time.time()
-    warm = warm_up(model, engine, env, tok, cfg)
-    log.info("warm-up: %d supervised steps, greedy reward %.3f, %.1fs", warm["warmup_steps"],
-             warm["warmup_greedy_reward"], time.time() - t0)
+    if cfg.model == TINY_MOE:
+        warm = warm_up(model, engine, env, tok, cfg)
+        log.info("warm-up: %d supervised steps, greedy reward %.3f, %.1fs", warm["warmup_steps"],
+                 warm["warmup_greedy_reward"], time.time() - t0)
+    else:
+        warm = {"warmup_steps": 0}
+    evals: list[dict] = []
+
+    def score(step: int) -> None:
+        if cfg.eval_n:
+            t_eval = time.time()
+            result = evaluate(engine, env, tok, cfg.eval_n)
+            evals.append({"step": step, "eval_reward": result.mean_reward, "eval_s": time.time() - t_eval})
+            log.info("eval at step %d: %.4f on %d held-out tasks (%.0fs); e.g. %r", step, result.mean_reward,
+                     cfg.eval_n, time.time() - t_eval, result.samples[:2])
+
+    score(0)
     trainer = Trainer(model, cfg.trainer)
     metrics: list[dict] = []
     bar = tqdm(range(cfg.steps), desc=f"train-local {cfg.task}", disable=not progress)
@@ -118,8 +148,11 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
             adv = group_advantages(rewards, normalize_std=cfg.adv_std).flatten().tolist()
             stats = trainer.train_step(build_batch(rollouts, adv, tok.pad_id))
             engine.load_weights(state_dict_to_hf(model), version=step + 1)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                score(step + 1)
             row = {"step": step, "reward_mean": float(rewards.mean()), "mismatch_kl": stats["mismatch_kl"],
                    "tokens_per_s": (engine.tokens_generated - tokens_before) / gen_s,
+                   "completion_tokens": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
                    "step_time_s": time.time() - t_step, "elapsed_s": time.time() - t0,
                    **{k: v for k, v in stats.items() if k != "mismatch_kl"}}
             if step == 0:
@@ -128,9 +161,14 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
             f.write(json.dumps(row) + "\n")
             f.flush()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['mismatch_kl']:.1e}")
+    score(cfg.steps)
     trainer.save(out / "checkpoint")
+    if loaded.directory is not None:
+        copy_companions(loaded.directory, out / "checkpoint")
     plot_rewards(metrics, out / "reward.png", cfg.task)
-    summary = {"task": cfg.task, "steps": cfg.steps, "reward_first": metrics[0]["reward_mean"],
+    summary = {"task": cfg.task, "model": cfg.model, "steps": cfg.steps, "reward_first": metrics[0]["reward_mean"],
+               "eval": evals, "eval_before": evals[0]["eval_reward"] if evals else None,
+               "eval_after": evals[-1]["eval_reward"] if evals else None,
                "reward_last5": sum(m["reward_mean"] for m in metrics[-5:]) / min(5, len(metrics)),
                "elapsed_s": time.time() - t0, **warm}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -165,7 +203,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "held-out tasks reaches --warmup-target (a few seconds), then GRPO-style RL. Writes "
                     "OUT/metrics.jsonl, OUT/reward.png, OUT/summary.json and OUT/checkpoint/.",
     )
-    p.add_argument("--task", default="reverse", help="reverse | addition | calculator")
+    p.add_argument("--task", default="reverse", help="reverse | addition | calculator | reverse-text | arithmetic")
+    p.add_argument("--model", default=TINY_MOE, help="tiny-moe | smollm2-135m-instruct | an HF-layout directory")
+    p.add_argument("--max-seq-len", type=int, default=None, help="engine sequence limit (default 64 tiny, 160 else)")
+    p.add_argument("--eval-n", type=int, default=None, help="held-out tasks scored greedily (default 0 tiny, 64 else)")
+    p.add_argument("--eval-every", type=int, default=0, help="score the held-out set every n steps")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--updates-per-batch", type=int, default=TrainerConfig.updates_per_batch)
+    p.add_argument("--minibatches", type=int, default=TrainerConfig.minibatches)
     p.add_argument("--steps", type=int, default=LocalRunConfig.steps, help="RL steps (the LR decays over them)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
@@ -182,9 +227,13 @@ def _main(args: argparse.Namespace) -> int:
     get_env(args.task)  # unknown task names fail here, before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = LocalRunConfig(task=args.task, steps=args.steps, prompts=args.prompts, samples=args.samples,
+    tiny = args.model == TINY_MOE
+    cfg = LocalRunConfig(task=args.task, model=args.model, steps=args.steps, prompts=args.prompts, samples=args.samples,
                          seed=args.seed, warmup_target=args.warmup_target,
-                         trainer=TrainerConfig(lr=args.lr, decay_steps=args.steps,
+                         max_seq_len=args.max_seq_len or (64 if tiny else 160),
+                         eval_n=(0 if tiny else 64) if args.eval_n is None else args.eval_n, eval_every=args.eval_every,
+                         trainer=TrainerConfig(lr=args.lr, decay_steps=args.steps, temperature=args.temperature,
+                                               updates_per_batch=args.updates_per_batch, minibatches=args.minibatches,
                                                router_replay=not args.no_router_replay))
     run(cfg, Path(args.out))
     return 0

@@ -12,10 +12,10 @@ import torch
 
 from node.envs.base import Environment
 from node.model.qwen3_moe import CausalLM
-from node.model.tokenizer import CharTokenizer
+from node.model.tokenizer import Tokenizer
 
 
-def demonstration_batch(env: Environment, tok: CharTokenizer, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def demonstration_batch(env: Environment, tok: Tokenizer, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, targets) with targets -100 outside the answer; answers end with EOS."""
     seqs, starts = [], []
     for s in seeds:

@@ -73,3 +73,55 @@ def test_multi_turn_episode_masks_tool_tokens_out_of_the_loss():
     assert r.loss_mask == [True] * n0 + [False] * nt + [True] * (len(model_turns[1]) + 1)
     assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.loss_mask) if not m)
     assert all(lp < 0.0 for lp, m in zip(r.logprobs, r.loss_mask) if m)
+
+
+def test_reverse_text_reward_is_the_lcs_ratio_to_the_reversal():
+    env = get_env("reverse-text")
+    task = env.sample_task(7)
+    assert task == env.sample_task(7) and task.answer == task.prompt[::-1]
+    messages = task.as_prompt()
+    assert messages[0]["role"] == "system" and "<reversed_text>" in messages[0]["content"]
+    assert messages[1] == {"role": "user", "content": task.prompt}
+    assert env.reward(task, f"<reversed_text>\n{task.answer}\n</reversed_text>") == 1.0
+    assert env.reward(task, task.answer) == 1.0  # untagged answers are scored whole
+    assert env.reward(task, "") == 0.0
+    half = env.reward(task, f"<reversed_text>{task.answer[: len(task.answer) // 2]}</reversed_text>")
+    assert 0.4 < half < 0.9
+    assert env.reward(task, task.prompt) < 1.0 or task.prompt == task.answer
+
+
+def test_arithmetic_reward_parses_the_final_number():
+    env = get_env("arithmetic")
+    task = env.sample_task(3)
+    a, b, op = task.data["a"], task.data["b"], task.data["op"]
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    assert task.prompt == f"What is {a} {op} {b}?" and task.answer == str(value)
+    assert env.reward(task, f"First {a} {op} {b}, so the answer is {value}.") == 1.0
+    assert env.reward(task, f"The answer is {value}. Then {value + 1}") == 0.0
+    assert env.reward(task, "no idea") == 0.0
+    assert [env.sample_task(s).prompt for s in range(5)] == [env.sample_task(s).prompt for s in range(5)]
+
+
+def test_tasks_never_hold_token_ids_prompts_go_through_the_tokenizer():
+    tok = CharTokenizer()
+    env = get_env("reverse")
+    task = env.sample_task(1)
+    assert task.prompt_ids(tok) == tok.encode(task.prompt, bos=True)  # text prompts: as before
+    chat = get_env("arithmetic")
+    t = chat.sample_task(2)
+    ids = t.prompt_ids(tok)  # the char tokenizer renders messages as their contents
+    assert tok.decode(ids).endswith(t.prompt)
+
+
+def test_held_out_evaluation_is_greedy_and_repeatable():
+    from node.envs.evaluate import EVAL_SEED_BASE, evaluate, held_out_seeds
+    from node.rl.train_local import task_seed
+
+    assert min(held_out_seeds(64)) == EVAL_SEED_BASE > task_seed(10, 10_000, 10_000)
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    model = CausalLM(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, head_dim=16, max_position_embeddings=64))
+    engine = Engine(model.eval(), max_batch=8, eos_id=tok.eos_id, decode=tok.decode)
+    first = evaluate(engine, get_env("reverse"), tok, n=8)
+    again = evaluate(engine, get_env("reverse"), tok, n=8)
+    assert first.rewards == again.rewards and len(first.rewards) == 8
