@@ -1,6 +1,11 @@
 """Built-in engine vs `transformers` generate() on the same tiny MoE, same requests and batch, CPU.
 
     python -m benchmarks.engine_cpu [--batch 32] [--requests 128] [--repeats 2] [--threads 2]
+    python -m benchmarks.engine_cpu --model smollm2-135m-instruct --batch 16 --requests 32 --new-tokens 32
+
+`--model` takes a ModelSpec source (default: a random tiny MoE); with a real checkpoint both engines
+load the same HF-layout directory (ours through the model spec, transformers' with from_pretrained)
+and get the same random-token prompts.
 
 Two workloads, the same weights (our checkpoint loaded into transformers' Qwen3-MoE), both
 sampling at temperature 1 without top-p:
@@ -25,12 +30,17 @@ import torch
 
 from node.engine import Engine, Request, SamplingParams
 from node.model import CausalLM, ModelConfig, save_checkpoint
+from node.model.spec import ModelSpec, load_model
 
 
 def rl_lengths(n: int, seed: int = 0, short: int = 16, long: int = 192) -> list[int]:
     """Heavy-tailed lengths: 80% between 8 and `short`, 20% up to `long`."""
     rng = random.Random(seed)
     return [rng.randint(8, short) if rng.random() < 0.8 else rng.randint(short, long) for _ in range(n)]
+
+
+def rl_lengths_for(n: int, new_tokens: int) -> list[int]:
+    return rl_lengths(n) if new_tokens >= 64 else rl_lengths(n, short=max(8, new_tokens // 4), long=new_tokens * 3)
 
 
 def run_ours(model, prompts, lengths, batch) -> float:
@@ -62,26 +72,35 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a ModelSpec source (default: random tiny MoE)")
+    ap.add_argument("--out", default=None, help="also write the JSON line to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=96, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=512)
-    model = CausalLM(cfg).eval()
-    with tempfile.TemporaryDirectory() as d:
-        save_checkpoint(model, d)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    run_ours(model, torch.randint(3, 96, (2, 8)), [4, 4], 2), run_hf(hf, torch.randint(3, 96, (2, 8)), [4, 4], 2)
+    if args.model is None:
+        cfg = ModelConfig(vocab_size=96, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_experts=8, num_experts_per_tok=2, max_position_embeddings=512)
+        model = CausalLM(cfg).eval()
+        with tempfile.TemporaryDirectory() as d:
+            save_checkpoint(model, d)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        name = "qwen3_moe hidden128 L4 E8 top2 (float32)"
+    else:
+        loaded = load_model(ModelSpec(source=args.model))
+        model, cfg, name = loaded.model, loaded.model.config, f"{args.model} (float32)"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.directory, dtype=torch.float32).eval()
+    vocab = cfg.vocab_size
+    run_ours(model, torch.randint(3, vocab, (2, 8)), [4, 4], 2), run_hf(hf, torch.randint(3, vocab, (2, 8)), [4, 4], 2)
     workloads = {
-        "fixed": (torch.randint(3, 96, (args.batch, args.prompt_len)), [args.new_tokens] * args.batch),
-        "rl": (torch.randint(3, 96, (args.requests, args.prompt_len)), rl_lengths(args.requests)),
+        "fixed": (torch.randint(3, vocab, (args.batch, args.prompt_len)), [args.new_tokens] * args.batch),
+        "rl": (torch.randint(3, vocab, (args.requests, args.prompt_len)), rl_lengths_for(args.requests, args.new_tokens)),
     }
     result = {"benchmark": "engine_cpu", "machine": f"{platform.machine()} 2-core cpu, {args.threads} torch threads",
               "torch": torch.__version__, "transformers": transformers.__version__,
-              "model": "qwen3_moe hidden128 L4 E8 top2 (float32)", "batch": args.batch}
+              "model": name, "batch": args.batch, "prompt_len": args.prompt_len}
     for name, (prompts, lengths) in workloads.items():
         ours, theirs = [], []
         for r in range(args.repeats):
@@ -95,7 +114,11 @@ def main() -> None:
                         "transformers_tok_s": round(max(theirs), 1),
                         "ratio_ours_over_transformers": round(ratios[len(ratios) // 2], 2),
                         "ratio_of_bests": round(max(ours) / max(theirs), 2)}
+    result["load_avg_1m_end"] = round(__import__("os").getloadavg()[0], 2)
     print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

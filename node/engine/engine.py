@@ -150,13 +150,14 @@ class Engine:
         for i, s in enumerate(seqs):
             ids[i, : lens[i]] = torch.tensor(s.request.prompt_ids)
         positions = torch.arange(t).expand(len(seqs), t)
-        out = self.model(ids.to(self.device), positions.to(self.device), self.cache, self._slots(seqs))
         last = torch.tensor(lens) - 1
+        # logits only where the first token is sampled: [B, T, V] of a 151k vocabulary would not fit
+        out = self.model(ids.to(self.device), positions.to(self.device), self.cache, self._slots(seqs), logits_at=last)
         rows = torch.arange(len(seqs))
         for i, s in enumerate(seqs):
             if self.capture_experts:
                 s.experts.append(out.routed_experts[i, : lens[i]].cpu())
-        return self._advance(seqs, out.logits[rows, last], out.hidden[rows, last])
+        return self._advance(seqs, out.logits[:, 0], out.hidden[rows, last])
 
     def _decode(self, seqs: list[_Sequence]) -> list[Completion]:
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long)

@@ -44,7 +44,7 @@ class ReverseText(Environment):
     name = "reverse-text"
     system_prompt = "Reverse the text character-by-character. Put your answer in <reversed_text> tags."
 
-    def __init__(self, min_words: int = 1, max_words: int = 3, max_new_tokens: int = 40):
+    def __init__(self, min_words: int = 1, max_words: int = 3, max_new_tokens: int = 32):
         self.min_words, self.max_words = min_words, max_words
         self.max_new_tokens = max_new_tokens
 

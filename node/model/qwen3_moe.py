@@ -140,8 +140,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None,
-                routed_experts: torch.Tensor | None = None) -> ModelOutput:
-        """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay)."""
+                routed_experts: torch.Tensor | None = None, logits_at: int | torch.Tensor | None = None) -> ModelOutput:
+        """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay).
+        `logits_at` bounds the LM head's work (with a 49k-151k vocabulary it is most of the memory):
+        an int s keeps positions s.. ([B, T - s, V]); a [B] tensor one position per row ([B, 1, V])."""
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -159,7 +161,12 @@ class CausalLM(nn.Module):
                 chosen.append(routing.experts)
                 moe_i += 1
         hidden = self.model.norm(x)
-        logits = self.lm_head(hidden)
+        if logits_at is None:
+            logits = self.lm_head(hidden)
+        elif isinstance(logits_at, int):
+            logits = self.lm_head(hidden[:, logits_at:])
+        else:
+            logits = self.lm_head(hidden[torch.arange(b, device=hidden.device), logits_at.to(hidden.device)][:, None])
         experts = torch.stack([c.view(b, t, -1) for c in chosen], dim=2) if chosen else None
         # the balancing loss only matters where there is a gradient; inference skips it
         if chosen and torch.is_grad_enabled():
