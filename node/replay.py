@@ -30,7 +30,7 @@ class TorchReference(Reference):
 
     def __init__(self, policies: dict[int, tuple[CausalLM, bytes]], eos_id: int, max_seq_len: int,
                  decode: Callable[[list[int]], str], tasks: Callable[[str, int], list[int]] | None = None,
-                 reward: Callable[[str, int, list[int]], float] | None = None, batch_tokens: int = 65_536):
+                 reward: Callable[[str, int, list[int]], float] | None = None, batch_tokens: int | None = None):
         self.policies = policies
         any_model = next(iter(policies.values()))[0]
         self.hidden_size = any_model.config.hidden_size
@@ -38,7 +38,9 @@ class TorchReference(Reference):
         self.precision = str(next(any_model.parameters()).dtype).removeprefix("torch.")
         self.eos_id, self.max_seq_len = eos_id, max_seq_len
         self._decode, self._tasks, self._reward = decode, tasks, reward
-        self.batch_tokens = batch_tokens
+        # a prefill batch holds [tokens, vocab] float32 logits: bound them to ~256 MiB (65,536 tokens
+        # of the tiny model's 88-token vocabulary; ~1,300 tokens of SmolLM2's 49,152)
+        self.batch_tokens = batch_tokens or max(256, min(65_536, (256 << 20) // (4 * self.vocab_size)))
 
     def manifest_hash(self, version: int) -> bytes | None:
         p = self.policies.get(version)
