@@ -25,11 +25,12 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from node.envs import get_env
 from node.recipe import Recipe
 from protocol.messages import RunSpec
+from protocol.model_spec import ModelSpec
 
 _SPEC = RunSpec.model_fields
 """Run-shape defaults live on the run spec; a run.toml that omits a key gets the spec's default."""
@@ -48,8 +49,14 @@ class RunConfig(BaseModel):
     task: str = "reverse"
     """Environment: built-in reverse | addition | calculator | coding, or a `verifiers` one as
     `verifiers:<id>` / `verifiers:<python.module>:<attr>` (contrib/verifiers; `pip install -e '.[verifiers]'`)."""
-    model: str = "tiny-moe"
-    """Model family (its shape comes from `recipe`)."""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """The run's model (protocol/model_spec.py): a name (`model = "smollm2-135m-instruct"`) or a
+    `[model]` table with source, dtype, weights_hash, max_seq_len; tiny-moe's shape comes from `recipe`."""
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_name(cls, value: object) -> object:
+        return {"source": value} if isinstance(value, str) else value
     batch_groups: int = Field(64, ge=1)
     """Prompts (work units) per trainer step."""
     group_size: int = Field(8, ge=1, le=256)
@@ -112,8 +119,9 @@ def to_toml(values: dict) -> str:
         if isinstance(v, list):
             return "[" + ", ".join(lit(x) for x in v) + "]"
         return repr(v)
-    lines = [f"{k} = {lit(v)}" for k, v in values.items() if k != "recipe" and v is not None]
-    if values.get("recipe"):
-        lines.append("[recipe]")
-        lines += [f"{k} = {lit(v)}" for k, v in values["recipe"].items()]
+    lines = [f"{k} = {lit(v)}" for k, v in values.items() if not isinstance(v, dict) and v is not None]
+    for table, entries in values.items():  # [recipe], [model]
+        if isinstance(entries, dict) and entries:
+            lines.append(f"[{table}]")
+            lines += [f"{k} = {lit(v)}" for k, v in entries.items() if v is not None]
     return "\n".join(lines) + "\n"

@@ -129,7 +129,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             churn: bool = False, cheaters: int = 0, max_off_policy_steps: int = _RUN["max_off_policy_steps"].default,
             seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
-            vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None) -> dict:
+            vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None,
+            model: dict | None = None) -> dict:
     """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
     the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
     `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`)."""
@@ -157,6 +158,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
            "recipe": {"steps": steps, "seed": seed, **(recipe or {})}}
     if vllm_nodes:
         cfg["engines"] = ["builtin", "vllm"]
+    if model:  # a [model] table (protocol/model_spec.py); the default is the recipe-shaped tiny MoE
+        cfg["model"] = model
     (out / "run.toml").write_text(to_toml(cfg))
     addr_file = out / "coordinator" / "addr"
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",
@@ -341,7 +344,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"end N steps after the 5-step mean reward reaches {REWARD_TARGET} (-1: train all --steps)")
     p.add_argument("--trainer-parallel", metavar="LAYOUT", default=None,
                    help="run the trainer as torchrun ranks (gloo on CPU), e.g. dp2-ep2, cp2, dp2-ep2-cp2")
+    p.add_argument("--model", default=None,
+                   help="the run's model: tiny-moe (default), smollm2-135m-instruct, or an HF-layout directory")
     p.set_defaults(func=_main)
+
+
+def pretrained_run(source: str | None) -> dict:
+    """run_sim's model and recipe for `--model`: a real checkpoint gets its weights hash pinned in the
+    spec (every member checks version 0 against it) and no supervised warm-up (it is pretrained)."""
+    if source is None or source == "tiny-moe":
+        return {}
+    from node.model.spec import load_model
+    from protocol.model_spec import ModelSpec
+
+    spec = ModelSpec(source=source, max_seq_len=PRETRAINED_MAX_SEQ)
+    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash},
+            "recipe": {"warmup_target": 0.0}}
+
+
+PRETRAINED_MAX_SEQ = 128
+"""Sequence limit of a sim on a real model (chat prompt ~40 tokens + the tasks' <= 48 new tokens)."""
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -357,7 +379,8 @@ def _main(args: argparse.Namespace) -> int:
     print(plan(args.steps, stop_after, timeout), flush=True)
     summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
                       args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout,
-                      vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel, stop_after_target=stop_after)
+                      vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel, stop_after_target=stop_after,
+                      **pretrained_run(args.model))
     print(json.dumps(summary))
     print(f"report: {args.out / 'report.png'}")
     return 0 if summary["status"] in ("done", "target reached") else 1

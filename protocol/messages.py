@@ -13,8 +13,10 @@ import hashlib
 import math
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_serializer,
+                      model_validator)
 
+from protocol.model_spec import ModelSpec
 from protocol.errors import MalformedMessage, MessageTooLarge
 
 Role = Literal["coordinator", "inference", "trainer", "validator", "relay"]
@@ -58,8 +60,9 @@ class RunSpec(Message):
     """Names the run; every envelope is bound to it; gossip topics derive from it."""
     coordinator: PeerIdStr
     """PeerID of the coordinator, the only signer of leases and receipts."""
-    model: Annotated[str, Field(max_length=256)] = ""
-    """Model the run trains (name or manifest reference)."""
+    model: ModelSpec = ModelSpec()
+    """Model the run trains: weights' source, dtype, version 0's hash (protocol/model_spec.py).
+    Omitted on the wire when default (the tiny MoE), so specs that do not name one keep their bytes."""
     environment: Annotated[str, Field(max_length=256)] = ""
     """Environment (task family) rollouts come from."""
     max_off_policy_steps: int = Field(1, ge=0, le=1024)
@@ -92,11 +95,21 @@ class RunSpec(Message):
     through logprobs and proofs only (added in schema v1; omitted on the wire when default, so specs
     that do not name it keep their bytes and hash)."""
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_name(cls, value: object) -> object:
+        """A bare name (specs of schema v0 carried `model` as a string; "" meant the tiny MoE)."""
+        if isinstance(value, str):
+            return ModelSpec(source=value) if value else ModelSpec()
+        return value
+
     @model_serializer(mode="wrap")
     def _omit_default_engines(self, handler):
         data = handler(self)
         if tuple(data.get("engines", ())) == BUILTIN_ONLY:
             del data["engines"]
+        if data.get("model") == ModelSpec().model_dump():
+            del data["model"]
         return data
 
     def spec_hash(self) -> str:

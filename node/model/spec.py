@@ -20,6 +20,8 @@ import blake3
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.model_spec import TINY_MOE, ModelSpec
+
 from node.model.checkpoint import load_hf_state_dict, read_weights, state_dict_to_hf
 from node.model.config import ModelConfig
 from node.model.errors import ModelTooLarge, TokenizerMismatch, UnknownModelName, WeightsHashMismatch
@@ -28,8 +30,9 @@ from node.model.qwen3_moe import CausalLM
 from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-TINY_MOE = "tiny-moe"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TINY_MAX_SEQ = 64
+"""Sequence limit of the tiny MoE (its tasks' prompts and answers are a few characters)."""
 
 
 class TinyMoE(BaseModel):
@@ -47,25 +50,6 @@ class TinyMoE(BaseModel):
     """Experts per token."""
     seed: int = 0
     """torch seed of the random initialisation (every member draws the same weights)."""
-
-
-class ModelSpec(BaseModel):
-    """Which model a run trains; part of the signed run spec."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    source: str = TINY_MOE
-    """A registry name (`tiny-moe`, `smollm2-135m-instruct`) or the path of an HF-layout directory
-    (config.json, model.safetensors or shards + model.safetensors.index.json, tokenizer files,
-    generation_config.json)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights' dtype on every role (float32 keeps trainer and engines numerically close on CPU)."""
-    weights_hash: str | None = None
-    """`blake3:<hex>` of the initial weights (see `weights_hash`); None skips the check (local use only)."""
-    tiny: TinyMoE = TinyMoE()
-    """Shape of the tiny model (only read when source is `tiny-moe`)."""
-    max_seq_len: int = Field(512, ge=8)
-    """Longest prompt + completion any role runs; sizes engine KV caches (not the model's own limit)."""
 
 
 @dataclass
@@ -91,16 +75,19 @@ def resolve(source: str) -> Path | None:
     raise UnknownModelName(f"model {source!r} is neither a directory nor a known name ({TINY_MOE}, {SMOLLM2})")
 
 
-def model_config(spec: ModelSpec) -> ModelConfig:
-    """The architecture only (cheap: no weights read, though a registry model may be converted once)."""
+def model_config(spec: ModelSpec, tiny: TinyMoE | None = None) -> ModelConfig:
+    """The architecture as the run uses it (cheap: no weights read, though a registry model may be
+    converted once). `max_position_embeddings` is capped at the spec's `max_seq_len`: it is what
+    engines size their KV cache by when not told otherwise."""
     directory = resolve(spec.source)
     if directory is None:
-        t, vocab = spec.tiny, CharTokenizer().vocab_size
+        t, vocab = tiny or TinyMoE(), CharTokenizer().vocab_size
         return ModelConfig(vocab_size=vocab, hidden_size=t.hidden, intermediate_size=2 * t.hidden,
                            moe_intermediate_size=t.hidden, num_hidden_layers=t.layers, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=t.hidden // 4, num_experts=t.experts,
-                           num_experts_per_tok=t.top_k, max_position_embeddings=spec.max_seq_len)
-    return read_config(directory)
+                           num_experts_per_tok=t.top_k, max_position_embeddings=TINY_MAX_SEQ)
+    cfg = read_config(directory)
+    return cfg.model_copy(update={"max_position_embeddings": min(cfg.max_position_embeddings, spec.max_seq_len)})
 
 
 def weights_hash(model: CausalLM) -> str:
@@ -139,10 +126,11 @@ def check_fits(cfg: ModelConfig, dtype: str, device: str, copies: float, availab
     return need
 
 
-def load_model(spec: ModelSpec, device: str = "cpu", copies: float = 1.0) -> LoadedModel:
-    """Build the spec's model and tokenizer on `device`, weights checked against the spec's hash."""
+def load_model(spec: ModelSpec, device: str = "cpu", copies: float = 1.0, tiny: TinyMoE | None = None) -> LoadedModel:
+    """Build the spec's model and tokenizer on `device`, weights checked against the spec's hash;
+    `tiny`: the tiny MoE's shape and seed (the run's recipe), when the source is tiny-moe."""
     directory = resolve(spec.source)
-    cfg = model_config(spec)
+    cfg = model_config(spec, tiny)
     if directory is None:
         tokenizer: Tokenizer = CharTokenizer()
     else:
@@ -153,7 +141,7 @@ def load_model(spec: ModelSpec, device: str = "cpu", copies: float = 1.0) -> Loa
                                 "files that came with these weights")
     check_fits(cfg, spec.dtype, device, copies)
     if directory is None:
-        torch.manual_seed(spec.tiny.seed)
+        torch.manual_seed((tiny or TinyMoE()).seed)
         model = CausalLM(cfg)
     else:
         tensors = read_weights(directory)

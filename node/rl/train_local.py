@@ -86,7 +86,10 @@ def greedy_reward(engine: Engine, env: Environment, tok: Tokenizer, seeds: list[
 
 
 def warm_up(model: CausalLM, engine: Engine, env: Environment, tok: Tokenizer, cfg: LocalRunConfig) -> dict:
-    """Supervised steps until greedy reward on held-out tasks reaches cfg.warmup_target."""
+    """Supervised steps until greedy reward on held-out tasks reaches cfg.warmup_target (0: none, as
+    for a pretrained model, which is not re-taught the task before RL)."""
+    if cfg.warmup_target <= 0:
+        return {"warmup_steps": 0}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     held_out = [10**9 + i for i in range(64)]
     reward, step = greedy_reward(engine, env, tok, held_out), 0
@@ -105,9 +108,9 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     env = get_env(cfg.task)
-    spec = ModelSpec(source=cfg.model, max_seq_len=cfg.max_seq_len,
-                     tiny=TinyMoE(hidden=cfg.hidden, layers=cfg.layers, experts=cfg.experts, top_k=cfg.top_k, seed=cfg.seed))
-    loaded = load_model(spec, copies=4)  # weights, gradients and AdamW's two moments
+    spec = ModelSpec(source=cfg.model, max_seq_len=cfg.max_seq_len)
+    tiny = TinyMoE(hidden=cfg.hidden, layers=cfg.layers, experts=cfg.experts, top_k=cfg.top_k, seed=cfg.seed)
+    loaded = load_model(spec, copies=4, tiny=tiny)  # weights, gradients and AdamW's two moments
     model, tok = loaded.model, loaded.tokenizer
     engine = Engine(copy.deepcopy(model), max_batch=cfg.prompts * cfg.samples, max_seq_len=cfg.max_seq_len,
                     eos_id=tok.eos_id, decode=tok.decode, capture_experts=cfg.trainer.router_replay)

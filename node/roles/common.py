@@ -19,7 +19,9 @@ import torch
 from node.envs import get_env
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.model.tokenizer import CharTokenizer
+from node.model.spec import TinyMoE, load_model, resolve
+from node.model.spec import model_config as spec_model_config
+from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from node.recipe import Recipe
 from protocol.errors import ProtocolError
 from protocol.messages import RunSpec
@@ -34,16 +36,26 @@ def router_replay(spec: RunSpec) -> bool:
     return Recipe.of(spec).router_replay and bool(model_config(spec).moe_layer_indices)
 
 
-def model_config(spec: RunSpec) -> ModelConfig:
-    from node.rl.train_local import tiny_moe_config
-
+def tiny_shape(spec: RunSpec) -> TinyMoE:
+    """The tiny MoE's shape and seed from the run's recipe (used when the spec's model is tiny-moe)."""
     r = Recipe.of(spec)
-    return tiny_moe_config(CharTokenizer().vocab_size, r.hidden, r.layers, r.experts, r.top_k)
+    return TinyMoE(hidden=r.hidden, layers=r.layers, experts=r.experts, top_k=r.top_k, seed=r.seed)
 
 
-def fresh_model(spec: RunSpec) -> CausalLM:
-    torch.manual_seed(Recipe.of(spec).seed)
-    return CausalLM(model_config(spec)).eval()
+def model_config(spec: RunSpec) -> ModelConfig:
+    """The run's model architecture (`RunSpec.model`; node/model/spec.py)."""
+    return spec_model_config(spec.model, tiny_shape(spec))
+
+
+def fresh_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
+    """Version 0 of the run's model, its weights checked against the spec's hash."""
+    return load_model(spec.model, device, tiny=tiny_shape(spec)).model.eval()
+
+
+def tokenizer(spec: RunSpec) -> Tokenizer:
+    """The run's tokenizer: the checkpoint's own, or the tiny model's character tokenizer."""
+    directory = resolve(spec.model.source)
+    return CharTokenizer() if directory is None else HFTokenizer(directory)
 
 
 def environment(spec: RunSpec):

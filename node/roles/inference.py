@@ -37,9 +37,8 @@ from node.engine import registry as engines
 from node.engine.registry import EngineSetup, EngineUnavailable, InferenceEngine
 from node.envs.rollout import run_episodes
 from node.model.routing import RouteShape
-from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
-from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay
+from node.roles.common import environment, fetch_policy, fresh_model, model_config, router_replay, tokenizer
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
@@ -67,7 +66,7 @@ class InferenceNode:
         `device`, `fp8`: where an in-process engine serves and whether with FP8 weights (builtin-cuda)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.leases_per_request = leases_per_request
-        self.tok = CharTokenizer()
+        self.tok = tokenizer(spec)
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.hashes: dict[int, str] = {}

@@ -38,7 +38,6 @@ import torch
 from node.engine import Engine
 from node.envs.rollout import Rollout
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
-from node.model.tokenizer import CharTokenizer
 from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
@@ -46,7 +45,7 @@ from node.rl.parallel.dims import ParallelDims
 from node.rl.parallel.publish import publish_trainer
 from node.rl.train_local import LocalRunConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
-from node.roles.common import environment, fresh_model, model_config, router_replay
+from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.identity import NodeKey
@@ -77,7 +76,7 @@ class TrainerNode:
         except ValueError as exc:
             raise SystemExit(f"trainer parallelism {self.parallel}: {exc}") from exc
         self.port = shardcast_port
-        self.tok = CharTokenizer()
+        self.tok = tokenizer(spec)
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.steps = self.recipe.steps
