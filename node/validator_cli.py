@@ -46,6 +46,7 @@ def _engines(text: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from protocol.identity import NodeKey
     from node.model import CharTokenizer, load_checkpoint
+    from node.model.tokenizer import HFTokenizer
     from node.replay import TorchReference, env_oracle
     from verification.claim import RolloutClaim
     from verification.validator import verify_claims
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         weights = next(Path(args.checkpoint).glob("*.safetensors"))
         manifest = hashlib.sha256(weights.read_bytes()).digest()
-    tok = CharTokenizer()
+    # the checkpoint's own tokenizer when it has one (a real model), else the tiny model's characters
+    tok = HFTokenizer(args.checkpoint) if (Path(args.checkpoint) / "tokenizer.json").exists() else CharTokenizer()
     prompt_ids, reward = env_oracle(tok)
     ref = TorchReference({args.version: (model, manifest)}, eos_id=tok.eos_id,
                          max_seq_len=args.max_seq_len or model.config.max_position_embeddings, decode=tok.decode,

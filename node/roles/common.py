@@ -48,7 +48,7 @@ def model_config(spec: RunSpec) -> ModelConfig:
 
 
 def fresh_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
-    """Version 0 of the run's model, its weights checked against the spec's hash."""
+    """Version 0 of the run's model on `device`, its weights checked against the spec's hash."""
     return load_model(spec.model, device, tiny=tiny_shape(spec)).model.eval()
 
 

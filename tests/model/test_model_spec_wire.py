@@ -1,0 +1,50 @@
+"""The model spec travels in the signed run spec and run.toml; every role builds version 0 from it."""
+
+import pytest
+
+from node.model.errors import UnknownModelName, WeightsHashMismatch
+from node.model.spec import weights_hash
+from node.roles.common import fresh_model, model_config, tokenizer
+from node.run_config import InvalidRunConfig, RunConfig, to_toml
+from protocol.messages import RunSpec, encode_message
+from protocol.model_spec import ModelSpec
+
+PEER = "12D3KooWGzh1b2VJ2c8Nk5rQb9P9s1p7pY9yq1Qe4sXvTtF3gW8E"
+
+
+def _spec(**kw) -> RunSpec:
+    return RunSpec(run_id="r", coordinator=PEER, environment="reverse", **kw)
+
+
+def test_default_model_keeps_spec_bytes_and_old_string_specs_still_parse():
+    plain = _spec()
+    assert b'"model"' not in encode_message(plain)  # tiny-moe: omitted, as before the field existed
+    assert _spec(model="").model == ModelSpec()
+    named = _spec(model="smollm2-135m-instruct")
+    assert named.model.source == "smollm2-135m-instruct" and b'"model"' in encode_message(named)
+    again = RunSpec.model_validate_json(encode_message(named))
+    assert again == named and again.spec_hash() == named.spec_hash() != plain.spec_hash()
+
+
+def test_run_toml_takes_a_model_name_or_table(tmp_path):
+    base = {"run_id": "r", "task": "reverse"}
+    (tmp_path / "a.toml").write_text(to_toml({**base, "model": "smollm2-135m-instruct"}))
+    assert RunConfig.load(tmp_path / "a.toml").run_spec(PEER).model.source == "smollm2-135m-instruct"
+    table = {"source": "/models/x", "dtype": "bfloat16", "weights_hash": "blake3:" + "ab" * 32, "max_seq_len": 256}
+    (tmp_path / "b.toml").write_text(to_toml({**base, "model": table}))
+    assert RunConfig.load(tmp_path / "b.toml").run_spec(PEER).model == ModelSpec(**table)
+    (tmp_path / "c.toml").write_text(to_toml({**base, "model": {"source": "x", "quantize": "int4"}}))
+    with pytest.raises(InvalidRunConfig, match="quantize"):
+        RunConfig.load(tmp_path / "c.toml")
+
+
+def test_roles_build_the_specs_model_and_check_its_hash():
+    spec = _spec()
+    model = fresh_model(spec)
+    assert model.config == model_config(spec) and tokenizer(spec).vocab_size == model.config.vocab_size
+    pinned = _spec(model=ModelSpec(weights_hash=weights_hash(model)))
+    assert weights_hash(fresh_model(pinned)) == weights_hash(model)  # every member draws the same version 0
+    with pytest.raises(WeightsHashMismatch):
+        fresh_model(_spec(model=ModelSpec(weights_hash="blake3:" + "0" * 64)))
+    with pytest.raises(UnknownModelName, match="no-such-model"):
+        fresh_model(_spec(model=ModelSpec(source="no-such-model")))
