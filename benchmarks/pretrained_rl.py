@@ -96,7 +96,10 @@ def main() -> None:
     t_sim = time.time()
     summary = run_sim(args.out, inference_nodes=args.inference_nodes, steps=args.steps, task=args.task,
                       batch_groups=args.batch_groups, group_size=args.group_size, timeout_s=args.minutes * 60,
-                      recipe=recipe, model=run["model"])
+                      recipe=recipe, model=run["model"],
+                      # a 135M model's version loads and prefills take seconds of CPU on a shared 2-core
+                      # machine: members get 30 s (not 6 s) of missed heartbeats before they count as dead
+                      run={"dead_after_missed": 15})
     sim_s = time.time() - t_sim
     log.info("sim: %s", {k: summary.get(k) for k in ("status", "steps", "rollouts_accepted", "rollouts_rejected")})
     version, state = last_version(args.out)

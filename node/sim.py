@@ -130,10 +130,11 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
             vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None,
-            model: dict | None = None) -> dict:
+            model: dict | None = None, run: dict | None = None) -> dict:
     """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
     the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
-    `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`)."""
+    `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`).
+    `run`: run.toml keys to override (e.g. a longer dead_after_missed for a large model on a busy machine)."""
     deadline = Deadline(steps, timeout_for(steps, vllm_nodes) if timeout_s is None else timeout_s,
                         follow=timeout_s is None)
     if vllm_nodes:
@@ -160,6 +161,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         cfg["engines"] = ["builtin", "vllm"]
     if model:  # a [model] table (protocol/model_spec.py); the default is the recipe-shaped tiny MoE
         cfg["model"] = model
+    cfg.update(run or {})
     (out / "run.toml").write_text(to_toml(cfg))
     addr_file = out / "coordinator" / "addr"
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",

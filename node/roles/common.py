@@ -19,7 +19,8 @@ import torch
 from node.envs import get_env
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.model.spec import TinyMoE, load_model, resolve
+from node.model.errors import WeightsHashMismatch
+from node.model.spec import DTYPES, TinyMoE, load_model, resolve, weights_hash
 from node.model.spec import model_config as spec_model_config
 from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from node.recipe import Recipe
@@ -50,6 +51,26 @@ def model_config(spec: RunSpec) -> ModelConfig:
 def fresh_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
     """Version 0 of the run's model on `device`, its weights checked against the spec's hash."""
     return load_model(spec.model, device, tiny=tiny_shape(spec)).model.eval()
+
+
+def blank_model(spec: RunSpec) -> CausalLM:
+    """The run's architecture on this role's device with uninitialised weights, for a role that loads a
+    fetched version into it at once: no weights read from disk, nothing hashed (a 135M model costs
+    seconds of CPU per version otherwise, enough to miss heartbeats)."""
+    cfg = model_config(spec)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=_device).to(DTYPES[spec.model.dtype])
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def check_version0(spec: RunSpec, model: CausalLM) -> None:
+    """Version 0 as fetched must hash to the spec's pin (WeightsHashMismatch otherwise)."""
+    pinned = spec.model.weights_hash
+    if pinned is not None and (got := weights_hash(model)) != pinned:
+        raise WeightsHashMismatch(f"version 0 of run {spec.run_id} hashes to {got}, its spec pins {pinned}")
 
 
 def tokenizer(spec: RunSpec) -> Tokenizer:

@@ -25,7 +25,7 @@ from node.model.qwen3_moe import CausalLM
 from node.model.checkpoint import load_hf_state_dict
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
-from node.roles.common import environment, fetch_policy, fresh_model, model_config, tokenizer
+from node.roles.common import blank_model, check_version0, environment, fetch_policy, model_config, tokenizer
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
@@ -82,8 +82,10 @@ class ValidatorNode:
         if version not in self.hashes:
             from shardcast.store import Store
             self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
-        model = fresh_model(self.spec)
+        model = blank_model(self.spec)
         load_hf_state_dict(model, state)
+        if version == 0:
+            check_version0(self.spec, model)
         self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
 
     def _prune(self) -> None:

@@ -48,3 +48,17 @@ def test_roles_build_the_specs_model_and_check_its_hash():
         fresh_model(_spec(model=ModelSpec(weights_hash="blake3:" + "0" * 64)))
     with pytest.raises(UnknownModelName, match="no-such-model"):
         fresh_model(_spec(model=ModelSpec(source="no-such-model")))
+
+
+def test_a_fetched_version_loads_into_a_blank_model_and_version0_is_checked():
+    from node.model.checkpoint import load_hf_state_dict, state_dict_to_hf
+    from node.roles.common import blank_model, check_version0
+
+    spec = _spec()
+    v0 = fresh_model(spec)
+    blank = blank_model(spec)
+    load_hf_state_dict(blank, state_dict_to_hf(v0))
+    assert weights_hash(blank) == weights_hash(v0)
+    check_version0(_spec(model=ModelSpec(weights_hash=weights_hash(v0))), blank)
+    with pytest.raises(WeightsHashMismatch, match="version 0"):
+        check_version0(_spec(model=ModelSpec(weights_hash="blake3:" + "1" * 64)), blank)
