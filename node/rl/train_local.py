@@ -197,6 +197,16 @@ def plot_rewards(metrics: list[dict], path: Path, task: str) -> None:
     plt.close(fig)
 
 
+TINY_DEFAULTS = {"prompts": 64, "samples": 8, "lr": 1e-3, "updates_per_batch": 2, "minibatches": 2,
+                 "warmup_target": 0.25, "max_seq_len": 64, "eval_n": 0}
+"""The tiny MoE's recipe (README: reward 0.1 -> 0.9 on reverse in 500 steps)."""
+PRETRAINED_DEFAULTS = {"prompts": 4, "samples": 4, "lr": 3e-5, "updates_per_batch": 1, "minibatches": 1,
+                       "warmup_target": 0.0, "max_seq_len": 96, "eval_n": 32}
+"""A pretrained model's recipe on a 2-core CPU (SmolLM2-135M on reverse-text: held-out 0.136 -> 0.264 in 10
+steps, 0.282 in 20; benchmarks/results/logs/train-local-smollm2-reverse-text-r2.log). 16 rollouts per
+step, one update: a 135M-parameter step costs ~40-130 s of CPU there."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train-local",
@@ -208,19 +218,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--task", default="reverse", help="reverse | addition | calculator | reverse-text | arithmetic")
     p.add_argument("--model", default=TINY_MOE, help="tiny-moe | smollm2-135m-instruct | an HF-layout directory")
-    p.add_argument("--max-seq-len", type=int, default=None, help="engine sequence limit (default 64 tiny, 160 else)")
-    p.add_argument("--eval-n", type=int, default=None, help="held-out tasks scored greedily (default 0 tiny, 64 else)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="engine sequence limit (default 64 tiny, 96 pretrained)")
+    p.add_argument("--eval-n", type=int, default=None, help="held-out tasks scored greedily (default 0 tiny, 32 pretrained)")
     p.add_argument("--eval-every", type=int, default=0, help="score the held-out set every n steps")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--updates-per-batch", type=int, default=TrainerConfig.updates_per_batch)
-    p.add_argument("--minibatches", type=int, default=TrainerConfig.minibatches)
+    p.add_argument("--updates-per-batch", type=int, default=None, help="default 2 tiny, 1 pretrained")
+    p.add_argument("--minibatches", type=int, default=None, help="default 2 tiny, 1 pretrained")
     p.add_argument("--steps", type=int, default=LocalRunConfig.steps, help="RL steps (the LR decays over them)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts", type=int, default=LocalRunConfig.prompts, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (the group)")
-    p.add_argument("--lr", type=float, default=TrainerConfig.lr)
-    p.add_argument("--warmup-target", type=float, default=0.25, help="greedy reward that ends warm-up")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 64 tiny, 4 pretrained)")
+    p.add_argument("--samples", type=int, default=None, help="samples per prompt, the group (default 8 tiny, 4 pretrained)")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 tiny, 3e-5 pretrained")
+    p.add_argument("--warmup-target", type=float, default=None,
+                   help="greedy reward that ends the supervised warm-up (default 0.25 tiny; 0 = none, pretrained)")
     p.add_argument("--no-router-replay", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.set_defaults(func=_main)
@@ -231,12 +242,14 @@ def _main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tiny = args.model == TINY_MOE
-    cfg = LocalRunConfig(task=args.task, model=args.model, steps=args.steps, prompts=args.prompts, samples=args.samples,
-                         seed=args.seed, warmup_target=args.warmup_target,
-                         max_seq_len=args.max_seq_len or (64 if tiny else 160),
-                         eval_n=(0 if tiny else 64) if args.eval_n is None else args.eval_n, eval_every=args.eval_every,
-                         trainer=TrainerConfig(lr=args.lr, decay_steps=args.steps, temperature=args.temperature,
-                                               updates_per_batch=args.updates_per_batch, minibatches=args.minibatches,
+    d = TINY_DEFAULTS if tiny else PRETRAINED_DEFAULTS
+    pick = lambda name: d[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+    cfg = LocalRunConfig(task=args.task, model=args.model, steps=args.steps, prompts=pick("prompts"),
+                         samples=pick("samples"), seed=args.seed, warmup_target=pick("warmup_target"),
+                         max_seq_len=pick("max_seq_len"), eval_n=pick("eval_n"), eval_every=args.eval_every,
+                         trainer=TrainerConfig(lr=pick("lr"), decay_steps=args.steps, temperature=args.temperature,
+                                               updates_per_batch=pick("updates_per_batch"),
+                                               minibatches=pick("minibatches"),
                                                router_replay=not args.no_router_replay))
     run(cfg, Path(args.out))
     return 0
