@@ -53,14 +53,14 @@ def fresh_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
     return load_model(spec.model, device, tiny=tiny_shape(spec)).model.eval()
 
 
-def blank_model(spec: RunSpec) -> CausalLM:
-    """The run's architecture on this role's device with uninitialised weights, for a role that loads a
+def blank_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
+    """The run's architecture on `device` with uninitialised weights, for a role that loads a
     fetched version into it at once: no weights read from disk, nothing hashed (a 135M model costs
     seconds of CPU per version otherwise, enough to miss heartbeats)."""
     cfg = model_config(spec)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=_device).to(DTYPES[spec.model.dtype])
+    model = model.to_empty(device=device).to(DTYPES[spec.model.dtype])
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
