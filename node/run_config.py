@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from node.envs import get_env
 from node.recipe import Recipe
@@ -67,9 +67,11 @@ class RunConfig(BaseModel):
     shardcast_sources: list[str] = Field(default_factory=list)
     """Where policy versions are served (trainer origin first, then relays)."""
     trainer: str | None = None
-    """Node id of the only trainer (None: any member joining as trainer)."""
+    """Node id of the only trainer, the one key whose weights every member accepts. Required: a run
+    without one is refused at launch (any member could otherwise publish weights)."""
     validators: list[str] = Field(default_factory=list)
-    """Node ids whose verdicts count (empty: any validator member)."""
+    """Node ids of the validators: the only members that may pull work to verify and send verdicts.
+    Required (at least one) when verification_rate > 0."""
     listen: str = "/ip4/127.0.0.1/tcp/4001"
     """Coordinator's libp2p listen multiaddr."""
     status_port: int = Field(8480, ge=0, le=65535)
@@ -79,6 +81,16 @@ class RunConfig(BaseModel):
     engines: list[Literal["builtin", "vllm"]] = Field(default_factory=lambda: ["builtin"], min_length=1)
     """Inference engines whose rollouts the run accepts; add "vllm" to accept rollouts whose sampling
     a validator cannot re-derive (checked on proofs, logprobs, termination, reward; RunSpec.engines)."""
+
+    @model_validator(mode="after")
+    def _who_may_train_and_judge(self) -> "RunConfig":
+        if not self.trainer:
+            raise ValueError("`trainer` is required: the node id of the trainer (`primerl-node keygen`); "
+                             "members accept weights signed by that key only")
+        if self.verification_rate > 0 and not self.validators:
+            raise ValueError(f"verification_rate = {self.verification_rate} needs `validators` (their node ids): "
+                             "only the validators the spec names may judge work; or set verification_rate = 0")
+        return self
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":

@@ -16,7 +16,7 @@ import time
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import Opened
-from protocol.errors import NotMember, ProtocolError
+from protocol.errors import NotAuthorized, NotMember, ProtocolError
 from protocol import pipeline
 from protocol.identity import NodeKey
 from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrants,
@@ -91,7 +91,15 @@ class CoordinatorService:
         member = self.state.view.members.get(peer_id)
         ok = peer_id in allowed if allowed else (member is not None and member.role == role)
         if not ok:
-            raise NotMember(f"{peer_id} may not act as {role} in this run")
+            raise (NotMember if member is None and not allowed else NotAuthorized)(
+                f"{peer_id} may not act as {role} in this run")
+
+    def _require_validator(self, peer_id: str) -> None:
+        """Only the validators the signed spec names, or the coordinator's own key, may pull work to
+        verify or judge it; with none named, no member can (joining as "validator" grants nothing)."""
+        if peer_id != self.key.peer_id and peer_id not in self.spec.validators:
+            raise NotAuthorized(f"{peer_id} is not a validator of this run (the spec names "
+                            f"{len(self.spec.validators)})")
 
     async def _on_batch_request(self, o: Opened) -> StoredWorkBatch:
         self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
@@ -99,12 +107,12 @@ class CoordinatorService:
         return StoredWorkBatch(step=o.message.step, items=pipeline.stored(self.state, ids))
 
     async def _on_verify_request(self, o: Opened) -> StoredWorkBatch:
-        self._require(o.signer, "validator", self.spec.validators)
+        self._require_validator(o.signer)
         ids = pipeline.to_verify(self.state, o.message.max_items, self.selector)
         return StoredWorkBatch(items=pipeline.stored(self.state, ids))
 
     async def _on_verdicts(self, o: Opened) -> Ok:
-        self._require(o.signer, "validator", self.spec.validators)
+        self._require_validator(o.signer)
         offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time())
         for cb in self.on_verdicts:
             cb(o.signer, o.message.verdicts)

@@ -81,9 +81,11 @@ class RunSpec(Message):
     shardcast_sources: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=64)
     """HTTP base URLs serving the run's policy versions (trainer origin first, then relays)."""
     trainer: PeerIdStr | None = None
-    """The only peer allowed to publish policy versions and take batches (None: any trainer member)."""
+    """The only peer allowed to publish policy versions and take batches (None: any trainer member;
+    `coordinator launch` refuses a run.toml without one)."""
     validators: list[PeerIdStr] = Field(default_factory=list, max_length=256)
-    """Peers whose verdicts count (empty: any validator member)."""
+    """The only peers (besides the coordinator's own key) that may pull work to verify and send
+    verdicts. Empty: nobody else (`coordinator launch` refuses that with verification_rate > 0)."""
     recipe: dict[Annotated[str, Field(max_length=64)], float | int | str] = Field(default_factory=dict, max_length=64)
     """Learning recipe the trainer and inference nodes follow (model shape, lr, steps, temperature...)."""
     engines: tuple[EngineName, ...] = Field(BUILTIN_ONLY, min_length=1, max_length=8)
@@ -386,6 +388,9 @@ class Verdict(Message):
     """Whether every check passed."""
     reason: Reason = ""
     """Which check failed, if any."""
+    severity: Literal["proof", "borderline"] = "proof"
+    """Of a failing verdict: `proof` (a deterministic check, or a numeric one far past its tolerance:
+    the submitter is banned) or `borderline` (near a tolerance: a strike; `STRIKES_TO_BAN` ban)."""
 
 
 class Ban(Message):

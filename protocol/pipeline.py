@@ -5,7 +5,10 @@ Invariants (on top of `protocol.coordinator`'s):
   selector did not pick it for verification) and within the off-policy bound;
 - a work unit is in at most one batch, and asking again for step s returns the same units first
   (a trainer that lost the reply, or a coordinator restarted mid-reply, loses nothing);
-- a failing verdict bans its submitter: their unbatched units are dropped and their leases freed.
+- a unit's verdict is recorded once and never changed, and only for a unit awaiting one (not batched,
+  not dropped other than as stale); a ban follows only from the verdict just recorded: a proof-grade
+  failure bans its submitter (unbatched units dropped, leases freed), a borderline one is a strike,
+  and `STRIKES_TO_BAN` strikes ban.
 - the pool never has more than `out_limit(k, batch)` units of work out (leased, or accepted and
   unbatched), so inference nodes do not burn compute on rollouts that would only go stale;
   one peer never holds more than `peer_lease_cap` (half of that) leases at once.
@@ -82,9 +85,16 @@ def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[in
     return [w for w, v in rows if w not in set(stale) and selector(w)][:max_items]
 
 
+STRIKES_TO_BAN = 3
+"""Borderline failures (a few numeric differences near a tolerance, which honest hardware can
+produce) an identity may collect before it is banned; one proof-grade failure bans at once."""
+
+
 def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict], now: float) -> list[tuple[str, str]]:
-    """Store verdicts on accepted units; return (submitter, reason) for every failing one (to ban).
-    A verdict naming the wrong submitter or an unknown unit is ignored (and logged)."""
+    """Store verdicts on units awaiting one; return (submitter, reason) of every peer to ban now.
+    Ignored (and logged): a verdict naming the wrong submitter or an unknown unit, one on a unit that
+    already has a verdict (a verdict is never overwritten, so a second one bans nobody), and one on a
+    unit already batched or dropped (other than as stale: that race is the validator's, not a forgery)."""
     offenders = []
     with state.store as db:
         for v in verdicts:
@@ -93,9 +103,24 @@ def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict],
                 log.warning("verdict from %s on work %d names %s: no such accepted unit", validator, v.work_id,
                             v.submitter)
                 continue
-            db.put_verdict(v.work_id, v.valid, validator, v.reason, now)
-            if not v.valid:
-                db.drop([v.work_id], "invalid")
+            if rec[0].batch_step is not None or rec[0].dropped not in (None, "stale"):
+                log.warning("verdict from %s on work %d ignored: the unit is %s", validator, v.work_id,
+                            "batched" if rec[0].batch_step is not None else f"dropped ({rec[0].dropped})")
+                continue
+            if not db.put_verdict(v.work_id, v.valid, validator, v.reason, now):
+                log.warning("verdict from %s on work %d ignored: it already has one", validator, v.work_id)
+                continue
+            if v.valid:
+                continue
+            db.drop([v.work_id], "invalid")
+            if v.severity == "borderline":
+                strikes = db.add_strike(v.submitter, v.reason)
+                log.warning("work %d from %s failed near a tolerance (strike %d of %d): %s", v.work_id,
+                            v.submitter, strikes, STRIKES_TO_BAN, v.reason)
+                if strikes >= STRIKES_TO_BAN:
+                    offenders.append((v.submitter, f"{strikes} borderline verification failures, the last on "
+                                                   f"work {v.work_id}: {v.reason}"))
+            else:
                 offenders.append((v.submitter, f"work {v.work_id} failed verification: {v.reason}"))
     return offenders
 

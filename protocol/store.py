@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS accepted (
 CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS step_rewards (step INTEGER PRIMARY KEY, groups INTEGER NOT NULL, reward_sum REAL NOT NULL);
 """
 _PRUNED = ("accepted", "rejected", "verified", "batched", "dropped_stale")
@@ -236,8 +237,22 @@ class CoordinatorStore:
         self.db.executemany("UPDATE accepted SET dropped=? WHERE work_id=? AND batch_step IS NULL",
                             [(reason, w) for w in work_ids])
 
-    def put_verdict(self, work_id: int, valid: bool, validator: str, reason: str, now: float) -> None:
+    def put_verdict(self, work_id: int, valid: bool, validator: str, reason: str, now: float) -> bool:
+        """Record the unit's verdict; False (and nothing changes) when it already has one."""
+        before = self.db.total_changes
         self._x("INSERT OR IGNORE INTO verdicts VALUES(?,?,?,?,?)", work_id, int(valid), validator, reason, now)
+        return self.db.total_changes > before
+
+    def verdict_of(self, work_id: int) -> tuple[bool, str, str] | None:
+        """(valid, validator, reason) of the unit's recorded verdict, if any."""
+        rows = self._q("SELECT valid, validator, reason FROM verdicts WHERE work_id=?", work_id)
+        return (bool(rows[0][0]), rows[0][1], rows[0][2]) if rows else None
+
+    def add_strike(self, peer_id: str, reason: str) -> int:
+        """Count a borderline failure against `peer_id`; returns its strikes so far."""
+        self._x("INSERT INTO strikes VALUES(?, 1, ?) ON CONFLICT(peer_id) DO UPDATE SET count=count+1, "
+                "last_reason=excluded.last_reason", peer_id, reason)
+        return self._one("SELECT count FROM strikes WHERE peer_id=?", peer_id)
 
     def verdicts(self) -> dict[int, bool]:
         return {r[0]: bool(r[1]) for r in self._q("SELECT work_id, valid FROM verdicts")}
