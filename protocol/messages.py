@@ -150,6 +150,15 @@ class Leave(Message):
     """Why the member leaves (free text, for logs)."""
 
 
+class RunEnd(Message):
+    """Trainer -> coordinator (request) when its last step is done; coordinator -> everyone (gossip):
+    the run is over, every member leaves and exits 0."""
+
+    type: Literal["run_end"] = "run_end"
+    step: int = Field(ge=0, le=MAX_INT64)
+    """The trainer's last step."""
+
+
 class PolicyAnnounce(Message):
     type: Literal["policy_announce"] = "policy_announce"
     version: int = Field(ge=0, le=MAX_INT64)
@@ -413,7 +422,8 @@ VerdictBatch.model_rebuild()
 AnyMessage = Annotated[
     Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseGrant,
           RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup,
-          LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy],
+          LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy,
+          RunEnd],
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
@@ -421,7 +431,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (RunSpec, Join, JoinAccepted, Heartbe
                                             LeaseGrant, RolloutSubmission, SubmissionReceipt,
                                             Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup, LeaseBatchRequest,
                                             LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch,
-                                            PublishPolicy)
+                                            PublishPolicy, RunEnd)
 MAX_BODY_BYTES = max(t.max_body_bytes for t in MESSAGE_TYPES)
 
 

@@ -46,6 +46,9 @@ CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS seen_nonces (key BLOB PRIMARY KEY, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS seen_nonces_at ON seen_nonces(at);
+CREATE TABLE IF NOT EXISTS member_stamps (peer_id TEXT PRIMARY KEY, last_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS step_rewards (step INTEGER PRIMARY KEY, groups INTEGER NOT NULL, reward_sum REAL NOT NULL);
 """
 _PRUNED = ("accepted", "rejected", "verified", "batched", "dropped_stale")
@@ -136,6 +139,25 @@ class CoordinatorStore:
 
     def banned_peers(self) -> set[str]:
         return {r[0] for r in self._q("SELECT peer_id FROM bans")}
+
+    def member_stamp(self, peer_id: str) -> int | None:
+        """Envelope timestamp (ms) of the peer's last honoured Join or Leave."""
+        rows = self._q("SELECT last_ms FROM member_stamps WHERE peer_id=?", peer_id)
+        return rows[0][0] if rows else None
+
+    def set_member_stamp(self, peer_id: str, stamp_ms: int) -> None:
+        self._x("INSERT INTO member_stamps VALUES(?, ?) ON CONFLICT(peer_id) DO UPDATE SET last_ms=excluded.last_ms",
+                peer_id, stamp_ms)
+
+    # ---- the replay guard, persisted -----------------------------------------------------------
+    def remember_seen(self, entries: list[tuple[bytes, float]], forget_before: float) -> None:
+        """Add (signer + nonce, seen at) pairs and drop those older than `forget_before` (one transaction)."""
+        with self:
+            self.db.executemany("INSERT OR IGNORE INTO seen_nonces VALUES(?, ?)", entries)
+            self._x("DELETE FROM seen_nonces WHERE at < ?", forget_before)
+
+    def seen_since(self, since: float) -> list[tuple[bytes, float]]:
+        return [(bytes(k), at) for k, at in self._q("SELECT key, at FROM seen_nonces WHERE at >= ?", since)]
 
     # ---- policy versions ---------------------------------------------------------------------
     def add_policy_version(self, version: int, manifest_hash: str, now: float) -> None:

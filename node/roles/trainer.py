@@ -47,6 +47,7 @@ from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
+from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
 from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec
@@ -140,6 +141,10 @@ class TrainerNode:
                          max(row["lags"]), t_wait)
             if trainer.step >= self.steps:
                 (self.workdir / "done").write_text(str(trainer.step))
+                try:  # the coordinator tells every member; they leave and exit 0
+                    await client.end_run(trainer.step)
+                except ProtocolError as exc:
+                    log.warning("end of run not reported to the coordinator: %s", exc)
         except asyncio.CancelledError:
             pass
         finally:
