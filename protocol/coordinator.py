@@ -138,10 +138,11 @@ class Coordinator:
         return pruned
 
     # ---- leases ------------------------------------------------------------------------------
-    def grant_lease(self, peer_id: str, now: float) -> LeaseGrant:
+    def grant_lease(self, peer_id: str, now: float, ttl_s: float | None = None) -> LeaseGrant:
+        """`ttl_s`: this lease's lifetime (default the spec's; shorter for new identities)."""
         self.check_member(peer_id, now)
         version = self.ledger.current_version
-        deadline = now + self.spec.lease_ttl_s
+        deadline = now + (self.spec.lease_ttl_s if ttl_s is None else ttl_s)
         with self.store as db:
             pending = db.first_pending()
             if pending is None:

@@ -53,6 +53,8 @@ class CoordinatorService:
         self.selector = selector
         """work id -> whether it needs a validator's verdict before it may enter a batch."""
         self.on_verdicts: list = []
+        self.lease_policy: pipeline.LeasePolicy | None = pipeline.LeasePolicy()
+        """What an identity may hold, by its record (None: only the per-peer cap, as before)."""
         self.ended = asyncio.Event()
         """Set a grace period after the trainer reported the run's last step (the launcher then exits 0)."""
         """Callbacks (validator, verdicts) for observers such as the status page."""
@@ -111,6 +113,7 @@ class CoordinatorService:
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
         cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
         return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
+                                                        policy=self.lease_policy,
                                                         holds_version=o.message.policy_version))
 
     def _require(self, peer_id: str, role: str, allowed: list[str]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from protocol.coordinator import Coordinator
 from protocol.messages import LeaseGrant, StoredWork, Verdict
@@ -46,10 +47,34 @@ def peer_lease_cap(k: int, batch_groups: int) -> int:
     return max(1, (out_limit(k, batch_groups) + 1) // 2)
 
 
+@dataclass(frozen=True)
+class LeasePolicy:
+    """Sybil resistance for leases: identities are free, so what one may hold is earned. An
+    identity's allowance grows with its work that entered a batch (verified, or not selected for
+    verification) and shrinks with leases it let expire; identities with no such work ("newcomers")
+    get short leases, and together hold at most `newcomer_share` of the pool, so hoarding
+    identities without a record can never hold the pool (honest nodes with a record keep the rest)."""
+
+    new_allowance: int = 4
+    """Leases a newcomer may hold at once (slow start)."""
+    per_credit: int = 2
+    """Allowance gained per work unit of the identity that entered a batch."""
+    expiry_penalty: int = 2
+    """Allowance lost per lease the identity let expire (never below 1)."""
+    newcomer_share: float = 0.5
+    """Share of the pool (`out_limit`) all newcomers together may hold."""
+    newcomer_ttl_share: float = 0.25
+    """A newcomer's lease lasts this share of `lease_ttl_s`: a hoarder's leases come back sooner."""
+
+    def allowance(self, credited: int, expired: int, cap: int) -> int:
+        return max(1, min(cap, self.new_allowance + self.per_credit * credited - self.expiry_penalty * expired))
+
+
 def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_cap: int | None = None,
-                 holds_version: int | None = None) -> list[LeaseGrant]:
+                 holds_version: int | None = None, policy: LeasePolicy | None = None) -> list[LeaseGrant]:
     """Up to `count` leases, fewer while `out_limit` units are already out or the peer already
-    holds `peer_cap` (the service passes `peer_lease_cap`); none before version 0, and none to a
+    holds `peer_cap` (the service passes `peer_lease_cap`) or, with a `policy` (the service passes
+    one), what the peer's record allows; none before version 0, and none to a
     node whose newest policy (`holds_version`) could not yield an admissible rollout (at k = 0, a
     node that has not loaded the version just announced): its work would only be refused as stale
     while the lease blocks that work. Raises `NotMember`/`BannedPeer` for a peer that may not lease."""
@@ -58,10 +83,19 @@ def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_
         return []
     if holds_version is not None and not state.ledger.admissible(holds_version):
         return []
-    room = out_limit(state.spec.max_off_policy_steps, state.spec.batch_groups) - work_out(state)
-    if peer_cap is not None:
-        room = min(room, peer_cap - state.store.leased_count(holder=peer_id))
-    return [state.grant_lease(peer_id, now) for _ in range(max(0, min(count, room)))]
+    pool = out_limit(state.spec.max_off_policy_steps, state.spec.batch_groups)
+    room = pool - work_out(state)
+    cap = pool if peer_cap is None else peer_cap
+    ttl = None
+    if policy is not None:
+        credited, expired = state.store.record_of(peer_id)
+        cap = policy.allowance(credited, expired, cap)
+        if credited == 0:
+            room = min(room, max(1, int(pool * policy.newcomer_share)) - state.store.leased_by_newcomers())
+            ttl = state.spec.lease_ttl_s * policy.newcomer_ttl_share
+    if peer_cap is not None or policy is not None:
+        room = min(room, cap - state.store.leased_count(holder=peer_id))
+    return [state.grant_lease(peer_id, now, ttl) for _ in range(max(0, min(count, room)))]
 
 
 def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
@@ -147,5 +181,6 @@ def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -
             if selector(rec.work_id) and not valid.get(rec.work_id, False):
                 continue  # waits for its verdict
             db.assign(rec.work_id, step)
+            db.credit(rec.submitter)  # earned: the submitter's lease allowance grows (LeasePolicy)
             assigned.append(rec.work_id)
     return assigned

@@ -49,6 +49,8 @@ CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT 
 CREATE TABLE IF NOT EXISTS seen_nonces (key BLOB PRIMARY KEY, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS seen_nonces_at ON seen_nonces(at);
 CREATE TABLE IF NOT EXISTS member_stamps (peer_id TEXT PRIMARY KEY, last_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS peer_record (peer_id TEXT PRIMARY KEY, credited INTEGER NOT NULL DEFAULT 0,
+    expired INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS step_rewards (step INTEGER PRIMARY KEY, groups INTEGER NOT NULL, reward_sum REAL NOT NULL);
 """
 _PRUNED = ("accepted", "rejected", "verified", "batched", "dropped_stale")
@@ -219,9 +221,29 @@ class CoordinatorStore:
         return ids
 
     def release_expired(self, now: float) -> list[int]:
-        ids = [r[0] for r in self._q("SELECT work_id FROM work WHERE state='leased' AND deadline<?", now)]
-        self.release(ids)
-        return ids
+        """Leases past their deadline back to the pool; each counts against its holder's record."""
+        rows = self._q("SELECT work_id, holder FROM work WHERE state='leased' AND deadline<?", now)
+        self.release([r[0] for r in rows])
+        for holder in {r[1] for r in rows if r[1]}:
+            n = sum(r[1] == holder for r in rows)
+            self._x("INSERT INTO peer_record(peer_id, expired) VALUES(?, ?) ON CONFLICT(peer_id) DO UPDATE "
+                    "SET expired=expired+excluded.expired", holder, n)
+        return [r[0] for r in rows]
+
+    # ---- what an identity has earned (lease allowance, protocol.pipeline.LeasePolicy) -------------
+    def record_of(self, peer_id: str) -> tuple[int, int]:
+        """(work units of the peer that entered a batch, leases it let expire)."""
+        rows = self._q("SELECT credited, expired FROM peer_record WHERE peer_id=?", peer_id)
+        return (rows[0][0], rows[0][1]) if rows else (0, 0)
+
+    def credit(self, peer_id: str) -> None:
+        self._x("INSERT INTO peer_record(peer_id, credited) VALUES(?, 1) ON CONFLICT(peer_id) DO UPDATE "
+                "SET credited=credited+1", peer_id)
+
+    def leased_by_newcomers(self) -> int:
+        """Leases out to peers none of whose work has entered a batch yet."""
+        return self._one("SELECT COUNT(*) FROM work w LEFT JOIN peer_record r ON r.peer_id = w.holder "
+                         "WHERE w.state='leased' AND COALESCE(r.credited, 0) = 0")
 
     # ---- accepted rollouts -------------------------------------------------------------------
     def append_rollouts(self, envelopes: list[bytes]) -> list[tuple[str, int, int]]:
