@@ -46,8 +46,10 @@ class RunConfig(BaseModel):
     run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     """Names the run."""
     task: str = "reverse"
-    """Environment: built-in reverse | addition | calculator | coding, or a `verifiers` one as
-    `verifiers:<id>` / `verifiers:<python.module>:<attr>` (contrib/verifiers; `pip install -e '.[verifiers]'`)."""
+    """Environment: built-in reverse | addition | calculator | coding, a native `Environment` from
+    your own module as `<python.module>:<attr>` (pinned in the spec by its source hash:
+    node/envs/user.py), or a `verifiers` one as `verifiers:<id>` / `verifiers:<python.module>:<attr>`
+    (contrib/verifiers; `pip install -e '.[verifiers]'`)."""
     model: str = "tiny-moe"
     """Model family (its shape comes from `recipe`)."""
     batch_groups: int = Field(64, ge=1)
@@ -105,7 +107,11 @@ class RunConfig(BaseModel):
         return cfg
 
     def run_spec(self, coordinator_peer_id: str) -> RunSpec:
-        return RunSpec(run_id=self.run_id, coordinator=coordinator_peer_id, model=self.model, environment=self.task,
+        from node.envs.user import is_user_task, task_identity
+
+        # a user task travels pinned to its source: every node checks it runs the same code
+        environment = task_identity(self.task) if is_user_task(self.task) else self.task
+        return RunSpec(run_id=self.run_id, coordinator=coordinator_peer_id, model=self.model, environment=environment,
                        max_off_policy_steps=self.max_off_policy_steps, heartbeat_interval_s=self.heartbeat_interval_s,
                        dead_after_missed=self.dead_after_missed, lease_ttl_s=self.lease_ttl_s,
                        group_size=self.group_size, batch_groups=self.batch_groups,

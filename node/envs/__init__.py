@@ -19,6 +19,10 @@ def get_env(name: str, **kwargs) -> Environment:
         from contrib.verifiers import load_environment
 
         return load_environment(name.removeprefix("verifiers:"), **kwargs)
+    if ":" in name:  # a native Environment from the user's module, `module:attr[@source hash]`
+        from node.envs.user import load_user_env
+
+        return load_user_env(name, **kwargs)
     try:
         cls = TASKS[name]
     except KeyError:
