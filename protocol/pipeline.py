@@ -17,6 +17,7 @@ Invariants (on top of `protocol.coordinator`'s):
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +63,8 @@ class LeasePolicy:
     expiry_penalty: int = 2
     """Allowance lost per lease the identity let expire (never below 1)."""
     newcomer_share: float = 0.5
-    """Share of the pool (`out_limit`) all newcomers together may hold."""
+    """Share of the pool (`out_limit`) all newcomers together may hold (rounded up: a pool of one
+    lease is all newcomers' at a run's start, when nobody has a record yet)."""
     newcomer_ttl_share: float = 0.25
     """A newcomer's lease lasts this share of `lease_ttl_s`: a hoarder's leases come back sooner."""
 
@@ -91,7 +93,7 @@ def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_
         credited, expired = state.store.record_of(peer_id)
         cap = policy.allowance(credited, expired, cap)
         if credited == 0:
-            room = min(room, max(1, int(pool * policy.newcomer_share)) - state.store.leased_by_newcomers())
+            room = min(room, math.ceil(pool * policy.newcomer_share) - state.store.leased_by_newcomers())
             ttl = state.spec.lease_ttl_s * policy.newcomer_ttl_share
     if peer_cap is not None or policy is not None:
         room = min(room, cap - state.store.leased_count(holder=peer_id))

@@ -46,8 +46,6 @@ CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS seen_nonces (key BLOB PRIMARY KEY, at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS seen_nonces_at ON seen_nonces(at);
 CREATE TABLE IF NOT EXISTS member_stamps (peer_id TEXT PRIMARY KEY, last_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS peer_record (peer_id TEXT PRIMARY KEY, credited INTEGER NOT NULL DEFAULT 0,
     expired INTEGER NOT NULL DEFAULT 0);
@@ -90,6 +88,13 @@ class CoordinatorStore:
         # FULL: a commit survives power loss too, not only a killed process (NORMAL would).
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(_SCHEMA)
+        # The replay guard's pairs live in their own file, committed without fsync (WAL, NORMAL): they
+        # must survive the process (a SIGKILL), not a power cut, and are written every half second.
+        self.guard_db = sqlite3.connect(self.dir / "replay_guard.sqlite3", isolation_level=None, check_same_thread=False)
+        self.guard_db.execute("PRAGMA journal_mode=WAL")
+        self.guard_db.execute("PRAGMA synchronous=NORMAL")
+        self.guard_db.executescript("CREATE TABLE IF NOT EXISTS seen_nonces (key BLOB PRIMARY KEY, at REAL NOT NULL);"
+                                    "CREATE INDEX IF NOT EXISTS seen_nonces_at ON seen_nonces(at);")
         self.segments.cut_unacknowledged_tails(dict(self._q(
             "SELECT segment, MAX(offset + length) FROM accepted GROUP BY segment")))
 
@@ -154,12 +159,19 @@ class CoordinatorStore:
     # ---- the replay guard, persisted -----------------------------------------------------------
     def remember_seen(self, entries: list[tuple[bytes, float]], forget_before: float) -> None:
         """Add (signer + nonce, seen at) pairs and drop those older than `forget_before` (one transaction)."""
-        with self:
-            self.db.executemany("INSERT OR IGNORE INTO seen_nonces VALUES(?, ?)", entries)
-            self._x("DELETE FROM seen_nonces WHERE at < ?", forget_before)
+        g = self.guard_db
+        g.execute("BEGIN IMMEDIATE")
+        try:
+            g.executemany("INSERT OR IGNORE INTO seen_nonces VALUES(?, ?)", entries)
+            g.execute("DELETE FROM seen_nonces WHERE at < ?", (forget_before,))
+        except BaseException:
+            g.execute("ROLLBACK")
+            raise
+        g.execute("COMMIT")
 
     def seen_since(self, since: float) -> list[tuple[bytes, float]]:
-        return [(bytes(k), at) for k, at in self._q("SELECT key, at FROM seen_nonces WHERE at >= ?", since)]
+        return [(bytes(k), at) for k, at in
+                self.guard_db.execute("SELECT key, at FROM seen_nonces WHERE at >= ?", (since,)).fetchall()]
 
     # ---- policy versions ---------------------------------------------------------------------
     def add_policy_version(self, version: int, manifest_hash: str, now: float) -> None:
@@ -363,6 +375,7 @@ class CoordinatorStore:
     def close(self) -> None:
         self.segments.close()
         self.db.close()
+        self.guard_db.close()
 
 
 def dumps(obj: object) -> str:

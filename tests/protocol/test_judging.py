@@ -127,5 +127,5 @@ def test_launch_refuses_a_run_without_a_trainer_or_verifying_without_validators(
             RunConfig.load(tmp_path / f"{name}.toml")
     out = subprocess.run([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config",
                           str(tmp_path / "no_trainer.toml"), "--state", str(tmp_path / "state")],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 2 and "trainer" in out.stderr and "Traceback" not in out.stderr
