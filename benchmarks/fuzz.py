@@ -15,6 +15,9 @@ Surfaces (each with the property it must keep; anything else is a finding):
   http_shardcast   a real ShardServer over HTTP: random paths, Range and other headers -> a 2xx/4xx/503,
                    never a 5xx error, and the server answers a valid request afterwards
   http_status      the coordinator's status page and /metrics over HTTP, random paths and queries
+  wire_stream      over the real wire, from a separate process: libp2p streams to a real coordinator
+  wire_gossip      with our length framing mutated, and fuzzed messages on its gossip topic
+                   (benchmarks/fuzz_wire.py)
 
 Inputs are seeds (valid objects of every kind), each followed by stacked random
 mutations (bit flips, interesting bytes, inserts, deletes, truncation, splices, JSON-aware token
@@ -463,7 +466,7 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     logging.getLogger("aiohttp").setLevel(logging.CRITICAL)  # it logs every 400 it answers at ERROR
     want = set(args.only or ["envelope", "message_body", "coordinator_rpc", "manifest", "shard", "http_shardcast",
-                             "http_status"])
+                             "http_status", "wire_stream", "wire_gossip"])
     result: dict = {"benchmark": "fuzz", "seed": args.seed, "cases_per_surface": args.cases, "surfaces": {}}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -485,6 +488,17 @@ def main() -> None:
                 log.info("fuzzing %s", name)
                 result["surfaces"][name] = asyncio.run(run_http(surface, args.cases, args.seed))
                 log.info("%s: %s", name, result["surfaces"][name])
+        wire = [n for n in ("wire_stream", "wire_gossip") if n in want]
+        if wire:
+            from benchmarks.fuzz_wire import run_wire
+            log.info("fuzzing %s from a separate process", wire)
+            out = asyncio.run(run_wire(wire, args.cases, args.seed, tmp / "wire"))
+            for n in wire:
+                result["surfaces"][n] = out.get(n, {"inputs": 0, "inputs_per_s": 0, "findings": 1,
+                                                    "finding_examples": [f"client exit {out.get('client_exit')}"]})
+            result["wire"] = {k: out.get(k) for k in ("probes_failed", "client_exit", "coordinator")}
+            if out.get("probes_failed"):
+                result["surfaces"][wire[0]]["findings"] += len(out["probes_failed"])
     s = result["surfaces"]
     result["total_inputs"] = sum(v["inputs"] for v in s.values())
     result["total_findings"] = sum(v["findings"] for v in s.values())

@@ -15,10 +15,12 @@ import hashlib
 import hmac
 import logging
 import os
+import sys
 from pathlib import Path
 
 from protocol.coordinator import RETAIN_VERSIONS, Coordinator
 from protocol.coordinator_service import CoordinatorService
+from protocol.errors import BannedPeer
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
 from protocol.transport import PeerHost
@@ -74,8 +76,9 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
         tmp = addr_file.with_suffix(".tmp")
         tmp.write_text(f"{bootstrap}\nhttp://127.0.0.1:{port}/\n")
         tmp.replace(addr_file)
-    await stop.wait()
-    log.info("coordinator stopping")
+    ended = asyncio.create_task(service.ended.wait())
+    await asyncio.wait([asyncio.create_task(stop.wait()), ended], return_when=asyncio.FIRST_COMPLETED)
+    log.info("coordinator stopping%s", ": the run is over" if ended.done() else "")
     await runner.cleanup()
     await service.stop()
     service.state.close()
@@ -153,7 +156,14 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
         task.cancel()
         raise SystemExit(1)
     if not task.cancelled():  # cancelled: stopped before it had joined, nothing to leave
-        task.result()
+        try:
+            task.result()
+        except BannedPeer:
+            pass  # said below, with its own exit code
+    if getattr(stop, "why", ""):
+        print(f"primerl-node {role}: {stop.why}", file=sys.stderr if stop.exit_code else sys.stdout, flush=True)
+    if getattr(stop, "exit_code", 0):
+        raise SystemExit(stop.exit_code)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -53,7 +53,8 @@ class TorchReference(Reference):
         return decode_routes(data, positions, shape)
 
     @torch.inference_mode()
-    def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False) -> list[tuple]:
+    def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False,
+                with_router_logits: bool = False) -> list[tuple]:
         model = self.policies[version][0]
         device = next(model.parameters()).device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
@@ -76,28 +77,32 @@ class TorchReference(Reference):
                 out[i] = (res.logits[row, :n].float().cpu(), res.hidden[row, :n].cpu())
                 if with_routes:
                     out[i] += (None if res.routed_experts is None else res.routed_experts[row, :n].cpu(),)
+                    if with_router_logits:
+                        out[i] += (_router_logits(res, len(members), t, row, n),)
             start = end
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
-                      with_routes: bool = False) -> tuple:
+                      with_routes: bool = False, with_router_logits: bool = False) -> tuple:
         model = self.policies[segments[0][0]][0]
         cfg, param = model.config, next(model.parameters())
         cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
                         dtype=param.dtype, device=param.device)
         ids = torch.tensor([sequence], device=param.device)
         slots = torch.zeros(1, dtype=torch.long, device=param.device)
-        logits, hidden, routes = [], [], []
+        logits, hidden, routes, router = [], [], [], []
         for version, start, end in segments:
             out = self.policies[version][0](ids[:, start:end], torch.arange(start, end, device=param.device)[None],
                                             cache, slots)
             logits.append(out.logits[0].float().cpu())
             hidden.append(out.hidden[0].cpu())
             routes.append(None if out.routed_experts is None else out.routed_experts[0].cpu())
+            router.append(_router_logits(out, 1, end - start, 0, end - start))
         if not with_routes:
             return torch.cat(logits), torch.cat(hidden)
-        return torch.cat(logits), torch.cat(hidden), None if routes[0] is None else torch.cat(routes)
+        out = (torch.cat(logits), torch.cat(hidden), None if routes[0] is None else torch.cat(routes))
+        return out + ((None if router[0] is None else torch.cat(router)),) if with_router_logits else out
 
     def replay_sampling(self, logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
         params = sampling_params(spec)
@@ -116,6 +121,14 @@ class TorchReference(Reference):
         if self._reward is None:
             raise KeyError("this reference has no environments")
         return self._reward(env, task_seed, completion_ids)
+
+
+def _router_logits(res, b: int, t: int, row: int, n: int) -> torch.Tensor | None:
+    """[n, moe_layers, E] float32 router logits of one row of a batched forward (None: dense model);
+    the routing check uses them to tell a near-tie between experts from a wrong route."""
+    if not res.router_logits:
+        return None
+    return torch.stack([r.view(b, t, -1)[row, :n] for r in res.router_logits], dim=1).float().cpu()
 
 
 def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[str, int, list[int]], float]]:

@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from node.envs import get_env
 from node.recipe import Recipe
@@ -47,8 +47,10 @@ class RunConfig(BaseModel):
     run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     """Names the run."""
     task: str = "reverse"
-    """Environment: built-in reverse | addition | calculator | coding, or a `verifiers` one as
-    `verifiers:<id>` / `verifiers:<python.module>:<attr>` (contrib/verifiers; `pip install -e '.[verifiers]'`)."""
+    """Environment: built-in reverse | addition | calculator | coding | reverse-text | arithmetic, a native
+    `Environment` from your own module as `<python.module>:<attr>` (pinned in the spec by its source hash:
+    node/envs/user.py), or a `verifiers` one as `verifiers:<id>` / `verifiers:<python.module>:<attr>`
+    (contrib/verifiers; `pip install -e '.[verifiers]'`)."""
     model: ModelSpec = Field(default_factory=ModelSpec)
     """The run's model (protocol/model_spec.py): a name (`model = "smollm2-135m-instruct"`) or a
     `[model]` table with source, dtype, weights_hash, max_seq_len; tiny-moe's shape comes from `recipe`."""
@@ -74,9 +76,11 @@ class RunConfig(BaseModel):
     shardcast_sources: list[str] = Field(default_factory=list)
     """Where policy versions are served (trainer origin first, then relays)."""
     trainer: str | None = None
-    """Node id of the only trainer (None: any member joining as trainer)."""
+    """Node id of the only trainer, the one key whose weights every member accepts. Required: a run
+    without one is refused at launch (any member could otherwise publish weights)."""
     validators: list[str] = Field(default_factory=list)
-    """Node ids whose verdicts count (empty: any validator member)."""
+    """Node ids of the validators: the only members that may pull work to verify and send verdicts.
+    Required (at least one) when verification_rate > 0."""
     listen: str = "/ip4/127.0.0.1/tcp/4001"
     """Coordinator's libp2p listen multiaddr."""
     status_port: int = Field(8480, ge=0, le=65535)
@@ -86,6 +90,16 @@ class RunConfig(BaseModel):
     engines: list[Literal["builtin", "vllm"]] = Field(default_factory=lambda: ["builtin"], min_length=1)
     """Inference engines whose rollouts the run accepts; add "vllm" to accept rollouts whose sampling
     a validator cannot re-derive (checked on proofs, logprobs, termination, reward; RunSpec.engines)."""
+
+    @model_validator(mode="after")
+    def _who_may_train_and_judge(self) -> "RunConfig":
+        if not self.trainer:
+            raise ValueError("`trainer` is required: the node id of the trainer (`primerl-node keygen`); "
+                             "members accept weights signed by that key only")
+        if self.verification_rate > 0 and not self.validators:
+            raise ValueError(f"verification_rate = {self.verification_rate} needs `validators` (their node ids): "
+                             "only the validators the spec names may judge work; or set verification_rate = 0")
+        return self
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
@@ -100,7 +114,11 @@ class RunConfig(BaseModel):
         return cfg
 
     def run_spec(self, coordinator_peer_id: str) -> RunSpec:
-        return RunSpec(run_id=self.run_id, coordinator=coordinator_peer_id, model=self.model, environment=self.task,
+        from node.envs.user import is_user_task, task_identity
+
+        # a user task travels pinned to its source: every node checks it runs the same code
+        environment = task_identity(self.task) if is_user_task(self.task) else self.task
+        return RunSpec(run_id=self.run_id, coordinator=coordinator_peer_id, model=self.model, environment=environment,
                        max_off_policy_steps=self.max_off_policy_steps, heartbeat_interval_s=self.heartbeat_interval_s,
                        dead_after_missed=self.dead_after_missed, lease_ttl_s=self.lease_ttl_s,
                        group_size=self.group_size, batch_groups=self.batch_groups,

@@ -18,12 +18,12 @@ import logging
 from dataclasses import dataclass
 from typing import TypeVar
 
-from protocol.errors import NotMember, ProtocolError, TransportError, UnexpectedReply
+from protocol.errors import BannedPeer, NotMember, ProtocolError, TransportError, UnexpectedReply
 from protocol.identity import NodeKey
-from protocol.member import RunMember
+from protocol.member import EXIT_BANNED, RunMember
 from protocol.messages import (BatchRequest, LeaseBatchRequest, LeaseGrant, LeaseGrants, Message, Ok, PublishPolicy,
                                Role, RolloutGroup, RolloutSubmission, RunSpec, StoredWork, StoredWorkBatch,
-                               SubmissionReceipt, Verdict, VerdictBatch, VerifyRequest)
+                               RunEnd, SubmissionReceipt, Verdict, VerdictBatch, VerifyRequest)
 from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,26 @@ class Retry:
     """Wait after the first failed attempt; doubles after each one."""
     max_delay_s: float = 3.0
     """Longest wait between two attempts."""
+
+
+class RunStop(asyncio.Event):
+    """The event a role's loops stop on, and why: a signal or the run's end (exit code 0), or a ban
+    (`EXIT_BANNED`). `primerl-node join` exits with `exit_code`, printing `why`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exit_code = 0
+        self.why = ""
+
+    def end(self, exit_code: int, why: str) -> None:
+        if not self.is_set():
+            self.exit_code, self.why = exit_code, why
+            log.warning("stopping: %s", why) if exit_code else log.info("stopping: %s", why)
+        self.set()
+
+
+def _end(stop: asyncio.Event, code: int, why: str) -> None:
+    (stop.end(code, why) if isinstance(stop, RunStop) else stop.set())
 
 
 ONCE = Retry(tries=1)
@@ -72,6 +92,8 @@ class CoordinatorClient:
         self.bootstrap = bootstrap
         self.stop = stop or asyncio.Event()
         self.retry = retry
+        # the coordinator ending the run, or banning us, stops the role (a banned node must not retry forever)
+        member.on_end.append(lambda code, why: _end(self.stop, code, why))
 
     @classmethod
     async def connect(cls, key: NodeKey, spec: RunSpec, role: Role, bootstrap: str, stop: asyncio.Event,
@@ -87,6 +109,10 @@ class CoordinatorClient:
                 log.info("%s %s joined run %s (policy version %d)", role, key.peer_id[-8:], spec.run_id,
                          member.policy_version)
                 return cls(member, bootstrap, stop, retry)
+            except BannedPeer as exc:
+                _end(stop, EXIT_BANNED, f"banned: {exc}")
+                await host.stop()
+                raise
             except ProtocolError as exc:
                 log.warning("join failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, delay)
                 await _sleep_or_stop(stop, delay)
@@ -125,6 +151,10 @@ class CoordinatorClient:
         """Have the coordinator announce policy `version` (idempotent: a retry re-announces)."""
         await self._call(PublishPolicy(version=version, manifest_hash=manifest_hash), Ok, f"publish v{version}")
 
+    async def end_run(self, step: int) -> None:
+        """Trainer: the last step is done; the coordinator announces the end to every member."""
+        await self._call(RunEnd(step=step), Ok, "end of run")
+
     def status(self) -> MemberStatus:
         return MemberStatus(self.member.policy_version, frozenset(self.member.alive_peers()), dict(self.member.banned))
 
@@ -157,6 +187,9 @@ class CoordinatorClient:
                 if not isinstance(reply, expect):
                     raise UnexpectedReply(f"{what}: expected {expect.__name__}, got {type(reply).__name__}")
                 return reply
+            except BannedPeer as exc:
+                _end(self.stop, EXIT_BANNED, f"banned: {exc}")
+                raise
             except NotMember:
                 if last or self.bootstrap is None:
                     raise
@@ -169,6 +202,11 @@ class CoordinatorClient:
                 if last:
                     raise
                 log.info("%s: %s; retrying in %.1fs", what, exc, delay)
+                if self.bootstrap is not None:  # the coordinator may have restarted: dial it afresh
+                    try:
+                        await self.member.host.connect(self.bootstrap, timeout=min(5.0, self.member.request_timeout))
+                    except ProtocolError as dial_exc:
+                        log.debug("re-dial of %s failed: %s", self.bootstrap, dial_exc)
             if self.stop.is_set():
                 raise asyncio.CancelledError(f"stopped during {what}")
             await _sleep_or_stop(self.stop, delay)

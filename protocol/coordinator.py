@@ -21,7 +21,7 @@ from pathlib import Path
 
 from protocol.envelope import open_envelope
 from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, MalformedMessage,
-                             NotLeaseHolder, NotMember, Refused, SpecMismatch, UnknownLease)
+                             NotLeaseHolder, NotMember, Refused, ReplayedMessage, SpecMismatch, UnknownLease)
 from protocol.ledger import OffPolicyLedger
 from protocol.membership import MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutGroup, RolloutSubmission,
@@ -60,14 +60,27 @@ class Coordinator:
             self.view.observe(peer_id, role, addrs, seq, restart)
 
     # ---- membership ------------------------------------------------------------------------
-    def join(self, peer_id: str, msg: Join, now: float) -> JoinAccepted:
+    def _check_fresh(self, peer_id: str, stamp_ms: int | None, what: str) -> None:
+        """A Join or Leave is honoured only if signed later than the peer's last honoured one (the
+        stamps are in the store, so a replay of an earlier incarnation's message fails after a
+        restart too, when the in-memory replay guard is empty or the clock window has passed)."""
+        last = None if stamp_ms is None else self.store.member_stamp(peer_id)
+        if last is not None and stamp_ms <= last:
+            raise ReplayedMessage(f"{what} from {peer_id} stamped {stamp_ms} ms is not newer than its last "
+                                  f"join or leave ({last} ms)")
+
+    def join(self, peer_id: str, msg: Join, now: float, stamp_ms: int | None = None) -> JoinAccepted:
+        """`stamp_ms`: the Join envelope's signed timestamp (see `_check_fresh`)."""
         self._check_not_banned(peer_id, now)
         if msg.spec_hash != self.spec_hash:
             raise SpecMismatch(f"joiner agrees to spec {msg.spec_hash[:12]}, the run is {self.spec_hash[:12]}")
+        self._check_fresh(peer_id, stamp_ms, "join")
         self.view.leave(peer_id)  # a re-join is a fresh sighting
         self.view.observe(peer_id, msg.role, msg.addrs, 0, now)
         with self.store as db:
             db.put_member(peer_id, msg.role, msg.addrs, now)
+            if stamp_ms is not None:
+                db.set_member_stamp(peer_id, stamp_ms)
             # A (re-)join is a fresh incarnation: whatever an earlier one held died with it (a node
             # restarted after a crash would otherwise block its work until the leases expire).
             released = db.release_leases_of(peer_id)
@@ -83,10 +96,15 @@ class Coordinator:
         # Heartbeats are frequent; persisting them is not needed for safety (on restart every
         # member gets a fresh full interval), so only join/leave/death touch the database.
 
-    def leave(self, peer_id: str, now: float) -> list[int]:
+    def leave(self, peer_id: str, now: float, stamp_ms: int | None = None) -> list[int]:
+        """`stamp_ms`: the Leave envelope's signed timestamp; one older than the member's join is a
+        replay of an earlier incarnation's goodbye and is refused (`ReplayedMessage`)."""
+        self._check_fresh(peer_id, stamp_ms, "leave")
         self.view.leave(peer_id)
         with self.store as db:
             db.delete_member(peer_id)
+            if stamp_ms is not None:
+                db.set_member_stamp(peer_id, stamp_ms)
             return db.release_leases_of(peer_id)
 
     def sweep(self, now: float) -> tuple[list[str], list[int]]:
@@ -120,10 +138,11 @@ class Coordinator:
         return pruned
 
     # ---- leases ------------------------------------------------------------------------------
-    def grant_lease(self, peer_id: str, now: float) -> LeaseGrant:
+    def grant_lease(self, peer_id: str, now: float, ttl_s: float | None = None) -> LeaseGrant:
+        """`ttl_s`: this lease's lifetime (default the spec's; shorter for new identities)."""
         self.check_member(peer_id, now)
         version = self.ledger.current_version
-        deadline = now + self.spec.lease_ttl_s
+        deadline = now + (self.spec.lease_ttl_s if ttl_s is None else ttl_s)
         with self.store as db:
             pending = db.first_pending()
             if pending is None:

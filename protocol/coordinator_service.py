@@ -16,17 +16,22 @@ import time
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import Opened
-from protocol.errors import NotMember, ProtocolError
+from protocol.errors import NotAuthorized, NotMember, ProtocolError
 from protocol import pipeline
 from protocol.identity import NodeKey
 from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrants,
                                Leave, Message, Ok, PolicyAnnounce, PublishPolicy,
                                RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch, SubmissionReceipt,
-                               VerdictBatch, VerifyRequest, WorkCancel)
+                               VerdictBatch, VerifyRequest, WorkCancel, RunEnd)
 from protocol.network import RunNetwork
 from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
+
+GUARD_FLUSH_S = 0.5
+"""How often newly seen (signer, nonce) pairs are written to the store. A request seen in the last
+half second before a SIGKILL may be replayed once after the restart; Join and Leave are refused even
+then (their signed stamps are stored with the membership change itself)."""
 
 MAX_GROUP = 256
 """Most submissions stored by one fsync + commit (bounds the latency of the last one in a group)."""
@@ -48,6 +53,10 @@ class CoordinatorService:
         self.selector = selector
         """work id -> whether it needs a validator's verdict before it may enter a batch."""
         self.on_verdicts: list = []
+        self.lease_policy: pipeline.LeasePolicy | None = pipeline.LeasePolicy()
+        """What an identity may hold, by its record (None: only the per-peer cap, as before)."""
+        self.ended = asyncio.Event()
+        """Set a grace period after the trainer reported the run's last step (the launcher then exits 0)."""
         """Callbacks (validator, verdicts) for observers such as the status page."""
 
     @property
@@ -55,6 +64,12 @@ class CoordinatorService:
         return self.state.spec
 
     async def start(self) -> None:
+        # The replay guard survives restarts: pairs seen within its horizon are read back, and new
+        # ones written behind every GUARD_FLUSH_S (`_persist_guard`), before any request or gossip is served.
+        guard = self.net.guard
+        guard.durable = True
+        guard.preload(self.state.store.seen_since(time.time() - guard.horizon_s), time.time())
+        self._tasks.append(asyncio.create_task(self._persist_guard(), name="coordinator-replay-guard"))
         self.net.serve(Join, self._on_join)
         self.net.serve(RolloutSubmission, self._on_submission)
         self.net.serve(RolloutGroup, self._on_submission)
@@ -63,6 +78,7 @@ class CoordinatorService:
         self.net.serve(VerifyRequest, self._on_verify_request)
         self.net.serve(VerdictBatch, self._on_verdicts)
         self.net.serve(PublishPolicy, self._on_publish)
+        self.net.serve(RunEnd, self._on_run_end)
         self.net.on_gossip(self._on_gossip)
         await self.net.start_gossip()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="coordinator-sweeper"))
@@ -74,16 +90,30 @@ class CoordinatorService:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.net.close()
+        self._flush_guard()
+
+    def _flush_guard(self) -> None:
+        now = time.time()
+        self.state.store.remember_seen(self.net.guard.drain(), now - self.net.guard.horizon_s)
+
+    async def _persist_guard(self) -> None:
+        while True:
+            await asyncio.sleep(GUARD_FLUSH_S)
+            try:
+                self._flush_guard()
+            except Exception:
+                log.exception("persisting the replay guard failed")
 
     # ---- requests ------------------------------------------------------------------------------
     async def _on_join(self, o: Opened) -> JoinAccepted:
-        reply = self.state.join(o.signer, o.message, time.time())
+        reply = self.state.join(o.signer, o.message, time.time(), stamp_ms=o.timestamp_ms)
         log.info("member %s joined as %s", o.signer, o.message.role)
         return reply
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
         cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
         return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
+                                                        policy=self.lease_policy,
                                                         holds_version=o.message.policy_version))
 
     def _require(self, peer_id: str, role: str, allowed: list[str]) -> None:
@@ -91,7 +121,15 @@ class CoordinatorService:
         member = self.state.view.members.get(peer_id)
         ok = peer_id in allowed if allowed else (member is not None and member.role == role)
         if not ok:
-            raise NotMember(f"{peer_id} may not act as {role} in this run")
+            raise (NotMember if member is None and not allowed else NotAuthorized)(
+                f"{peer_id} may not act as {role} in this run")
+
+    def _require_validator(self, peer_id: str) -> None:
+        """Only the validators the signed spec names, or the coordinator's own key, may pull work to
+        verify or judge it; with none named, no member can (joining as "validator" grants nothing)."""
+        if peer_id != self.key.peer_id and peer_id not in self.spec.validators:
+            raise NotAuthorized(f"{peer_id} is not a validator of this run (the spec names "
+                            f"{len(self.spec.validators)})")
 
     async def _on_batch_request(self, o: Opened) -> StoredWorkBatch:
         self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
@@ -99,18 +137,34 @@ class CoordinatorService:
         return StoredWorkBatch(step=o.message.step, items=pipeline.stored(self.state, ids))
 
     async def _on_verify_request(self, o: Opened) -> StoredWorkBatch:
-        self._require(o.signer, "validator", self.spec.validators)
+        self._require_validator(o.signer)
         ids = pipeline.to_verify(self.state, o.message.max_items, self.selector)
         return StoredWorkBatch(items=pipeline.stored(self.state, ids))
 
     async def _on_verdicts(self, o: Opened) -> Ok:
-        self._require(o.signer, "validator", self.spec.validators)
+        self._require_validator(o.signer)
         offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time())
         for cb in self.on_verdicts:
             cb(o.signer, o.message.verdicts)
         for peer_id, reason in dict(offenders).items():
             log.warning("banning %s: %s", peer_id, reason)
             await self.ban(peer_id, reason)
+        return Ok()
+
+    async def _on_run_end(self, o: Opened) -> Ok:
+        """The trainer's last step is done: record it, tell everyone (again with every heartbeat), and
+        set `ended` once members have had `dead_after_missed` heartbeat intervals to hear it."""
+        self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
+        if self.state.store.get_meta("ended_at_step") is None:
+            with self.state.store as db:
+                db.set_meta("ended_at_step", str(o.message.step))
+            log.info("run ended at trainer step %d; announcing it", o.message.step)
+            await self.publish(RunEnd(step=o.message.step))
+
+            async def close_after_grace() -> None:
+                await asyncio.sleep(self.spec.heartbeat_interval_s * self.spec.dead_after_missed)
+                self.ended.set()
+            self._tasks.append(asyncio.create_task(close_after_grace(), name="coordinator-end"))
         return Ok()
 
     async def _on_publish(self, o: Opened) -> Ok:
@@ -154,7 +208,7 @@ class CoordinatorService:
         if isinstance(msg, Heartbeat):
             self.state.heartbeat(o.signer, msg, time.time())
         elif isinstance(msg, Leave):
-            released = self.state.leave(o.signer, time.time())
+            released = self.state.leave(o.signer, time.time(), stamp_ms=o.timestamp_ms)
             log.info("member %s left (%s); %d leases back in the pool", o.signer, msg.reason, len(released))
 
     async def _sweeper(self) -> None:
@@ -172,6 +226,9 @@ class CoordinatorService:
             self._seq += 1
             try:
                 await self.net.publish(Heartbeat(seq=self._seq, role="coordinator", addrs=self.host.addrs[:16]))
+                ended = self.state.store.get_meta("ended_at_step")
+                if ended is not None:  # late joiners and members that missed it hear it too
+                    await self.net.publish(RunEnd(step=int(ended)))
             except ProtocolError as exc:
                 log.warning("coordinator heartbeat not sent: %s", exc)
             await asyncio.sleep(self.spec.heartbeat_interval_s)

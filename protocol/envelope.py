@@ -129,6 +129,9 @@ class ReplayGuard:
         self.window_s = window_s
         self.max_entries = max_entries
         self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self.durable = False
+        """When set, new pairs are also kept for `drain` (a coordinator persists them: they survive a restart)."""
+        self._new: list[tuple[bytes, float]] = []
 
     def check_and_remember(self, signer: bytes, nonce: bytes, timestamp_ms: int, now: float) -> None:
         self._expire(now)
@@ -136,8 +139,26 @@ class ReplayGuard:
         if key in self._seen:
             raise ReplayedMessage(f"nonce {nonce.hex()} from {peer_id_from_public_bytes(signer)} already seen")
         self._seen[key] = now
+        if self.durable:
+            self._new.append((key, now))
         if len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
+
+    def drain(self) -> list[tuple[bytes, float]]:
+        """(key, seen at) of the pairs remembered since the last drain (only when `durable`)."""
+        out, self._new = self._new, []
+        return out
+
+    def preload(self, entries: list[tuple[bytes, float]], now: float) -> None:
+        """Remember pairs a previous incarnation saw (oldest first); those past the horizon are skipped."""
+        for key, seen_at in sorted(entries, key=lambda e: e[1]):
+            self._seen[key] = seen_at
+        self._expire(now)
+
+    @property
+    def horizon_s(self) -> float:
+        """How long a pair must be remembered: after that its timestamp alone refuses a replay."""
+        return 2 * self.window_s
 
     def _expire(self, now: float) -> None:
         # A message stamped ts is refused by time once now > ts + window; it arrived no earlier

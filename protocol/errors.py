@@ -71,6 +71,10 @@ class NotMember(Refused):
     """The signer has not joined the run (or was ejected as dead)."""
 
 
+class NotAuthorized(Refused):
+    """The signer is a member, but not one the signed spec lets do this (judge work, publish weights)."""
+
+
 class BannedPeer(Refused):
     """The signer is banned from the run."""
 
@@ -105,7 +109,7 @@ class InconsistentRollout(Refused):
 
 REFUSALS: dict[str, type[Refused]] = {
     cls.__name__: cls
-    for cls in (NotMember, BannedPeer, SpecMismatch, UnknownLease, NotLeaseHolder, LeaseExpired,
+    for cls in (NotMember, NotAuthorized, BannedPeer, SpecMismatch, UnknownLease, NotLeaseHolder, LeaseExpired,
                 DuplicateSubmission, StaleRollout, InconsistentRollout)
 }
 

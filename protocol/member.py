@@ -17,11 +17,15 @@ from protocol.envelope import Opened
 from protocol.errors import ProtocolError, UnexpectedReply
 from protocol.identity import NodeKey
 from protocol.membership import MembershipConfig, MembershipView
-from protocol.messages import Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, PolicyAnnounce, Role, RunSpec, WorkCancel
+from protocol.messages import (Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, PolicyAnnounce, Role, RunEnd,
+                               RunSpec, WorkCancel)
 from protocol.network import RunNetwork
 from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
+
+EXIT_BANNED = 3
+"""Exit code of a member the coordinator banned (`primerl-node join` exits with it, saying why)."""
 
 
 class RunMember:
@@ -43,9 +47,13 @@ class RunMember:
         under the same id; a lease granted at that version or later is a new one (`lease_cancelled`)."""
         self.banned: dict[str, str] = {}
         self.on_policy: list[Callable[[PolicyAnnounce], Awaitable[None]]] = []
+        self.on_end: list[Callable[[int, str], None]] = []
+        """Called with (exit code, why) when the coordinator ends the run (0) or bans this member."""
         self._seq = 0
         self._tasks: list[asyncio.Task] = []
         self._dialing: set[str] = set()
+        self._beating: asyncio.Task | None = None
+        self._listening = False
 
     @property
     def coordinator(self) -> str:
@@ -54,7 +62,9 @@ class RunMember:
     async def join(self, bootstrap: str) -> JoinAccepted:
         """Dial the bootstrap multiaddr, join the run, dial the members it lists, start beating."""
         await self.host.connect(bootstrap)
-        self.net.on_gossip(self._on_gossip)
+        if not self._listening:  # a re-join (after a coordinator restart) must not double the handlers
+            self.net.on_gossip(self._on_gossip)
+            self._listening = True
         await self.net.start_gossip()
         reply = await self.net.request(self.coordinator, Join(spec_hash=self.spec.spec_hash(), role=self.role,
                                                               addrs=self._addrs()), self.request_timeout)
@@ -66,7 +76,9 @@ class RunMember:
         for m in reply.members:
             self.view.observe(m.peer_id, "?", m.addrs, -1, now)
             self._discover(m.peer_id, m.addrs)
-        self._tasks.append(asyncio.create_task(self._beat(), name=f"heartbeat-{self.key.peer_id[-6:]}"))
+        if self._beating is None or self._beating.done():
+            self._beating = asyncio.create_task(self._beat(), name=f"heartbeat-{self.key.peer_id[-6:]}")
+            self._tasks.append(self._beating)
         return reply
 
     async def leave(self, reason: str = "shutting down") -> None:
@@ -127,6 +139,14 @@ class RunMember:
         elif isinstance(msg, Ban):
             self.banned[msg.peer_id] = msg.reason
             self.view.leave(msg.peer_id)
+            if msg.peer_id == self.key.peer_id:
+                self._end(EXIT_BANNED, f"banned by the coordinator: {msg.reason}")
+        elif isinstance(msg, RunEnd):
+            self._end(0, f"the run ended at trainer step {msg.step}")
+
+    def _end(self, code: int, why: str) -> None:
+        for cb in self.on_end:
+            cb(code, why)
 
     def _discover(self, peer_id: str, addrs: list[str]) -> None:
         """Dial a peer learnt from the network, unless we have enough or already do."""

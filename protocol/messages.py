@@ -84,9 +84,11 @@ class RunSpec(Message):
     shardcast_sources: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=64)
     """HTTP base URLs serving the run's policy versions (trainer origin first, then relays)."""
     trainer: PeerIdStr | None = None
-    """The only peer allowed to publish policy versions and take batches (None: any trainer member)."""
+    """The only peer allowed to publish policy versions and take batches (None: any trainer member;
+    `coordinator launch` refuses a run.toml without one)."""
     validators: list[PeerIdStr] = Field(default_factory=list, max_length=256)
-    """Peers whose verdicts count (empty: any validator member)."""
+    """The only peers (besides the coordinator's own key) that may pull work to verify and send
+    verdicts. Empty: nobody else (`coordinator launch` refuses that with verification_rate > 0)."""
     recipe: dict[Annotated[str, Field(max_length=64)], float | int | str] = Field(default_factory=dict, max_length=64)
     """Learning recipe the trainer and inference nodes follow (model shape, lr, steps, temperature...)."""
     engines: tuple[EngineName, ...] = Field(BUILTIN_ONLY, min_length=1, max_length=8)
@@ -159,6 +161,15 @@ class Leave(Message):
     type: Literal["leave"] = "leave"
     reason: Reason = ""
     """Why the member leaves (free text, for logs)."""
+
+
+class RunEnd(Message):
+    """Trainer -> coordinator (request) when its last step is done; coordinator -> everyone (gossip):
+    the run is over, every member leaves and exits 0."""
+
+    type: Literal["run_end"] = "run_end"
+    step: int = Field(ge=0, le=MAX_INT64)
+    """The trainer's last step."""
 
 
 class PolicyAnnounce(Message):
@@ -399,6 +410,9 @@ class Verdict(Message):
     """Whether every check passed."""
     reason: Reason = ""
     """Which check failed, if any."""
+    severity: Literal["proof", "borderline"] = "proof"
+    """Of a failing verdict: `proof` (a deterministic check, or a numeric one far past its tolerance:
+    the submitter is banned) or `borderline` (near a tolerance: a strike; `STRIKES_TO_BAN` ban)."""
 
 
 class Ban(Message):
@@ -421,7 +435,8 @@ VerdictBatch.model_rebuild()
 AnyMessage = Annotated[
     Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseGrant,
           RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup,
-          LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy],
+          LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy,
+          RunEnd],
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
@@ -429,7 +444,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (RunSpec, Join, JoinAccepted, Heartbe
                                             LeaseGrant, RolloutSubmission, SubmissionReceipt,
                                             Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup, LeaseBatchRequest,
                                             LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch,
-                                            PublishPolicy)
+                                            PublishPolicy, RunEnd)
 MAX_BODY_BYTES = max(t.max_body_bytes for t in MESSAGE_TYPES)
 
 

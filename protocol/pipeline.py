@@ -5,7 +5,10 @@ Invariants (on top of `protocol.coordinator`'s):
   selector did not pick it for verification) and within the off-policy bound;
 - a work unit is in at most one batch, and asking again for step s returns the same units first
   (a trainer that lost the reply, or a coordinator restarted mid-reply, loses nothing);
-- a failing verdict bans its submitter: their unbatched units are dropped and their leases freed.
+- a unit's verdict is recorded once and never changed, and only for a unit awaiting one (not batched,
+  not dropped other than as stale); a ban follows only from the verdict just recorded: a proof-grade
+  failure bans its submitter (unbatched units dropped, leases freed), a borderline one is a strike,
+  and `STRIKES_TO_BAN` strikes ban.
 - the pool never has more than `out_limit(k, batch)` units of work out (leased, or accepted and
   unbatched), so inference nodes do not burn compute on rollouts that would only go stale;
   one peer never holds more than `peer_lease_cap` (half of that) leases at once.
@@ -14,7 +17,9 @@ Invariants (on top of `protocol.coordinator`'s):
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from protocol.coordinator import Coordinator
 from protocol.messages import LeaseGrant, StoredWork, Verdict
@@ -43,10 +48,35 @@ def peer_lease_cap(k: int, batch_groups: int) -> int:
     return max(1, (out_limit(k, batch_groups) + 1) // 2)
 
 
+@dataclass(frozen=True)
+class LeasePolicy:
+    """Sybil resistance for leases: identities are free, so what one may hold is earned. An
+    identity's allowance grows with its work that entered a batch (verified, or not selected for
+    verification) and shrinks with leases it let expire; identities with no such work ("newcomers")
+    get short leases, and together hold at most `newcomer_share` of the pool, so hoarding
+    identities without a record can never hold the pool (honest nodes with a record keep the rest)."""
+
+    new_allowance: int = 4
+    """Leases a newcomer may hold at once (slow start)."""
+    per_credit: int = 2
+    """Allowance gained per work unit of the identity that entered a batch."""
+    expiry_penalty: int = 2
+    """Allowance lost per lease the identity let expire (never below 1)."""
+    newcomer_share: float = 0.5
+    """Share of the pool (`out_limit`) all newcomers together may hold (rounded up: a pool of one
+    lease is all newcomers' at a run's start, when nobody has a record yet)."""
+    newcomer_ttl_share: float = 0.25
+    """A newcomer's lease lasts this share of `lease_ttl_s`: a hoarder's leases come back sooner."""
+
+    def allowance(self, credited: int, expired: int, cap: int) -> int:
+        return max(1, min(cap, self.new_allowance + self.per_credit * credited - self.expiry_penalty * expired))
+
+
 def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_cap: int | None = None,
-                 holds_version: int | None = None) -> list[LeaseGrant]:
+                 holds_version: int | None = None, policy: LeasePolicy | None = None) -> list[LeaseGrant]:
     """Up to `count` leases, fewer while `out_limit` units are already out or the peer already
-    holds `peer_cap` (the service passes `peer_lease_cap`); none before version 0, and none to a
+    holds `peer_cap` (the service passes `peer_lease_cap`) or, with a `policy` (the service passes
+    one), what the peer's record allows; none before version 0, and none to a
     node whose newest policy (`holds_version`) could not yield an admissible rollout (at k = 0, a
     node that has not loaded the version just announced): its work would only be refused as stale
     while the lease blocks that work. Raises `NotMember`/`BannedPeer` for a peer that may not lease."""
@@ -55,10 +85,19 @@ def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_
         return []
     if holds_version is not None and not state.ledger.admissible(holds_version):
         return []
-    room = out_limit(state.spec.max_off_policy_steps, state.spec.batch_groups) - work_out(state)
-    if peer_cap is not None:
-        room = min(room, peer_cap - state.store.leased_count(holder=peer_id))
-    return [state.grant_lease(peer_id, now) for _ in range(max(0, min(count, room)))]
+    pool = out_limit(state.spec.max_off_policy_steps, state.spec.batch_groups)
+    room = pool - work_out(state)
+    cap = pool if peer_cap is None else peer_cap
+    ttl = None
+    if policy is not None:
+        credited, expired = state.store.record_of(peer_id)
+        cap = policy.allowance(credited, expired, cap)
+        if credited == 0:
+            room = min(room, math.ceil(pool * policy.newcomer_share) - state.store.leased_by_newcomers())
+            ttl = state.spec.lease_ttl_s * policy.newcomer_ttl_share
+    if peer_cap is not None or policy is not None:
+        room = min(room, cap - state.store.leased_count(holder=peer_id))
+    return [state.grant_lease(peer_id, now, ttl) for _ in range(max(0, min(count, room)))]
 
 
 def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
@@ -82,9 +121,16 @@ def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[in
     return [w for w, v in rows if w not in set(stale) and selector(w)][:max_items]
 
 
+STRIKES_TO_BAN = 3
+"""Borderline failures (a few numeric differences near a tolerance, which honest hardware can
+produce) an identity may collect before it is banned; one proof-grade failure bans at once."""
+
+
 def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict], now: float) -> list[tuple[str, str]]:
-    """Store verdicts on accepted units; return (submitter, reason) for every failing one (to ban).
-    A verdict naming the wrong submitter or an unknown unit is ignored (and logged)."""
+    """Store verdicts on units awaiting one; return (submitter, reason) of every peer to ban now.
+    Ignored (and logged): a verdict naming the wrong submitter or an unknown unit, one on a unit that
+    already has a verdict (a verdict is never overwritten, so a second one bans nobody), and one on a
+    unit already batched or dropped (other than as stale: that race is the validator's, not a forgery)."""
     offenders = []
     with state.store as db:
         for v in verdicts:
@@ -93,9 +139,24 @@ def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict],
                 log.warning("verdict from %s on work %d names %s: no such accepted unit", validator, v.work_id,
                             v.submitter)
                 continue
-            db.put_verdict(v.work_id, v.valid, validator, v.reason, now)
-            if not v.valid:
-                db.drop([v.work_id], "invalid")
+            if rec[0].batch_step is not None or rec[0].dropped not in (None, "stale"):
+                log.warning("verdict from %s on work %d ignored: the unit is %s", validator, v.work_id,
+                            "batched" if rec[0].batch_step is not None else f"dropped ({rec[0].dropped})")
+                continue
+            if not db.put_verdict(v.work_id, v.valid, validator, v.reason, now):
+                log.warning("verdict from %s on work %d ignored: it already has one", validator, v.work_id)
+                continue
+            if v.valid:
+                continue
+            db.drop([v.work_id], "invalid")
+            if v.severity == "borderline":
+                strikes = db.add_strike(v.submitter, v.reason)
+                log.warning("work %d from %s failed near a tolerance (strike %d of %d): %s", v.work_id,
+                            v.submitter, strikes, STRIKES_TO_BAN, v.reason)
+                if strikes >= STRIKES_TO_BAN:
+                    offenders.append((v.submitter, f"{strikes} borderline verification failures, the last on "
+                                                   f"work {v.work_id}: {v.reason}"))
+            else:
                 offenders.append((v.submitter, f"work {v.work_id} failed verification: {v.reason}"))
     return offenders
 
@@ -122,5 +183,6 @@ def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -
             if selector(rec.work_id) and not valid.get(rec.work_id, False):
                 continue  # waits for its verdict
             db.assign(rec.work_id, step)
+            db.credit(rec.submitter)  # earned: the submitter's lease allowance grows (LeasePolicy)
             assigned.append(rec.work_id)
     return assigned

@@ -45,6 +45,10 @@ CREATE TABLE IF NOT EXISTS accepted (
 CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS member_stamps (peer_id TEXT PRIMARY KEY, last_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS peer_record (peer_id TEXT PRIMARY KEY, credited INTEGER NOT NULL DEFAULT 0,
+    expired INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS step_rewards (step INTEGER PRIMARY KEY, groups INTEGER NOT NULL, reward_sum REAL NOT NULL);
 """
 _PRUNED = ("accepted", "rejected", "verified", "batched", "dropped_stale")
@@ -84,6 +88,13 @@ class CoordinatorStore:
         # FULL: a commit survives power loss too, not only a killed process (NORMAL would).
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(_SCHEMA)
+        # The replay guard's pairs live in their own file, committed without fsync (WAL, NORMAL): they
+        # must survive the process (a SIGKILL), not a power cut, and are written every half second.
+        self.guard_db = sqlite3.connect(self.dir / "replay_guard.sqlite3", isolation_level=None, check_same_thread=False)
+        self.guard_db.execute("PRAGMA journal_mode=WAL")
+        self.guard_db.execute("PRAGMA synchronous=NORMAL")
+        self.guard_db.executescript("CREATE TABLE IF NOT EXISTS seen_nonces (key BLOB PRIMARY KEY, at REAL NOT NULL);"
+                                    "CREATE INDEX IF NOT EXISTS seen_nonces_at ON seen_nonces(at);")
         self.segments.cut_unacknowledged_tails(dict(self._q(
             "SELECT segment, MAX(offset + length) FROM accepted GROUP BY segment")))
 
@@ -135,6 +146,32 @@ class CoordinatorStore:
 
     def banned_peers(self) -> set[str]:
         return {r[0] for r in self._q("SELECT peer_id FROM bans")}
+
+    def member_stamp(self, peer_id: str) -> int | None:
+        """Envelope timestamp (ms) of the peer's last honoured Join or Leave."""
+        rows = self._q("SELECT last_ms FROM member_stamps WHERE peer_id=?", peer_id)
+        return rows[0][0] if rows else None
+
+    def set_member_stamp(self, peer_id: str, stamp_ms: int) -> None:
+        self._x("INSERT INTO member_stamps VALUES(?, ?) ON CONFLICT(peer_id) DO UPDATE SET last_ms=excluded.last_ms",
+                peer_id, stamp_ms)
+
+    # ---- the replay guard, persisted -----------------------------------------------------------
+    def remember_seen(self, entries: list[tuple[bytes, float]], forget_before: float) -> None:
+        """Add (signer + nonce, seen at) pairs and drop those older than `forget_before` (one transaction)."""
+        g = self.guard_db
+        g.execute("BEGIN IMMEDIATE")
+        try:
+            g.executemany("INSERT OR IGNORE INTO seen_nonces VALUES(?, ?)", entries)
+            g.execute("DELETE FROM seen_nonces WHERE at < ?", (forget_before,))
+        except BaseException:
+            g.execute("ROLLBACK")
+            raise
+        g.execute("COMMIT")
+
+    def seen_since(self, since: float) -> list[tuple[bytes, float]]:
+        return [(bytes(k), at) for k, at in
+                self.guard_db.execute("SELECT key, at FROM seen_nonces WHERE at >= ?", (since,)).fetchall()]
 
     # ---- policy versions ---------------------------------------------------------------------
     def add_policy_version(self, version: int, manifest_hash: str, now: float) -> None:
@@ -196,9 +233,29 @@ class CoordinatorStore:
         return ids
 
     def release_expired(self, now: float) -> list[int]:
-        ids = [r[0] for r in self._q("SELECT work_id FROM work WHERE state='leased' AND deadline<?", now)]
-        self.release(ids)
-        return ids
+        """Leases past their deadline back to the pool; each counts against its holder's record."""
+        rows = self._q("SELECT work_id, holder FROM work WHERE state='leased' AND deadline<?", now)
+        self.release([r[0] for r in rows])
+        for holder in {r[1] for r in rows if r[1]}:
+            n = sum(r[1] == holder for r in rows)
+            self._x("INSERT INTO peer_record(peer_id, expired) VALUES(?, ?) ON CONFLICT(peer_id) DO UPDATE "
+                    "SET expired=expired+excluded.expired", holder, n)
+        return [r[0] for r in rows]
+
+    # ---- what an identity has earned (lease allowance, protocol.pipeline.LeasePolicy) -------------
+    def record_of(self, peer_id: str) -> tuple[int, int]:
+        """(work units of the peer that entered a batch, leases it let expire)."""
+        rows = self._q("SELECT credited, expired FROM peer_record WHERE peer_id=?", peer_id)
+        return (rows[0][0], rows[0][1]) if rows else (0, 0)
+
+    def credit(self, peer_id: str) -> None:
+        self._x("INSERT INTO peer_record(peer_id, credited) VALUES(?, 1) ON CONFLICT(peer_id) DO UPDATE "
+                "SET credited=credited+1", peer_id)
+
+    def leased_by_newcomers(self) -> int:
+        """Leases out to peers none of whose work has entered a batch yet."""
+        return self._one("SELECT COUNT(*) FROM work w LEFT JOIN peer_record r ON r.peer_id = w.holder "
+                         "WHERE w.state='leased' AND COALESCE(r.credited, 0) = 0")
 
     # ---- accepted rollouts -------------------------------------------------------------------
     def append_rollouts(self, envelopes: list[bytes]) -> list[tuple[str, int, int]]:
@@ -236,8 +293,22 @@ class CoordinatorStore:
         self.db.executemany("UPDATE accepted SET dropped=? WHERE work_id=? AND batch_step IS NULL",
                             [(reason, w) for w in work_ids])
 
-    def put_verdict(self, work_id: int, valid: bool, validator: str, reason: str, now: float) -> None:
+    def put_verdict(self, work_id: int, valid: bool, validator: str, reason: str, now: float) -> bool:
+        """Record the unit's verdict; False (and nothing changes) when it already has one."""
+        before = self.db.total_changes
         self._x("INSERT OR IGNORE INTO verdicts VALUES(?,?,?,?,?)", work_id, int(valid), validator, reason, now)
+        return self.db.total_changes > before
+
+    def verdict_of(self, work_id: int) -> tuple[bool, str, str] | None:
+        """(valid, validator, reason) of the unit's recorded verdict, if any."""
+        rows = self._q("SELECT valid, validator, reason FROM verdicts WHERE work_id=?", work_id)
+        return (bool(rows[0][0]), rows[0][1], rows[0][2]) if rows else None
+
+    def add_strike(self, peer_id: str, reason: str) -> int:
+        """Count a borderline failure against `peer_id`; returns its strikes so far."""
+        self._x("INSERT INTO strikes VALUES(?, 1, ?) ON CONFLICT(peer_id) DO UPDATE SET count=count+1, "
+                "last_reason=excluded.last_reason", peer_id, reason)
+        return self._one("SELECT count FROM strikes WHERE peer_id=?", peer_id)
 
     def verdicts(self) -> dict[int, bool]:
         return {r[0]: bool(r[1]) for r in self._q("SELECT work_id, valid FROM verdicts")}
@@ -304,6 +375,7 @@ class CoordinatorStore:
     def close(self) -> None:
         self.segments.close()
         self.db.close()
+        self.guard_db.close()
 
 
 def dumps(obj: object) -> str:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -137,6 +138,11 @@ class PeerHost:
         async with AsyncExitStack() as stack:
             await stack.enter_async_context(self._host.run([multiaddr.Multiaddr(self._listen)]))
             self._pubsub = Pubsub(self._host, router)
+            # py-libp2p numbers our messages from int(time.time()), +1 each: a peer that published
+            # more than one message a second and restarts reuses numbers its peers still remember,
+            # and they drop its new messages as duplicates ("Equivocation detected", for up to the
+            # 120 s seen-cache window). Nanoseconds keep the numbering ahead of any earlier incarnation.
+            self._pubsub.counter = time.time_ns()
             await stack.enter_async_context(background_trio_service(self._pubsub))
             await stack.enter_async_context(background_trio_service(router))
             await self._pubsub.wait_until_ready()

@@ -54,6 +54,33 @@ and on greedy choices, but their choices at temperature > 0 are not re-derived; 
 only if its spec names them (`RunSpec.engines`)."""
 
 
+PROOF_FACTOR = 2.0
+"""A recomputation check failing by this factor or more past its threshold is proof of tampering;
+nearer the line it is borderline (`Severity`)."""
+MIN_MEAN_TOKENS = 32
+"""The per-segment mean logprob check applies to segments of at least this many tokens (one proof
+chunk): honest per-token errors are heavy-tailed (bf16: one token up to 0.17 nats while rollout means
+stay under 0.007), so one such token in a segment of fewer than 0.17 / 0.01 = 17 tokens fails the
+mean although every token passes; a short segment (the tail of a mixed-version rollout) is judged
+per token."""
+
+
+class Severity(str, Enum):
+    """How strong a failure is as evidence. PROOF: a deterministic check failed (prompt, reward,
+    termination, versions, malformed input) or a numeric one failed far past its tolerance
+    (`PROOF_FACTOR`); the coordinator bans on it. BORDERLINE: a numeric check failed near its
+    tolerance (one or a few routing or numeric differences); the coordinator counts a strike."""
+
+    NONE = "none"
+    PROOF = "proof"
+    BORDERLINE = "borderline"
+
+
+def graded(excess: float) -> Severity:
+    """Severity of a numeric failure, given the largest ratio of a statistic to its threshold."""
+    return Severity.PROOF if excess >= PROOF_FACTOR else Severity.BORDERLINE
+
+
 class Reason(str, Enum):
     OK = "ok"
     MALFORMED = "malformed"
@@ -77,6 +104,8 @@ class Failure:
     """Index of the failing proof chunk (rollout-wide, in token order)."""
     token: int | None = None
     """Index of the failing completion token."""
+    severity: Severity = Severity.PROOF
+    """Deterministic checks are proof; numeric ones grade themselves (`graded`)."""
 
 
 def turns(claim: RolloutClaim) -> list[tuple[int, int]]:
@@ -147,12 +176,25 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def check_hidden(stats: list[ChunkStats], chunk_offset: int, t: Thresholds) -> Failure | None:
+    """The failing chunk furthest past its thresholds (None: every chunk within them)."""
+    worst, worst_excess = None, 0.0
     for i, s in enumerate(stats):
         if (s.exp_mismatches > t.max_exp_mismatches or s.mant_err_mean > t.max_mant_err_mean
                 or s.mant_err_median > t.max_mant_err_median):
-            return Failure(Reason.HIDDEN_MISMATCH, f"exp mismatches {s.exp_mismatches}, mantissa error mean "
-                           f"{s.mant_err_mean:.2f} median {s.mant_err_median:.2f}", chunk=chunk_offset + i)
-    return None
+            excess = max(s.exp_mismatches / t.max_exp_mismatches, s.mant_err_mean / t.max_mant_err_mean,
+                         s.mant_err_median / t.max_mant_err_median)
+            if worst is None or excess > worst_excess:
+                worst, worst_excess = Failure(Reason.HIDDEN_MISMATCH, f"exp mismatches {s.exp_mismatches}, mantissa "
+                                              f"error mean {s.mant_err_mean:.2f} median {s.mant_err_median:.2f}",
+                                              chunk=chunk_offset + i, severity=graded(excess)), excess
+    return worst
+
+
+def _strongest(failures: list[Failure | None]) -> Failure | None:
+    """The first proof-grade failure, else the first borderline one: a borderline hidden-state
+    difference does not hide a logprob or sampling failure that is proof."""
+    found = [f for f in failures if f is not None]
+    return next((f for f in found if f.severity == Severity.PROOF), found[0] if found else None)
 
 
 def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], logits: torch.Tensor,
@@ -160,32 +202,34 @@ def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], log
                   chunk_offsets: list[int]) -> Failure | None:
     """Checks of the sampled tokens `token_idx` of one version, given the validator's logits and
     hidden rows for them ([len(token_idx), V] and [len(token_idx), H], rows in token order).
-    `spans` index into those rows; `chunk_offsets` give each span's rollout-wide chunk number."""
+    `spans` index into those rows; `chunk_offsets` give each span's rollout-wide chunk number.
+    Every check runs; the strongest failure is returned (`_strongest`)."""
     from verification.proof import chunk_blocks
 
     t = THRESHOLDS[ref.precision]
     stats = compare_blocks(chunk_blocks(hidden, spans), commitments)
-    for s, off in zip(stats, chunk_offsets):
-        if (f := check_hidden([s], off, t)) is not None:
-            return f
+    failures = [_strongest([check_hidden([s], off, t) for s, off in zip(stats, chunk_offsets)])]
     claimed_tok = torch.tensor([claim.token_ids[i] for i in token_idx])
     claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32)
     ours = token_logprobs(logits, claimed_tok, claim.sampling.temperature)
-    err = (claimed_lp - ours).abs()
-    if float(err.mean()) > t.max_logprob_err_mean:
-        return Failure(Reason.LOGPROB_MISMATCH, f"mean logprob error {float(err.mean()):.4f} over "
-                       f"{len(token_idx)} tokens of version {spans[0].version}", token=token_idx[0])
+    err = (claimed_lp - ours).abs().nan_to_num(nan=float("inf"))
     if bool((err > t.max_logprob_err).any()):
         r = int(err.argmax())
-        return Failure(Reason.LOGPROB_MISMATCH, f"claimed logprob {claimed_lp[r].item():.4f}, recomputed "
-                       f"{ours[r].item():.4f}", token=token_idx[r])
+        failures.append(Failure(Reason.LOGPROB_MISMATCH, f"claimed logprob {claimed_lp[r].item():.4f}, recomputed "
+                                f"{ours[r].item():.4f}", token=token_idx[r],
+                                severity=graded(float(err[r]) / t.max_logprob_err)))
+    elif len(token_idx) >= MIN_MEAN_TOKENS and float(err.mean()) > t.max_logprob_err_mean:
+        failures.append(Failure(Reason.LOGPROB_MISMATCH, f"mean logprob error {float(err.mean()):.4f} over "
+                                f"{len(token_idx)} tokens of version {spans[0].version}", token=token_idx[0],
+                                severity=graded(float(err.mean()) / t.max_logprob_err_mean)))
     if claim.engine not in SEEDED_ENGINES and claim.sampling.temperature > 0:
-        return None  # drawn from the engine's own generator: the checks above are what binds it
+        return _strongest(failures)  # drawn from the engine's own generator: the checks above are what binds it
     positions = [len(claim.prompt_ids) + i for i in token_idx]
     replay = ref.replay_sampling(logits, claim.sampling, positions)
     bad = (replay.tokens != claimed_tok) & (replay.margins > t.margin_noise)
     if bool(bad.any()):
         r = int(bad.nonzero()[0])
-        return Failure(Reason.SAMPLING_MISMATCH, f"seeded sampling gives token {int(replay.tokens[r])} "
-                       f"(margin {replay.margins[r].item():.3f}), claimed {int(claimed_tok[r])}", token=token_idx[r])
-    return None
+        failures.append(Failure(Reason.SAMPLING_MISMATCH, f"seeded sampling gives token {int(replay.tokens[r])} "
+                                f"(margin {replay.margins[r].item():.3f}), claimed {int(claimed_tok[r])}",
+                                token=token_idx[r], severity=graded(float(replay.margins[bad].max()) / t.margin_noise)))
+    return _strongest(failures)

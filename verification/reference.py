@@ -41,17 +41,21 @@ class Reference(ABC):
         """32-byte manifest hash of `version`, or None if the validator does not hold it."""
 
     @abstractmethod
-    def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False) -> list[tuple]:
+    def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False,
+                with_router_logits: bool = False) -> list[tuple]:
         """(logits [T, V], final hidden [T, H]) of each full sequence under `version`'s weights; with
-        `with_routes`, a third element: the experts chosen [T, moe_layers, k] (None: dense model)."""
+        `with_routes`, a third element: the experts chosen [T, moe_layers, k] (None: dense model); with
+        `with_router_logits` too, a fourth: the router logits [T, moe_layers, E] float32 that chose them
+        (a Reference that cannot give them returns three elements: the routing check then counts every
+        differing pair, near-ties included)."""
 
     @abstractmethod
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
-                      with_routes: bool = False) -> tuple:
+                      with_routes: bool = False, with_router_logits: bool = False) -> tuple:
         """(logits [T, V], hidden [T, H]) of one sequence whose positions [start, end) of each
         (version, start, end) segment were computed by that version, attending to the keys and values
         the earlier segments' versions wrote (an in-flight sequence keeps its KV cache across a swap);
-        with `with_routes`, a third element as in `prefill`."""
+        with `with_routes`, a third and fourth element as in `prefill`."""
 
     def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
         """Claimed route bytes -> [positions, moe_layers, k] for this model; raise ValueError when

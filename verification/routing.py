@@ -2,12 +2,24 @@
 the ones the claimed policy version routes them to.
 
 The validator's recomputation prefill already runs every MoE layer under the claimed version, so
-the check costs a comparison: per (position, MoE layer), is the claimed top-k set the recomputed
-one (order inside the set does not matter)? A rollout is rejected when the share of pairs whose
-sets differ exceeds `MAX_ROUTE_MISMATCH_SHARE` for the run's engine precision. Those shares bound
-honest variation measured by `python -m benchmarks.route_calibration` (routing.json next to
-it): engines at batch 1..32, KV-cached decode against the validator's full prefill, 1 and 2
-threads. Routes the trainer would replay steer its gradient, so a node must not choose them.
+the check costs a comparison per (position, MoE layer) pair: is the claimed top-k set (order inside
+the set does not matter) one the recomputed router logits could have chosen? Routes the trainer
+would replay steer its gradient, so a node must not choose them.
+
+Near-ties are not evidence. An honest engine's router logits differ from the validator's by at most
+delta per entry (decode with a KV cache vs one prefill, batch shape, threads, precision), so its
+top-k set S satisfies min_{e in S} l_e >= max_{e not in S} l_e - 2 delta in the validator's logits
+l. A differing pair whose claimed set meets that bound with `ROUTER_TIE[precision]` >= 2 delta is a
+near-tie and does not count; only the others (`evidence`) do. Without router logits (a Reference
+that cannot return them) every differing pair counts.
+
+The decision is a binomial test with a stated false-positive rate: honest evidence pairs are
+modelled as independent with rate at most `HONEST_PAIR_RATE[precision]` (above the raw rate of ALL
+differing honest pairs, near-ties included, that calibration measured); a rollout is rejected when
+P(Binomial(n, p0) >= evidence) < `FALSE_REJECT_RATE`, n its compared pairs. So one or two differing
+pairs in a 20-pair rollout never reject (3 are needed in float32, 4 in bf16), and a long rollout needs a share well under
+1%. A rejection with at least `PROOF_FACTOR` times the needed evidence is proof-grade; closer to the
+line it is borderline (`Severity`), which a coordinator counts as a strike rather than a ban.
 
 Positions are those of the prefill, prompt + completion - 1 of them; the version of position p is
 the version of the completion token it produced (the prompt belongs to the first token's version),
@@ -18,21 +30,38 @@ recomputation runs them under the reply's label version: such positions are not 
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 import torch
 
-from verification.checks import Failure, Reason
+from verification.checks import PROOF_FACTOR, Failure, Reason, Severity
 from verification.claim import RolloutClaim
 
-MAX_ROUTE_MISMATCH_SHARE = {
-    # CPU float32 engines routed every position exactly as the validator's prefill (honest maximum 0
-    # over 768 rollouts, routing.json); the allowance (about one pair in 50) is for kernels the CPU
-    # calibration could not measure (GPU), as the float32 hidden-state thresholds leave.
-    "float32": 0.02,
-    # bfloat16 engine vs bfloat16 prefill: honest maximum 0.0233 per rollout (routing.json); ~2x.
-    "bfloat16": 0.05,
+ROUTER_TIE = {
+    # CPU float32: decode-with-cache vs prefill router logits differed by at most 1.4e-6 (tiny MoE,
+    # batch 8, 1 and 2 threads: benchmarks/results/weak_tamper-cpu-2core.json `honest.router_logit_spread`);
+    # 1e-3 leaves room for GPU float32 kernels (TF32 matmuls round to ~1e-3 relative).
+    "float32": 1e-3,
+    # bf16: at most 0.0156 (2 ulps at |logit| ~2); 2 delta = 0.031, doubled.
+    "bfloat16": 0.0625,
 }
-"""Largest share of (position, MoE layer) pairs of one rollout whose claimed top-k set may differ
-from the recomputed one, per engine precision."""
+"""A differing (position, layer) pair whose claimed set is within this much (router logit units) of
+being the recomputed top-k is a near-tie, not evidence."""
+
+HONEST_PAIR_RATE = {
+    # CPU float32: 0 differing pairs of 55,176 honest ones, near-ties included (verification/calibration/
+    # routing.json; 95% upper bound 5.4e-5); about twice that bound, with near-ties (1e-3, ~700x the
+    # CPU spread) not counted.
+    "float32": 1e-4,
+    # bf16: 88 differing pairs of 55,232 (1.6e-3), near-ties included; the bound covers them all.
+    "bfloat16": 2e-3,
+}
+"""Upper bound on the per-pair rate at which an honest engine's routes count as evidence."""
+
+FALSE_REJECT_RATE = 1e-7
+"""Per honest rollout, the chance the binomial test rejects it (under the model above): at most
+0.01 expected false rejections per 100,000 honest rollouts."""
 
 
 def route_positions(claim: RolloutClaim) -> int:
@@ -61,20 +90,52 @@ def mismatched_pairs(claimed: torch.Tensor, recomputed: torch.Tensor) -> torch.T
     return (claimed.sort(dim=-1).values != recomputed.to(claimed.dtype).sort(dim=-1).values).any(dim=-1)
 
 
-def check_routes(claim: RolloutClaim, claimed: torch.Tensor, recomputed: torch.Tensor,
-                 precision: str) -> Failure | None:
+def set_gap(claimed: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """[positions, layers]: min logit of the claimed experts minus max logit of the others. >= 0
+    exactly when the claimed set is a top-k of these logits; slightly negative at a near-tie."""
+    chosen = router_logits.gather(-1, claimed.long())
+    others = router_logits.scatter(-1, claimed.long(), float("-inf"))
+    return chosen.min(dim=-1).values - others.max(dim=-1).values
+
+
+@lru_cache(maxsize=4096)
+def evidence_needed(pairs: int, rate: float, alpha: float = FALSE_REJECT_RATE) -> int:
+    """Smallest m with P(Binomial(pairs, rate) >= m) < alpha (pairs + 1 when none: never reject)."""
+    if pairs <= 0:
+        return 1
+    log_q, tail = math.log1p(-rate), 1.0
+    for m in range(pairs + 1):
+        if tail < alpha:
+            return m
+        # P(X = m), subtracted to get P(X >= m + 1)
+        log_pm = (math.lgamma(pairs + 1) - math.lgamma(m + 1) - math.lgamma(pairs - m + 1)
+                  + m * math.log(rate) + (pairs - m) * log_q)
+        tail -= math.exp(log_pm)
+    return pairs + 1
+
+
+def check_routes(claim: RolloutClaim, claimed: torch.Tensor, recomputed: torch.Tensor, precision: str,
+                 router_logits: torch.Tensor | None = None) -> Failure | None:
     """Claimed routes [positions, L, k] against the validator's recomputation of the same positions,
-    each position under its own version (a mixed-version rollout's segments come from their own)."""
+    each position under its own version (a mixed-version rollout's segments come from their own);
+    `router_logits` [positions, L, E]: the recomputation's, to tell near-ties apart."""
     if recomputed is None or claimed.shape != recomputed.shape:
         got = None if recomputed is None else tuple(recomputed.shape)
         return Failure(Reason.ROUTES_MALFORMED, f"routes of shape {tuple(claimed.shape)}, the model routes {got}")
     keep = comparable(claim)
     bad = mismatched_pairs(claimed[keep], recomputed[keep])
-    share = float(bad.float().mean()) if bad.numel() else 0.0
-    limit = MAX_ROUTE_MISMATCH_SHARE[precision]
-    if share > limit:
-        first = int(keep.nonzero()[int(bad.any(dim=-1).nonzero()[0])])
-        return Failure(Reason.ROUTES_MISMATCH, f"{int(bad.sum())} of {bad.numel()} (position, layer) expert "
-                       f"sets differ from the recomputation ({share:.3f} > {limit}); first at position {first}",
-                       token=max(0, first - (len(claim.prompt_ids) - 1)))
-    return None
+    ties = 0
+    if router_logits is not None and router_logits.shape[:2] == claimed.shape[:2]:
+        near = set_gap(claimed[keep], router_logits[keep].float()) >= -ROUTER_TIE[precision]
+        ties = int((bad & near).sum())
+        bad = bad & ~near
+    n, evidence = bad.numel(), int(bad.sum())
+    needed = evidence_needed(n, HONEST_PAIR_RATE[precision])
+    if evidence < needed:
+        return None
+    first = int(keep.nonzero()[int(bad.any(dim=-1).nonzero()[0])])
+    severity = Severity.PROOF if evidence >= PROOF_FACTOR * needed else Severity.BORDERLINE
+    return Failure(Reason.ROUTES_MISMATCH, f"{evidence} of {n} (position, layer) expert sets differ from the "
+                   f"recomputation beyond a near-tie ({ties} near-ties not counted; {needed} reject at "
+                   f"false-positive rate {FALSE_REJECT_RATE:g}); first at position {first}",
+                   token=max(0, first - (len(claim.prompt_ids) - 1)), severity=severity)

@@ -18,7 +18,7 @@ import torch
 from protocol.errors import InvalidProof
 from protocol.identity import NodeKey
 from protocol.messages import BUILTIN_ONLY
-from verification.checks import Failure, Reason, check_segment, check_task, check_termination
+from verification.checks import Failure, Reason, Severity, check_segment, check_task, check_termination
 from verification.claim import RolloutClaim
 from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
 from verification.reference import Reference
@@ -95,7 +95,8 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
     attending to the KV the earlier versions wrote, then every segment checked against its version."""
     try:
         logits, hidden, *routes = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim),
-                                                    with_routes=p.routes is not None)
+                                                    with_routes=p.routes is not None,
+                                                    with_router_logits=p.routes is not None)
         for v in p.tokens:
             rows = torch.tensor([len(claim.prompt_ids) - 1 + t for t in p.tokens[v]])
             f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v], p.commitments[v],
@@ -103,11 +104,16 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
             if f is not None:
                 return f
         if p.routes is not None:
-            return check_routes(claim, p.routes, routes[0], ref.precision)
+            return check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
         return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
     return None
+
+
+def _router_logits(extra: list) -> torch.Tensor | None:
+    """The router logits a Reference returned after the routes (an older Reference returns none)."""
+    return extra[1] if len(extra) > 1 else None
 
 
 def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None,
@@ -143,7 +149,7 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
         seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
         with_routes = any(plans[i].routes is not None for i in members)
         try:
-            outs = ref.prefill(v, seqs, with_routes=with_routes)
+            outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes)
         except Exception as exc:
             log.warning("prefill of version %d failed: %r", v, exc)
             for i in members:
@@ -158,7 +164,7 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
                 failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v],
                                             p.commitments[v], p.chunk_offsets[v])
                 if failures[i] is None and p.routes is not None:
-                    failures[i] = check_routes(claim, p.routes, routes[0], ref.precision)
+                    failures[i] = check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
             except Exception as exc:
                 log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
                 failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
@@ -166,6 +172,7 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
     for claim, f in zip(claims, failures):
         v = Verdict(work_id=claim.work_id, claim_digest=claim.digest(), accepted=f is None,
                     reason=Reason.OK if f is None else f.reason, chunk=f and f.chunk, token=f and f.token,
+                    severity=Severity.NONE if f is None else f.severity,
                     detail="" if f is None else f.detail[:512])
         verdicts.append(v.signed(key) if key is not None else v)
     return verdicts

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.errors import InvalidSignature
 from protocol.identity import NodeKey, peer_id_from_public_bytes, verify
-from verification.checks import Reason
+from verification.checks import Reason, Severity
 
 
 class Verdict(BaseModel):
@@ -36,6 +36,8 @@ class Verdict(BaseModel):
     """Failing proof chunk (token order), when the reason is per chunk."""
     token: int | None = None
     """Failing completion token, when the reason is per token."""
+    severity: Severity = Severity.NONE
+    """On reject: `proof` (ban-grade evidence) or `borderline` (a strike); `none` when accepted."""
     detail: str = Field("", max_length=512)
     """Human-readable figures behind the reason."""
     validator: str = ""

@@ -46,6 +46,8 @@ def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class VerifiersEnvironment(Environment):
+    cheap_reward = False  # a rubric may call models or run code: the validator's verdict covers it
+
     def __init__(self, name: str, source: vf.Taskset | vf.Env, max_new_tokens: int = 16,
                  fmt: ChatFormat = ChatFormat(), pool_size: int = POOL_SIZE):
         self.name, self.fmt, self.max_new_tokens = name, fmt, max_new_tokens

@@ -25,6 +25,10 @@ def get_env(name: str, **kwargs) -> Environment:
     family, sep, rest = name.partition(":")
     if sep and family in TASK_FAMILIES:
         return resolve(TASK_FAMILIES[family])(rest, **kwargs)
+    if sep:  # a native Environment from the user's module, `module:attr[@source hash]`
+        from node.envs.user import load_user_env
+
+        return load_user_env(name, **kwargs)
     try:
         cls = TASKS[name]
     except KeyError:

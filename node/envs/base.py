@@ -45,6 +45,9 @@ class Environment(ABC):
     """Length limit of one model turn."""
     stop_strings: tuple[str, ...] = ()
     """Strings that end a model turn (a tool call), besides EOS."""
+    cheap_reward: bool = True
+    """The reward is cheap to compute: the trainer recomputes it for every rollout it trains on
+    instead of trusting the submitted one (False: e.g. rewards that run sandboxed code)."""
 
     @abstractmethod
     def sample_task(self, seed: int) -> Task:

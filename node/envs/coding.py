@@ -71,6 +71,7 @@ class Coding(Environment):
     max_turns = 3
     max_new_tokens = 160
     stop_strings = (RUN,)
+    cheap_reward = False  # runs the hidden tests in a sandbox: the validator's verdict covers it
 
     def __init__(self, hidden_tests: int = 8, limits: SandboxLimits = SandboxLimits(cpu_seconds=2, wall_seconds=4.0,
                                                                                       memory_bytes=256 * 2**20)):

@@ -99,7 +99,9 @@ def environment(spec: RunSpec):
 
 def stop_on_signals() -> asyncio.Event:
     """An event set by the first SIGINT or SIGTERM (a clean shutdown follows)."""
-    stop = asyncio.Event()
+    from protocol.client import RunStop
+
+    stop = RunStop()  # also ended by the coordinator: the run's end (exit 0) or a ban (EXIT_BANNED)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

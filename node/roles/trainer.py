@@ -48,6 +48,7 @@ from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
+from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
 from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec
@@ -141,6 +142,10 @@ class TrainerNode:
                          max(row["lags"]), t_wait)
             if trainer.step >= self.steps:
                 (self.workdir / "done").write_text(str(trainer.step))
+                try:  # the coordinator tells every member; they leave and exit 0
+                    await client.end_run(trainer.step)
+                except ProtocolError as exc:
+                    log.warning("end of run not reported to the coordinator: %s", exc)
         except asyncio.CancelledError:
             pass
         finally:
@@ -200,10 +205,22 @@ class TrainerNode:
             prompt = task.prompt_ids(self.tok)
             rollouts += [Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt)))
                          for sub in group.rollouts]
-            rewards.append([sub.reward for sub in group.rollouts])
+            rewards.append([self._reward(task, sub) for sub in group.rollouts])
         r = torch.tensor(rewards)
         adv = group_advantages(r, normalize_std=True).flatten().tolist()
         return build_batch(rollouts, adv, self.tok.pad_id), r
+
+    def _reward(self, task, sub: RolloutSubmission) -> float:
+        """The reward trained on: recomputed here from the task and the transcript (as the validator
+        and the rollout driver compute it), never taken from the submitter, for environments whose
+        reward is cheap (`Environment.cheap_reward`); others (sandboxed code) use the verified claim's."""
+        if not getattr(self.env, "cheap_reward", True):
+            return sub.reward
+        reward = float(self.env.reward(task, self.tok.decode(sub.token_ids)))
+        if abs(reward - sub.reward) > 1e-6:
+            log.warning("work %d: submitted reward %.4f, recomputed %.4f: trained on the recomputed one",
+                        sub.work_id, sub.reward, reward)
+        return reward
 
     def _routes(self, sub: RolloutSubmission, prompt_len: int) -> torch.Tensor | None:
         """The submission's routed experts [prompt + completion - 1, L, k], or None (not replayed, not

@@ -32,6 +32,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import PolicyAnnounce, RolloutGroup, RunSpec, StoredWork, Verdict
 from protocol.work import sampling_seed
+from verification.checks import Severity
 from verification.claim import RolloutClaim, SamplingSpec
 from verification.validator import verify_claims
 
@@ -125,14 +126,18 @@ class ValidatorNode:
                 failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
+        borderline: set[int] = set()
         if flat:
             prompt_ids, reward = env_oracle(self.tok)
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
                                  decode=self.tok.decode, tasks=prompt_ids, reward=reward)
             verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
             for (wid, _), v in zip(flat, verdicts):
-                if not v.accepted and wid not in failed:
-                    failed[wid] = (submitters[wid], f"{getattr(v.reason, 'value', v.reason)}: {v.detail}"[:500])
+                if v.accepted or (wid in failed and (wid not in borderline or v.severity == Severity.BORDERLINE)):
+                    continue  # passed, or the group's verdict already holds a failure at least as strong
+                failed[wid] = (submitters[wid], f"{getattr(v.reason, 'value', v.reason)}: {v.detail}"[:500])
+                # the group is borderline only if every failing claim in it is
+                (borderline.add if v.severity == Severity.BORDERLINE else borderline.discard)(wid)
         self._prune()
         out = []
         for item in items:
@@ -140,7 +145,8 @@ class ValidatorNode:
                 continue
             bad = failed.get(item.work_id)
             out.append(Verdict(work_id=item.work_id, submitter=submitters.get(item.work_id, bad[0] if bad else "?"),
-                               valid=bad is None, reason="" if bad is None else bad[1]))
+                               valid=bad is None, reason="" if bad is None else bad[1],
+                               severity="borderline" if item.work_id in borderline else "proof"))
         self.judged += len(out)
         self.rejected += sum(not v.valid for v in out)
         for v in out:

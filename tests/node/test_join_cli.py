@@ -15,11 +15,16 @@ from node.join_cli import fetch_spec
 from node.recipe import DEFAULT, InvalidRecipe, Recipe
 from node.run_config import InvalidRunConfig, RunConfig, to_toml
 from node.sim import free_port
+from protocol.identity import NodeKey
 from protocol.messages import RunSpec
 
 
+TRAINER, VALIDATOR = NodeKey.from_seed(b"t" * 32).peer_id, NodeKey.from_seed(b"v" * 32).peer_id
+
+
 def write_config(path, **over) -> None:
-    values = {"run_id": "t1", "task": "reverse", "batch_groups": 4, "group_size": 2,
+    values = {"run_id": "t1", "task": "reverse", "batch_groups": 4, "group_size": 2, "trainer": TRAINER,
+              "validators": [VALIDATOR],
               "listen": f"/ip4/127.0.0.1/tcp/{free_port()}", "status_port": 0, "recipe": {"steps": 3}} | over
     path.write_text(to_toml(values))
 

@@ -30,8 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 def start_coordinator_process(tmp: Path, tag: str, config: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`primerl-node coordinator launch` on tmp/run.toml (written from `config` on the first start),
     state in tmp/state, key tmp/coord.key; returns the process and its bootstrap multiaddr."""
-    if config is not None:
-        (tmp / "run.toml").write_text(to_toml({"listen": "/ip4/127.0.0.1/tcp/0", "status_port": 0, **config}))
+    if config is not None:  # a run names its trainer (publish_version_zero's key); nothing is verified here
+        (tmp / "run.toml").write_text(to_toml({"listen": "/ip4/127.0.0.1/tcp/0", "status_port": 0,
+                                               "trainer": trainer_key(tmp).peer_id, "verification_rate": 0.0,
+                                               **config}))
     addr_file = tmp / f"addr-{tag}"
     log = open(tmp / f"coordinator-{tag}.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(tmp / "run.toml"),
@@ -46,12 +48,20 @@ def start_coordinator_process(tmp: Path, tag: str, config: dict | None = None) -
     return proc, addr_file.read_text().splitlines()[0]
 
 
+def trainer_key(tmp: Path) -> NodeKey:
+    """The run's trainer key (one per test directory)."""
+    path = tmp / "trainer.key"
+    if not path.exists():
+        NodeKey.generate().save(path)
+    return NodeKey.load(path)
+
+
 def publish_version_zero(tmp: Path, addr: str) -> RunSpec:
     """The run's spec; a trainer member has the coordinator announce policy version 0 (leases need one)."""
     spec = RunSpec.model_validate_json((tmp / "state" / "spec.json").read_bytes())
 
     async def go() -> None:
-        host = PeerHost(NodeKey.generate())
+        host = PeerHost(trainer_key(tmp))
         await host.start()
         trainer = RunMember(host.key, host, spec, "trainer")
         await trainer.join(addr)

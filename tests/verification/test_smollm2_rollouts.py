@@ -91,7 +91,7 @@ def test_200_honest_smollm2_rollouts_across_batch_sizes_are_all_accepted(smol):
 
 
 def test_tampering_is_caught_on_smollm2(smol):
-    from verification.calibration.calibrate import perturb
+    from verification.calibration.perturb import perturb
 
     model, tok = smol
     ref = _reference(tok, {0: model})

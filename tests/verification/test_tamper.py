@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import rollouts as R  # noqa: E402
 
 from verification.calibration.perturb import perturb  # noqa: E402
-from verification.checks import Reason  # noqa: E402
+from verification.checks import Reason, Severity  # noqa: E402
 from verification.validator import verify_claims  # noqa: E402
 
 SEEDS = list(range(24))
@@ -207,3 +207,29 @@ def test_malformed_claims_are_rejected_without_crashing(world):
     verdicts = verify_claims(bad + [c], ref)
     assert [v.accepted for v in verdicts] == [False] * len(bad) + [True]
     assert all(v.reason in (Reason.MALFORMED, Reason.UNKNOWN_VERSION) for v in verdicts[:-1])
+
+
+def test_failures_carry_a_severity_proof_for_deterministic_or_far_past_tolerance(world):
+    """What the coordinator bans on (proof) vs counts as a strike (borderline): a wrong reward or
+    prompt, or hidden states of 1%-noise weights, are proof; an honest verdict has none."""
+    model, ref, work, honest = world
+    inflated = [_edit(c, reward=c.reward + 1.0) for c in honest[:4]]
+    noisy = R.claims_from(R.generate(R.engine_for(perturb(model, "noise1pct")), work), work)
+    other = R.generate(R.engine_for(model), work[:4], prompt_of=lambda s: R.env_oracle(R.TOK)[0](R.ENV, s + 1000))
+    verdicts = verify_claims(inflated + noisy + R.claims_from(other, work[:4]) + honest[:4], ref)
+    assert all(v.severity == Severity.PROOF for v in verdicts[:-4]), [(v.reason, v.detail) for v in verdicts
+                                                                      if v.severity != Severity.PROOF][:3]
+    assert all(v.accepted and v.severity == Severity.NONE for v in verdicts[-4:])
+
+
+def test_a_short_segment_is_judged_per_token_not_by_a_mean_of_few_tokens():
+    """A mixed-version rollout can end with a segment of one or two tokens; the mean check of such a
+    segment was as loose as one token, so it applies from MIN_MEAN_TOKENS tokens (per-token bound
+    always)."""
+    from verification.checks import MIN_MEAN_TOKENS, THRESHOLDS
+
+    t = THRESHOLDS["bfloat16"]
+    honest_tail = 0.17  # the largest honest bf16 per-token error calibration measured
+    assert honest_tail < t.max_logprob_err and honest_tail > t.max_logprob_err_mean
+    assert honest_tail / 16 > t.max_logprob_err_mean  # one honest token failed a 16-token mean
+    assert honest_tail / MIN_MEAN_TOKENS < t.max_logprob_err_mean  # it no longer can alone

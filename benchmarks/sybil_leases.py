@@ -1,0 +1,253 @@
+"""Sybil lease hoarding: honest training rate with 0, 2 and 10 hoarding identities, with the lease
+policy (`protocol.pipeline.LeasePolicy`) and, as the peer in the same run, without it.
+
+    python -m benchmarks.sybil_leases [--phase-s 40] [--out benchmarks/results/sybil_leases-cpu-2core.json]
+
+A real coordinator (CoordinatorService, SQLite, libp2p on 127.0.0.1) in this process, with honest
+members on their own libp2p hosts here: 3 inference members (lease, "generate" for GEN_S, submit a
+group), a named validator (judges everything valid), a named trainer (takes each step's batch, then
+publishes the next version). Hoarders are separate OS processes (`python -m benchmarks.sybil_leases
+hoard ...`), each a fresh identity asking for 1,024 leases every 0.5 s and never submitting (the
+red-team attack of issue 17). Each run has three phases of `--phase-s` seconds: none, 2 hoarders,
+10 hoarders (started at the phase's start). Figures per phase: trainer steps per second, its ratio
+to the no-hoarder phase, and the longest gap between two steps against the median step time.
+Prints progress, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench.sybil")
+
+GEN_S = 0.3
+"""Simulated generation time per work unit (an honest node's compute)."""
+HONEST_NODES = 3
+
+
+async def hoard(bootstrap: str, spec_path: str) -> None:
+    """A hoarding identity: join, then ask for 1,024 leases every 0.5 s forever; never submit."""
+    from protocol.client import ONCE, CoordinatorClient
+    from protocol.identity import NodeKey
+    from protocol.member import RunMember
+    from protocol.messages import RunSpec
+    from protocol.transport import PeerHost
+
+    spec = RunSpec.model_validate_json(Path(spec_path).read_bytes())
+    key = NodeKey.generate()
+    host = PeerHost(key)
+    await host.start()
+    member = RunMember(key, host, spec, "inference")
+    await member.join(bootstrap)
+    client = CoordinatorClient(member, retry=ONCE)
+    while True:
+        try:
+            await client.lease(1024)
+        except Exception as exc:  # refused, banned, coordinator gone: keep trying, as an attacker would
+            log.debug("hoarder: %s", exc)
+        await asyncio.sleep(0.5)
+
+
+async def honest_inference(client, stop: asyncio.Event) -> None:
+    from protocol.errors import ProtocolError
+    from protocol.messages import RolloutGroup, RolloutSubmission
+
+    async def one(grant) -> None:
+        await asyncio.sleep(GEN_S)
+        v = grant.policy_version
+        subs = [RolloutSubmission(work_id=grant.work_id, version_runs=[(v, 4)], token_ids=[4, 5, 6, 7],
+                                  logprobs=[-0.1] * 4, reward=0.5, finish_reason="eos")]
+        try:
+            await client.submit(RolloutGroup(work_id=grant.work_id, rollouts=subs))
+        except ProtocolError:
+            pass  # stale, expired: an answer
+    while not stop.is_set():
+        try:
+            grants = await client.lease(4)
+        except ProtocolError:
+            grants = []
+        if grants:
+            await asyncio.gather(*(one(g) for g in grants))
+        else:
+            await asyncio.sleep(0.1)
+
+
+async def honest_validator(client, stop: asyncio.Event) -> None:
+    from protocol.envelope import open_envelope
+    from protocol.errors import ProtocolError
+    from protocol.messages import Verdict
+    while not stop.is_set():
+        try:
+            items = await client.to_verify(64)
+            if items:
+                await client.verdicts([Verdict(work_id=i.work_id, valid=True, submitter=open_envelope(
+                    i.envelope, client.member.spec.run_id, None, max_skew_s=float("inf")).signer) for i in items])
+        except ProtocolError:
+            pass
+        await asyncio.sleep(0.1)
+
+
+async def trainer(client, stop: asyncio.Event, steps: list[float], groups: int) -> None:
+    from protocol.errors import ProtocolError
+    step = 1
+    await client.publish(0, "00" * 32)
+    while not stop.is_set():
+        try:
+            batch = await client.batch(step, groups)
+        except ProtocolError:
+            await asyncio.sleep(0.1)
+            continue
+        if len(batch.items) >= groups:
+            steps.append(time.monotonic())
+            await client.publish(step, f"{step:064x}")
+            step += 1
+        else:
+            await asyncio.sleep(0.05)
+
+
+async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int) -> dict:
+    from protocol import pipeline
+    from protocol.client import CoordinatorClient, Retry
+    from protocol.coordinator import Coordinator
+    from protocol.coordinator_service import CoordinatorService
+    from protocol.identity import NodeKey
+    from protocol.member import RunMember
+    from protocol.messages import RunSpec
+    from protocol.transport import PeerHost
+
+    ck, tk, vk = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    spec = RunSpec(run_id=f"sybil-{int(policy)}", coordinator=ck.peer_id, max_off_policy_steps=1,
+                   heartbeat_interval_s=1.0, dead_after_missed=3, lease_ttl_s=30.0, group_size=1,
+                   batch_groups=batch_groups, trainer=tk.peer_id, validators=[vk.peer_id])
+    (tmp / "spec.json").write_text(spec.model_dump_json())
+    host = PeerHost(ck)
+    await host.start()
+    svc = CoordinatorService(ck, Coordinator(tmp / "state", spec, synchronous="OFF"), host)
+    svc.lease_policy = pipeline.LeasePolicy() if policy else None
+    await svc.start()
+    bootstrap = host.addrs[0] if "/p2p/" in host.addrs[0] else f"{host.addrs[0]}/p2p/{ck.peer_id}"
+    stop = asyncio.Event()
+    clients = []
+    for key, role in [(tk, "trainer"), (vk, "validator")] + [(NodeKey.generate(), "inference")
+                                                             for _ in range(HONEST_NODES)]:
+        h = PeerHost(key)
+        await h.start()
+        m = RunMember(key, h, spec, role)
+        await m.join(bootstrap)
+        clients.append(CoordinatorClient(m, bootstrap, stop, Retry(first_delay_s=0.1, max_delay_s=0.5)))
+    steps: list[float] = []
+    tasks = [asyncio.create_task(_logged(trainer(clients[0], stop, steps, batch_groups))),
+             asyncio.create_task(_logged(honest_validator(clients[1], stop)))]
+    tasks += [asyncio.create_task(_logged(honest_inference(c, stop))) for c in clients[2:]]
+    hoarders: list[subprocess.Popen] = []
+    phases = {}
+    try:
+        await asyncio.sleep(phase_s / 2)  # warm-up: honest identities earn a record
+        for n in (0, 2, 10):
+            while len(hoarders) < n:
+                hoarders.append(subprocess.Popen([sys.executable, "-m", "benchmarks.sybil_leases", "hoard", "--bootstrap",
+                                                  bootstrap, "--spec", str(tmp / "spec.json")],
+                                                 stdout=subprocess.DEVNULL, stderr=open(tmp / "hoarders.log", "ab"),
+                                                 env=dict(os.environ)))
+            t0 = time.monotonic()
+            first = len(steps)
+            held = []  # leases held by identities other than the honest ones, sampled every 0.5 s
+            while time.monotonic() - t0 < phase_s:
+                await asyncio.sleep(0.5)
+                held.append(_held_by_others(svc, [c.member.key.peer_id for c in clients]))
+            t1 = time.monotonic()
+            marks = [t0] + [s for s in steps[first:] if s <= t1] + [t1]
+            gaps = [b - a for a, b in zip(marks, marks[1:])]
+            done = len(marks) - 2
+            phases[f"hoarders_{n}"] = {"steps": done, "steps_per_s": round(done / (t1 - t0), 3),
+                                      "longest_gap_s": round(max(gaps), 2),
+                                      "median_step_s": round(statistics.median(gaps[1:-1]), 2) if done > 1 else None,
+                                      "hoarder_leases_held_max": max(held), "hoarder_leases_held_mean":
+                                      round(sum(held) / len(held), 2),
+                                      "pool": pipeline.out_limit(spec.max_off_policy_steps, spec.batch_groups)}
+            log.info("policy %s, %d hoarders: %s", policy, n, phases[f"hoarders_{n}"])
+    finally:
+        stop.set()
+        for p in hoarders:
+            p.kill()
+            p.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in clients:
+            await c.member.crash()
+            await c.member.host.stop()
+        await svc.stop()
+        svc.state.close()
+        await host.stop()
+    base = phases["hoarders_0"]
+    for name, p in phases.items():
+        p["rate_vs_no_hoarders"] = round(p["steps_per_s"] / base["steps_per_s"], 3) if base["steps_per_s"] else None
+        p["longest_gap_vs_median_step"] = (round(p["longest_gap_s"] / base["median_step_s"], 2)
+                                           if base["median_step_s"] else None)
+    return phases
+
+
+async def _logged(coro) -> None:
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("an honest member's loop failed")
+        raise
+
+
+def _held_by_others(svc, honest: list[str]) -> int:
+    return svc.state.store.leased_count() - sum(svc.state.store.leased_count(holder=p) for p in honest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", default="run", choices=["run", "hoard"])
+    ap.add_argument("--bootstrap")
+    ap.add_argument("--spec")
+    ap.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase (0, 2, 10 hoarders)")
+    ap.add_argument("--batch-groups", type=int, default=8)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for noisy in ("libp2p", "protocol", "protocol.client"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if args.mode == "hoard":
+        asyncio.run(hoard(args.bootstrap, args.spec))
+        return 0
+    result = {"bench": "sybil_leases", "machine": platform.node(), "phase_s": args.phase_s,
+              "batch_groups": args.batch_groups, "honest_inference_nodes": HONEST_NODES, "gen_s": GEN_S,
+              "command": f"python -m benchmarks.sybil_leases --phase-s {args.phase_s:g}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in (True, False):
+            d = Path(tmp) / f"p{int(policy)}"
+            d.mkdir()
+            result["with_policy" if policy else "without_policy"] = asyncio.run(
+                one_run(d, policy, args.phase_s, args.batch_groups))
+    w, wo = result["with_policy"], result["without_policy"]
+    result["summary"] = {f"{k}_hoarders": {"rate_with": w[f"hoarders_{k}"]["rate_vs_no_hoarders"],
+                                           "rate_without": wo[f"hoarders_{k}"]["rate_vs_no_hoarders"],
+                                           "longest_gap_vs_median_step_with": w[f"hoarders_{k}"]["longest_gap_vs_median_step"],
+                                           "longest_gap_vs_median_step_without": wo[f"hoarders_{k}"]["longest_gap_vs_median_step"]}
+                         for k in (2, 10)}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
