@@ -89,7 +89,7 @@ def warm_up(model: CausalLM, engine: Engine, env: Environment, tok: Tokenizer, c
     """Supervised steps until greedy reward on held-out tasks reaches cfg.warmup_target (0: none, as
     for a pretrained model, which is not re-taught the task before RL)."""
     if cfg.warmup_target <= 0:
-        return {"warmup_steps": 0}
+        return {"warmup_steps": 0, "warmup_greedy_reward": None}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
     held_out = [10**9 + i for i in range(64)]
     reward, step = greedy_reward(engine, env, tok, held_out), 0
@@ -117,7 +117,7 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
     t0 = time.time()
     if cfg.model == TINY_MOE:
         warm = warm_up(model, engine, env, tok, cfg)
-        log.info("warm-up: %d supervised steps, greedy reward %.3f, %.1fs", warm["warmup_steps"],
+        log.info("warm-up: %d supervised steps, greedy reward %s, %.1fs", warm["warmup_steps"],
                  warm["warmup_greedy_reward"], time.time() - t0)
     else:
         warm = {"warmup_steps": 0}

@@ -27,7 +27,7 @@ def test_default_model_keeps_spec_bytes_and_old_string_specs_still_parse():
 
 
 def test_run_toml_takes_a_model_name_or_table(tmp_path):
-    base = {"run_id": "r", "task": "reverse"}
+    base = {"run_id": "r", "task": "reverse", "trainer": PEER, "validators": [PEER]}
     (tmp_path / "a.toml").write_text(to_toml({**base, "model": "smollm2-135m-instruct"}))
     assert RunConfig.load(tmp_path / "a.toml").run_spec(PEER).model.source == "smollm2-135m-instruct"
     table = {"source": "/models/x", "dtype": "bfloat16", "weights_hash": "blake3:" + "ab" * 32, "max_seq_len": 256}
