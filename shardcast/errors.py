@@ -11,6 +11,7 @@ __all__ = [
     "UnknownPublisher",
     "CorruptShard",
     "TruncatedShard",
+    "InvalidSparseDelta",
     "SourceUnavailable",
     "SourceBusy",
     "FetchFailed",
@@ -36,6 +37,11 @@ class CorruptShard(ShardcastError):
 
 class TruncatedShard(CorruptShard):
     """A source closed the connection before sending the whole shard."""
+
+
+class InvalidSparseDelta(CorruptShard):
+    """A sparse delta shard is malformed: indices outside the shard, repeated or unsorted, or a
+    section that does not decode to the size its header claims."""
 
 
 class SourceUnavailable(ShardcastError):
