@@ -1,4 +1,6 @@
-"""The sources a fetcher may download from, and how it picks among them.
+"""The sources a fetcher may download from, how it picks among them, and what it does when a
+download fails: a pure policy with an injected clock, driven by the real fetcher (`fetch.py`) and
+by the swarm simulator (`benchmarks/swarm_sim.py`) alike, so the simulation runs this code.
 
 A source is an origin, relay or peer base URL. Each carries a throughput estimate (EWMA of
 bytes/s over its completed shards), how many downloads it has in flight, and which shards it
@@ -11,10 +13,12 @@ stalls or errors is dropped after `MAX_SOURCE_FAILURES`.
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +70,20 @@ class SourcePool:
     sources: list[Source]
     excluded: dict[int, set[str]] = field(default_factory=dict)
     """Per shard: sources that already failed it (tried elsewhere first)."""
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    """Seconds, monotonic: wall time in a fetcher, simulated time in the swarm simulator."""
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+    """Tie-breaks among equally rare shards."""
 
     @classmethod
-    def of(cls, urls: list[str]) -> "SourcePool":
+    def of(cls, urls: list[str], clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> "SourcePool":
         seen, out = set(), []
         for u in urls:
             u = u.rstrip("/")
             if u not in seen:
                 seen.add(u)
                 out.append(Source(u))
-        return cls(out)
+        return cls(out, clock=clock, rng=rng or random.Random())
 
     def new_version(self) -> None:
         """Before each version: forget per-shard exclusions and holdings, and give sources
@@ -96,16 +104,19 @@ class SourcePool:
         downloads, not cooling down after a 503, holding a pending shard. Shard: among those
         the source holds, the one fewest peers hold or are fetching (rarest first), so clients
         that start together pull different shards from the origin and then trade them."""
-        now = time.monotonic()
-        best: tuple[float, Source, list[int]] | None = None
-        for s in self.alive():
+        now = self.clock()
+        alive = self.alive()
+        best: tuple[float, Source, set[int]] | None = None
+        for s in alive:
             if s.inflight >= per_source or s.cooldown_until > now:
                 continue
-            avail = [i for i in (pending if s.have is None else pending & s.have) if s.url not in self.excluded.get(i, ())]
+            held = pending if s.have is None else pending & s.have
+            if not held:
+                continue
+            avail = {i for i in held if s.url not in self.excluded.get(i, ())} if self.excluded else held
             if not avail:
                 # Every holder failed these shards once: allow a retry at a source that failed.
-                avail = [i for i in (pending if s.have is None else pending & s.have)
-                         if all(h.url in self.excluded.get(i, ()) for h in self.alive() if h.have is None or i in h.have)]
+                avail = {i for i in held if all(h.url in self.excluded.get(i, ()) for h in alive if h.have is None or i in h.have)}
             if not avail:
                 continue
             score = float("inf") if s.throughput is None else s.throughput / (s.inflight + 1)
@@ -114,10 +125,135 @@ class SourcePool:
         if best is None:
             return None
         _, src, avail = best
-        peers = [s for s in self.alive() if s.have is not None]
-        rarity = {i: sum((i in p.have) + (i in p.fetching) for p in peers) for i in avail}  # type: ignore[operator]
+        rarity = dict.fromkeys(avail, 0)
+        for p in alive:
+            if p.have is not None:
+                for i in p.have & avail:
+                    rarity[i] += 1
+                for i in p.fetching & avail:
+                    rarity[i] += 1
         low = min(rarity.values())
-        return src, random.choice([i for i in avail if rarity[i] == low])
+        return src, self.rng.choice(sorted(i for i, r in rarity.items() if r == low))
 
     def exclude(self, index: int, source: Source) -> None:
         self.excluded.setdefault(index, set()).add(source.url)
+
+
+class Outcome(enum.Enum):
+    """How one shard download ended, as the policy sees it."""
+
+    BUSY = "busy"
+    """503/429: out of upload slots. No penalty; short cooldown."""
+    CORRUPT = "corrupt"
+    """Bytes failed a hash (or a sparse delta was malformed): the source lied, never again."""
+    TRUNCATED = "truncated"
+    """Connection cut mid-shard: dropped for this version (a dying source may come back)."""
+    NOT_FOUND = "not_found"
+    """The source does not hold the shard (its holdings changed)."""
+    UNAVAILABLE = "unavailable"
+    """Refused, stalled or an HTTP error: a failure; MAX_SOURCE_FAILURES drop the source."""
+
+
+DEFAULT_MAX_ATTEMPTS = 6
+"""Attempts per shard (across all sources) before the fetch fails."""
+BUSY_BACKOFF_S = 0.25
+"""Cooldown of a source after it refused a shard with 503."""
+MAX_BUSY_RETRIES = 400
+"""503s tolerated per shard (~100 s of backoff plus the servers' queue waits) before giving up."""
+NO_HOLDER_TIMEOUT_S = 30.0
+"""Fail when, for this long, nothing was fetched and no live source holds a missing shard."""
+DEFAULT_PER_SOURCE = 2
+"""Downloads at once from one source when there are several: leaves the others' slots to peers,
+so simultaneous clients pull different shards from a thin origin and trade them."""
+
+
+@dataclass
+class ShardSchedule:
+    """Which shards of one version are still wanted, in flight, or failed, and the failure policy.
+    Call `next()` when a download slot is free, then `succeeded` or `failed` with its outcome."""
+
+    pool: SourcePool
+    pending: set[int]
+    parallel: int
+    """Download slots; also the per-source cap when there is a single source."""
+    per_source: int = DEFAULT_PER_SOURCE
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    inflight: set[int] = field(default_factory=set)
+    """Shards being downloaded now (advertised in /have, so peers avoid duplicating us)."""
+    attempts: dict[int, int] = field(default_factory=dict)
+    busy: dict[int, int] = field(default_factory=dict)
+    last_error: dict[int, str] = field(default_factory=dict)
+    error: str | None = None
+    """Why the fetch failed, once it has; None while it may still succeed."""
+
+    def __post_init__(self) -> None:
+        self.remaining = len(self.pending)
+        self.last_progress = self.pool.clock()
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0 or self.error is not None
+
+    def next(self) -> tuple[Source, int] | None:
+        """Take the next (source, shard), or None (wait: a peer may gain it, a slot may free up).
+        Sets `error` when no source is left or none has held a missing shard for too long."""
+        if self.done:
+            return None
+        pair = self.pool.pick(self.pending, self.per_source if len(self.pool.alive()) > 1 else self.parallel)
+        if pair is None:
+            if not self.pool.alive():
+                self.error = f"every source dropped; last errors: {self.summary()}"
+            elif self.pending and not self.inflight and self.pool.clock() - self.last_progress > NO_HOLDER_TIMEOUT_S:
+                self.error = f"no live source holds shards {sorted(self.pending)[:8]}; {self.summary()}"
+            return None
+        src, i = pair
+        self.pending.discard(i)
+        self.inflight.add(i)
+        src.inflight += 1
+        return pair
+
+    def succeeded(self, src: Source, i: int, nbytes: int, seconds: float) -> None:
+        """Shard `i` arrived from `src` in `seconds` and passed both hashes."""
+        src.inflight -= 1
+        src.record(nbytes, seconds)
+        self.inflight.discard(i)
+        self.remaining -= 1
+        self.last_progress = self.pool.clock()
+
+    def failed(self, src: Source, i: int, outcome: Outcome, reason: str) -> None:
+        """Shard `i` from `src` ended in `outcome`: penalise the source and put the shard back."""
+        src.inflight -= 1
+        self.inflight.discard(i)
+        self.pending.add(i)
+        if outcome is Outcome.BUSY:
+            # Busy is not broken: no penalty; back off (bounded) and pick again.
+            self.busy[i] = self.busy.get(i, 0) + 1
+            if self.busy[i] > MAX_BUSY_RETRIES:
+                self.error = f"shard {i}: every source stayed busy"
+            src.cooldown_until = self.pool.clock() + BUSY_BACKOFF_S
+            return
+        self.last_error[i] = f"{src.url}: {reason}"
+        self.pool.exclude(i, src)
+        if outcome in (Outcome.CORRUPT, Outcome.TRUNCATED):
+            # A cut connection (dying source) may come back for the next version; bytes that
+            # fail a hash never will.
+            src.drop(reason, lied=outcome is Outcome.CORRUPT)
+        elif outcome is Outcome.NOT_FOUND:
+            if src.have is not None:
+                src.have.discard(i)
+            else:
+                src.have = set()
+        else:
+            src.fail(reason)
+        self.attempts[i] = self.attempts.get(i, 0) + 1
+        if self.attempts[i] >= self.max_attempts:
+            self.error = f"shard {i} failed {self.attempts[i]} times; last: {self.last_error[i]}"
+
+    def release(self, src: Source, i: int) -> None:
+        """Put shard `i` back without judging `src` (the download was cancelled locally)."""
+        src.inflight -= 1
+        self.inflight.discard(i)
+        self.pending.add(i)
+
+    def summary(self) -> str:
+        return "; ".join(f"shard {i}: {e}" for i, e in list(self.last_error.items())[:3]) or "none"
