@@ -14,6 +14,7 @@ __all__ = [
     "InvalidSparseDelta",
     "SourceUnavailable",
     "SourceBusy",
+    "NotOffered",
     "FetchFailed",
     "VersionNotFound",
 ]
@@ -50,6 +51,10 @@ class SourceUnavailable(ShardcastError):
 
 class SourceBusy(SourceUnavailable):
     """A source answered 503 (all its upload slots taken): try elsewhere or later, no penalty."""
+
+
+class NotOffered(SourceUnavailable):
+    """A super-seeding origin answered 425: it handed this shard out already; fetch it from a peer."""
 
 
 class VersionNotFound(ShardcastError):

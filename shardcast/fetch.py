@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from shardcast.codec import check_wire, decode_shard, unflatten
-from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
+from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, NotOffered, ShardcastError, SourceUnavailable,
                               SourceBusy, TruncatedShard, UnknownPublisher, VersionNotFound)
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
 from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, Outcome, ShardSchedule, Source, SourcePool
@@ -107,6 +107,7 @@ class Fetcher:
                 doc = json.loads(body)
                 src.have = {int(i) for i in doc["shards"]}
                 src.fetching = {int(i) for i in doc.get("fetching", [])}
+                src.seed = doc.get("seed") is True
             except (ShardcastError, ValueError, KeyError, TypeError, asyncio.TimeoutError):
                 src.have = set()  # cannot tell: treat as holding nothing until the next refresh
 
@@ -193,14 +194,14 @@ class Fetcher:
         async def worker() -> None:
             nonlocal downloaded
             while not plan.done:
-                pair = plan.next()
-                if pair is None:
+                pick = plan.next()
+                if pick is None:
                     await asyncio.sleep(PICK_POLL_S)  # a peer may get it, a slot may free up
                     continue
-                src, i = pair
+                src, i, last_resort = pick
                 t0 = time.perf_counter()
                 try:
-                    wire = await self._download(src, m, i)
+                    wire = await self._download(src, m, i, last_resort)
                     seconds = time.perf_counter() - t0
                     await loop.run_in_executor(None, accept, i, wire)
                 except ShardcastError as exc:
@@ -233,12 +234,15 @@ class Fetcher:
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
         return FetchedVersion(m, payload, downloaded)
 
-    async def _download(self, src: Source, m: Manifest, i: int) -> bytes:
+    async def _download(self, src: Source, m: Manifest, i: int, last_resort: bool = False) -> bytes:
         """Exactly shard `i`'s wire bytes from `src`, hash-checked; typed errors otherwise."""
         assert self._session is not None, "use `async with Fetcher(...)`"
         entry = m.shards[i]
         try:
-            async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}") as r:
+            query = "?last_resort=1" if last_resort else ""
+            async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}{query}") as r:
+                if r.status == 425:
+                    raise NotOffered(f"{src.url} handed shard {i} out already")
                 if r.status == 404:
                     raise VersionNotFound(f"shard {i} not held by {src.url}")
                 if r.status in (429, 503):  # out of upload slots or over a rate limit: busy, not broken
@@ -267,6 +271,8 @@ def outcome_of(exc: ShardcastError) -> Outcome:
     """The policy's view of a failed download (`sources.ShardSchedule.failed`)."""
     if isinstance(exc, SourceBusy):
         return Outcome.BUSY
+    if isinstance(exc, NotOffered):
+        return Outcome.NOT_OFFERED
     if isinstance(exc, TruncatedShard):
         return Outcome.TRUNCATED
     if isinstance(exc, CorruptShard):

@@ -46,6 +46,9 @@ class Source:
     """time.monotonic() before which the source is not asked again (it answered 503)."""
     lied: bool = False
     """It sent bytes or a manifest that failed verification: never used again."""
+    seed: bool = False
+    """A super-seeding origin (its /have says so): lists only shards it still offers; asked for
+    a hidden shard only as a last resort (`ShardSchedule.next`)."""
 
     def record(self, nbytes: int, seconds: float) -> None:
         rate = nbytes / max(seconds, 1e-6)
@@ -152,6 +155,8 @@ class Outcome(enum.Enum):
     """The source does not hold the shard (its holdings changed)."""
     UNAVAILABLE = "unavailable"
     """Refused, stalled or an HTTP error: a failure; MAX_SOURCE_FAILURES drop the source."""
+    NOT_OFFERED = "not_offered"
+    """425 from a super-seeding origin: handed out already; no penalty, get it from a peer."""
 
 
 DEFAULT_MAX_ATTEMPTS = 6
@@ -162,6 +167,9 @@ MAX_BUSY_RETRIES = 400
 """503s tolerated per shard (~100 s of backoff plus the servers' queue waits) before giving up."""
 NO_HOLDER_TIMEOUT_S = 30.0
 """Fail when, for this long, nothing was fetched and no live source holds a missing shard."""
+STARVE_S = 1.0
+"""Seconds with nothing in flight and nothing any source offers before a fetcher asks a
+super-seeding origin for a hidden shard (its copy went to a node that left, say)."""
 DEFAULT_PER_SOURCE = 2
 """Downloads at once from one source when there are several: leaves the others' slots to peers,
 so simultaneous clients pull different shards from a thin origin and trade them."""
@@ -185,6 +193,10 @@ class ShardSchedule:
     last_error: dict[int, str] = field(default_factory=dict)
     error: str | None = None
     """Why the fetch failed, once it has; None while it may still succeed."""
+    starving_since: float | None = None
+    """When the fetcher last found nothing to fetch with nothing in flight (None: not starving)."""
+    starved: bool = False
+    """Starved for STARVE_S: asking seeds for hidden shards until some source offers one again."""
 
     def __post_init__(self) -> None:
         self.remaining = len(self.pending)
@@ -194,23 +206,50 @@ class ShardSchedule:
     def done(self) -> bool:
         return self.remaining == 0 or self.error is not None
 
-    def next(self) -> tuple[Source, int] | None:
-        """Take the next (source, shard), or None (wait: a peer may gain it, a slot may free up).
-        Sets `error` when no source is left or none has held a missing shard for too long."""
+    def next(self) -> tuple[Source, int, bool] | None:
+        """Take the next (source, shard, last_resort), or None (wait: a peer may gain it, a slot
+        may free up). `last_resort`: ask a super-seeding origin for a shard it hides, because
+        nothing else has been fetchable for STARVE_S. Sets `error` when no source is left or none
+        has held a missing shard for too long."""
         if self.done:
             return None
-        pair = self.pool.pick(self.pending, self.per_source if len(self.pool.alive()) > 1 else self.parallel)
+        cap = self.per_source if len(self.pool.alive()) > 1 else self.parallel
+        pair = self.pool.pick(self.pending, cap)
+        last_resort = False
         if pair is None:
-            if not self.pool.alive():
-                self.error = f"every source dropped; last errors: {self.summary()}"
-            elif self.pending and not self.inflight and self.pool.clock() - self.last_progress > NO_HOLDER_TIMEOUT_S:
-                self.error = f"no live source holds shards {sorted(self.pending)[:8]}; {self.summary()}"
-            return None
+            pair = self._starving(cap)
+            if pair is None:
+                if not self.pool.alive():
+                    self.error = f"every source dropped; last errors: {self.summary()}"
+                elif self.pending and not self.inflight and self.pool.clock() - self.last_progress > NO_HOLDER_TIMEOUT_S:
+                    self.error = f"no live source holds shards {sorted(self.pending)[:8]}; {self.summary()}"
+                return None
+            last_resort = True
+        else:
+            self.starving_since, self.starved = None, False
         src, i = pair
         self.pending.discard(i)
         self.inflight.add(i)
         src.inflight += 1
-        return pair
+        return src, i, last_resort
+
+    def _starving(self, cap: int) -> tuple[Source, int] | None:
+        if not self.pending:
+            return None
+        now = self.pool.clock()
+        if not self.starved:
+            if self.inflight:
+                self.starving_since = None
+                return None
+            if self.starving_since is None:
+                self.starving_since = now
+            if now - self.starving_since < STARVE_S:
+                return None
+            self.starved = True  # until a source offers something again: fill every slot this way
+        seeds = [s for s in self.pool.alive() if s.seed and s.inflight < cap and s.cooldown_until <= now]
+        if not seeds:
+            return None
+        return seeds[0], self.pool.rng.choice(sorted(self.pending))
 
     def succeeded(self, src: Source, i: int, nbytes: int, seconds: float) -> None:
         """Shard `i` arrived from `src` in `seconds` and passed both hashes."""
@@ -225,6 +264,10 @@ class ShardSchedule:
         src.inflight -= 1
         self.inflight.discard(i)
         self.pending.add(i)
+        if outcome is Outcome.NOT_OFFERED:
+            if src.have is not None:
+                src.have.discard(i)
+            return
         if outcome is Outcome.BUSY:
             # Busy is not broken: no penalty; back off (bounded) and pick again.
             self.busy[i] = self.busy.get(i, 0) + 1
