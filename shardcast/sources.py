@@ -14,6 +14,8 @@ stalls or errors is dropped after `MAX_SOURCE_FAILURES`.
 from __future__ import annotations
 
 import enum
+from collections import Counter
+from itertools import chain
 import logging
 import random
 import time
@@ -128,15 +130,10 @@ class SourcePool:
         if best is None:
             return None
         _, src, avail = best
-        rarity = dict.fromkeys(avail, 0)
-        for p in alive:
-            if p.have is not None:
-                for i in p.have & avail:
-                    rarity[i] += 1
-                for i in p.fetching & avail:
-                    rarity[i] += 1
-        low = min(rarity.values())
-        return src, self.rng.choice(sorted(i for i, r in rarity.items() if r == low))
+        # Holders + fetchers of each available shard among peers that said what they hold.
+        counts = Counter(chain.from_iterable(x for p in alive if p.have is not None for x in (p.have & avail, p.fetching & avail)))
+        low = min(counts.get(i, 0) for i in avail)
+        return src, self.rng.choice(sorted(i for i in avail if counts.get(i, 0) == low))
 
     def exclude(self, index: int, source: Source) -> None:
         self.excluded.setdefault(index, set()).add(source.url)
