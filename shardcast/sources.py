@@ -48,6 +48,8 @@ class Source:
     """time.monotonic() before which the source is not asked again (it answered 503)."""
     lied: bool = False
     """It sent bytes or a manifest that failed verification: never used again."""
+    busy_streak: int = 0
+    """503s in a row from this source; its cooldown doubles with each (reset by a success)."""
     seed: bool = False
     """A super-seeding origin (its /have says so): lists only shards it still offers; asked for
     a hidden shard only as a last resort (`ShardSchedule.next`)."""
@@ -130,8 +132,10 @@ class SourcePool:
         if best is None:
             return None
         _, src, avail = best
-        # Holders + fetchers of each available shard among peers that said what they hold.
-        counts = Counter(chain.from_iterable(x for p in alive if p.have is not None for x in (p.have & avail, p.fetching & avail)))
+        # Holders + fetchers of each available shard among peers that said what they hold. A set
+        # covering every candidate adds one to each, which cannot change the rarest: skipped.
+        n = len(avail)
+        counts = Counter(chain.from_iterable(x for p in alive if p.have is not None for x in (p.have & avail, p.fetching & avail) if len(x) < n))
         low = min(counts.get(i, 0) for i in avail)
         return src, self.rng.choice(sorted(i for i in avail if counts.get(i, 0) == low))
 
@@ -159,7 +163,9 @@ class Outcome(enum.Enum):
 DEFAULT_MAX_ATTEMPTS = 6
 """Attempts per shard (across all sources) before the fetch fails."""
 BUSY_BACKOFF_S = 0.25
-"""Cooldown of a source after it refused a shard with 503."""
+"""Cooldown of a source after it refused a shard with 503; doubles per 503 in a row, up to
+MAX_BUSY_BACKOFF_S (a relay 1,000 nodes want is busy for a while; asking every 0.25 s is a storm)."""
+MAX_BUSY_BACKOFF_S = 4.0
 MAX_BUSY_RETRIES = 400
 """503s tolerated per shard (~100 s of backoff plus the servers' queue waits) before giving up."""
 NO_HOLDER_TIMEOUT_S = 30.0
@@ -251,6 +257,7 @@ class ShardSchedule:
     def succeeded(self, src: Source, i: int, nbytes: int, seconds: float) -> None:
         """Shard `i` arrived from `src` in `seconds` and passed both hashes."""
         src.inflight -= 1
+        src.busy_streak = 0
         src.record(nbytes, seconds)
         self.inflight.discard(i)
         self.remaining -= 1
@@ -270,7 +277,8 @@ class ShardSchedule:
             self.busy[i] = self.busy.get(i, 0) + 1
             if self.busy[i] > MAX_BUSY_RETRIES:
                 self.error = f"shard {i}: every source stayed busy"
-            src.cooldown_until = self.pool.clock() + BUSY_BACKOFF_S
+            src.cooldown_until = self.pool.clock() + min(MAX_BUSY_BACKOFF_S, BUSY_BACKOFF_S * 2**src.busy_streak)
+            src.busy_streak += 1
             return
         self.last_error[i] = f"{src.url}: {reason}"
         self.pool.exclude(i, src)
