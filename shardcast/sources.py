@@ -171,8 +171,9 @@ MAX_BUSY_RETRIES = 400
 NO_HOLDER_TIMEOUT_S = 30.0
 """Fail when, for this long, nothing was fetched and no live source holds a missing shard."""
 STARVE_S = 1.0
-"""Seconds with nothing in flight and nothing any source offers before a fetcher asks a
-super-seeding origin for a hidden shard (its copy went to a node that left, say)."""
+"""Seconds with nothing in flight, nothing any source offers and nothing it needs being fetched
+by a source before a fetcher asks a super-seeding origin for a hidden shard (its copy went to a
+node that left, say)."""
 DEFAULT_PER_SOURCE = 2
 """Downloads at once from one source when there are several: leaves the others' slots to peers,
 so simultaneous clients pull different shards from a thin origin and trade them."""
@@ -241,7 +242,8 @@ class ShardSchedule:
             return None
         now = self.pool.clock()
         if not self.starved:
-            if self.inflight:
+            # Not starving while we or a source we know are fetching a shard we need: wait for it.
+            if self.inflight or any(s.fetching & self.pending for s in self.pool.alive()):
                 self.starving_since = None
                 return None
             if self.starving_since is None:
