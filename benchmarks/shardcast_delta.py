@@ -198,6 +198,8 @@ def real_main(args) -> None:
                     "encode_gb_s": round(agg["raw_bytes"] / agg["encode_s"] / 1e9, 3),
                     "decode_gb_s": round(agg["raw_bytes"] / agg["decode_s"] / 1e9, 3)}
             cases.append(case)
+            partial = REPO / "benchmarks" / "results" / f".shardcast_delta-real-{args.machine}.partial.json" if not args.out else Path(args.out + ".partial")
+            partial.write_text(json.dumps({"cases": cases}, indent=2) + "\n")  # a killed run keeps its finished cases
             log(f"{model_name} master {master} lr {lr:g} as {dtype}: changed {case['changed_fraction']:.4%}, full/xor "
                 f"{case['full_over_xor']}x, full/sparse {case['full_over_sparse']}x, enc {case['encode_gb_s']} GB/s, dec {case['decode_gb_s']} GB/s")
 

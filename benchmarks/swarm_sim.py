@@ -159,6 +159,30 @@ def validate(args) -> None:
     print(json.dumps(out))
 
 
+def summarise(cases: list[dict], head: dict) -> dict:
+    """Top-level figures: the 1 GB delta case at its best relay count vs N = 1; origin bytes."""
+    cases = sorted(cases, key=lambda c: (c["size_gb"], c["encoding"] != "full", c["relays"]))
+    delta1 = [c for c in cases if c["size_gb"] == 1 and c["encoding"] == "delta"]
+    best = min(delta1, key=lambda c: c["p99_s"]) if delta1 else None
+    return {**head, "cases": cases,
+            "p99_ratio_n1000_vs_n1": best["p99_ratio_vs_n1"] if best else None, "best_relays_1gb_delta": best["relays"] if best else None,
+            "origin_bytes_over_version": best["origin_bytes_over_version"] if best else None,
+            "origin_bytes_over_version_max": max(c["origin_bytes_over_version"] for c in cases),
+            "aims": {"p99_ratio_n1000_vs_n1": 3.0, "origin_bytes_over_version": 3.0}}
+
+
+def merge(args) -> None:
+    docs = [json.loads(Path(p).read_text()) for p in args.merge]
+    head = {k: v for k, v in docs[-1].items() if k not in ("cases", "sim_total_s") and not k.startswith(("p99_ratio", "best_", "origin_bytes", "aims"))}
+    head["sim_total_s"] = round(sum(d.get("sim_total_s", 0) for d in docs), 1)
+    head["merged_from"] = [Path(p).name for p in args.merge]
+    result = summarise([c for d in docs for c in d["cases"]], head)
+    out = Path(args.out or REPO / "benchmarks" / "results" / "swarm_sim.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {out}")
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=1000)
@@ -176,19 +200,32 @@ def main() -> None:
     ap.add_argument("--seed-copies", type=int, default=1, help="origin super-seeding: hand-outs per shard (0: serve every request)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--delta-ratio", type=float, default=None, help="full / delta bytes (default: the committed real-RL measurement)")
+    ap.add_argument("--delta-ratio-from", default="--delta-ratio", help="where --delta-ratio was measured (recorded in the JSON)")
+    ap.add_argument("--encodings", default="full,delta", help="which cases to run (full, delta)")
+    ap.add_argument("--merge", nargs="+", default=None, help="combine the cases of earlier result files into --out (no simulation)")
     ap.add_argument("--validate", default=None, help="a `benchmarks.shardcast --ns ...` result JSON: model those loopback scenarios instead")
     args = ap.parse_args()
     logging.getLogger("shardcast").setLevel(logging.ERROR)  # 5% churn: thousands of "dropping source" lines
     if args.validate:
         return validate(args)
-    ratio, ratio_src = delta_ratio()
+    if args.merge:
+        return merge(args)
+    ratio, ratio_src = delta_ratio() if args.delta_ratio is None else (args.delta_ratio, args.delta_ratio_from)
     log(f"delta = full / {ratio:g} ({ratio_src}); origin {args.origin_gbit} Gbit/s, {args.nodes} nodes, churn {args.churn:.0%}")
     common = dict(origin_bps=args.origin_gbit * GBIT, relay_bps=args.relay_gbit * GBIT, peers=args.peers, cpu_bps=args.cpu_gbs * 1e9,
                   relay_slots=args.relay_slots, seed_copies=args.seed_copies)
     cases, t_all = [], time.perf_counter()
+    head = {"benchmark": "swarm_sim", "machine": "cpu-2core (simulated links)", "nodes": args.nodes, "origin_gbit": args.origin_gbit,
+              "relay_gbit": args.relay_gbit, "relay_slots": args.relay_slots, "peers_per_node": args.peers, "churn": args.churn,
+              "node_cpu_gb_s": args.cpu_gbs, "delta_full_over_sparse": ratio, "delta_ratio_from": ratio_src,
+              "full_wire_over_raw": FULL_WIRE_OVER_RAW}
+    out = Path(args.out or REPO / "benchmarks" / "results" / "swarm_sim.json")  # rewritten after every case
     for gb in [float(x) for x in args.sizes_gb.split(",")]:
         shard = (args.shard_mib_1gb if gb <= 1 else args.shard_mib_60gb) * 2**20
         for enc, w in (("full", FULL_WIRE_OVER_RAW), ("delta", FULL_WIRE_OVER_RAW / ratio)):
+            if enc not in args.encodings.split(","):
+                continue
             for r in [int(x) for x in args.relays.split(",")]:
                 t0 = time.perf_counter()
                 rng = random.Random(args.seed + 7)
@@ -209,20 +246,11 @@ def main() -> None:
                         "left": swarm["left"], "unfinished": swarm["unfinished"], "failed": swarm["failed"],
                         "sim_s": round(time.perf_counter() - t0, 1)}
                 cases.append(case)
+                out.write_text(json.dumps(summarise(cases, dict(head, sim_total_s=round(time.perf_counter() - t_all, 1))), indent=2) + "\n")
                 log(f"{gb:g} GB {enc}, {r} relays: p50 {case['p50_s']}s p99 {case['p99_s']}s (alone: p50 {case['n1_p50_s']}s "
                     f"p99 {case['n1_p99_s']}s; x{case['p99_ratio_vs_n1']}), origin sent {case['origin_bytes_over_version']}x the version, "
                     f"left {case['left']}, unfinished {case['unfinished']}, sim {case['sim_s']}s")
-    head = [c for c in cases if c["size_gb"] == 1 and c["encoding"] == "delta"]
-    best = min(head, key=lambda c: c["p99_s"]) if head else None
-    result = {"benchmark": "swarm_sim", "machine": "cpu-2core (simulated links)", "nodes": args.nodes, "origin_gbit": args.origin_gbit,
-              "relay_gbit": args.relay_gbit, "relay_slots": args.relay_slots, "peers_per_node": args.peers, "churn": args.churn,
-              "node_cpu_gb_s": args.cpu_gbs, "delta_full_over_sparse": ratio, "delta_ratio_from": ratio_src,
-              "full_wire_over_raw": FULL_WIRE_OVER_RAW, "cases": cases,
-              "p99_ratio_n1000_vs_n1": best["p99_ratio_vs_n1"] if best else None, "best_relays_1gb_delta": best["relays"] if best else None,
-              "origin_bytes_over_version": max(c["origin_bytes_over_version"] for c in cases),
-              "aims": {"p99_ratio_n1000_vs_n1": 3.0, "origin_bytes_over_version": 3.0},
-              "sim_total_s": round(time.perf_counter() - t_all, 1)}
-    out = Path(args.out or REPO / "benchmarks" / "results" / "swarm_sim.json")
+    result = summarise(cases, dict(head, sim_total_s=round(time.perf_counter() - t_all, 1)))
     out.write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {out}")
     print(json.dumps(result))
