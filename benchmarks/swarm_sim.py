@@ -127,7 +127,7 @@ def loopback(k: int, raw_bytes: float, shard_raw: float, uplink_bps: float, cpu_
     origin = Host("origin", "origin", uplink_bps, math.inf, 0.0002, seed=SeedOffer(seed_copies) if seed_copies else None)
     clients = [Host(f"c{j}", "node", link_bps, link_bps, 0.0002, cpu=cpu, parallel=parallel) for j in range(k)]
     sources = {c.name: ["origin"] + [o.name for o in clients if o is not c] for c in clients}
-    sim = Swarm([origin] + clients, sources, wire, raw, {}, {}, dt=min(0.05, wire[0] / uplink_bps / 50))
+    sim = Swarm([origin] + clients, sources, wire, raw, {}, {}, dt=min(0.05, max(1e-4, raw[0] / min(uplink_bps, cpu_bps) / 50)))
     sim.run()
     done = [c.t_done for c in clients]
     return {"all_done_s": max(done) if None not in done else None, "origin_bytes_over_version": origin.bytes_sent / sum(wire)}
