@@ -169,7 +169,9 @@ MAX_BUSY_BACKOFF_S = 4.0
 MAX_BUSY_RETRIES = 400
 """503s tolerated per shard (~100 s of backoff plus the servers' queue waits) before giving up."""
 NO_HOLDER_TIMEOUT_S = 30.0
-"""Fail when, for this long, nothing was fetched and no live source holds a missing shard."""
+"""Fail when, for this long, nothing was fetched and no live source holds or is fetching a missing
+shard (the simulator found a node behind 16 relays failing a 60 GB fetch: its relays were still
+pulling their first 512 MiB shards from a shared 1 Gbit/s origin after 30 s)."""
 STARVE_S = 1.0
 """Seconds with nothing in flight, nothing any source offers and nothing it needs being fetched
 by a source before a fetcher asks a super-seeding origin for a hidden shard (its copy went to a
@@ -225,6 +227,8 @@ class ShardSchedule:
             if pair is None:
                 if not self.pool.alive():
                     self.error = f"every source dropped; last errors: {self.summary()}"
+                elif self.pending and not self.inflight and any(s.fetching & self.pending for s in self.pool.alive()):
+                    self.last_progress = self.pool.clock()  # a source is fetching what we need: not stuck
                 elif self.pending and not self.inflight and self.pool.clock() - self.last_progress > NO_HOLDER_TIMEOUT_S:
                     self.error = f"no live source holds shards {sorted(self.pending)[:8]}; {self.summary()}"
                 return None

@@ -10,6 +10,7 @@ import shutil
 from shardcast.fetch import fetch_version
 from shardcast.publish import PublishOptions, publish
 from shardcast.seeding import SeedOffer
+from shardcast import sources
 from shardcast.sources import STARVE_S, Outcome, ShardSchedule, SourcePool
 from shardcast.store import Store
 
@@ -87,3 +88,18 @@ def test_node_finishes_when_the_peer_that_got_the_only_copies_is_gone(tmp_path, 
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_waiting_on_a_source_that_is_fetching_is_not_a_stuck_fetch():
+    """A node behind relays still pulling their first big shards must not give up after 30 s;
+    with nothing held or being fetched anywhere it must."""
+    now = [0.0]
+    pool = SourcePool.of(["http://relay"], clock=lambda: now[0])
+    relay = pool.sources[0]
+    relay.have, relay.fetching = set(), {0}
+    plan = ShardSchedule(pool, {0, 1}, parallel=4)
+    now[0] = sources.NO_HOLDER_TIMEOUT_S * 3
+    assert plan.next() is None and plan.error is None
+    relay.fetching = set()
+    now[0] += sources.NO_HOLDER_TIMEOUT_S + 1
+    assert plan.next() is None and "no live source holds" in (plan.error or "")
