@@ -100,10 +100,10 @@ def _ours_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
-def run_ours(work: Path, store: Path, trust: str, n_clients: int, uplink_mibps: float = 0) -> dict:
+def run_ours(work: Path, store: Path, trust: str, n_clients: int, uplink_mibps: float = 0, seed_copies: int = 0) -> dict:
     env = _ours_env()
     py = [sys.executable, "-m", "benchmarks.shardcast_actors"]
-    origin = Actor(py + ["ours-origin", str(store), str(uplink_mibps)], REPO, env)
+    origin = Actor(py + ["ours-origin", str(store), str(uplink_mibps), str(seed_copies)], REPO, env)
     clients: list[Actor] = []
     try:
         origin_url = f"http://127.0.0.1:{origin.expect('ready')[0]}"
@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--uplink-mibps", type=float, default=100, help="also run both with the origin paced to this uplink (0: skip)")
     ap.add_argument("--shard-mib", type=int, default=64, help="our shard size in MiB (the peer keeps its 50 MB default)")
     ap.add_argument("--skip-peer", action="store_true", help="measure ours only")
+    ap.add_argument("--ns", default=None, help="client counts to run (default: 1 and --clients), e.g. 1,4,8,16")
+    ap.add_argument("--super-seed", type=int, default=0, help="our origin hands each shard out this many times, then peers spread it (0: off)")
     ap.add_argument("--workdir", default=None, help="where stores and downloads go (default: a temp dir; tmpfs takes the disk out)")
     ap.add_argument("--machine", default="cpu-2core", help="machine label for the results file")
     ap.add_argument("--out", default=None, help="results JSON path (default benchmarks/results/shardcast-<machine>.json)")
@@ -191,7 +193,7 @@ def main() -> None:
         result: dict = {"benchmark": "shardcast", "machine": args.machine, "workdir": str(work.parent), "cpus": os.cpu_count(), "python": platform.python_version(),
                         "payload_bytes": raw, "shard_bytes": m.shard_size, "shards": len(m.shards), "wire_bytes": m.wire_bytes,
                         "compression": round(m.wire_bytes / raw, 4), "hash": m.hash_name, "publish_s": round(publish_s, 2),
-                        "clients": args.clients}
+                        "clients": args.clients, "super_seed_copies": args.super_seed}
         payload_file = work / "payload.bin"
         if peer_ok:
             from safetensors.torch import save_file
@@ -200,19 +202,21 @@ def main() -> None:
         del state
 
         mib, n = raw / 2**20, args.clients
+        ks = sorted({int(x) for x in args.ns.split(",")}) if args.ns else [1, n]
+        n = ks[-1]
         systems = ["ours"] + (["peer"] if peer_ok else [])
         if not peer_ok:
             result["peer"] = f"skipped: no shardcast 0.3.2 at {PEER_PY}"
         for uplink in ([0.0, args.uplink_mibps] if args.uplink_mibps else [0.0]):
             tag = "" if not uplink else "uplink_"
             for system in systems:
-                for k in (1, n):
+                for k in ks:
                     where = "loopback" if not uplink else f"origin uplink {uplink:g} MiB/s"
                     t_sync = time.perf_counter()
                     os.sync()  # the previous scenario's dirty pages must not slow this one's writes
                     log(f"{system}: {k} client(s), {where} (waited {time.perf_counter() - t_sync:.1f}s for writeback)")
                     if system == "ours":
-                        r = run_ours(work, store.root, key.peer_id, k, uplink)
+                        r = run_ours(work, store.root, key.peer_id, k, uplink, args.super_seed)
                         result[f"ours_{tag}{k}_peer_served_bytes"] = r["peer_served_bytes"]
                     else:
                         r = run_peer(work, payload_file, k, uplink)
@@ -220,9 +224,11 @@ def main() -> None:
                     result[f"{system}_{tag}{k}_s"] = round(r["wall_s"], 3)
                     log(f"{system}: {k} client(s) hold the verified file after {r['wall_s']:.2f}s ({where})")
             for system in systems:
+                if f"{system}_{tag}1_s" not in result:
+                    continue
                 result[f"{system}_{tag}1_mibps"] = round(mib / result[f"{system}_{tag}1_s"], 1)
                 result[f"{system}_{tag}{n}_over_1"] = round(result[f"{system}_{tag}{n}_s"] / result[f"{system}_{tag}1_s"], 3)
-            if peer_ok:
+            if peer_ok and 1 in ks:
                 result[f"ratio_{tag}1_client_throughput_ours_over_peer"] = round(result[f"ours_{tag}1_mibps"] / result[f"peer_{tag}1_mibps"], 3)
                 result[f"ratio_{tag}{n}_clients_time_peer_over_ours"] = round(result[f"peer_{tag}{n}_s"] / result[f"ours_{tag}{n}_s"], 3)
         result["uplink_mibps"] = args.uplink_mibps

@@ -62,11 +62,13 @@ async def _stdin_line() -> str:
     return await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
 
-async def ours_origin(store_dir: str, uplink_mibps: float) -> None:
+async def ours_origin(store_dir: str, uplink_mibps: float, seed_copies: int = 0) -> None:
+    from shardcast.seeding import SeedOffer
     from shardcast.server import ShardServer
     from shardcast.store import Store
 
-    server = ShardServer(Store(store_dir), uplink_bytes_per_s=uplink_mibps * 2**20 if uplink_mibps > 0 else None)
+    server = ShardServer(Store(store_dir), uplink_bytes_per_s=uplink_mibps * 2**20 if uplink_mibps > 0 else None,
+                         seed=SeedOffer(seed_copies) if seed_copies > 0 else None)
     port = await server.start("127.0.0.1", 0)
     print("ready", port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -95,7 +97,7 @@ async def ours_client(store_dir: str, run_id: str, version: int, trust: str) -> 
 if __name__ == "__main__":
     role, args = sys.argv[1], sys.argv[2:]
     if role == "ours-origin":
-        asyncio.run(ours_origin(args[0], float(args[1])))
+        asyncio.run(ours_origin(args[0], float(args[1]), int(args[2]) if len(args) > 2 else 0))
     elif role == "ours-client":
         asyncio.run(ours_client(args[0], args[1], int(args[2]), args[3]))
     else:

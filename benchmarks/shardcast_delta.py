@@ -6,7 +6,13 @@ N+1 steps; their checkpoints are versions N and N+1 of one policy. A third run o
 that determinism (bit-exact). Then, over a real server on 127.0.0.1: a client that holds v N
 fetches v N+1 published as a delta; a fresh client fetches v N+1 published as a full version.
 Both results are checked bit-exact against the checkpoint. Repeated for the bf16 cast that
-inference engines load. The peer (shardcast 0.3.2) has neither compression nor deltas: it sends
+inference engines load.
+
+`--real`: SmolLM2-135M-Instruct (real pretrained weights, `node.model.pretrained.load_smollm2`)
+with fp32 and bf16 masters at lr 1e-6 and 1e-5, and the tiny MoE at its recipe's lr: versions from
+real policy-gradient steps (the project's engine rolls out `reverse`, group advantages, the
+project's Trainer/AdamW); per published dtype, bytes per version as full / XOR delta / sparse
+delta and single-thread encode/decode GB/s; writes shardcast_delta-real-<machine>.json. The peer (shardcast 0.3.2) has neither compression nor deltas: it sends
 the file as is, so its bytes on the wire are the safetensors file's size.
 """
 
@@ -77,6 +83,173 @@ async def wire_bytes(work: Path, prev: dict, cur: dict, v: int, shard_mib: int) 
     return out
 
 
+# ---- real RL updates: SmolLM2-135M-Instruct and the tiny MoE (--real) ------------------------
+
+class ChatTokenizer:
+    """The engine/rollout tokenizer interface over SmolLM2's HF tokenizer: a task prompt
+    ('12345>') becomes a one-turn chat asking for the reversed digits."""
+
+    def __init__(self, hf):
+        self.hf, self.eos_id = hf, hf.eos_token_id
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        if not bos:
+            return self.hf.encode(text, add_special_tokens=False)
+        msg = f"Write the digits {text.rstrip('>')} in reverse order. Reply with the digits only."
+        text = self.hf.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=False)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True).strip()
+
+
+def rl_versions(model, tok, lr: float, steps: int, prompts: int, samples: int, seed: int = 0, task: str = "reverse"):
+    """Policy versions 0..steps: the model, then after each real policy-gradient step (rollouts
+    from the project's engine on `task`, group advantages, the project's Trainer/AdamW)."""
+    import copy
+
+    from node.engine import Engine, SamplingParams
+    from node.envs import get_env
+    from node.envs.rollout import run_episodes
+    from node.model.checkpoint import state_dict_to_hf
+    from node.rl.advantages import group_advantages
+    from node.rl.batch import build_batch
+    from node.rl.train_local import task_seed
+    from node.rl.trainer import Trainer, TrainerConfig
+
+    env = get_env(task)
+    engine = Engine(copy.deepcopy(model), max_batch=prompts * samples, max_seq_len=128, eos_id=tok.eos_id, decode=tok.decode,
+                    capture_experts=model.config.num_experts > 0)
+    trainer = Trainer(model, TrainerConfig(lr=lr))
+    yield {k: v.clone() for k, v in state_dict_to_hf(model).items()}
+    for step in range(steps):
+        t0 = time.time()
+        episodes = [(f"{step}-{i}-{j}", env.sample_task(task_seed(seed, step, i)), SamplingParams(temperature=1.0, seed=task_seed(seed, step, i) * 64 + j))
+                    for i in range(prompts) for j in range(samples)]
+        rollouts = run_episodes(engine, env, tok, episodes)
+        rewards = torch.tensor([r.reward for r in rollouts]).view(prompts, samples)
+        adv = group_advantages(rewards, normalize_std=True).flatten().tolist()
+        stats = trainer.train_step(build_batch(rollouts, adv, tok.pad_id))
+        state = {k: v.clone() for k, v in state_dict_to_hf(model).items()}
+        engine.load_weights(state, version=step + 1)
+        log(f"  step {step + 1}: reward {float(rewards.mean()):.3f} (groups with signal {int((rewards.std(1) > 0).sum())}/{prompts}), "
+            f"grad norm {stats['grad_norm']:.3g}, {time.time() - t0:.1f}s")
+        yield state
+
+
+def codec_case(prev: dict, cur: dict, shard_mib: int) -> dict:
+    """Bytes of `cur` on the wire as a full version, an XOR delta and a sparse-or-XOR delta
+    against `prev`; single-thread encode and decode (wire hash, decode, raw hash) GB/s."""
+    import numpy as np
+
+    from shardcast.codec import check_wire, decode_shard, encode_shard, flatten, shard_ranges
+    from shardcast.publish import shard_word
+    from shardcast.sparse import is_sparse
+
+    tensors, new = flatten(cur)
+    _, old = flatten(prev)
+    ranges = shard_ranges(len(new), shard_mib << 20)
+    words = [shard_word(tensors, a, b) for a, b in ranges]
+    full = sum(encode_shard(i, new[a:b], None)[0].wire_size for i, (a, b) in enumerate(ranges))
+    xor = sum(encode_shard(i, new[a:b], old[a:b], sparse=False)[0].wire_size for i, (a, b) in enumerate(ranges))
+    t0 = time.perf_counter()
+    enc = [encode_shard(i, new[a:b], old[a:b], word=w) for i, ((a, b), w) in enumerate(zip(ranges, words))]
+    enc_s = time.perf_counter() - t0
+    out = np.empty_like(new)
+    t0 = time.perf_counter()
+    for (entry, wire), (a, b) in zip(enc, ranges):
+        check_wire(entry, wire)
+        decode_shard(entry, wire, out[a:b], old[a:b])
+    dec_s = time.perf_counter() - t0
+    assert np.array_equal(out, new), "sparse round trip is not bit-exact"
+    sparse = sum(e.wire_size for e, _ in enc)
+    changed = sum(int((prev[k].contiguous().view(torch.uint8).view(-1, prev[k].element_size()) !=
+                       cur[k].contiguous().view(torch.uint8).view(-1, cur[k].element_size())).any(1).sum()) for k in cur if cur[k].numel())
+    numel = sum(t.numel() for t in cur.values())
+    return {"raw_bytes": len(new), "full_wire_bytes": full, "xor_wire_bytes": xor, "sparse_wire_bytes": sparse,
+            "sparse_shards": sum(is_sparse(w) for _, w in enc), "shards": len(enc), "changed_elements": changed,
+            "changed_fraction": changed / numel, "encode_s": enc_s, "decode_s": dec_s}
+
+
+def real_main(args) -> None:
+    from node.model.pretrained import PretrainedUnavailable, load_smollm2
+
+    torch.manual_seed(0)
+    cases: list[dict] = []
+
+    def measure(model_name: str, master: str, lr: float, versions: list[dict], published: list[str]) -> None:
+        for dtype in published:
+            cast = [{k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in s.items()} for s in versions]
+            agg: dict = {}
+            for t in range(1, len(cast)):
+                r = codec_case(cast[t - 1], cast[t], args.shard_mib)
+                for k, v in r.items():
+                    agg[k] = agg.get(k, 0) + v
+            n = len(cast) - 1
+            case = {"model": model_name, "master": master, "dtype": dtype, "lr": lr, "transitions": n,
+                    "raw_bytes": agg["raw_bytes"] // n, "full_wire_bytes": agg["full_wire_bytes"] // n,
+                    "xor_wire_bytes": agg["xor_wire_bytes"] // n, "sparse_wire_bytes": agg["sparse_wire_bytes"] // n,
+                    "sparse_shards_share": round(agg["sparse_shards"] / agg["shards"], 3),
+                    "changed_fraction": round(agg["changed_fraction"] / n, 7),
+                    "full_over_xor": round(agg["full_wire_bytes"] / agg["xor_wire_bytes"], 2),
+                    "full_over_sparse": round(agg["full_wire_bytes"] / agg["sparse_wire_bytes"], 2),
+                    "xor_over_sparse": round(agg["xor_wire_bytes"] / agg["sparse_wire_bytes"], 2),
+                    "encode_gb_s": round(agg["raw_bytes"] / agg["encode_s"] / 1e9, 3),
+                    "decode_gb_s": round(agg["raw_bytes"] / agg["decode_s"] / 1e9, 3)}
+            cases.append(case)
+            partial = REPO / "benchmarks" / "results" / f".shardcast_delta-real-{args.machine}.partial.json" if not args.out else Path(args.out + ".partial")
+            partial.write_text(json.dumps({"cases": cases}, indent=2) + "\n")  # a killed run keeps its finished cases
+            log(f"{model_name} master {master} lr {lr:g} as {dtype}: changed {case['changed_fraction']:.4%}, full/xor "
+                f"{case['full_over_xor']}x, full/sparse {case['full_over_sparse']}x, enc {case['encode_gb_s']} GB/s, dec {case['decode_gb_s']} GB/s")
+
+    try:
+        base, hf_tok, _ = load_smollm2(torch.float32)
+    except PretrainedUnavailable as exc:
+        raise SystemExit(f"SmolLM2 weights unavailable: {exc}")
+    tok = ChatTokenizer(hf_tok)
+    for master in args.masters.split(","):
+        for lr in [float(x) for x in args.lrs.split(",")]:
+            import copy
+
+            model = copy.deepcopy(base).to(getattr(torch, master))
+            log(f"SmolLM2-135M-Instruct, {master} master, lr {lr:g}: {args.real_steps} RL steps")
+            versions = list(rl_versions(model, tok, lr, args.real_steps, args.prompts, args.samples))
+            del model
+            measure("SmolLM2-135M-Instruct", master, lr, versions, ["bfloat16"] + (["float32"] if master == "float32" else []))
+    moe_versions = tiny_moe_versions(args)
+    measure("tiny-MoE (train-local recipe)", "float32", args.moe_lr, moe_versions, ["bfloat16", "float32"])
+    head = [c for c in cases if c["model"].startswith("SmolLM2") and c["dtype"] == "bfloat16" and c["lr"] == 1e-6]
+    result = {"benchmark": "shardcast_delta", "mode": "real", "machine": args.machine, "task": "reverse", "shard_mib": args.shard_mib,
+              "steps_per_setting": args.real_steps, "rollouts_per_step": args.prompts * args.samples, "cases": cases,
+              "aim_full_over_sparse_bf16_lr1e-6": 100,
+              "headline_full_over_sparse_bf16_lr1e-6": min((c["full_over_sparse"] for c in head), default=None),
+              "sparse_never_worse_than_xor": all(c["sparse_wire_bytes"] <= c["xor_wire_bytes"] for c in cases)}
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"shardcast_delta-real-{args.machine}.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {out}")
+    print(json.dumps(result))
+
+
+def tiny_moe_versions(args) -> list[dict]:
+    """The tiny MoE of `train-local` (warm-up from random init, then RL at the recipe's lr)."""
+    import copy
+
+    from node.engine import Engine
+    from node.envs import get_env
+    from node.model.qwen3_moe import CausalLM
+    from node.model.tokenizer import CharTokenizer
+    from node.rl.train_local import LocalRunConfig, tiny_moe_config, warm_up
+
+    cfg = LocalRunConfig()
+    torch.manual_seed(0)
+    env, tok = get_env("reverse"), CharTokenizer()
+    model = CausalLM(tiny_moe_config(tok.vocab_size, cfg.hidden, cfg.layers, cfg.experts, cfg.top_k))
+    engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=tok.eos_id, decode=tok.decode)
+    log(f"tiny MoE: warm-up {warm_up(model, engine, env, tok, cfg)}; {args.real_steps} RL steps at lr {args.moe_lr:g}")
+    return list(rl_versions(model, tok, args.moe_lr, args.real_steps, 16, 8))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="RL steps before the measured step")
@@ -85,7 +258,17 @@ def main() -> None:
     ap.add_argument("--shard-mib", type=int, default=8)
     ap.add_argument("--machine", default="cpu-2core")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct + tiny MoE, real RL steps, full vs XOR vs sparse")
+    ap.add_argument("--real-steps", type=int, default=3, help="--real: RL steps per setting (versions measured: steps)")
+    ap.add_argument("--masters", default="float32,bfloat16", help="--real: master weight dtypes")
+    ap.add_argument("--lrs", default="1e-6,1e-5", help="--real: SmolLM2 learning rates")
+    ap.add_argument("--moe-lr", type=float, default=1e-3, help="--real: the tiny MoE's lr (TrainerConfig's default, the recipe's)")
+    ap.add_argument("--prompts", type=int, default=4, help="--real: prompts per step")
+    ap.add_argument("--samples", type=int, default=4, help="--real: samples per prompt")
     args = ap.parse_args()
+    if args.real:
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        return real_main(args)
     work = Path(tempfile.mkdtemp(prefix="shardcast-delta-"))
     try:
         n = args.steps

@@ -128,7 +128,7 @@ async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int) ->
 
     ck, tk, vk = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
     spec = RunSpec(run_id=f"sybil-{int(policy)}", coordinator=ck.peer_id, max_off_policy_steps=1,
-                   heartbeat_interval_s=1.0, dead_after_missed=3, lease_ttl_s=30.0, group_size=1,
+                   heartbeat_interval_s=5.0, dead_after_missed=3, lease_ttl_s=30.0, group_size=1,
                    batch_groups=batch_groups, trainer=tk.peer_id, validators=[vk.peer_id])
     (tmp / "spec.json").write_text(spec.model_dump_json())
     host = PeerHost(ck)
@@ -160,6 +160,10 @@ async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int) ->
                                                   bootstrap, "--spec", str(tmp / "spec.json")],
                                                  stdout=subprocess.DEVNULL, stderr=open(tmp / "hoarders.log", "ab"),
                                                  env=dict(os.environ)))
+            # measure from when every hoarder has joined (10 processes starting on 2 cores take a while)
+            joined_by = time.monotonic() + 120
+            while len(svc.state.view.members) < len(clients) + n and time.monotonic() < joined_by:
+                await asyncio.sleep(0.5)
             t0 = time.monotonic()
             first = len(steps)
             held = []  # leases held by identities other than the honest ones, sampled every 0.5 s

@@ -79,6 +79,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8470, help="port (0: any free port; printed on start)")
     p.add_argument("--max-concurrent", type=int, default=16, help="shard bodies sent at once; more get 503")
     p.add_argument("--uplink-mibps", type=float, default=None, help="pace all shard bodies to this many MiB/s (emulate a thin uplink)")
+    p.add_argument("--super-seed", action="store_true", help="origin: hand each shard out --seed-copies times, then let peers spread it")
+    p.add_argument("--seed-copies", type=int, default=1, help="with --super-seed: hand-outs per shard per version (default 1)")
 
 
 def _load_weights(path: str):
@@ -112,7 +114,10 @@ async def _start_server(args: argparse.Namespace, store):
     from shardcast.server import ShardServer
 
     rate = None if args.uplink_mibps is None else args.uplink_mibps * 2**20
-    server = ShardServer(store, max_concurrent=args.max_concurrent, uplink_bytes_per_s=rate)
+    from shardcast.seeding import SeedOffer
+
+    seed = SeedOffer(args.seed_copies) if getattr(args, "super_seed", False) else None
+    server = ShardServer(store, max_concurrent=args.max_concurrent, uplink_bytes_per_s=rate, seed=seed)
     port = await server.start(args.host, args.port)
     print(f"serving {store.root} on http://{args.host}:{port}", flush=True)
     return server

@@ -11,8 +11,10 @@ __all__ = [
     "UnknownPublisher",
     "CorruptShard",
     "TruncatedShard",
+    "InvalidSparseDelta",
     "SourceUnavailable",
     "SourceBusy",
+    "NotOffered",
     "FetchFailed",
     "VersionNotFound",
 ]
@@ -38,12 +40,21 @@ class TruncatedShard(CorruptShard):
     """A source closed the connection before sending the whole shard."""
 
 
+class InvalidSparseDelta(CorruptShard):
+    """A sparse delta shard is malformed: indices outside the shard, repeated or unsorted, or a
+    section that does not decode to the size its header claims."""
+
+
 class SourceUnavailable(ShardcastError):
     """A source refused, stalled past its timeout, or answered with an HTTP error."""
 
 
 class SourceBusy(SourceUnavailable):
     """A source answered 503 (all its upload slots taken): try elsewhere or later, no penalty."""
+
+
+class NotOffered(SourceUnavailable):
+    """A super-seeding origin answered 425: it handed this shard out already; fetch it from a peer."""
 
 
 class VersionNotFound(ShardcastError):

@@ -22,10 +22,10 @@ import torch
 from tqdm import tqdm
 
 from shardcast.codec import check_wire, decode_shard, unflatten
-from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
+from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, NotOffered, ShardcastError, SourceUnavailable,
                               SourceBusy, TruncatedShard, UnknownPublisher, VersionNotFound)
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
-from shardcast.sources import Source, SourcePool
+from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, Outcome, ShardSchedule, Source, SourcePool
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
@@ -35,19 +35,8 @@ DEFAULT_PARALLEL = min(8, max(4, os.cpu_count() or 1))
 up to 8 decode in parallel (zstd and blake3 release the GIL)."""
 DEFAULT_STALL_TIMEOUT = 10.0
 """Seconds without a byte before a source counts as stalled."""
-DEFAULT_MAX_ATTEMPTS = 6
-"""Attempts per shard (across all sources) before the fetch fails."""
-BUSY_BACKOFF_S = 0.25
-"""Pause before re-queuing a shard a source refused with 503."""
-MAX_BUSY_RETRIES = 400
-"""503s tolerated per shard (~100 s of backoff plus the servers' queue waits) before giving up."""
 PICK_POLL_S = 0.05
 """How often an idle worker looks again for a (source, shard) it may take."""
-NO_HOLDER_TIMEOUT_S = 30.0
-"""Fail when, for this long, nothing was fetched and no live source holds a missing shard."""
-DEFAULT_PER_SOURCE = 2
-"""Downloads at once from one source when there are several: leaves the others' slots to peers,
-so simultaneous clients pull different shards from a thin origin and trade them."""
 HAVE_TIMEOUT_S = 2.0
 """A shard list is a few bytes; a source that takes longer is treated as holding nothing for now."""
 HAVE_REFRESH_S = 0.25
@@ -118,6 +107,7 @@ class Fetcher:
                 doc = json.loads(body)
                 src.have = {int(i) for i in doc["shards"]}
                 src.fetching = {int(i) for i in doc.get("fetching", [])}
+                src.seed = doc.get("seed") is True
             except (ShardcastError, ValueError, KeyError, TypeError, asyncio.TimeoutError):
                 src.have = set()  # cannot tell: treat as holding nothing until the next refresh
 
@@ -192,71 +182,37 @@ class Fetcher:
         reused = {i for i in held if i < len(m.shards) and await loop.run_in_executor(None, reuse, i)}
         if reused:
             log.info("%s v%d: resuming; %d of %d shards already held and verified", m.run_id, m.version, len(reused), len(m.shards))
-        pending = {i for i in range(len(m.shards)) if i not in reused}
-        inflight: set[int] = set()
+        plan = ShardSchedule(self.pool, {i for i in range(len(m.shards)) if i not in reused}, self.parallel,
+                             per_source=self.per_source, max_attempts=self.max_attempts)
         key = (m.run_id, m.version)
-        self.store.fetching[key] = inflight  # advertised in /have, so peers avoid duplicating us
-        attempts = {i: 0 for i in pending}
-        busy = {i: 0 for i in pending}
-        last_error: dict[int, str] = {}
-        remaining = len(pending)
+        self.store.fetching[key] = plan.inflight  # advertised in /have, so peers avoid duplicating us
         downloaded = 0
-        last_progress = loop.time()
-        bar = tqdm(total=sum(m.shards[i].wire_size for i in pending), unit="B", unit_scale=True,
+        bar = tqdm(total=sum(m.shards[i].wire_size for i in plan.pending), unit="B", unit_scale=True,
                    desc=f"{m.run_id} v{m.version}", disable=not self.progress)
         await self._refresh_have(m.run_id, m.version)
-        failed: FetchFailed | None = None
 
         async def worker() -> None:
-            nonlocal remaining, downloaded, failed, last_progress
-            while remaining > 0 and failed is None:
-                pair = self.pool.pick(pending, self.per_source if len(self.pool.alive()) > 1 else self.parallel)
-                if pair is None:
-                    if not self.pool.alive():
-                        failed = FetchFailed(f"{m.run_id} v{m.version}: every source dropped; last errors: {_summary(last_error)}")
-                    elif pending and not inflight and loop.time() - last_progress > NO_HOLDER_TIMEOUT_S:
-                        failed = FetchFailed(f"{m.run_id} v{m.version}: no live source holds shards {sorted(pending)[:8]}; {_summary(last_error)}")
+            nonlocal downloaded
+            while not plan.done:
+                pick = plan.next()
+                if pick is None:
                     await asyncio.sleep(PICK_POLL_S)  # a peer may get it, a slot may free up
                     continue
-                src, i = pair
-                pending.discard(i)
-                inflight.add(i)
+                src, i, last_resort = pick
+                t0 = time.perf_counter()
                 try:
-                    wire = await self._download(src, m, i)
+                    wire = await self._download(src, m, i, last_resort)
+                    seconds = time.perf_counter() - t0
                     await loop.run_in_executor(None, accept, i, wire)
-                except SourceBusy:
-                    # Busy is not broken: no penalty; back off (bounded) and pick again.
-                    busy[i] += 1
-                    if busy[i] > MAX_BUSY_RETRIES:
-                        failed = FetchFailed(f"{m.run_id} v{m.version}: shard {i}: every source stayed busy")
-                    src.cooldown_until = time.monotonic() + BUSY_BACKOFF_S
-                    pending.add(i)
-                    continue
                 except ShardcastError as exc:
-                    last_error[i] = f"{src.url}: {exc}"
-                    self.pool.exclude(i, src)
-                    if isinstance(exc, CorruptShard):
-                        # A cut connection (dying source) may come back for the next version;
-                        # bytes that fail a hash never will.
-                        src.drop(str(exc), lied=not isinstance(exc, TruncatedShard))
-                    elif isinstance(exc, VersionNotFound):
-                        if src.have is not None:
-                            src.have.discard(i)
-                        else:
-                            src.have = set()
-                    else:
-                        src.fail(str(exc))
-                    attempts[i] += 1
-                    if attempts[i] >= self.max_attempts:
-                        failed = FetchFailed(f"{m.run_id} v{m.version}: shard {i} failed {attempts[i]} times; last: {last_error[i]}")
-                    pending.add(i)
+                    plan.failed(src, i, outcome_of(exc), str(exc))
                     continue
-                finally:
-                    inflight.discard(i)
+                except BaseException:
+                    plan.release(src, i)  # cancelled (or a local error): no fault of the source
+                    raise
+                plan.succeeded(src, i, len(wire), seconds)
                 downloaded += len(wire)
                 bar.update(len(wire))
-                remaining -= 1
-                last_progress = loop.time()
 
         async def refresh_forever() -> None:
             # Peers gain shards while we fetch; re-read who holds what so they become sources.
@@ -266,26 +222,27 @@ class Fetcher:
 
         refresher = asyncio.create_task(refresh_forever())
         try:
-            await asyncio.gather(*(worker() for _ in range(max(1, min(self.parallel, remaining)))))
+            await asyncio.gather(*(worker() for _ in range(max(1, min(self.parallel, plan.remaining)))))
         finally:
             refresher.cancel()
             self.store.fetching.pop(key, None)
             bar.close()
-        if failed is not None:
-            raise failed
+        if plan.error is not None:
+            raise FetchFailed(f"{m.run_id} v{m.version}: {plan.error}")
         await loop.run_in_executor(None, self.store.commit_partial_payload, m.run_id, m.version, payload)
         log.info("%s v%d verified: %.1f MiB downloaded from %s", m.run_id, m.version, downloaded / 2**20,
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
         return FetchedVersion(m, payload, downloaded)
 
-    async def _download(self, src: Source, m: Manifest, i: int) -> bytes:
+    async def _download(self, src: Source, m: Manifest, i: int, last_resort: bool = False) -> bytes:
         """Exactly shard `i`'s wire bytes from `src`, hash-checked; typed errors otherwise."""
         assert self._session is not None, "use `async with Fetcher(...)`"
         entry = m.shards[i]
-        src.inflight += 1
-        t0 = time.perf_counter()
         try:
-            async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}") as r:
+            query = "?last_resort=1" if last_resort else ""
+            async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}{query}") as r:
+                if r.status == 425:
+                    raise NotOffered(f"{src.url} handed shard {i} out already")
                 if r.status == 404:
                     raise VersionNotFound(f"shard {i} not held by {src.url}")
                 if r.status in (429, 503):  # out of upload slots or over a rate limit: busy, not broken
@@ -302,9 +259,6 @@ class Fetcher:
             raise TruncatedShard(f"shard {i}: connection cut: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise SourceUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            src.inflight -= 1
-        src.record(len(wire), time.perf_counter() - t0)
         return wire
 
 
@@ -313,8 +267,19 @@ def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
         raise InvalidManifest(f"{m.run_id} v{m.version}: manifest hash {m.manifest_hash()[:16]}.. is not the announced {manifest_hash[:16]}..")
 
 
-def _summary(errors: dict[int, str]) -> str:
-    return "; ".join(f"shard {i}: {e}" for i, e in list(errors.items())[:3]) or "none"
+def outcome_of(exc: ShardcastError) -> Outcome:
+    """The policy's view of a failed download (`sources.ShardSchedule.failed`)."""
+    if isinstance(exc, SourceBusy):
+        return Outcome.BUSY
+    if isinstance(exc, NotOffered):
+        return Outcome.NOT_OFFERED
+    if isinstance(exc, TruncatedShard):
+        return Outcome.TRUNCATED
+    if isinstance(exc, CorruptShard):
+        return Outcome.CORRUPT
+    if isinstance(exc, VersionNotFound):
+        return Outcome.NOT_FOUND
+    return Outcome.UNAVAILABLE
 
 
 async def fetch_version(store: Store, sources: list[str], trusted: TrustedPublishers, run_id: str,

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from protocol.identity import NodeKey
-from shardcast.codec import DEFAULT_SHARD_SIZE, DEFAULT_ZSTD_LEVEL, encode_shard, flatten, shard_ranges
-from shardcast.manifest import Manifest, SignedManifest
+from shardcast.codec import DEFAULT_SHARD_SIZE, DEFAULT_ZSTD_LEVEL, element_size, encode_shard, flatten, shard_ranges
+from shardcast.manifest import Manifest, SignedManifest, TensorEntry
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,19 @@ class PublishOptions:
     """Retention R: versions kept (plus the keyframe chain they need); must be >= k+1."""
     threads: int = 2
     """Shards compressed in parallel (zstd and blake3 release the GIL)."""
+    sparse: bool = True
+    """Delta shards may use the sparse encoding (changed words only) where it is smaller than XOR."""
+
+
+def shard_word(tensors: list[TensorEntry], start: int, stop: int) -> int:
+    """Element size of the dtype covering most bytes of payload[start:stop] (the sparse word)."""
+    by_size: dict[int, int] = {}
+    for t in tensors:
+        overlap = min(stop, t.offset + t.nbytes) - max(start, t.offset)
+        if overlap > 0:
+            size = element_size(t.dtype)
+            by_size[size] = by_size.get(size, 0) + overlap
+    return max(by_size, key=by_size.__getitem__, default=2)
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -75,7 +88,8 @@ def publish(
 
     def one(i: int):
         a, b = ranges[i]
-        return encode_shard(i, payload[a:b], None if parent_payload is None else np.asarray(parent_payload[a:b]), opt.zstd_level)
+        return encode_shard(i, payload[a:b], None if parent_payload is None else np.asarray(parent_payload[a:b]), opt.zstd_level,
+                            word=shard_word(tensors, a, b), sparse=opt.sparse)
 
     with ThreadPoolExecutor(max_workers=max(1, opt.threads)) as pool:
         entries = []

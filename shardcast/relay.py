@@ -46,12 +46,17 @@ async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: floa
         wake.clear()
 
 
+def versions_to_mirror(upstream: list[int], held: list[int]) -> list[int]:
+    """Upstream versions newer than the newest held, oldest first (parents before their deltas).
+    Pure: the relay's mirror loop and the swarm simulator both decide with it."""
+    newest_held = max(held, default=-1)
+    return sorted(v for v in set(upstream) if v > newest_held)
+
+
 async def _mirror_round(fetcher: Fetcher, run_id: str, keep_last: int, poll_s: float) -> None:
     try:
         upstream = await fetcher.versions(run_id)
-        held = set(fetcher.store.complete_versions(run_id))
-        newest_held = max(held, default=-1)
-        for v in [v for v in upstream if v > newest_held]:
+        for v in versions_to_mirror(upstream, fetcher.store.complete_versions(run_id)):
             await fetcher.fetch(run_id, v)
             log.info("relay: mirrored %s v%d", run_id, v)
             fetcher.store.retain(run_id, keep_last)

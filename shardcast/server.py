@@ -5,7 +5,7 @@ Endpoints (all GET, under /shardcast):
   /runs                                -> {"runs": [...]}
   /{run}/versions                      -> {"versions": [held manifests], "complete": [verified payloads]}
   /{run}/{version}/manifest            -> the signed manifest JSON
-  /{run}/{version}/have                -> {"shards": [held], "fetching": [being fetched now]}
+  /{run}/{version}/have                -> {"shards": [held], "fetching": [being fetched now], "seed": bool}
   /{run}/{version}/shard/{index}       -> wire bytes (Range supported; sendfile)
 Invariant: only files with final names are served, and those were verified before renaming
 (see store.py), so a peer never relays bytes it has not checked. At most `max_concurrent`
@@ -26,6 +26,7 @@ from pathlib import Path
 from aiohttp import web
 
 from protocol.limits import ConnectionCap, LimitConfig, PeerLimiter
+from shardcast.seeding import SeedOffer
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,10 @@ class ShardServer:
 
     def __init__(self, store: Store, max_concurrent: int = DEFAULT_MAX_CONCURRENT, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                  uplink_bytes_per_s: float | None = None, limits: LimitConfig = HTTP_LIMITS,
-                 max_connections_per_ip: int = DEFAULT_MAX_CONNECTIONS_PER_IP):
+                 max_connections_per_ip: int = DEFAULT_MAX_CONNECTIONS_PER_IP, seed: SeedOffer | None = None):
         self.store = store
+        self.seed = seed
+        """Super-seeding (an origin): hide shards already handed out `seed.copies` times (seeding.py)."""
         self.limiter = PeerLimiter(limits)
         self.per_client_slots = max(1, max_concurrent // 2)
         """Shard bodies one client IP may have in flight."""
@@ -133,11 +136,13 @@ class ShardServer:
 
     async def _have(self, request: web.Request) -> web.Response:
         run, version = _run(request), _int(request, "version")
-        return web.json_response({"shards": self.store.held_shards(run, version),
-                                  "fetching": sorted(self.store.fetching.get((run, version), ()))})
+        held = self.store.held_shards(run, version)
+        return web.json_response({"shards": held if self.seed is None else self.seed.offered(run, version, held),
+                                  "fetching": sorted(self.store.fetching.get((run, version), ())), "seed": self.seed is not None})
 
     async def _shard(self, request: web.Request) -> web.StreamResponse:
-        path = self.store.shard_path(_run(request), _int(request, "version"), _int(request, "index"))
+        run, version, index = _run(request), _int(request, "version"), _int(request, "index")
+        path = self.store.shard_path(run, version, index)
         if not path.exists():
             raise web.HTTPNotFound(text="shard not held")
         client = request.remote or "?"
@@ -152,6 +157,8 @@ class ShardServer:
             self.busy_refusals += 1
             raise web.HTTPServiceUnavailable(text="busy", headers={"Retry-After": "1"}) from None
         try:
+            if self.seed is not None and not self.seed.admit(run, version, index, request.query.get("last_resort") == "1"):
+                raise _TooEarly(text="handed out already: fetch it from a peer")
             # prepare() sends the whole body (sendfile), so the slot is held for the transfer.
             if self.uplink_bytes_per_s:
                 return await self._send_paced(request, path)
@@ -202,6 +209,12 @@ class ShardServer:
                 self.bytes_served += len(chunk)
         await resp.write_eof()
         return resp
+
+
+class _TooEarly(web.HTTPClientError):
+    """425 Too Early: a super-seeding origin handed this shard out already (aiohttp has no class)."""
+
+    status_code = 425
 
 
 async def expect_without_echo(request: web.Request) -> None:
