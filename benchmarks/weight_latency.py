@@ -7,7 +7,7 @@ fetch, fetch + verify, load).
 
 Path measured per version v: trainer step ends (`t_trained`) -> shardcast publish (delta) ->
 coordinator announces over gossip -> each node fetches from origin + relay, verifies the
-signature and every shard hash -> queues the weights in its engine (`versions.jsonl`,
+signature and every shard hash -> queues the weights in its engine (`versions.jsonl`, written by `join --trace-versions`,
 `t_queued`; the engine applies them before its next decode step, a few ms later). A node that
 skips v because v+1 arrived first counts at its first version >= v. Latency of v = the slowest
 node. Peer: N = 1 in the same run; the aim is N = 16 within 2x of N = 1. Every process shares
@@ -66,7 +66,7 @@ def main() -> None:
             print(f"N={n}: sim with {n} inference nodes, {args.steps} steps ...", flush=True)
             out = Path(tmp) / f"n{n}"
             s = run_sim(out, inference_nodes=n, steps=args.steps, batch_groups=max(4, n), group_size=4,
-                        max_off_policy_steps=1, seed=0, timeout_s=600)
+                        max_off_policy_steps=1, seed=0, timeout_s=600, trace_versions=True)
             lat, stages = latencies(out, n)
             results[n] = {"versions": len(lat), "median_s": round(statistics.median(lat), 3) if lat else None,
                           "max_s": round(max(lat), 3) if lat else None, "status": s["status"],
