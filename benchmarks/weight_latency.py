@@ -66,7 +66,7 @@ def main() -> None:
             print(f"N={n}: sim with {n} inference nodes, {args.steps} steps ...", flush=True)
             out = Path(tmp) / f"n{n}"
             s = run_sim(out, inference_nodes=n, steps=args.steps, batch_groups=max(4, n), group_size=4,
-                        max_off_policy_steps=1, seed=0, timeout_s=600, trace_versions=True)
+                        max_off_policy_steps=1, seed=0, timeout_s=600)
             lat, stages = latencies(out, n)
             results[n] = {"versions": len(lat), "median_s": round(statistics.median(lat), 3) if lat else None,
                           "max_s": round(max(lat), 3) if lat else None, "status": s["status"],

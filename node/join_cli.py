@@ -216,6 +216,7 @@ def _customizer(args: argparse.Namespace):
 
 def _join(args: argparse.Namespace) -> int:
     quiet_libp2p()
+    args.customize = _customizer(args)
     parallel = {"dp": args.dp, "ep": args.ep, "cp": args.cp, "fsdp": args.fsdp}
     if args.role != "trainer" and (args.dp, args.ep, args.cp) != (1, 1, 1):
         raise SystemExit("primerl-node join: --dp/--ep/--cp apply to --role trainer only")
@@ -225,5 +226,5 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port,
                      engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm,
-                     customize=_customizer(args)))
+                     customize=getattr(args, "customize", None)))
     return 0

@@ -129,12 +129,10 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             churn: bool = False, cheaters: int = 0, max_off_policy_steps: int = _RUN["max_off_policy_steps"].default,
             seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
-            vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None,
-            trace_versions: bool = False) -> dict:
+            vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None) -> dict:
     """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
     the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
-    `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`).
-    `trace_versions`: inference nodes write versions.jsonl (node/version_trace.py)."""
+    `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`)."""
     deadline = Deadline(steps, timeout_for(steps, vllm_nodes) if timeout_s is None else timeout_s,
                         follow=timeout_s is None)
     if vllm_nodes:
@@ -186,8 +184,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
              "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
     for i in range(inference_nodes):
         name = f"inference-{i}"
-        extra = (["--engine", "vllm"] if i < vllm_nodes else []) + (["--trace-versions"] if trace_versions else [])
-        procs[name] = member(name, "inference", extra)
+        extra = ["--engine", "vllm"] if i < vllm_nodes else []
+        procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
         p.start()

@@ -1,8 +1,8 @@
 """A node's record of when each policy version reached its engine: WORKDIR/versions.jsonl, one line
 per version (`version`, `t_announced`, `t_fetch`, `t_fetched`, `t_queued`, Unix seconds).
 
-Installed on an inference node by `join --trace-versions` (`sim` passes it when asked, as
-benchmarks.weight_latency does); the honest role only calls its `on_loaded` hooks.
+Installed on an inference node by `join --trace-versions` (`sim` passes it to its inference nodes;
+benchmarks.weight_latency reads the files); the role itself only calls its `on_loaded` hooks.
 """
 
 from __future__ import annotations

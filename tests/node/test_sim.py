@@ -15,8 +15,7 @@ from node.sim_deadline import STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S, Dead
 
 
 def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=1, steps=4, batch_groups=8, group_size=4, timeout_s=150,
-                trace_versions=True)
+    s = run_sim(tmp_path, inference_nodes=1, steps=4, batch_groups=8, group_size=4, timeout_s=150)
     assert s["status"] == "done" and s["steps"] == 4
     assert s["rollouts_trained"] == 4 * 8 * 4
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
@@ -28,7 +27,7 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
     trace = [json.loads(x) for x in (tmp_path / "inference-0" / "versions.jsonl").read_text().splitlines()]
-    assert trace and all(t["t_fetch"] <= t["t_fetched"] <= t["t_queued"] for t in trace)  # join --trace-versions
+    assert trace and all(t["t_fetch"] <= t["t_fetched"] <= t["t_queued"] for t in trace)  # sim's nodes run with --trace-versions
     assert not (tmp_path / "validator" / "versions.jsonl").exists()
 
 
