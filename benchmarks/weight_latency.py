@@ -7,7 +7,7 @@ fetch, fetch + verify, load).
 
 Path measured per version v: trainer step ends (`t_trained`) -> shardcast publish (delta) ->
 coordinator announces over gossip -> each node fetches from origin + relay, verifies the
-signature and every shard hash -> queues the weights in its engine (`versions.jsonl`,
+signature and every shard hash -> queues the weights in its engine (`versions.jsonl`, written by `join --trace-versions`,
 `t_queued`; the engine applies them before its next decode step, a few ms later). A node that
 skips v because v+1 arrived first counts at its first version >= v. Latency of v = the slowest
 node. Peer: N = 1 in the same run; the aim is N = 16 within 2x of N = 1. Every process shares

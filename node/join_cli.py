@@ -192,6 +192,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--engine", choices=list(ENGINES), default="builtin",
                    help="inference engine (node/engine/registry.py): "
                         + "; ".join(f"{n}: {e.help}" for n, e in ENGINES.items()))
+    j.add_argument("--trace-versions", action="store_true",
+                   help="inference: append when each policy version was announced, fetched and queued to "
+                        "WORKDIR/versions.jsonl (node/version_trace.py; benchmarks.weight_latency reads it)")
     j.add_argument("--vllm", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
                         "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
@@ -216,8 +219,21 @@ def _launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _customizer(args: argparse.Namespace):
+    """What to install on the role before it runs: the version trace (`--trace-versions`) and what a
+    caller passed (node/adversary.py's cheating hook)."""
+    steps = [f for f in (getattr(args, "customize", None),) if f is not None]
+    if args.trace_versions:
+        if args.role != "inference":
+            raise SystemExit("primerl-node join: --trace-versions applies to --role inference only")
+        from node.version_trace import install
+        steps.append(install)
+    return (lambda node: [f(node) for f in steps]) if steps else None
+
+
 def _join(args: argparse.Namespace) -> int:
     quiet_libp2p()
+    args.customize = _customizer(args)
     parallel = {"dp": args.dp, "ep": args.ep, "cp": args.cp, "fsdp": args.fsdp}
     if args.role != "trainer" and (args.dp, args.ep, args.cp) != (1, 1, 1):
         raise SystemExit("primerl-node join: --dp/--ep/--cp apply to --role trainer only")

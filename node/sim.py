@@ -191,7 +191,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     for i in range(inference_nodes):
         name = f"inference-{i}"
         extra = ["--engine", "vllm"] if i < vllm_nodes else []
-        procs[name] = member(name, "inference", extra)
+        procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
         p.start()

@@ -8,6 +8,8 @@ hard limit.
 
 from __future__ import annotations
 
+import os
+
 from node.sim_report import REWARD_TARGET
 
 VLLM_START_S = 300.0
@@ -22,6 +24,8 @@ measured on cpu-2core 2.0 s/step up to the target (step 261 at 532 s) and 2.8 s/
 a quiet machine, 4.5 s/step on a loaded one (step 334 at 1,500 s); 6 s leaves a third of margin."""
 MEASURED = {"machine": "cpu-2core", "target_step": 261, "target_s": 532, "steps": 500, "all_steps_s": 1410}
 """The committed `make run` (benchmarks/results/sim-cpu-2core.json), quoted in the start-up estimate."""
+MEASURED_LOADED = {"load": "~30", "target_step": 227, "target_s": 3176}
+"""The same on a machine shared with other jobs (benchmarks/results/sim-make-run-cpu-2core-loaded.json)."""
 PROGRESS_EVERY = 25
 """Steps between progress lines (rate so far, time left at most)."""
 STALL_S = 600.0
@@ -62,15 +66,21 @@ def timeout_for(steps: int, vllm_nodes: int = 0) -> float:
     return START_ALLOWANCE_S + steps * STEP_ALLOWANCE_S + (VLLM_START_S if vllm_nodes else 0.0)
 
 
-def plan(steps: int, stop_after_target: int | None, timeout_s: float) -> str:
-    """What the run will do and how long it should take, said before it starts."""
+def plan(steps: int, stop_after_target: int | None, timeout_s: float, load: tuple[float, int] | None = None) -> str:
+    """What the run will do and how long it should take, said before it starts. `load`: (load average,
+    cores) of this machine now (default: measured here); a busy machine is named, as it takes longer."""
     m = MEASURED
+    if load is None:
+        load = (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, os.cpu_count() or 1)
+    busy = (f" This machine is busy (load average {load[0]:.0f} on {load[1]} cores): expect several times that, "
+            f"e.g. the {MEASURED_LOADED['target_step']}-step run at load {MEASURED_LOADED['load']} took "
+            f"{MEASURED_LOADED['target_s'] / 60:.0f} min to the target." if load[0] > 2 * load[1] else "")
     until = (f"until {stop_after_target} steps after the 5-step mean reward reaches {REWARD_TARGET} (at most {steps} "
              f"steps)" if stop_after_target is not None else f"for {steps} steps")
     est = (m["target_s"] * (m["target_step"] + stop_after_target) / m["target_step"]
            if stop_after_target is not None and steps >= m["target_step"] else m["all_steps_s"] * steps / m["steps"])
     return (f"sim: trains {until}. Measured with the defaults on {m['machine']} (quiet): target at step {m['target_step']} "
             f"({m['target_s'] / 60:.0f} min), {m['steps']} steps in {m['all_steps_s'] / 60:.0f} min; expect about "
-            f"{est / 60:.0f} min here (longer on a loaded machine: progress lines say how it goes). It gives up "
+            f"{est / 60:.0f} min here (progress lines say how it goes).{busy} It gives up "
             f"after {timeout_s / 60:.0f} min ({START_ALLOWANCE_S:.0f} s + {STEP_ALLOWANCE_S:.0f} s per step), later "
             f"if its measured pace needs it, or when no step finishes for {STALL_S / 60:.0f} min.")

@@ -23,7 +23,6 @@ routes (a vLLM prefix-cache hit) is sent without.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -90,6 +89,9 @@ class InferenceNode:
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0
+        self.on_loaded: list[Callable[[int, dict[str, float | None]], None]] = []
+        """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued}) when a version is queued for
+        the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
         self.before_submit: list[Callable[[list[RolloutGroup], int], list[RolloutGroup]]] = []
         """Hooks that see each round's groups (and the newest loaded version) before they are submitted,
         and return the groups to submit. None on an honest node (node/adversary.py installs one)."""
@@ -175,9 +177,10 @@ class InferenceNode:
                     raise EngineUnavailable(f"engine {self.engine_name} did not start: {exc}") from exc
             await asyncio.to_thread(self.engine.load_weights, state, version)
             self._newest_loaded = version
-        with (self.workdir / "versions.jsonl").open("a") as f:  # weight-latency benchmark reads this
-            f.write(json.dumps({"version": version, "t_announced": self._announced_at.get(version), "t_fetch": t_fetch,
-                                "t_fetched": t_fetched, "t_queued": time.time()}) + "\n")
+        times = {"t_announced": self._announced_at.get(version), "t_fetch": t_fetch, "t_fetched": t_fetched,
+                 "t_queued": time.time()}
+        for hook in self.on_loaded:
+            hook(version, times)
         log.info("policy v%d queued for the engine", version)
 
     @property

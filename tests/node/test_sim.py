@@ -26,16 +26,20 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+    trace = [json.loads(x) for x in (tmp_path / "inference-0" / "versions.jsonl").read_text().splitlines()]
+    assert trace and all(t["t_fetch"] <= t["t_fetched"] <= t["t_queued"] for t in trace)  # sim's nodes run with --trace-versions
+    assert not (tmp_path / "validator" / "versions.jsonl").exists()
 
 
 def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting():
     assert timeout_for(500) == START_ALLOWANCE_S + 500 * STEP_ALLOWANCE_S
     assert timeout_for(20) < timeout_for(500) < timeout_for(500, vllm_nodes=1)
-    said = plan(500, 10, timeout_for(500))
+    said = plan(500, 10, timeout_for(500), load=(1.0, 2))
     assert "10 steps after" in said and "at most 500 steps" in said and "gives up after 53 min" in said
     assert "measured pace" in said and "no step finishes for 10 min" in said
     assert "expect about 9 min" in said  # measured: target at step 261 after 532 s; + 10 steps
-    assert "for 20 steps" in plan(20, None, timeout_for(20))
+    assert "for 20 steps" in plan(20, None, timeout_for(20), load=(1.0, 2)) and "busy" not in said
+    assert "busy (load average 30 on 2 cores)" in plan(500, 10, timeout_for(500), load=(30.0, 2))
 
 
 def test_a_slow_run_that_progresses_goes_on_and_a_stalled_one_ends():
