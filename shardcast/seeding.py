@@ -1,7 +1,7 @@
 """Super-seeding at an origin: hand each shard out a few times, then let peers spread it.
 
 A trainer's origin is the one uplink every node competes for. Serving each request as it comes,
-it spends its whole uplink on copies peers could have made: a 1,000-node simulation had it send
+it spends its whole uplink on copies peers could have made: a 100-node simulation had it send
 14-26x the version's bytes (`benchmarks.swarm_sim`). With `SeedOffer`, the origin's `/have`
 lists only shards handed out fewer than `copies` times in this version, and a request for any
 other shard gets 425 (Too Early: "fetch it from a peer") unless the client marks it a last resort,

@@ -23,7 +23,7 @@ import struct
 import numpy as np
 import zstandard
 
-from shardcast.errors import CorruptShard, InvalidSparseDelta
+from shardcast.errors import InvalidSparseDelta
 
 MAGIC = b"SCS1"
 _HEADER = struct.Struct("<4sBBHQQQ")
@@ -116,4 +116,4 @@ def decode_sparse(index: int, wire: bytes | bytearray | memoryview, out: np.ndar
         words[idx] ^= vals
 
 
-__all__ = ["MAGIC", "CorruptShard", "InvalidSparseDelta", "decode_sparse", "encode_sparse", "is_sparse"]
+__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse", "is_sparse"]
