@@ -16,7 +16,7 @@ from protocol.errors import (ExpiredMessage, InvalidSignature, MalformedMessage,
 from protocol.identity import NodeKey
 from protocol.messages import (MESSAGE_TYPES, BatchRequest, LeaseBatchRequest, LeaseGrants, PublishPolicy, RolloutGroup,
                                StoredWork, StoredWorkBatch, VerdictBatch, VerifyRequest, Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, Ok,
-                               PeerAddress, PolicyAnnounce, Refusal, RolloutSubmission, RunSpec, SubmissionReceipt,
+                               PeerAddress, PolicyAnnounce, Refusal, RolloutSubmission, RunEnd, RunSpec, SubmissionReceipt,
                                Verdict, WorkCancel, decode_message, encode_message)
 
 KEY = NodeKey.from_seed(b"k" * 32)
@@ -29,6 +29,7 @@ SAMPLES = {
     JoinAccepted: JoinAccepted(spec=SPEC, policy_version=3, members=[PeerAddress(peer_id=OTHER.peer_id, addrs=["/ip4/1.2.3.4/tcp/1"])]),
     Heartbeat: Heartbeat(seq=7, role="validator", addrs=["/ip4/127.0.0.1/tcp/4002"]),
     Leave: Leave(reason="bye"),
+    RunEnd: RunEnd(step=500),
     PolicyAnnounce: PolicyAnnounce(version=4, manifest_hash="ab" * 32),
     LeaseGrant: LeaseGrant(work_id=9, holder=OTHER.peer_id, policy_version=4, task_index=12, seed=2**63, deadline=1e9),
     RolloutSubmission: RolloutSubmission(work_id=9, version_runs=[(3, 2), (4, 2)], token_ids=[5, 6, 7, 8],
