@@ -259,11 +259,13 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             coordinator_restarted = True
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-    if status == "done":  # the run's end is announced and every member exits by itself; a SIGTERM now would
-        end = time.time() + 30  # race those exits (a process already past its event loop dies of it: -15)
+    if status == "done":  # the trainer exits by itself once done, and the coordinator then ends the run for
+        # every member (exit 0 each, the coordinator after its grace): a SIGTERM now would race their exits
+        end = time.time() + 30
         for p in [procs["trainer"], *procs.values(), coord]:
             try:
-                p.p.wait(max(0.1, end - time.time()))
+                if p.p is not None:
+                    p.p.wait(max(0.1, end - time.time()))
             except subprocess.TimeoutExpired:
                 pass
     for p in procs.values():
