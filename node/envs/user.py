@@ -24,7 +24,11 @@ class TaskMismatch(ValueError):
 
 
 def is_user_task(name: str) -> bool:
-    return ":" in name and not name.startswith("verifiers:")
+    """`module:attr[@hash]`, as opposed to a built-in name or a registered family (`verifiers:<id>`)."""
+    from node.envs import TASK_FAMILIES
+
+    family, sep, _ = name.partition(":")
+    return bool(sep) and family not in TASK_FAMILIES
 
 
 def _split(name: str) -> tuple[str, str, str | None]:
