@@ -192,10 +192,11 @@ async def client(bootstrap: str, spec_hash: str, surfaces: list[str], cases: int
             while done[0] < cases:
                 done[0] += 1
                 i = done[0]
-                payload = envelope_input(rng, fuzz_key, bodies)
+                seed_input = i <= len(bodies)  # every seed body once, signed and framed as is, first
+                payload = signed(fuzz_key, bodies[i - 1]) if seed_input else envelope_input(rng, fuzz_key, bodies)
                 t = time.perf_counter()
                 if surface == "wire_stream":
-                    data = framed(rng, payload)
+                    data = struct.pack(">I", len(payload)) + payload if seed_input else framed(rng, payload)
                     kind, reply = await _exchange(hosts[0], coordinator, fnet.rpc_protocol, data)
                     if kind == "reply" and not _reply_ok(reply, coordinator):
                         kind = "bad_reply"
