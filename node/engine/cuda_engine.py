@@ -32,8 +32,8 @@ import torch
 from node.engine.bucket_graphs import BucketGraphs
 from node.engine.cuda_state import (FP8Unsupported, SlotState, WeightsMismatch, check_weights, expected_shapes,
                                      prepare_model)
-from node.engine.device_sampling import sample_device, sample_torch
-from node.engine.engine import Completion, Engine, Request, RequestTooLong, _Sequence
+from node.engine.device_sampling import sample_device
+from node.engine.engine import Completion, Engine, Request, RequestQueue, _Sequence
 from node.engine.forward import decode_step, prefill_chunk
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
@@ -51,7 +51,7 @@ def buckets_for(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
-class CudaEngine:
+class CudaEngine(RequestQueue):
     def __init__(self, model: CausalLM, max_batch: int = 64, max_seq_len: int | None = None,
                  eos_id: int = 2, decode=None, capture_hidden: bool = False,  # noqa: ANN001
                  capture_experts: bool = False, version: int = 0, *, fp8: bool | str = False,
@@ -119,26 +119,7 @@ class CudaEngine:
                 self.model.load_state_dict(internal, strict=True)  # copies into the existing storage
             self.version = version
 
-    # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if len(request.prompt_ids) == 0 or len(request.prompt_ids) >= self.max_seq_len:
-            raise RequestTooLong(f"{request.request_id}: prompt of {len(request.prompt_ids)} tokens, "
-                                 f"limit {self.max_seq_len - 1}")
-        self.waiting.append(request)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def generate(self, requests: list[Request]) -> list[Completion]:
-        """Run `requests` to completion; results in request order."""
-        for r in requests:
-            self.add_request(r)
-        done: dict[str, Completion] = {}
-        while self.has_work():
-            for c in self.step():
-                done[c.request_id] = c
-        return [done[r.request_id] for r in requests]
-
+    # ---- requests: add_request, has_work, generate from RequestQueue ---------------------------
     def verify_prefill(self, sequences: list[list[int]], prompt_lens: list[int], params: list,
                        with_routes: bool = False) -> list:
         """The validator's batched recomputation under the served weights (`verify.verify_prefill`)."""

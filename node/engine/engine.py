@@ -66,7 +66,37 @@ class _Sequence:
         return len(self.request.prompt_ids) + len(self.tokens)
 
 
-class Engine:
+class RequestQueue:
+    """The request side every built-in engine shares: requests wait in `waiting`, run in `running`,
+    and `step()` (the engine's own) returns the completions it finished."""
+
+    waiting: "deque[Request]"
+    running: dict
+    max_seq_len: int
+
+    def add_request(self, request: Request) -> None:
+        if len(request.prompt_ids) == 0 or len(request.prompt_ids) >= self.max_seq_len:
+            raise RequestTooLong(f"{request.request_id}: prompt of {len(request.prompt_ids)} tokens, limit {self.max_seq_len - 1}")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Completion]:
+        raise NotImplementedError
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run `requests` to completion; results in request order."""
+        for r in requests:
+            self.add_request(r)
+        done: dict[str, Completion] = {}
+        while self.has_work():
+            for c in self.step():
+                done[c.request_id] = c
+        return [done[r.request_id] for r in requests]
+
+
+class Engine(RequestQueue):
     def __init__(self, model: CausalLM, max_batch: int = 64, max_seq_len: int | None = None,
                  eos_id: int = 2, decode: Callable[[list[int]], str] | None = None,
                  capture_hidden: bool = False, capture_experts: bool = False, version: int = 0):
@@ -104,25 +134,6 @@ class Engine:
             state_dict, version = pending
             load_hf_state_dict(self.model, state_dict)
             self.version = version
-
-    # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if len(request.prompt_ids) == 0 or len(request.prompt_ids) >= self.max_seq_len:
-            raise RequestTooLong(f"{request.request_id}: prompt of {len(request.prompt_ids)} tokens, limit {self.max_seq_len - 1}")
-        self.waiting.append(request)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def generate(self, requests: list[Request]) -> list[Completion]:
-        """Run `requests` to completion; results in request order."""
-        for r in requests:
-            self.add_request(r)
-        done: dict[str, Completion] = {}
-        while self.has_work():
-            for c in self.step():
-                done[c.request_id] = c
-        return [done[r.request_id] for r in requests]
 
     # ---- the loop ------------------------------------------------------------------------
     @torch.inference_mode()
