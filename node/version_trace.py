@@ -1,8 +1,10 @@
-"""A node's record of when each policy version reached its engine: WORKDIR/versions.jsonl, one line
-per version (`version`, `t_announced`, `t_fetch`, `t_fetched`, `t_queued`, Unix seconds).
+"""A node's record of its work over time, for benchmarks: WORKDIR/versions.jsonl, one line per policy
+version an inference node queued for its engine (`version`, `t_announced`, `t_fetch`, `t_fetched`,
+`t_queued`, Unix seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
+(`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`).
 
-Installed on an inference node by `join --trace-versions` (`sim` passes it to its inference nodes;
-benchmarks.weight_latency reads the files); the role itself only calls its `on_loaded` hooks.
+Installed by `join --trace-versions` on an inference node or a validator (`sim` passes it; benchmarks
+weight_latency and gpu_network read the files); the roles themselves only call their hooks.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 
 FILE = "versions.jsonl"
+ROUNDS = "rounds.jsonl"
 
 
 class VersionTrace:
@@ -24,6 +27,19 @@ class VersionTrace:
             f.write(json.dumps({"version": version, **times}) + "\n")
 
 
+class RoundTrace:
+    """An `on_round` hook appending each round's row to a JSON-lines file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def install(node) -> None:
-    """Trace `node` (an InferenceNode) into its workdir's versions.jsonl."""
-    node.on_loaded.append(VersionTrace(node.workdir / FILE))
+    """Trace `node` (an InferenceNode or a ValidatorNode) into its workdir."""
+    if hasattr(node, "on_loaded"):
+        node.on_loaded.append(VersionTrace(node.workdir / FILE))
+    node.on_round.append(RoundTrace(node.workdir / ROUNDS))

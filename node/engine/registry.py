@@ -135,9 +135,12 @@ def build(name: str, setup: EngineSetup, version: int = -1) -> InferenceEngine:
         return cls(setup.model(), max_batch=setup.max_batch, eos_id=setup.eos_id, decode=setup.decode,
                    capture_hidden=True, capture_experts=setup.capture_experts, version=version)
     fp8 = {"off": False, "experts": "experts", "all": True}[setup.fp8]
-    engine = cls(setup.model(), max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, eos_id=setup.eos_id,
+    model = setup.model()
+    # served in the run's dtype (the spec's), never the engine's own default: the validator recomputes in
+    # that dtype and picks its tolerances by it, so a float32 run served in bf16 would fail honest work
+    engine = cls(model, max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, eos_id=setup.eos_id,
                  decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts, version=version,
-                 fp8=fp8, device=setup.device)
+                 fp8=fp8, device=setup.device, dtype=next(model.parameters()).dtype)
     engine.capture_all()  # every batch bucket's graph before the first lease (a few seconds; FP8 ~12 s once)
     return engine
 

@@ -26,6 +26,12 @@ class TrainBatch:
                           self.inference_logprobs[rows], self.advantages[rows],
                           None if self.routed_experts is None else self.routed_experts[rows])
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """The batch on `device` (the trainer's model's), built on the host from the rollouts."""
+        return TrainBatch(*(x.to(device) for x in (self.input_ids, self.targets, self.loss_mask,
+                                                   self.inference_logprobs, self.advantages)),
+                          None if self.routed_experts is None else self.routed_experts.to(device))
+
 
 def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 0) -> TrainBatch:
     if len(rollouts) != len(advantages) or not rollouts:

@@ -76,6 +76,7 @@ class Trainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         if self.distributed_checkpoint is not None:
             self.load_pending_optimizer_state()
+        batch = batch.to(next(self.model.parameters()).device)  # a trainer on a GPU (join --device cuda)
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()

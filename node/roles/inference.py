@@ -92,6 +92,9 @@ class InferenceNode:
         self.on_loaded: list[Callable[[int, dict[str, float | None]], None]] = []
         """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued}) when a version is queued for
         the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
+        self.on_round: list[Callable[[dict], None]] = []
+        """Hooks told each rollout round ({t0, t1, groups, tokens, versions}: when the engine worked, how many
+        tokens it sampled, with which policy versions); node/version_trace.py writes them down."""
         self.before_submit: list[Callable[[list[RolloutGroup], int], list[RolloutGroup]]] = []
         """Hooks that see each round's groups (and the newest loaded version) before they are submitted,
         and return the groups to submit. None on an honest node (node/adversary.py installs one)."""
@@ -197,7 +200,14 @@ class InferenceNode:
         if not grants:
             await asyncio.sleep(0.1)
             return
+        t0 = time.time()
         groups = await asyncio.to_thread(self._roll_out, grants)
+        if self.on_round:
+            subs = [sub for group in groups for sub in group.rollouts]
+            row = {"t0": t0, "t1": time.time(), "groups": len(groups), "tokens": sum(s.n_tokens for s in subs),
+                   "versions": sorted({v for s in subs for v in s.token_versions})}
+            for hook in self.on_round:
+                hook(row)
         wait = self.recipe.tool_wait_s
         for grant, group in zip(grants, groups):
             if wait <= 0:

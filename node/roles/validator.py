@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 from node.model.qwen3_moe import CausalLM
@@ -52,6 +53,9 @@ class ValidatorNode:
         self.hashes: dict[int, str] = {}
         self.policies: dict[int, tuple[CausalLM, bytes]] = {}
         self.judged = self.rejected = 0
+        self.on_round: list = []
+        """Hooks told each judging round ({t0, t1, units, tokens}: tokens recomputed); node/version_trace.py."""
+        self._round_tokens = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
@@ -62,7 +66,10 @@ class ValidatorNode:
                 if not items:
                     await asyncio.sleep(0.1)
                     continue
+                t0 = time.time()
                 verdicts = await self._judge(items)
+                for hook in self.on_round if verdicts else ():
+                    hook({"t0": t0, "t1": time.time(), "units": len(verdicts), "tokens": self._round_tokens})
                 if not verdicts:
                     await asyncio.sleep(0.5)  # nothing judgeable yet (policy not fetchable): do not spin
                     continue
@@ -126,6 +133,7 @@ class ValidatorNode:
                 failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
+        self._round_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for _, c in flat)
         borderline: set[int] = set()
         if flat:
             prompt_ids, reward = env_oracle(self.tok)

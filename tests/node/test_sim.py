@@ -29,6 +29,10 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     trace = [json.loads(x) for x in (tmp_path / "inference-0" / "versions.jsonl").read_text().splitlines()]
     assert trace and all(t["t_fetch"] <= t["t_fetched"] <= t["t_queued"] for t in trace)  # sim's nodes run with --trace-versions
     assert not (tmp_path / "validator" / "versions.jsonl").exists()
+    rounds = [json.loads(x) for x in (tmp_path / "inference-0" / "rounds.jsonl").read_text().splitlines()]
+    assert sum(r["groups"] for r in rounds) >= 4 * 8 and all(r["t0"] <= r["t1"] and r["tokens"] > 0 for r in rounds)
+    judged = [json.loads(x) for x in (tmp_path / "validator" / "rounds.jsonl").read_text().splitlines()]
+    assert sum(r["units"] for r in judged) >= 4 * 8 and all(r["tokens"] > 0 for r in judged)
 
 
 def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting():

@@ -1,0 +1,274 @@
+"""The whole network on this host's GPUs, measured step by step: `primerl-node sim --device cuda`.
+
+    python -m benchmarks.gpu_network [--model smollm2-135m-instruct] [--ks 0,1,2] [--steps 20] [--out DIR]
+
+Each k in `--ks` is one run of `sim` (coordinator and relay on the CPU; trainer on GPU 0; inference
+nodes on the other GPUs with `builtin-cuda`; validator on the last GPU: node/sim_devices.py) with
+`max_off_policy_steps = k`, every role its own process, all traffic over libp2p and HTTP on loopback.
+Per step, from the roles' own records (trainer metrics.jsonl, inference and validator rounds.jsonl
+and versions.jsonl, written by `join --trace-versions`):
+
+- trainer: waiting for the batch (`wait_s`: generation, verification and queueing upstream), compute
+  (`train_s`), publication through shardcast (`publish_s`);
+- weight latency of version v: trainer step end -> the first rollout round on each inference node that
+  sampled with v (the round's start, or when v was queued if the round was already running: the engine
+  swaps between two decode steps), split into announce, fetch + verify, load;
+- generation tok/s (busy and wall), verification tok/s (the validator's recomputed prompt + completion
+  tokens per second of judging), GPU busy share per GPU (nvidia-smi, sampled every 0.5 s);
+- rollouts lost / duplicated / off-policy, from the coordinator's store (sim's audit).
+
+The peer figure is the same run at k = 0 (synchronous) in the same invocation: `async_speedup` is the
+steady-state step time at k = 0 over that at the largest k. Steady state drops the first `--warmup`
+steps. On a machine without CUDA, `--device cpu` runs the same network on the CPU (CI's smoke test).
+Writes OUT/result.json and OUT/report.png; ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.gpu_network_report import plot
+from node.sim import PRETRAINED_MAX_SEQ, run_sim
+from node.sim_devices import place
+
+log = logging.getLogger("benchmarks.gpu_network")
+
+
+def trainer_rows(out: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        start = r["t"] - r["step_s"]
+        r["train_s"] = r["t_trained"] - start - r["wait_s"]
+        r["publish_s"] = r["t"] - r["t_trained"]
+    return rows
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], dict[str, list[float]], dict]:
+    """Per version (and node): step end -> first round sampling with it; the stages of each; and a
+    timeline {node: [(t, version)]} for the report."""
+    trained = {r["step"]: r["t_trained"] for r in rows}
+    lat, stages, timeline = [], {"announce_s": [], "fetch_verify_s": [], "load_s": []}, {}
+    for i in range(n):
+        node = out / f"inference-{i}"
+        versions, rounds = _jsonl(node / "versions.jsonl"), _jsonl(node / "rounds.jsonl")
+        timeline[f"inference-{i}"] = [(r["t0"], max(r["versions"])) for r in rounds if r["versions"]]
+        for v, t in sorted(trained.items()):
+            queued = min((d for d in versions if d["version"] >= v), key=lambda d: d["t_queued"], default=None)
+            first = min((r for r in rounds if r["versions"] and max(r["versions"]) >= v), key=lambda r: r["t1"],
+                        default=None)
+            if queued is None or first is None:
+                continue
+            lat.append(max(first["t0"], queued["t_queued"]) - t)
+            if queued["version"] == v and queued.get("t_announced"):
+                stages["announce_s"].append(queued["t_announced"] - t)
+                stages["fetch_verify_s"].append(queued["t_fetched"] - queued["t_fetch"])
+                stages["load_s"].append(queued["t_queued"] - queued["t_fetched"])
+    return lat, stages, timeline
+
+
+def throughput(rounds: list[dict], t_from: float) -> tuple[float, float, float]:
+    """(tokens per busy second, busy seconds, tokens) of the rounds that started after `t_from`."""
+    rs = [r for r in rounds if r["t0"] >= t_from]
+    busy = sum(r["t1"] - r["t0"] for r in rs)
+    tokens = sum(r["tokens"] for r in rs)
+    return (tokens / busy if busy else 0.0), busy, tokens
+
+
+class GpuSampler:
+    """nvidia-smi's utilization of every GPU every 0.5 s, into a file (nothing without nvidia-smi)."""
+
+    def __init__(self, path: Path):
+        self.path, self.p = path, None
+
+    def __enter__(self) -> "GpuSampler":
+        try:
+            self.p = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
+                                       "--format=csv,noheader,nounits", "-lms", "500"],
+                                      stdout=self.path.open("w"), stderr=subprocess.DEVNULL)
+        except OSError:
+            self.p = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.p is not None:
+            self.p.terminate()
+            self.p.wait(10)
+
+    def busy(self) -> dict[str, dict[str, float]]:
+        per: dict[str, list[tuple[float, float]]] = {}
+        for line in self.path.read_text().splitlines() if self.path.exists() else []:
+            try:
+                idx, util, mem = (x.strip() for x in line.split(","))
+                per.setdefault(f"cuda:{idx}", []).append((float(util), float(mem)))
+            except ValueError:
+                continue
+        return {gpu: {"busy_share": round(statistics.mean(u for u, _ in xs) / 100, 3),
+                      "memory_gib_max": round(max(m for _, m in xs) / 1024, 1)} for gpu, xs in per.items()}
+
+
+def run_one(args, k: int, model_run: dict, out: Path) -> dict:
+    placement = place(args.device, args.inference_nodes)
+    engine = "builtin-cuda" if args.device == "cuda" else "builtin"
+    recipe = {**model_run.get("recipe", {}), "lr": args.lr, "temperature": 1.0}
+    with GpuSampler(out.with_suffix(".gpu.csv")) as gpus:
+        t0 = time.time()
+        summary = run_sim(out, inference_nodes=args.inference_nodes, steps=args.steps, task=args.task,
+                          max_off_policy_steps=k, batch_groups=args.batch_groups, group_size=args.group_size,
+                          timeout_s=args.timeout, recipe=recipe, model=model_run.get("model"), placement=placement,
+                          engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0})
+        wall = time.time() - t0
+    rows = trainer_rows(out) if (out / "trainer" / "metrics.jsonl").exists() else []
+    steady = rows[args.warmup:] or rows
+    lat, stages, timeline = weight_latency(out, args.inference_nodes, steady)
+    t_steady = steady[0]["t"] - steady[0]["step_s"] if steady else 0.0
+    gen = [throughput(_jsonl(out / f"inference-{i}" / "rounds.jsonl"), t_steady) for i in range(args.inference_nodes)]
+    ver = throughput(_jsonl(out / "validator" / "rounds.jsonl"), t_steady)
+    steady_wall = (steady[-1]["t"] - t_steady) if steady else 0.0
+    gen_busy = sum(g[2] for g in gen) / sum(g[1] for g in gen) if sum(g[1] for g in gen) else 0.0
+    med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    return {
+        "k": k, "placement": placement.describe(), "engine": engine, "status": summary["status"],
+        "steps": len(rows), "steady_steps": len(steady), "wall_s": round(wall, 1),
+        "step_s": med([r["step_s"] for r in steady]), "wait_s": med([r["wait_s"] for r in steady]),
+        "train_s": med([r["train_s"] for r in steady]), "publish_s": med([r["publish_s"] for r in steady]),
+        "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,
+        "weight_latency_stages_s": {s: med(v) for s, v in stages.items()},
+        "gen_tok_s": round(sum(g[2] for g in gen) / steady_wall, 1) if steady_wall else None,
+        "gen_tok_s_busy": round(gen_busy, 1), "verify_tok_s_busy": round(ver[0], 1),
+        "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
+        "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["step_s"] for r in steady), 1) if steady else None,
+        "reward_per_step": [round(r["reward_mean"], 4) for r in rows],
+        "reward_mean_steady": round(statistics.mean(r["reward_mean"] for r in steady), 4) if steady else None,
+        "gpus": gpus.busy(),
+        **{key: summary.get(key) for key in ("rollouts_lost", "rollouts_duplicated", "rollouts_rejected",
+                                              "max_off_policy_seen", "max_off_policy_steps", "honest_banned")},
+        "_rows": rows, "_timeline": timeline,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="tiny-moe, smollm2-135m-instruct, an HF directory, or random:SHAPE "
+                   "(benchmarks/random_checkpoint.py SHAPES, e.g. random:qwen3-30b-a3b-8l)")
+    p.add_argument("--tokenizer-from", type=Path, default=None,
+                   help="with --model random:SHAPE: the directory whose tokenizer files it gets (default: SmolLM2's)")
+    p.add_argument("--vocab-size", type=int, default=49152, help="with --model random:SHAPE")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--task", default=None, help="default: reverse-text (real models), reverse (tiny-moe)")
+    p.add_argument("--ks", default="0,1,2", help="max_off_policy_steps of each run")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state figures")
+    p.add_argument("--inference-nodes", type=int, default=1)
+    p.add_argument("--batch-groups", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--fp8", choices=["off", "experts", "all"], default="off")
+    p.add_argument("--timeout", type=float, default=600, help="each run's hard limit in seconds")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--machine", default=None, help="recorded in the JSON (default: guessed)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    out = args.out or Path(tempfile.mkdtemp(prefix="gpu_network-"))
+    out.mkdir(parents=True, exist_ok=True)
+    real = args.model != "tiny-moe"
+    args.task = args.task or ("reverse-text" if real else "reverse")
+    model_run = model_of(args, out) if real else {}
+    runs = []
+    for k in [int(x) for x in args.ks.split(",")]:
+        log.info("run k=%d: %s", k, place(args.device, args.inference_nodes).describe())
+        runs.append(run_one(args, k, model_run, out / f"k{k}"))
+        public = {key: v for key, v in runs[-1].items() if not key.startswith("_")}
+        log.info("k=%d: %s", k, json.dumps(public))
+        (out / f"k{k}.json").write_text(json.dumps(public, indent=2))  # kept if a later run is cut short
+    base = next((r for r in runs if r["k"] == 0), None)  # the synchronous peer, whatever order --ks gives
+    last = max(runs, key=lambda r: r["k"])
+    best = min(runs, key=lambda r: r["step_s"] or float("inf"))
+    result = {
+        "benchmark": "gpu_network", "machine": args.machine or _machine(), "model": args.model,
+        "dtype": args.dtype, "model_params_b": _params_b(args, model_run), "task": args.task,
+        "inference_nodes": args.inference_nodes, "prompts_per_step": args.batch_groups, "group_size": args.group_size,
+        "steps": args.steps, "warmup_steps": args.warmup,
+        "step_s": last["step_s"], "weight_latency_s": last["weight_latency_s"],
+        "async_speedup": round(base["step_s"] / last["step_s"], 2) if base and last is not base and base["step_s"]
+        and last["step_s"] else None,
+        "gen_tok_s": last["gen_tok_s"], "verify_over_generate": last["verify_over_generate"],
+        "rollouts_lost": sum(r["rollouts_lost"] or 0 for r in runs),
+        "rollouts_duplicated": sum(r["rollouts_duplicated"] or 0 for r in runs),
+        "off_policy_violations": sum((r["max_off_policy_seen"] or 0) > r["k"] for r in runs),
+        "fastest_k": best["k"], "load_avg": os.getloadavg()[0],
+        "runs": [{key: v for key, v in r.items() if not key.startswith("_")} for r in runs],
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    plot(out / "report.png", runs, result)
+    print(f"report: {out / 'report.png'}", flush=True)
+    print(json.dumps(result))
+
+
+def model_of(args, out: Path) -> dict:
+    """run_sim's model spec (weights hash pinned) and recipe for `--model`: a registry name, an HF directory,
+    or `random:SHAPE` (benchmarks/random_checkpoint.py, written under OUT with `--tokenizer-from`'s tokenizer)."""
+    from node.model.spec import load_model
+    from protocol.model_spec import ModelSpec
+
+    source = args.model
+    if source.startswith("random:"):
+        from benchmarks.random_checkpoint import write_random
+
+        tok = args.tokenizer_from
+        if tok is None:
+            from node.model.pretrained import smollm2_dir
+            tok = smollm2_dir()
+        t0 = time.time()
+        source = str(write_random(source.removeprefix("random:"), out / "model", tok, args.vocab_size,
+                                  max_seq_len=PRETRAINED_MAX_SEQ, device="cuda:0" if args.device == "cuda" else "cpu",
+                                  dtype=getattr(__import__("torch"), args.dtype)))
+        log.info("random checkpoint written in %.1f s: %s", time.time() - t0, source)
+    spec = ModelSpec(source=source, dtype=args.dtype, max_seq_len=PRETRAINED_MAX_SEQ)
+    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash},
+            "recipe": {"warmup_target": 0.0}}
+
+
+def _params_b(args, model_run: dict) -> float | None:
+    try:
+        from node.model.spec import model_config
+        from node.model.qwen3_moe import CausalLM
+        from protocol.model_spec import ModelSpec
+        import torch
+
+        cfg = model_config(ModelSpec(**model_run["model"])) if model_run.get("model") else None
+        if cfg is None:
+            return None
+        with torch.device("meta"):
+            m = CausalLM(cfg)
+        return round(sum(p.numel() for p in m.parameters()) / 1e9, 4)
+    except Exception:  # a figure for the record only
+        return None
+
+
+def _machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return f"cpu-{os.cpu_count()}core ({platform.machine()})"
+
+
+if __name__ == "__main__":
+    main()

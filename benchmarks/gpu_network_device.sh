@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU machine, from a copy of the repository: benchmarks.gpu_network (the whole network, every
+# role its own process, on this host's GPUs). Output (JSON, PNG, every role's log) under $OUT.
+#   carried, git-ignored: .whl and .whl18 (pydantic, zstandard, blake3, cryptography, libp2p 0.8.1's
+#   closure for the GPU's Python 3.12) and .gpumodel (SmolLM2's tokenizer files: the random checkpoint's
+#   tokenizer; the weights themselves cannot travel).
+#   MODEL=random:qwen3-moe-small KS=1,0 STEPS=12 RUN_S=200 K_S=90 ARGS="..." bash benchmarks/gpu_network_device.sh
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl18/*.whl \
+  || echo "wheels not installed"
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
+NET=/tmp/net
+keep() {  # results and every role's log come back, never the shardcast stores or the checkpoint (GBs)
+  [ -d $NET ] || return 0
+  (cd $NET && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.png' -o -name 'log.txt' -o -name '*.csv' \
+    -o -name 'run.toml' \) -not -path './model/*' -size -20M -print0 | xargs -0 -I{} cp --parents {} $OUT/ 2>/dev/null)
+}
+( while sleep 15; do keep; done ) &  # a call cut short by the device's limit still brings back what was written
+timeout ${RUN_S:-200} python3 -m benchmarks.gpu_network --device cuda --model ${MODEL:-random:qwen3-moe-small} \
+  --dtype ${DTYPE:-bfloat16} --tokenizer-from .gpumodel --ks ${KS:-1,0} --steps ${STEPS:-12} --warmup 2 \
+  --timeout ${K_S:-90} --out $NET ${ARGS:-} > $OUT/gpu_network.log 2>&1
+echo "gpu_network rc=$?"; tail -c 6000 $OUT/gpu_network.log
+keep
+du -sh $OUT

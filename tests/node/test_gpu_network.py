@@ -1,0 +1,51 @@
+"""`sim --device cuda`'s placement, and benchmarks.gpu_network end to end on the CPU (the same network and
+analysis the H200 run uses; the GPU run itself is a benchmark, benchmarks/results/gpu_network-*.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.sim_devices import place
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_placement_puts_the_trainer_alone_on_gpu0_and_spreads_inference_over_the_rest():
+    two = place("cuda", 3, gpus=2)
+    assert two.trainer == "cuda:0" and two.validator == "cuda:1" and two.inference == ("cuda:1",) * 3
+    four = place("cuda", 5, gpus=4)
+    assert four.inference == ("cuda:1", "cuda:2", "cuda:3", "cuda:1", "cuda:2") and four.validator == "cuda:3"
+    one = place("cuda", 2, gpus=1)  # one GPU: every role shares it
+    assert (one.trainer, one.validator, one.inference) == ("cuda:0", "cuda:0", ("cuda:0", "cuda:0"))
+    assert place("cpu", 2).inference == ("cpu", "cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        place("cuda", 1, gpus=0)
+    with pytest.raises(ValueError, match="expected cpu or cuda"):
+        place("tpu", 1)
+
+
+@pytest.mark.slow
+def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_stage(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.gpu_network", "--device", "cpu", "--model", "tiny-moe", "--ks", "0,1",
+           "--steps", "3", "--warmup", "1", "--batch-groups", "4", "--group-size", "2", "--timeout", "200",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=480,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["k"] for r in result["runs"]] == [0, 1] and all(r["status"] == "done" for r in result["runs"])
+    assert result["rollouts_lost"] == 0 and result["rollouts_duplicated"] == 0 and result["off_policy_violations"] == 0
+    for run in result["runs"]:
+        assert run["steps"] == 3 and run["steady_steps"] == 2
+        assert run["step_s"] > 0 and run["train_s"] > 0 and run["publish_s"] > 0 and run["wait_s"] >= 0
+        assert run["weight_latency_s"] is not None and run["weight_latency_s"] > 0
+        assert run["gen_tok_s_busy"] > 0 and run["verify_tok_s_busy"] > 0 and run["verify_over_generate"] > 0
+        assert run["max_off_policy_seen"] <= run["k"]
+    assert result["async_speedup"] == round(result["runs"][0]["step_s"] / result["runs"][1]["step_s"], 2)
+    assert (tmp_path / "report.png").stat().st_size > 10_000 and (tmp_path / "k0.json").exists()
