@@ -56,14 +56,22 @@ class Proc:
     (torchrun's arguments), the role runs as that many processes under torchrun."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, launcher: list[str] = (), module: str = "node.cli"):
-        self.name, self.argv, self.log_path, self.launcher = name, argv, log_path, list(launcher)
+        self.name, self.log_path, self.launcher = name, log_path, list(launcher)
+        self.env: dict[str, str] = {}
+        if "--device" in argv and argv[argv.index("--device") + 1].startswith("cuda:"):
+            # the role sees only its GPU (as cuda:0): kernels that launch on the current device (Triton's,
+            # CUDA graphs) then run where its tensors are, in every thread of the process
+            i = argv.index("--device") + 1
+            self.env["CUDA_VISIBLE_DEVICES"] = argv[i].removeprefix("cuda:")
+            argv = [*argv[:i], "cuda:0", *argv[i + 1:]]
+        self.argv = argv
         self.module = module
         """The program: `primerl-node` (node.cli), or node.adversary for a cheater."""
         self.p: subprocess.Popen | None = None
         self.events: list[tuple[float, str]] = []
 
     def start(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **self.env)
         self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", self.module, "--log-level", "INFO", *self.argv],
                                   stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)

@@ -43,6 +43,16 @@ log = logging.getLogger(__name__)
 __all__ = ["CudaEngine", "FP8Unsupported", "WeightsMismatch"]
 
 
+def _use_device(device: str | torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device. Triton kernels and graph captures run on the
+    current device, which is cuda:0 in every new thread: an engine on cuda:1 called from a worker thread (the
+    inference role's asyncio.to_thread) would otherwise launch its kernels on the wrong GPU (seen on the
+    H200 pair: "Pointer argument (at 0) cannot be accessed from Triton", "The CUDA Graph is empty")."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def buckets_for(max_batch: int) -> list[int]:
     out, b = [], 1
     while b < max_batch:
@@ -60,6 +70,7 @@ class CudaEngine(RequestQueue):
         """`device`/`dtype`: move the model there first (on CUDA, bf16 unless `dtype` says otherwise);
         None serves it where it is. `fp8`: True/'all' (decoder projections and experts) or 'experts'."""
         cfg = model.config
+        _use_device(device if device is not None else next(model.parameters()).device)
         self._shapes = expected_shapes(model)
         model = prepare_model(model, device, dtype, fp8)
         param = next(model.parameters())
@@ -125,6 +136,7 @@ class CudaEngine(RequestQueue):
         """The validator's batched recomputation under the served weights (`verify.verify_prefill`)."""
         from node.engine.verify import verify_prefill
 
+        _use_device(self.device)
         self._apply_pending()
         return verify_prefill(self.model, sequences, prompt_lens, params, with_routes,
                               batch_tokens=4 * self.prefill_tokens)
@@ -135,6 +147,7 @@ class CudaEngine(RequestQueue):
     # ---- the loop ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Completion]:
+        _use_device(self.device)
         self._apply_pending()
         decoding = sorted(self.running.values(), key=lambda s: s.slot)
         admitted = []
@@ -224,6 +237,7 @@ class CudaEngine(RequestQueue):
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket's graph now (largest first), instead of on first use."""
+        _use_device(self.device)
         if self.use_graphs:
             for b in sorted(self.buckets, reverse=True):
                 self._graphs.ensure(b)

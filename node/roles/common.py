@@ -59,6 +59,11 @@ def set_device(device: str) -> None:
         raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:<index>")
     if device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device on this machine")
+    if device.startswith("cuda:"):
+        index = int(device[5:])
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(index)  # the main thread's current device (engines set their worker threads')
     _device = device
 
 

@@ -176,7 +176,7 @@ class InferenceNode:
             if self.engine is None:
                 try:
                     self.engine = await self._engine_start
-                except (RuntimeError, OSError) as exc:  # a server that died or never became healthy
+                except Exception as exc:  # a server that died or never became healthy, a device that failed
                     raise EngineUnavailable(f"engine {self.engine_name} did not start: {exc}") from exc
             await asyncio.to_thread(self.engine.load_weights, state, version)
             self._newest_loaded = version

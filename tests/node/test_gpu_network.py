@@ -30,6 +30,18 @@ def test_placement_puts_the_trainer_alone_on_gpu0_and_spreads_inference_over_the
         place("tpu", 1)
 
 
+def test_a_role_placed_on_gpu_i_sees_only_that_gpu_as_cuda0(tmp_path):
+    # Triton kernels and CUDA graphs launch on the thread's current device (cuda:0 in a new thread): a role
+    # on cuda:1 that saw both GPUs crashed on the H200 pair; it now sees only its own
+    from node.sim import Proc
+
+    p = Proc("inference-0", ["join", "--role", "inference", "--device", "cuda:1", "--engine", "builtin-cuda"],
+             tmp_path / "log.txt")
+    assert p.env == {"CUDA_VISIBLE_DEVICES": "1"} and p.argv[p.argv.index("--device") + 1] == "cuda:0"
+    cpu = Proc("trainer", ["join", "--role", "trainer", "--device", "cpu"], tmp_path / "log.txt")
+    assert cpu.env == {} and "cpu" in cpu.argv
+
+
 @pytest.mark.slow
 def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_stage(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.gpu_network", "--device", "cpu", "--model", "tiny-moe", "--ks", "0,1",
