@@ -238,6 +238,11 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         if not procs["trainer"].alive():
             status = "trainer exited"
             break
+        failed = [p for name, p in procs.items() if name not in cheater_names and p.p.poll() not in (None, 0)]
+        if failed:  # an honest role that fails (an engine that cannot start, a bad device) is not waited out
+            status = f"{failed[0].name} exited with code {failed[0].p.returncode}"
+            log.error("%s; see %s", status, failed[0].log_path)
+            break
         ended = deadline.check(done_steps, time.time() - t0)
         if ended:
             status = ended

@@ -61,3 +61,21 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         assert run["max_off_policy_seen"] <= run["k"]
     assert result["async_speedup"] == round(result["runs"][0]["step_s"] / result["runs"][1]["step_s"], 2)
     assert (tmp_path / "report.png").stat().st_size > 10_000 and (tmp_path / "k0.json").exists()
+
+
+def test_a_role_that_cannot_start_ends_the_sim_at_once_instead_of_at_its_timeout(tmp_path):
+    import time
+
+    import torch
+
+    from node.sim import run_sim
+    from node.sim_devices import Placement
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (the node asks for a GPU that is not there)")
+    t0 = time.time()
+    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=2, group_size=2, timeout_s=300,
+                placement=Placement("cpu", "cpu", ("cuda:0",)))
+    assert s["status"] == "inference-0 exited with code 1" and s["steps"] == 0
+    assert time.time() - t0 < 120  # not the 300 s timeout
+    assert "no CUDA device" in (tmp_path / "inference-0" / "log.txt").read_text()
