@@ -8,8 +8,9 @@ nodes on the other GPUs with `builtin-cuda`; validator on the last GPU: node/sim
 Per step, from the roles' own records (trainer metrics.jsonl, inference and validator rounds.jsonl
 and versions.jsonl, written by `join --trace-versions`):
 
-- trainer: waiting for the batch (`wait_s`: generation, verification and queueing upstream), compute
-  (`train_s`), publication through shardcast (`publish_s`);
+- trainer: the step period (`step_s`: between two publications), waiting for the batch (`wait_s`:
+  generation, verification and queueing upstream), waiting for the previous version's publication to
+  finish (`publish_wait_s`; it overlaps the batch), compute (`train_s`), publication (`publish_s`);
 - weight latency of version v: trainer step end -> the first rollout round on each inference node that
   sampled with v (the round's start, or when v was queued if the round was already running: the engine
   swaps between two decode steps), split into announce, fetch + verify, load;
@@ -45,10 +46,13 @@ log = logging.getLogger("benchmarks.gpu_network")
 
 def trainer_rows(out: Path) -> list[dict]:
     rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
+    for i, r in enumerate(rows):
         start = r["t"] - r["step_s"]
-        r["train_s"] = r["t_trained"] - start - r["wait_s"]
-        r["publish_s"] = r["t"] - r["t_trained"]
+        r["train_s"] = r["t_trained"] - start - r["wait_s"] - r.get("publish_wait_s", 0.0)
+        r.setdefault("publish_s", r["t"] - r["t_trained"])
+        # the step's period: publication of step s overlaps the batch of s+1, so step_s (batch request ->
+        # published) overstates what each step costs; the period is the time between two publications
+        r["period_s"] = r["t"] - rows[i - 1]["t"] if i else r["step_s"]
     return rows
 
 
@@ -142,14 +146,16 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
     return {
         "k": k, "placement": placement.describe(), "engine": engine, "status": summary["status"],
         "steps": len(rows), "steady_steps": len(steady), "wall_s": round(wall, 1),
-        "step_s": med([r["step_s"] for r in steady]), "wait_s": med([r["wait_s"] for r in steady]),
+        "step_s": med([r["period_s"] for r in steady]), "step_latency_s": med([r["step_s"] for r in steady]),
+        "wait_s": med([r["wait_s"] for r in steady]),
+        "publish_wait_s": med([r.get("publish_wait_s", 0.0) for r in steady]),
         "train_s": med([r["train_s"] for r in steady]), "publish_s": med([r["publish_s"] for r in steady]),
         "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,
         "weight_latency_stages_s": {s: med(v) for s, v in stages.items()},
         "gen_tok_s": round(sum(g[2] for g in gen) / steady_wall, 1) if steady_wall else None,
         "gen_tok_s_busy": round(gen_busy, 1), "verify_tok_s_busy": round(ver[0], 1),
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
-        "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["step_s"] for r in steady), 1) if steady else None,
+        "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["period_s"] for r in steady), 1) if steady else None,
         "reward_per_step": [round(r["reward_mean"], 4) for r in rows],
         "reward_mean_steady": round(statistics.mean(r["reward_mean"] for r in steady), 4) if steady else None,
         "gpus": gpus.busy(),

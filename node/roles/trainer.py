@@ -2,7 +2,9 @@
 
 Warm-up first (version 0), then for each step s: take the coordinator's batch for s (only verified
 work within the off-policy bound enters it, see `protocol.pipeline`), take the optimizer step,
-publish version s through shardcast and have the coordinator announce it.
+publish version s through shardcast and have the coordinator announce it. Publication of s overlaps
+gathering the batch for s+1 (with k >= 1 that batch may hold version s-1's rollouts); step s+1's
+optimizer step waits for it, so no version is ever published from weights that are changing.
 
 Invariants: every group trained on is re-checked here too (signature of its submitter, and
 `OffPolicyLedger.admissible(min_version, s)`; a violation is a coordinator bug and stops the
@@ -116,6 +118,7 @@ class TrainerNode:
         await server.start(self.host, self.port)
         client = await CoordinatorClient.connect(self.key, self.spec, "trainer", self.bootstrap, stop,
                                                  listen=f"/ip4/{self.host}/tcp/0")
+        publishing: asyncio.Task | None = None
         try:
             trainer = await asyncio.to_thread(self._resume_or_warm_up)
             if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
@@ -125,21 +128,26 @@ class TrainerNode:
             while trainer.step < self.steps and not stop.is_set():
                 step = trainer.step + 1
                 t0 = time.time()
+                # Version step-1 is still being published while this batch is gathered: with k >= 1 the
+                # batch may hold rollouts of version step-2, so publication leaves the critical path
+                # (with k = 0 the batch waits for it anyway). The weights change only after it is out.
                 items = await self._batch(client, stop, step)
                 if items is None:
                     break
                 t_wait = time.time() - t0
+                t_ready = time.time()
+                if publishing is not None:
+                    await publishing
+                t_publish_wait = time.time() - t_ready
                 row = await asyncio.to_thread(self._train, trainer, step, items)
-                t_trained = time.time()
-                await self._publish(client, trainer)
-                row.update(wait_s=t_wait, step_s=time.time() - t0, t=time.time(), t_trained=t_trained,
-                           tokens=sum(g.n_tokens for _, _, g in items))
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                if step % CHECKPOINT_EVERY == 0:
+                row.update(wait_s=t_wait, publish_wait_s=t_publish_wait, t_trained=time.time(),
+                           tokens=sum(g.n_tokens for _, _, g in items), t_asked=t0)
+                publishing = asyncio.create_task(self._publish_and_log(client, trainer, row, metrics))
+                if step % CHECKPOINT_EVERY == 0:  # after the publication: a world's ranks run one collective at a time
+                    await publishing
                     await asyncio.to_thread(trainer.save, self.workdir / "checkpoint")
-                log.info("step %d: reward %.3f, lag max %d, waited %.2fs", step, row["reward_mean"],
-                         max(row["lags"]), t_wait)
+            if publishing is not None:
+                await publishing
             if trainer.step >= self.steps:
                 (self.workdir / "done").write_text(str(trainer.step))
                 try:  # the coordinator tells every member; they leave and exit 0
@@ -149,6 +157,8 @@ class TrainerNode:
         except asyncio.CancelledError:
             pass
         finally:
+            if publishing is not None and not publishing.done():
+                publishing.cancel()
             await client.close("trainer stopping")
             await server.stop()
 
@@ -178,6 +188,18 @@ class TrainerNode:
                 PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
         await client.publish(v, signed.manifest.manifest_hash())
         self.ledger.current_version = v
+
+    async def _publish_and_log(self, client: CoordinatorClient, trainer: Trainer, row: dict, metrics) -> None:
+        """Publish the version this step made, then write the step's metrics row (`t_asked`: batch asked
+        for; `publish_s`: its publication; `step_s`: batch asked for -> published; `t`: published)."""
+        t = time.time()
+        await self._publish(client, trainer)
+        now = time.time()
+        row.update(publish_s=now - t, step_s=now - row["t_asked"], t=now)
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+        log.info("step %d: reward %.3f, lag max %d, waited %.2fs, published in %.2fs", row["step"], row["reward_mean"],
+                 max(row["lags"]), row["wait_s"], row["publish_s"])
 
     async def _batch(self, client: CoordinatorClient, stop: asyncio.Event, step: int) -> list[RolloutGroup] | None:
         want = self.spec.batch_groups

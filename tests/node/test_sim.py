@@ -24,6 +24,9 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]  # clean SIGTERM shutdown
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # publication of version s overlaps gathering batch s+1 (k = 1), and step s+1 trains only after it is out
+    assert all(b["t_asked"] < a["t"] <= b["t_asked"] + b["wait_s"] + b["publish_wait_s"] + 0.01
+               for a, b in zip(rows, rows[1:]))
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
     trace = [json.loads(x) for x in (tmp_path / "inference-0" / "versions.jsonl").read_text().splitlines()]
