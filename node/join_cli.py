@@ -210,6 +210,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     par.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp")
     par.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     par.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="replicate instead of sharding")
+    par.add_argument("--activation-checkpointing", action="store_true",
+                     help="recompute each decoder layer's activations in the backward (long contexts, large batches)")
     j.set_defaults(func=_join)
 
 
@@ -235,9 +237,10 @@ def _customizer(args: argparse.Namespace):
 def _join(args: argparse.Namespace) -> int:
     quiet_libp2p()
     args.customize = _customizer(args)
-    parallel = {"dp": args.dp, "ep": args.ep, "cp": args.cp, "fsdp": args.fsdp}
-    if args.role != "trainer" and (args.dp, args.ep, args.cp) != (1, 1, 1):
-        raise SystemExit("primerl-node join: --dp/--ep/--cp apply to --role trainer only")
+    parallel = {"dp": args.dp, "ep": args.ep, "cp": args.cp, "fsdp": args.fsdp,
+                "activation_checkpointing": args.activation_checkpointing}
+    if args.role != "trainer" and ((args.dp, args.ep, args.cp) != (1, 1, 1) or args.activation_checkpointing):
+        raise SystemExit("primerl-node join: --dp/--ep/--cp/--activation-checkpointing apply to --role trainer only")
     if args.role != "inference" and args.engine != "builtin":
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
     if args.vllm and args.engine != "vllm":

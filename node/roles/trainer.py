@@ -163,6 +163,15 @@ class TrainerNode:
             await server.stop()
 
     def _resume_or_warm_up(self) -> Trainer:
+        trainer = self._resumed_or_warmed_up()
+        if self.dims.world == 1 and self.dims.activation_checkpointing:  # a world applies it in `parallelize`
+            from node.rl.parallel.apply import checkpoint_layer
+
+            for layer in trainer.model.model.layers:
+                checkpoint_layer(layer)
+        return trainer
+
+    def _resumed_or_warmed_up(self) -> Trainer:
         ckpt = self.workdir / "checkpoint"
         if (ckpt / "trainer.json").exists():
             trainer = Trainer.load(ckpt, self.cfg)

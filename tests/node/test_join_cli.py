@@ -86,3 +86,11 @@ def test_joiner_gets_the_run_spec_from_the_bootstrap_coordinator_which_stops_cle
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_trainer_only_flags_are_refused_on_other_roles_before_anything_starts():
+    from node.cli import main
+
+    for flag in (["--activation-checkpointing"], ["--dp", "2"]):
+        with pytest.raises(SystemExit, match="apply to --role trainer only"):
+            main(["join", "--role", "inference", "--bootstrap", "/ip4/127.0.0.1/tcp/1", *flag])

@@ -32,6 +32,11 @@ def _checkpointed(forward, *args):
     return checkpoint(forward, *args, use_reentrant=False)
 
 
+def checkpoint_layer(layer) -> None:
+    """Recompute `layer`'s activations in the backward instead of keeping them (set on the instance)."""
+    layer.forward = functools.partial(_checkpointed, layer.forward)
+
+
 def parallelize(model: CausalLM, groups: ParallelGroups) -> CausalLM:
     dims = groups.dims
     dims.check_model(model.config)
@@ -42,7 +47,7 @@ def parallelize(model: CausalLM, groups: ParallelGroups) -> CausalLM:
             shard_context(layer.self_attn, groups.cp_group)
         if dims.activation_checkpointing:
             # on the instance, inside FSDP's hooks: the recompute runs while the layer is unsharded
-            layer.forward = functools.partial(_checkpointed, layer.forward)
+            checkpoint_layer(layer)
     if dims.fsdp:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dims.mixed_precision(groups.world_mesh.device_type) \
             else MixedPrecisionPolicy()
