@@ -11,6 +11,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || echo "wheels not installed"
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
+timeout 150 python3 -m benchmarks.gpu_preflight > $OUT/preflight.log 2>&1; tail -1 $OUT/preflight.log | cut -c1-3000
+if ! tail -1 $OUT/preflight.log | grep -q '"ok": true'; then echo "preflight failed: no network run"; exit 1; fi
 NET=/tmp/net
 keep() {  # results and every role's log come back, never the shardcast stores or the checkpoint (GBs)
   [ -d $NET ] || return 0
