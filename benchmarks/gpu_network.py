@@ -84,9 +84,10 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
 
 
 def throughput(rounds: list[dict], t_from: float) -> tuple[float, float, float]:
-    """(tokens per busy second, busy seconds, tokens) of the rounds that started after `t_from`."""
+    """(tokens per busy second, busy seconds, tokens) of the rounds that started after `t_from` (a
+    validator's busy time is its recomputation, `verify_s`, without fetching versions)."""
     rs = [r for r in rounds if r["t0"] >= t_from]
-    busy = sum(r["t1"] - r["t0"] for r in rs)
+    busy = sum(r.get("verify_s", r["t1"] - r["t0"]) for r in rs)
     tokens = sum(r["tokens"] for r in rs)
     return (tokens / busy if busy else 0.0), busy, tokens
 

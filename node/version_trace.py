@@ -1,7 +1,7 @@
 """A node's record of its work over time, for benchmarks: WORKDIR/versions.jsonl, one line per policy
 version an inference node queued for its engine (`version`, `t_announced`, `t_fetch`, `t_fetched`,
 `t_queued`, Unix seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
-(`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`).
+(`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`, `verify_s`).
 
 Installed by `join --trace-versions` on an inference node or a validator (`sim` passes it; benchmarks
 weight_latency and gpu_network read the files); the roles themselves only call their hooks.

@@ -54,8 +54,9 @@ class ValidatorNode:
         self.policies: dict[int, tuple[CausalLM, bytes]] = {}
         self.judged = self.rejected = 0
         self.on_round: list = []
-        """Hooks told each judging round ({t0, t1, units, tokens}: tokens recomputed); node/version_trace.py."""
-        self._round_tokens = 0
+        """Hooks told each judging round ({t0, t1, units, tokens, verify_s}: tokens recomputed, seconds spent
+        recomputing them, without fetching versions); node/version_trace.py."""
+        self._round_tokens, self._round_verify_s = 0, 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
@@ -69,7 +70,8 @@ class ValidatorNode:
                 t0 = time.time()
                 verdicts = await self._judge(items)
                 for hook in self.on_round if verdicts else ():
-                    hook({"t0": t0, "t1": time.time(), "units": len(verdicts), "tokens": self._round_tokens})
+                    hook({"t0": t0, "t1": time.time(), "units": len(verdicts), "tokens": self._round_tokens,
+                          "verify_s": self._round_verify_s})
                 if not verdicts:
                     await asyncio.sleep(0.5)  # nothing judgeable yet (policy not fetchable): do not spin
                     continue
@@ -134,12 +136,15 @@ class ValidatorNode:
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
         self._round_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for _, c in flat)
+        self._round_verify_s = 0.0
         borderline: set[int] = set()
         if flat:
             prompt_ids, reward = env_oracle(self.tok)
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
                                  decode=self.tok.decode, tasks=prompt_ids, reward=reward)
+            t_verify = time.time()
             verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
+            self._round_verify_s = time.time() - t_verify
             for (wid, _), v in zip(flat, verdicts):
                 if v.accepted or (wid in failed and (wid not in borderline or v.severity == Severity.BORDERLINE)):
                     continue  # passed, or the group's verdict already holds a failure at least as strong
