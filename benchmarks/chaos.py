@@ -30,13 +30,12 @@ import random
 import signal
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 from benchmarks.faultproxy import FaultProxy
 from node.run_config import to_toml
-from node.sim import Proc, _count_lines, _wait_for, free_port
+from node.sim_procs import Proc, count_lines, free_port, wait_for
 from node.sim_report import summarize
 from protocol.identity import NodeKey
 
@@ -117,7 +116,7 @@ class Chaos:
             "coordinator", "launch", "--config", str(out / "run.toml"), "--state", str(out / "coordinator"),
             "--key", str(out / "coordinator" / "node.key"), "--addr-file", str(addr_file)], out / "coordinator" / "log.txt")
         self.procs["coordinator"].start()
-        real = _wait_for(addr_file, self.procs["coordinator"], 120).splitlines()[0]
+        real = wait_for(addr_file, self.procs["coordinator"], 120).splitlines()[0]
         spec = str(out / "coordinator" / "spec.json")
         kinds = ["reward", "tokens", "version"]
 
@@ -143,7 +142,7 @@ class Chaos:
     # ---- monitoring ------------------------------------------------------------------------------
     def poll(self) -> None:
         """Record finished steps; restart (and count) any role that died on its own."""
-        n = _count_lines(self.out / "trainer" / "metrics.jsonl")
+        n = count_lines(self.out / "trainer" / "metrics.jsonl")
         while len(self.step_times) < n:
             self.step_times.append(time.time())
         for name, p in self.procs.items():

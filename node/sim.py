@@ -22,14 +22,13 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from node.adversary import CHEATS
+from node.sim_procs import Proc, count_lines, free_port, wait_for
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.sim_deadline import (COORDINATOR_KILL_STEP, PROGRESS_EVERY, STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S,
                                STOP_AFTER_TARGET, VLLM_START_S, Deadline, plan, timeout_for)
@@ -43,84 +42,6 @@ log = logging.getLogger(__name__)
 
 _RUN = RunConfig.model_fields
 """Run defaults come from run.toml's (node/run_config.py), recipe defaults from node/recipe.py."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """One role process; restartable with the same key and state directory. With `launcher`
-    (torchrun's arguments), the role runs as that many processes under torchrun."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, launcher: list[str] = (), module: str = "node.cli"):
-        self.name, self.log_path, self.launcher = name, log_path, list(launcher)
-        self.env: dict[str, str] = {}
-        if "--device" in argv and argv[argv.index("--device") + 1].startswith("cuda:"):
-            # the role sees only its GPU (as cuda:0): kernels that launch on the current device (Triton's,
-            # CUDA graphs) then run where its tensors are, in every thread of the process
-            i = argv.index("--device") + 1
-            self.env["CUDA_VISIBLE_DEVICES"] = argv[i].removeprefix("cuda:")
-            argv = [*argv[:i], "cuda:0", *argv[i + 1:]]
-        self.argv = argv
-        self.module = module
-        """The program: `primerl-node` (node.cli), or node.adversary for a cheater."""
-        self.p: subprocess.Popen | None = None
-        self.events: list[tuple[float, str]] = []
-
-    def start(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **self.env)
-        self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", self.module, "--log-level", "INFO", *self.argv],
-                                  stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
-        self.events.append((time.time(), "start"))
-
-    def kill(self) -> None:
-        if self.p and self.p.poll() is None:
-            self.p.send_signal(signal.SIGKILL)
-            self.p.wait(10)
-            self.events.append((time.time(), "kill"))
-
-    def stop(self, timeout: float = 20) -> None:
-        if self.p and self.p.poll() is None:
-            # Under torchrun the ranks get the SIGTERM (rank 0 stops them all, torchrun then exits
-            # with their status); torchrun itself, signalled, would exit non-zero whatever they do.
-            for pid in _children(self.p.pid) if self.launcher else [self.p.pid]:
-                _signal(pid, signal.SIGTERM)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0fs of SIGTERM: its stacks go to its log, then SIGKILL",
-                            self.name, timeout)
-                roles = _children(self.p.pid) if self.launcher else [self.p.pid]
-                for sig in (signal.SIGUSR2, signal.SIGUSR1):  # asyncio tasks (node/roles/common.py), threads (node/cli.py)
-                    for pid in roles:
-                        _signal(pid, sig)
-                    time.sleep(0.5)
-                for pid in roles if self.launcher else []:  # torchrun's ranks are in sessions of their own
-                    _signal(pid, signal.SIGKILL)
-                self.p.kill()
-                self.p.wait(5)
-            self.events.append((time.time(), "stop"))
-
-    def alive(self) -> bool:
-        return self.p is not None and self.p.poll() is None
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
@@ -185,7 +106,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
                                  "--retain-versions", str(steps + 1)], out / "coordinator" / "log.txt")
     t0 = time.time()
     coord.start()
-    bootstrap = _wait_for(addr_file, coord, 60).splitlines()[0]
+    bootstrap = wait_for(addr_file, coord, 60).splitlines()[0]
     spec = str(out / "coordinator" / "spec.json")
     cheater_names = [f"inference-{i}" for i in range(inference_nodes - cheaters, inference_nodes)]
     kinds = list(CHEATS)
@@ -212,7 +133,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         p.start()
     try:
         for p in vllm_procs:
-            _wait_for(out / p.name / "engine.ready", p, VLLM_START_S)
+            wait_for(out / p.name / "engine.ready", p, VLLM_START_S)
     except (RuntimeError, TimeoutError):
         for p in [*vllm_procs, coord]:
             p.stop()
@@ -231,7 +152,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         if main else {}
     while not interrupted:
         time.sleep(0.5)
-        done_steps = _count_lines(metrics_path)
+        done_steps = count_lines(metrics_path)
         if (out / "trainer" / "done").exists():
             status = "done"
             break
@@ -316,17 +237,6 @@ def check_vllm_nodes(inference_nodes: int, cheaters: int, vllm_nodes: int) -> No
 VLLM_MIN_HIDDEN = 128
 """Model width of a sim with vLLM nodes unless the recipe says otherwise (head_dim 32: vLLM CPU's least)."""
 
-def _wait_for(path: Path, proc: Proc, timeout: float) -> str:
-    end = time.time() + timeout
-    while time.time() < end:
-        if path.exists():
-            return path.read_text()
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited; see {proc.log_path}")
-        time.sleep(0.1)
-    raise TimeoutError(f"{proc.name} did not come up in {timeout}s")
-
-
 def _rewards(path: Path) -> list[float]:
     """Each finished step's mean reward, from the trainer's metrics (a line being written is skipped)."""
     out = []
@@ -339,13 +249,6 @@ def _rewards(path: Path) -> list[float]:
     except OSError:
         pass
     return out
-
-
-def _count_lines(path: Path) -> int:
-    try:
-        return sum(1 for _ in path.open())
-    except OSError:
-        return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

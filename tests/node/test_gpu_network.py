@@ -33,7 +33,7 @@ def test_placement_puts_the_trainer_alone_on_gpu0_and_spreads_inference_over_the
 def test_a_role_placed_on_gpu_i_sees_only_that_gpu_as_cuda0(tmp_path):
     # Triton kernels and CUDA graphs launch on the thread's current device (cuda:0 in a new thread): a role
     # on cuda:1 that saw both GPUs crashed on the H200 pair; it now sees only its own
-    from node.sim import Proc
+    from node.sim_procs import Proc
 
     p = Proc("inference-0", ["join", "--role", "inference", "--device", "cuda:1", "--engine", "builtin-cuda"],
              tmp_path / "log.txt")

@@ -14,7 +14,7 @@ import pytest
 from node.join_cli import fetch_spec
 from node.recipe import DEFAULT, InvalidRecipe, Recipe
 from node.run_config import InvalidRunConfig, RunConfig, to_toml
-from node.sim import free_port
+from node.sim_procs import free_port
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
 

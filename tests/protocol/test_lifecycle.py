@@ -13,7 +13,7 @@ import time
 from protocol_testnet import eventually, make_spec, run, start_coordinator, start_member, stop_all
 
 from node.run_config import RunConfig, to_toml
-from node.sim import free_port
+from node.sim_procs import free_port
 from protocol.client import ONCE, CoordinatorClient, RunStop
 from protocol.coordinator import Coordinator
 from protocol.errors import BannedPeer

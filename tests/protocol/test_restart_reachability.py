@@ -13,7 +13,7 @@ import pytest
 from protocol_testnet import run
 from test_coordinator_crash import publish_version_zero, start_coordinator_process
 
-from node.sim import free_port
+from node.sim_procs import free_port
 from protocol.client import CoordinatorClient, Retry
 from protocol.identity import NodeKey
 from protocol.member import RunMember

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from contrib.slurm import local_cluster
 from contrib.slurm.local_cluster import LocalSlurm
 from contrib.slurm.render import ClusterLayout, render
 from node.run_config import to_toml
-from node.sim import Proc, _wait_for, free_port
+from node.sim_procs import Proc, free_port, wait_for
 from protocol.identity import NodeKey
 
 pytestmark = pytest.mark.skipif(local_cluster.available() is not None, reason=str(local_cluster.available()))
@@ -37,7 +36,7 @@ def _launch_coordinator(tmp: Path, trainer: NodeKey, origin_port: int) -> tuple[
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(tmp / "run.toml"), "--state", str(state),
                                  "--addr-file", str(state / "addr")], state / "log.txt")
     coord.start()
-    return coord, _wait_for(state / "addr", coord, 60).splitlines()[0]
+    return coord, wait_for(state / "addr", coord, 60).splitlines()[0]
 
 
 def test_two_node_layout_trains_when_submitted_to_a_slurm_cluster(tmp_path):

@@ -200,7 +200,7 @@ def test_world_checkpoint_resumes_in_another_layout_to_the_one_process_step(tmp_
 def test_a_dead_rank_0_never_leaves_a_rank_waiting(tmp_path):
     """Without torchrun to clean up (a lost node of a multi-node job): rank 1 sees rank 0 gone and
     raises `LeaderLost` instead of waiting for an order forever."""
-    from node.sim import free_port
+    from node.sim_procs import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
