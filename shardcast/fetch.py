@@ -26,7 +26,7 @@ from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, Invali
                               SourceBusy, TruncatedShard, UnknownPublisher, VersionNotFound)
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
 from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, Outcome, ShardSchedule, Source, SourcePool
-from shardcast.store import Store
+from shardcast.store import PartialPayload, Store
 
 log = logging.getLogger(__name__)
 
@@ -159,27 +159,44 @@ class Fetcher:
         loop = asyncio.get_running_loop()
         self.pool.new_version()
         payload = self.store.open_partial_payload(m.run_id, m.version, m.total_bytes)
-        rng = lambda i: slice(i * m.shard_size, i * m.shard_size + m.shards[i].raw_size)  # noqa: E731
-        par = lambda i: None if parent is None else np.asarray(parent[rng(i)])  # noqa: E731
+        try:
+            return await self._fetch_into(m, parent, payload, loop)
+        except BaseException:
+            payload.discard()
+            raise
 
-        def reuse(i: int) -> bool:
+    async def _fetch_into(self, m: Manifest, parent: np.ndarray | None, payload: PartialPayload,
+                          loop: asyncio.AbstractEventLoop) -> FetchedVersion:
+        max_raw = max((e.raw_size for e in m.shards), default=0)
+        max_wire = max((e.wire_size for e in m.shards), default=0)
+
+        def verify_into_payload(i: int, wire: bytes | memoryview, scratch: np.ndarray) -> None:
+            # Both hashes pass before the decoded range is written. Decoded into `scratch` (reused,
+            # already paged in), then pwritten: no page faults on a fresh mapping, no allocation.
+            e, start = m.shards[i], i * m.shard_size
+            check_wire(e, wire)
+            out = scratch[: e.raw_size]
+            decode_shard(e, wire, out, None if parent is None else np.asarray(parent[start : start + e.raw_size]))
+            payload.write(start, out)
+
+        def accept(i: int, wire: memoryview, scratch: np.ndarray) -> None:
+            verify_into_payload(i, wire, scratch)
+            self.store.put_shard(m.run_id, m.version, i, wire)  # verified: final name, served from now on
+
+        def reuse(i: int, scratch: np.ndarray) -> bool:
             try:
-                wire = self.store.read_shard(m.run_id, m.version, i)
-                check_wire(m.shards[i], wire)
-                decode_shard(m.shards[i], wire, payload[rng(i)], par(i))
+                verify_into_payload(i, self.store.read_shard(m.run_id, m.version, i), scratch)
                 return True
             except (OSError, CorruptShard):
                 self.store.shard_path(m.run_id, m.version, i).unlink(missing_ok=True)
                 return False
 
-        def accept(i: int, wire: bytes) -> None:
-            # Both hashes pass before the shard gets its final name in the store (and is served).
-            check_wire(m.shards[i], wire)
-            decode_shard(m.shards[i], wire, payload[rng(i)], par(i))
-            self.store.put_shard(m.run_id, m.version, i, wire)
-
-        held = self.store.held_shards(m.run_id, m.version)
-        reused = {i for i in held if i < len(m.shards) and await loop.run_in_executor(None, reuse, i)}
+        held = [i for i in self.store.held_shards(m.run_id, m.version) if i < len(m.shards)]
+        reused: set[int] = set()
+        if held:
+            scratch = np.empty(max_raw, dtype=np.uint8)
+            reused = {i for i in held if await loop.run_in_executor(None, reuse, i, scratch)}
+            del scratch
         if reused:
             log.info("%s v%d: resuming; %d of %d shards already held and verified", m.run_id, m.version, len(reused), len(m.shards))
         plan = ShardSchedule(self.pool, {i for i in range(len(m.shards)) if i not in reused}, self.parallel,
@@ -193,6 +210,8 @@ class Fetcher:
 
         async def worker() -> None:
             nonlocal downloaded
+            # One receive and one decode buffer per worker, reused for every shard it takes.
+            wire_buf, scratch = bytearray(max_wire), np.empty(max_raw, dtype=np.uint8)
             while not plan.done:
                 pick = plan.next()
                 if pick is None:
@@ -201,9 +220,9 @@ class Fetcher:
                 src, i, last_resort = pick
                 t0 = time.perf_counter()
                 try:
-                    wire = await self._download(src, m, i, last_resort)
+                    wire = await self._download(src, m, i, last_resort, into=wire_buf)
                     seconds = time.perf_counter() - t0
-                    await loop.run_in_executor(None, accept, i, wire)
+                    await loop.run_in_executor(None, accept, i, wire, scratch)
                 except ShardcastError as exc:
                     plan.failed(src, i, outcome_of(exc), str(exc))
                     continue
@@ -229,15 +248,17 @@ class Fetcher:
             bar.close()
         if plan.error is not None:
             raise FetchFailed(f"{m.run_id} v{m.version}: {plan.error}")
-        await loop.run_in_executor(None, self.store.commit_partial_payload, m.run_id, m.version, payload)
+        verified = await loop.run_in_executor(None, self.store.commit_partial_payload, m.run_id, m.version, payload)
         log.info("%s v%d verified: %.1f MiB downloaded from %s", m.run_id, m.version, downloaded / 2**20,
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
-        return FetchedVersion(m, payload, downloaded)
+        return FetchedVersion(m, verified, downloaded)
 
-    async def _download(self, src: Source, m: Manifest, i: int, last_resort: bool = False) -> bytes:
-        """Exactly shard `i`'s wire bytes from `src`, hash-checked; typed errors otherwise."""
+    async def _download(self, src: Source, m: Manifest, i: int, last_resort: bool = False, *, into: bytearray | None = None) -> memoryview:
+        """Exactly shard `i`'s wire bytes from `src`, received into `into` (a reused buffer of at
+        least the shard's wire size; a new one if None); a view of them. Typed errors otherwise."""
         assert self._session is not None, "use `async with Fetcher(...)`"
         entry = m.shards[i]
+        buf = memoryview(into if into is not None else bytearray(entry.wire_size))[: entry.wire_size]
         try:
             query = "?last_resort=1" if last_resort else ""
             async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}{query}") as r:
@@ -249,17 +270,24 @@ class Fetcher:
                     raise SourceBusy(f"{src.url} busy (HTTP {r.status})")
                 if r.status != 200:
                     raise SourceUnavailable(f"HTTP {r.status}")
-                try:
-                    wire = await r.content.readexactly(entry.wire_size)
-                except asyncio.IncompleteReadError as exc:
-                    raise TruncatedShard(f"shard {i}: source sent {len(exc.partial)} of {entry.wire_size} bytes") from exc
+                # Chunks as they arrive, copied once into the buffer (readexactly joins them twice
+                # into a fresh allocation per shard).
+                n = 0
+                while n < entry.wire_size:
+                    chunk = await r.content.readany()
+                    if not chunk:
+                        raise TruncatedShard(f"shard {i}: source sent {n} of {entry.wire_size} bytes")
+                    if n + len(chunk) > entry.wire_size:
+                        raise CorruptShard(f"shard {i}: source sent more than {entry.wire_size} bytes")
+                    buf[n : n + len(chunk)] = chunk
+                    n += len(chunk)
                 if not r.content.at_eof() and await r.content.read(1):
                     raise CorruptShard(f"shard {i}: source sent more than {entry.wire_size} bytes")
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
             raise TruncatedShard(f"shard {i}: connection cut: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise SourceUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        return wire
+        return buf
 
 
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
