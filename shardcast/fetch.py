@@ -40,7 +40,13 @@ PICK_POLL_S = 0.05
 HAVE_TIMEOUT_S = 2.0
 """A shard list is a few bytes; a source that takes longer is treated as holding nothing for now."""
 HAVE_REFRESH_S = 0.25
-"""How often sources' shard lists are re-read during a fetch (peers gain shards as they fetch)."""
+"""Shortest time between two re-reads of the sources' shard lists (peers gain shards as they
+fetch): the pace while a worker is idle for want of a holder."""
+HAVE_REQUESTS_PER_S = 8.0
+"""While every worker is busy, shard lists are re-read at about this many requests per second in
+all (each source every len(sources) / 8 s, at least every `HAVE_REFRESH_S`). At a fixed 0.25 s,
+N peers that list each other made 4 N^2 requests per second at ~0.5 ms of CPU each (client +
+server, measured here): 256/s at N = 8 (6% of a 2-core host), 1,024/s at N = 16 (25%)."""
 
 
 @dataclass
@@ -208,6 +214,9 @@ class Fetcher:
                    desc=f"{m.run_id} v{m.version}", disable=not self.progress)
         await self._refresh_have(m.run_id, m.version)
 
+        wanted = asyncio.Event()
+        """Set by a worker that found nothing to take: re-read the shard lists soon."""
+
         async def worker() -> None:
             nonlocal downloaded
             # One receive and one decode buffer per worker, reused for every shard it takes.
@@ -215,6 +224,7 @@ class Fetcher:
             while not plan.done:
                 pick = plan.next()
                 if pick is None:
+                    wanted.set()
                     await asyncio.sleep(PICK_POLL_S)  # a peer may get it, a slot may free up
                     continue
                 src, i, last_resort = pick
@@ -234,9 +244,17 @@ class Fetcher:
                 bar.update(len(wire))
 
         async def refresh_forever() -> None:
-            # Peers gain shards while we fetch; re-read who holds what so they become sources.
+            # Peers gain shards while we fetch; re-read who holds what so they become sources:
+            # soon when a worker idles, on a request budget while all are busy.
             while True:
                 await asyncio.sleep(HAVE_REFRESH_S)
+                budget_s = len(self.pool.alive()) / HAVE_REQUESTS_PER_S
+                if budget_s > HAVE_REFRESH_S and not wanted.is_set():
+                    try:
+                        await asyncio.wait_for(wanted.wait(), budget_s - HAVE_REFRESH_S)
+                    except asyncio.TimeoutError:
+                        pass
+                wanted.clear()
                 await self._refresh_have(m.run_id, m.version)
 
         refresher = asyncio.create_task(refresh_forever())
