@@ -1,0 +1,73 @@
+"""Super-seeding in the roles: the recipe's `super_seed_copies` makes the trainer's origin hand each
+shard out that many times (then 425, hidden from /have), and makes relays mirror from each other
+as well as the trainer, so the hidden shards still reach everyone. With no relay in the spec the
+trainer serves every request (seeding would leave nodes nobody to fetch from)."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from node.recipe import InvalidRecipe, Recipe
+from node.roles.relay import mirror_sources
+from node.roles.trainer import origin_server
+from protocol.identity import NodeKey
+from protocol.messages import RunSpec
+
+TRAINER, RELAY1, RELAY2 = "http://127.0.0.1:8470", "http://127.0.0.1:8471", "http://127.0.0.1:8472"
+CK = NodeKey.from_seed(b"\x02" * 32)
+
+
+def _spec(sources: list[str], **recipe) -> RunSpec:
+    return RunSpec(run_id="run", coordinator=CK.peer_id, shardcast_sources=sources, recipe=recipe)
+
+
+def test_relays_trade_with_each_other_only_when_the_trainer_super_seeds():
+    plain, seeded = _spec([TRAINER, RELAY1, RELAY2]), _spec([TRAINER, RELAY1, RELAY2], super_seed_copies=1)
+    assert mirror_sources(plain, "127.0.0.1", 8471) == [TRAINER]
+    assert mirror_sources(seeded, "127.0.0.1", 8471) == [TRAINER, RELAY2]
+    assert mirror_sources(seeded, "127.0.0.1", 8472) == [TRAINER, RELAY1]
+
+
+def test_super_seed_copies_is_bounded():
+    assert Recipe.parse({"super_seed_copies": 2}).super_seed_copies == 2
+    with pytest.raises(InvalidRecipe):
+        Recipe.parse({"super_seed_copies": -1})
+
+
+def test_trainer_origin_seeds_only_with_relays_to_spread_the_shards(tmp_path, origin_store, caplog):
+    assert origin_server(origin_store, _spec([TRAINER, RELAY1], super_seed_copies=2), "127.0.0.1", 8470).seed.copies == 2
+    assert origin_server(origin_store, _spec([TRAINER, RELAY1]), "127.0.0.1", 8470).seed is None
+    assert origin_server(origin_store, _spec([TRAINER], super_seed_copies=1), "127.0.0.1", 8470).seed is None
+    assert "no relay" in caplog.text
+
+
+def test_trainer_origin_hands_each_shard_out_once_then_425(origin_store):
+    async def go():
+        server = origin_server(origin_store, _spec([TRAINER, RELAY1], super_seed_copies=1), "127.0.0.1", 8470)
+        port = await server.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}/shardcast/run/0"
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                async def status(path: str) -> int:
+                    async with s.get(f"{base}/{path}") as r:
+                        await r.read()
+                        return r.status
+
+                async def have() -> list[int]:
+                    async with s.get(f"{base}/have") as r:
+                        return (await r.json())["shards"]
+
+                held = await have()
+                first = await status("shard/0")
+                again = await status("shard/0")
+                other = await status("shard/1")
+                last_resort = await status("shard/0?last_resort=1")
+                return held, first, again, other, last_resort, await have()
+        finally:
+            await server.stop()
+
+    held, first, again, other, last_resort, after = asyncio.run(go())
+    assert 0 in held and 1 in held
+    assert (first, again, other, last_resort) == (200, 425, 200, 200)
+    assert 0 not in after and 1 not in after and set(after) == set(held) - {0, 1}
