@@ -71,3 +71,62 @@ def test_trainer_origin_hands_each_shard_out_once_then_425(origin_store):
     assert 0 in held and 1 in held
     assert (first, again, other, last_resort) == (200, 425, 200, 200)
     assert 0 not in after and 1 not in after and set(after) == set(held) - {0, 1}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_super_seeding_trainer_and_two_relays_get_a_version_to_a_node_for_about_one_copy(tmp_path, origin_store, trusted, sc):
+    """The roles' pieces together, over real servers: the trainer's origin (from the recipe), two
+    relays mirroring from `mirror_sources` (each other too), a node listing all three."""
+    from shardcast.fetch import Fetcher
+    from shardcast.relay import mirror
+    from shardcast.server import ShardServer
+    from shardcast.store import Store
+
+    ports = [_free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    spec = _spec(urls, super_seed_copies=1)
+    wire = origin_store.manifest("run", 0).manifest.wire_bytes
+
+    async def go():
+        origin = origin_server(origin_store, spec, "127.0.0.1", ports[0])
+        await origin.start("127.0.0.1", ports[0])
+        relays = []
+        stop = asyncio.Event()
+        tasks = []
+        try:
+            for i in (1, 2):
+                store = Store(tmp_path / f"relay{i}")
+                server = ShardServer(store)
+                await server.start("127.0.0.1", ports[i])
+                fetcher = await Fetcher(store, mirror_sources(spec, "127.0.0.1", ports[i]), trusted).__aenter__()
+                relays.append((store, server, fetcher))
+                tasks.append(asyncio.create_task(mirror(fetcher, "run", poll_s=0.2, stop=stop)))
+            for _ in range(1000):
+                if all(s.complete_versions("run") == [0] for s, _, _ in relays):
+                    break
+                await asyncio.sleep(0.02)
+            async with Fetcher(Store(tmp_path / "node"), urls, trusted) as f:
+                got = await f.fetch("run", 0)
+            return got, origin.bytes_served, [s.complete_versions("run") for s, _, _ in relays]
+        finally:
+            stop.set()
+            for t in tasks:
+                await asyncio.wait_for(t, 10)
+            for _, server, fetcher in relays:
+                await fetcher.__aexit__(None, None, None)
+                await server.stop()
+            await origin.stop()
+
+    got, origin_sent, relay_held = asyncio.run(go())
+    sc.assert_same(got.tensors(), sc.make_state(0))
+    assert relay_held == [[0], [0]]
+    # Relays that list only the trainer (as without seeding) got the hidden shards by last-resort
+    # requests: the origin sent 2.0x the version (measured by reverting mirror_sources).
+    assert wire <= origin_sent < 1.5 * wire, (origin_sent, wire)
