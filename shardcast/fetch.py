@@ -22,10 +22,11 @@ import torch
 from tqdm import tqdm
 
 from shardcast.codec import check_wire, decode_shard, unflatten
-from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, NotOffered, ShardcastError, SourceUnavailable,
-                              SourceBusy, TruncatedShard, UnknownPublisher, VersionNotFound)
+from shardcast.download import download_shard, outcome_of
+from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
+                              UnknownPublisher, VersionNotFound)
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
-from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, Outcome, ShardSchedule, Source, SourcePool
+from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, ShardSchedule, Source, SourcePool
 from shardcast.store import PartialPayload, Store
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,9 @@ class Fetcher:
         wanted = asyncio.Event()
         """Set by a worker that found nothing to take: re-read the shard lists soon."""
 
+        session = self._session
+        assert session is not None, "use `async with Fetcher(...)`"
+
         async def worker() -> None:
             nonlocal downloaded
             # One receive and one decode buffer per worker, reused for every shard it takes.
@@ -230,7 +234,7 @@ class Fetcher:
                 src, i, last_resort = pick
                 t0 = time.perf_counter()
                 try:
-                    wire = await self._download(src, m, i, last_resort, into=wire_buf)
+                    wire = await download_shard(session, src, m, i, last_resort, into=wire_buf)
                     seconds = time.perf_counter() - t0
                     await loop.run_in_executor(None, accept, i, wire, scratch)
                 except ShardcastError as exc:
@@ -271,61 +275,9 @@ class Fetcher:
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
         return FetchedVersion(m, verified, downloaded)
 
-    async def _download(self, src: Source, m: Manifest, i: int, last_resort: bool = False, *, into: bytearray | None = None) -> memoryview:
-        """Exactly shard `i`'s wire bytes from `src`, received into `into` (a reused buffer of at
-        least the shard's wire size; a new one if None); a view of them. Typed errors otherwise."""
-        assert self._session is not None, "use `async with Fetcher(...)`"
-        entry = m.shards[i]
-        buf = memoryview(into if into is not None else bytearray(entry.wire_size))[: entry.wire_size]
-        try:
-            query = "?last_resort=1" if last_resort else ""
-            async with self._session.get(f"{src.url}/shardcast/{m.run_id}/{m.version}/shard/{i}{query}") as r:
-                if r.status == 425:
-                    raise NotOffered(f"{src.url} handed shard {i} out already")
-                if r.status == 404:
-                    raise VersionNotFound(f"shard {i} not held by {src.url}")
-                if r.status in (429, 503):  # out of upload slots or over a rate limit: busy, not broken
-                    raise SourceBusy(f"{src.url} busy (HTTP {r.status})")
-                if r.status != 200:
-                    raise SourceUnavailable(f"HTTP {r.status}")
-                # Chunks as they arrive, copied once into the buffer (readexactly joins them twice
-                # into a fresh allocation per shard).
-                n = 0
-                while n < entry.wire_size:
-                    chunk = await r.content.readany()
-                    if not chunk:
-                        raise TruncatedShard(f"shard {i}: source sent {n} of {entry.wire_size} bytes")
-                    if n + len(chunk) > entry.wire_size:
-                        raise CorruptShard(f"shard {i}: source sent more than {entry.wire_size} bytes")
-                    buf[n : n + len(chunk)] = chunk
-                    n += len(chunk)
-                if not r.content.at_eof() and await r.content.read(1):
-                    raise CorruptShard(f"shard {i}: source sent more than {entry.wire_size} bytes")
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            raise TruncatedShard(f"shard {i}: connection cut: {exc}") from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise SourceUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        return buf
-
-
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
     if manifest_hash is not None and m.manifest_hash() != manifest_hash:
         raise InvalidManifest(f"{m.run_id} v{m.version}: manifest hash {m.manifest_hash()[:16]}.. is not the announced {manifest_hash[:16]}..")
-
-
-def outcome_of(exc: ShardcastError) -> Outcome:
-    """The policy's view of a failed download (`sources.ShardSchedule.failed`)."""
-    if isinstance(exc, SourceBusy):
-        return Outcome.BUSY
-    if isinstance(exc, NotOffered):
-        return Outcome.NOT_OFFERED
-    if isinstance(exc, TruncatedShard):
-        return Outcome.TRUNCATED
-    if isinstance(exc, CorruptShard):
-        return Outcome.CORRUPT
-    if isinstance(exc, VersionNotFound):
-        return Outcome.NOT_FOUND
-    return Outcome.UNAVAILABLE
 
 
 async def fetch_version(store: Store, sources: list[str], trusted: TrustedPublishers, run_id: str,
