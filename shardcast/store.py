@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import shutil
+import threading
 import weakref
 from pathlib import Path
 
@@ -158,6 +159,10 @@ class PartialPayload:
 
     def __init__(self, path: Path, total: int):
         self.path, self.total = path, total
+        self._writers = 0
+        self._idle = threading.Condition()
+        """close() waits for writes in flight: a decode thread a cancelled fetch left running must not
+        pwrite to a descriptor number the process has since reused for another file."""
         self._fd = [os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)]  # a box the finalizer can share
         _live_partials.add(str(path))
         self._finalizer = weakref.finalize(self, _close_partial, self._fd, str(path))
@@ -172,12 +177,24 @@ class PartialPayload:
         view = memoryview(data).cast("B")
         if offset < 0 or offset + len(view) > self.total:
             raise ValueError(f"write of {len(view)} bytes at {offset} outside a payload of {self.total}")
-        while len(view):
-            n = os.pwrite(self._fd[0], view, offset)
-            view, offset = view[n:], offset + n
+        with self._idle:
+            if self._fd[0] < 0:
+                raise ValueError(f"{self.path.name} is closed")
+            fd = self._fd[0]
+            self._writers += 1
+        try:
+            while len(view):
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        finally:
+            with self._idle:
+                self._writers -= 1
+                self._idle.notify_all()
 
     def close(self) -> None:
-        self._finalizer()
+        with self._idle:
+            self._idle.wait_for(lambda: self._writers == 0)
+            self._finalizer()
 
     def discard(self) -> None:
         """A failed fetch: close and delete (its verified shards stay in the store for a resume)."""

@@ -4,6 +4,9 @@ failed fetch leaves verified shards (to resume from) and no partial payload, a r
 only what is missing, and the payload handed to a consumer cannot be changed through its tensors."""
 
 import asyncio
+import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -80,3 +83,28 @@ def test_partial_payload_refuses_writes_outside_it(tmp_path):
     finally:
         part.discard()
     assert not part.path.exists()
+
+
+def test_closing_a_partial_payload_waits_for_a_write_in_flight(tmp_path, monkeypatch):
+    """A decode thread left running by a cancelled fetch finishes its write before the descriptor
+    is closed (a closed, reused descriptor number would put the bytes into another file)."""
+    part = Store(tmp_path).open_partial_payload("r", 0, 1 << 20)
+    real_pwrite, entered = os.pwrite, threading.Event()
+
+    def slow_pwrite(fd, data, offset):
+        entered.set()
+        time.sleep(0.3)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    writer = threading.Thread(target=part.write, args=(0, np.full(1 << 20, 7, np.uint8)))
+    writer.start()
+    assert entered.wait(5)
+    t0 = time.perf_counter()
+    part.close()
+    assert time.perf_counter() - t0 > 0.1, "close() did not wait for the write in flight"
+    writer.join(5)
+    monkeypatch.undo()
+    assert part.path.read_bytes() == b"\x07" * (1 << 20)
+    with pytest.raises(ValueError):
+        part.write(0, np.zeros(1, np.uint8))
