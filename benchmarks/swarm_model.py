@@ -7,7 +7,8 @@ with the same `Outcome`s the fetcher maps its exceptions to. Relays decide what 
 `shardcast.relay.versions_to_mirror`. Servers apply the real admission rule with the real numbers
 (`shardcast.server`: `max_concurrent` bodies, half of them per client, `queue_timeout` then 503).
 A source's `have`/`fetching` sets are the very sets its owner updates, i.e. `/have` with no
-refresh delay (real fetchers re-read it every `HAVE_REFRESH_S` = 0.25 s).
+refresh delay (real fetchers re-read it every `HAVE_REFRESH_S` = 0.25 s while a worker idles,
+every len(sources) / `HAVE_REQUESTS_PER_S` s (8 peers: 1 s) while all are busy).
 
 What is modelled, not run: bytes move as flows; a flow's rate is min(sender's uplink / its
 flows, receiver's downlink / its flows), recomputed every tick `dt` for all flows at once

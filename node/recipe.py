@@ -50,6 +50,11 @@ class Recipe(BaseModel):
     """Optimizer steps per pass."""
     tool_wait_s: float = Field(0.0, ge=0, le=3600)
     """Median of a heavy-tailed simulated tool-call wait per episode (0: none; benchmarks.async_speedup)."""
+    super_seed_copies: int = Field(0, ge=0, le=64)
+    """The trainer's shardcast origin hands each shard of a version out this many times, then hides
+    it, so relays spread it and the trainer's uplink sends ~1 copy (`shardcast.seeding`; 0: off).
+    Needs relays among the spec's `shardcast_sources` (they then mirror from each other too); with
+    none, the trainer logs it and serves every request."""
     router_replay: bool = True
     """Inference nodes send the experts their engine routed each position to, validators check them,
     and the trainer replays them (MoE models only; 1/0, true/false)."""

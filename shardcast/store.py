@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import shutil
+import threading
 import weakref
 from pathlib import Path
 
@@ -70,11 +71,10 @@ class Store:
     def put_payload(self, run_id: str, version: int, payload: np.ndarray) -> None:
         _atomic_write(self.payload_path(run_id, version), memoryview(payload))
 
-    def open_partial_payload(self, run_id: str, version: int, total: int) -> np.ndarray:
-        """A writable, file-backed buffer a fetch decodes shards into (page cache, not heap)."""
+    def open_partial_payload(self, run_id: str, version: int, total: int) -> "PartialPayload":
+        """A file a fetch writes verified shard ranges into (`PartialPayload.write`), renamed to
+        `payload.bin` by `commit_partial_payload` once every raw hash matched."""
         self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
-        if total == 0:
-            return np.empty(0, dtype=np.uint8)
         for stale in self.version_dir(run_id, version).glob(".payload.*.partial"):
             # Left by a killed or failed fetch (its shards are reused, not this). A partial still
             # open is another fetch of the same version in flight: deleting it made that fetch's
@@ -84,27 +84,15 @@ class Store:
                 stale.unlink(missing_ok=True)
         _partial_seq[0] += 1
         path = self.payload_path(run_id, version).with_name(f".payload.{os.getpid()}-{_partial_seq[0]}.partial")
-        try:
-            with open(path, "wb") as f:
-                # Reserve the blocks now: on a full disk this is an OSError here, not a SIGBUS
-                # (which kills the process) when a page of the mapping is first written.
-                os.posix_fallocate(f.fileno(), 0, total)
-        except OSError:
-            path.unlink(missing_ok=True)
-            raise
-        buf = np.memmap(path, dtype=np.uint8, mode="r+", shape=(total,))
-        _live_partials.add(str(path))
-        weakref.finalize(buf, _live_partials.discard, str(path))
-        return buf
+        return PartialPayload(path, total)
 
-    def commit_partial_payload(self, run_id: str, version: int, buf: np.ndarray) -> None:
-        """Give a fully verified partial payload its final name (atomic rename)."""
-        if isinstance(buf, np.memmap):
-            # No flush(): msync would wait for the disk; the page cache already makes the
-            # renamed file's content visible, and resume re-verifies shards, not this file.
-            os.replace(buf.filename, self.payload_path(run_id, version))
-        else:
-            self.put_payload(run_id, version, buf)
+    def commit_partial_payload(self, run_id: str, version: int, partial: "PartialPayload") -> np.ndarray:
+        """Give a fully verified partial payload its final name (atomic rename); the payload,
+        memory-mapped read-only. No fsync: it would wait for the disk; the page cache already
+        makes the renamed file's content visible, and resume re-verifies shards, not this file."""
+        partial.close()
+        os.replace(partial.path, self.payload_path(run_id, version))
+        return self.payload(run_id, version)
 
     # -- reads ------------------------------------------------------------------------------
     def runs(self) -> list[str]:
@@ -135,8 +123,12 @@ class Store:
         return self.shard_path(run_id, version, index).read_bytes()
 
     def payload(self, run_id: str, version: int) -> np.ndarray:
-        """The verified full payload, memory-mapped read-only."""
-        return np.memmap(self.payload_path(run_id, version), dtype=np.uint8, mode="r")
+        """The verified full payload, memory-mapped copy-on-write: reads share the page cache; a
+        consumer that writes into its tensors gets private pages and never changes the file."""
+        path = self.payload_path(run_id, version)
+        if path.stat().st_size == 0:
+            return np.empty(0, dtype=np.uint8)  # mmap cannot map an empty file
+        return np.memmap(path, dtype=np.uint8, mode="c")
 
     # -- retention -------------------------------------------------------------------------
     def retain(self, run_id: str, keep_last: int) -> list[int]:
@@ -156,6 +148,65 @@ class Store:
             shutil.rmtree(self.version_dir(run_id, v), ignore_errors=True)
             log.info("retention: deleted %s v%d", run_id, v)
         return doomed
+
+
+class PartialPayload:
+    """The payload file of a fetch in flight: decoded, verified shard ranges are `pwrite`n into it.
+
+    Written with pwrite from a buffer the decoder reuses, not through a file-backed mapping: no
+    page fault per 4 KiB, and a full disk is an `OSError` from the write (a mapping's first write
+    to a page the disk cannot hold is a SIGBUS, which kills the process)."""
+
+    def __init__(self, path: Path, total: int):
+        self.path, self.total = path, total
+        self._writers = 0
+        self._idle = threading.Condition()
+        """close() waits for writes in flight: a decode thread a cancelled fetch left running must not
+        pwrite to a descriptor number the process has since reused for another file."""
+        self._fd = [os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)]  # a box the finalizer can share
+        _live_partials.add(str(path))
+        self._finalizer = weakref.finalize(self, _close_partial, self._fd, str(path))
+        try:
+            os.ftruncate(self._fd[0], total)  # sparse: blocks are allocated by the writes
+        except OSError:
+            self.discard()
+            raise
+
+    def write(self, offset: int, data: np.ndarray | memoryview) -> None:
+        """Write `data` at `offset` (thread-safe: pwrite has no shared file position)."""
+        view = memoryview(data).cast("B")
+        if offset < 0 or offset + len(view) > self.total:
+            raise ValueError(f"write of {len(view)} bytes at {offset} outside a payload of {self.total}")
+        with self._idle:
+            if self._fd[0] < 0:
+                raise ValueError(f"{self.path.name} is closed")
+            fd = self._fd[0]
+            self._writers += 1
+        try:
+            while len(view):
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        finally:
+            with self._idle:
+                self._writers -= 1
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._writers == 0)
+            self._finalizer()
+
+    def discard(self) -> None:
+        """A failed fetch: close and delete (its verified shards stay in the store for a resume)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _close_partial(fd: list[int], path: str) -> None:
+    if fd[0] >= 0:
+        os.close(fd[0])
+        fd[0] = -1
+    _live_partials.discard(path)
 
 
 _partial_seq = [0]

@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from node.recipe import Recipe
 from protocol.client import CoordinatorClient
 from protocol.identity import NodeKey
 from protocol.messages import PolicyAnnounce, RunSpec
@@ -40,7 +41,7 @@ class RelayNode:
         async def on_policy(msg: PolicyAnnounce) -> None:
             wake.set()
         client.on_policy(on_policy)
-        upstream = [s for s in self.spec.shardcast_sources if not _is_own(s, self.host, self.port)][:1]
+        upstream = mirror_sources(self.spec, self.host, self.port)
         trusted = TrustedPublishers([self.spec.trainer] if self.spec.trainer else [])
         try:
             async with Fetcher(store, upstream, trusted) as fetcher:
@@ -49,6 +50,19 @@ class RelayNode:
         finally:
             await client.close("relay stopping")
             await server.stop()
+
+
+def other_sources(spec: RunSpec, host: str, port: int) -> list[str]:
+    """The spec's shardcast sources other than the server at (host, port)."""
+    return [s for s in spec.shardcast_sources if not _is_own(s, host, port)]
+
+
+def mirror_sources(spec: RunSpec, host: str, port: int) -> list[str]:
+    """Where a relay mirrors from: the first other source (the trainer's origin); every other
+    source when the trainer super-seeds (it hands each shard out `super_seed_copies` times, so
+    relays must trade with each other)."""
+    others = other_sources(spec, host, port)
+    return others if Recipe.of(spec).super_seed_copies else others[:1]
 
 
 def _is_own(url: str, host: str, port: int) -> bool:

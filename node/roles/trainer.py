@@ -54,7 +54,9 @@ from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
 from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec
+from node.roles.relay import other_sources
 from shardcast.publish import PublishOptions
+from shardcast.seeding import SeedOffer
 from shardcast.server import ShardServer
 from shardcast.store import Store
 
@@ -62,6 +64,16 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_EVERY = 20
 """Steps between trainer checkpoints (resume point after a crash)."""
+
+
+def origin_server(store: Store, spec: RunSpec, host: str, port: int) -> ShardServer:
+    """The trainer's shardcast origin: super-seeding when the recipe asks for it and the spec
+    lists relays to spread what it hands out (`shardcast.seeding`), else serving every request."""
+    copies = Recipe.of(spec).super_seed_copies
+    if copies and not other_sources(spec, host, port):
+        log.warning("recipe super_seed_copies=%d ignored: the spec lists no relay to spread the shards", copies)
+        copies = 0
+    return ShardServer(store, seed=SeedOffer(copies) if copies else None)
 
 
 class OffPolicyViolation(RuntimeError):
@@ -114,7 +126,7 @@ class TrainerNode:
             await asyncio.to_thread(leader.stop)
 
     async def _serve(self, stop: asyncio.Event, leader) -> None:
-        server = ShardServer(self.store)
+        server = origin_server(self.store, self.spec, self.host, self.port)
         await server.start(self.host, self.port)
         client = await CoordinatorClient.connect(self.key, self.spec, "trainer", self.bootstrap, stop,
                                                  listen=f"/ip4/{self.host}/tcp/0")

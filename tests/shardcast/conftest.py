@@ -70,7 +70,8 @@ class HostileSource:
     """A real HTTP source that serves a store's files but misbehaves on shard requests:
     mode 'corrupt' flips a byte, 'truncate' sends half and cuts the connection, 'short' sends
     half with a matching Content-Length, 'stall' sends headers then nothing, 'manifest' serves
-    the manifest with a tensor renamed (signature left as it was), 'honest' behaves."""
+    the manifest with a tensor renamed (signature left as it was), 'long' sends the shard plus 64
+    bytes, 'odd' corrupts odd-numbered shards only, 'honest' behaves."""
 
     def __init__(self, store: Store, mode: str):
         self.store, self.mode, self.shard_requests = store, mode, 0
@@ -114,8 +115,10 @@ class HostileSource:
     async def _shard(self, r: web.Request) -> web.StreamResponse:
         self.shard_requests += 1
         data = self.store.read_shard(r.match_info["run"], int(r.match_info["version"]), int(r.match_info["index"]))
-        if self.mode == "corrupt":
+        if self.mode == "corrupt" or (self.mode == "odd" and int(r.match_info["index"]) % 2):
             data = data[:100] + bytes([data[100] ^ 1]) + data[101:]
+        if self.mode == "long":
+            data = data + b"\0" * 64
         if self.mode == "short":
             return web.Response(body=data[: len(data) // 2])
         resp = web.StreamResponse()
