@@ -26,7 +26,7 @@ from node.engine import Engine, Request, SamplingParams
 from node.envs import Environment, get_env
 from node.envs.evaluate import evaluate
 from node.envs.rollout import run_episodes
-from node.model.checkpoint import copy_companions, state_dict_to_hf
+from node.model.checkpoint import state_dict_to_hf
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.spec import TINY_MOE, ModelSpec, TinyMoE, load_model
@@ -165,9 +165,7 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
             f.flush()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['mismatch_kl']:.1e}")
     score(cfg.steps)
-    trainer.save(out / "checkpoint")
-    if loaded.directory is not None:
-        copy_companions(loaded.directory, out / "checkpoint")
+    trainer.save(out / "checkpoint", companions_from=loaded.directory)
     plot_rewards(metrics, out / "reward.png", cfg.task)
     summary = {"task": cfg.task, "model": cfg.model, "steps": cfg.steps, "reward_first": metrics[0]["reward_mean"],
                "eval": evals, "eval_before": evals[0]["eval_reward"] if evals else None,

@@ -111,9 +111,12 @@ class Trainer:
         return metrics
 
     # ---- checkpoints: model as HF safetensors, optimizer state as safetensors + json -------
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
+        """The model in the HF layout (with `companions_from`'s config fields, tokenizer files and chat
+        template: the directory the run's model came from), AdamW's state and the step beside it."""
         directory = Path(directory)
-        save_checkpoint(self.model, directory, metadata={"format": "pt", "step": str(self.step)})
+        save_checkpoint(self.model, directory, metadata={"format": "pt", "step": str(self.step)},
+                        companions_from=companions_from)
         names = {id(p): n for n, p in self.model.named_parameters()}
         tensors, meta = {}, {}
         for group in self.optimizer.param_groups:

@@ -38,6 +38,7 @@ import torch
 from node.engine import Engine
 from node.envs.rollout import Rollout
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
+from node.model.spec import resolve
 from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
@@ -59,7 +60,8 @@ from shardcast.store import Store
 log = logging.getLogger(__name__)
 
 CHECKPOINT_EVERY = 20
-"""Steps between trainer checkpoints (resume point after a crash)."""
+"""Steps between trainer checkpoints (resume point after a crash); the last step is always saved, in the
+HF layout with the model's tokenizer files, so the trained model opens in transformers and vLLM."""
 
 
 class OffPolicyViolation(RuntimeError):
@@ -78,6 +80,8 @@ class TrainerNode:
             raise SystemExit(f"trainer parallelism {self.parallel}: {exc}") from exc
         self.port = shardcast_port
         self.tok = tokenizer(spec)
+        self.model_dir = resolve(spec.model.source)
+        """The HF directory the run's model came from (None: tiny-moe): checkpoints carry its tokenizer files."""
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.steps = self.recipe.steps
@@ -136,8 +140,8 @@ class TrainerNode:
                            tokens=sum(g.n_tokens for _, _, g in items))
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
-                if step % CHECKPOINT_EVERY == 0:
-                    await asyncio.to_thread(trainer.save, self.workdir / "checkpoint")
+                if step % CHECKPOINT_EVERY == 0 or step == self.steps:
+                    await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
                 log.info("step %d: reward %.3f, lag max %d, waited %.2fs", step, row["reward_mean"],
                          max(row["lags"]), t_wait)
             if trainer.step >= self.steps:
