@@ -159,7 +159,7 @@ class TrainerNode:
     def _resume_or_warm_up(self) -> Trainer:
         ckpt = self.workdir / "checkpoint"
         if (ckpt / "trainer.json").exists():
-            trainer = Trainer.load(ckpt, self.cfg)
+            trainer = Trainer.load(ckpt, self.cfg, run_model=model_config(self.spec))
             log.info("resumed from checkpoint at step %d", trainer.step)
             return trainer
         model = fresh_model(self.spec)

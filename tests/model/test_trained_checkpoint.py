@@ -97,3 +97,21 @@ def test_companions_of_another_model_are_refused(tmp_path, smol_dir):
         save_checkpoint(model, tmp_path / "out", companions_from=smol_dir)
     save_checkpoint(model, tmp_path / "ok", companions_from=source)  # its own source is accepted
     assert (tmp_path / "ok" / "chat_template.jinja").exists()
+
+
+def test_a_resumed_trainer_carries_the_runs_config_and_refuses_another_model(tmp_path):
+    from node.model.config import ModelConfig
+    from node.rl.trainer import Trainer
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, head_dim=16, max_position_embeddings=4096)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    source = load_checkpoint(tmp_path / "src")
+    run = source.config.model_copy(update={"max_position_embeddings": 128})  # the run's cap (ModelSpec.max_seq_len)
+    source.config = run
+    Trainer(source).save(tmp_path / "ckpt", companions_from=tmp_path / "src")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["max_position_embeddings"] == 4096
+    assert Trainer.load(tmp_path / "ckpt", run_model=run).model.config == run
+    other: ModelConfig = run.model_copy(update={"num_hidden_layers": 2})
+    with pytest.raises(InvalidCheckpoint, match="another model.*num_hidden_layers"):
+        Trainer.load(tmp_path / "ckpt", run_model=other)
