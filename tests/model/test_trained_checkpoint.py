@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from node.model import load_checkpoint, save_checkpoint
 from node.model.checkpoint import InvalidCheckpoint
+from node.model.spec import ModelSpec, load_model
 from node.model.tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -47,7 +48,9 @@ def assert_opens_in_transformers_as_ours(ckpt, source) -> None:
     assert list(ids) == HFTokenizer(source).encode_prompt(MESSAGES)
     assert tok.eos_token_id == HFTokenizer(source).eos_id
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    ours = load_checkpoint(ckpt).eval()
+    again = load_model(ModelSpec(source=str(ckpt)))  # a trained checkpoint is a model source of its own
+    assert again.tokenizer.encode_prompt(MESSAGES) == list(ids)
+    ours = again.model
     x = torch.tensor([ids])
     with torch.no_grad():
         assert (ours(x).logits - hf(x).logits).abs().max().item() <= 1e-4
@@ -83,11 +86,14 @@ def test_a_trained_smollm2_from_train_local_opens_in_transformers(tmp_path, smol
     cfg = LocalRunConfig(task="reverse-text", model="smollm2-135m-instruct", steps=1, prompts=1, samples=2,
                          max_seq_len=64, warmup_target=0.0,
                          trainer=TrainerConfig(lr=3e-5, updates_per_batch=1, minibatches=1))
-    run(cfg, tmp_path, progress=False)
     ckpt = tmp_path / "checkpoint"
-    assert load_file(str(ckpt / "model.safetensors"), device="cpu")  # one file, HF names
-    assert trained(ckpt, smol_dir)
-    assert_opens_in_transformers_as_ours(ckpt, smol_dir)
+    try:
+        run(cfg, tmp_path, progress=False)
+        assert load_file(str(ckpt / "model.safetensors"), device="cpu")  # one file, HF names
+        assert trained(ckpt, smol_dir)
+        assert_opens_in_transformers_as_ours(ckpt, smol_dir)
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)  # 1.6 GB with AdamW's state: pytest keeps its tmp dirs
 
 
 def test_companions_of_another_model_are_refused(tmp_path, smol_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 
 import pytest
@@ -49,6 +50,7 @@ def served(tmp_path_factory):
     print(f"vLLM started on SmolLM2 in {time.monotonic() - started:.1f} s")
     yield engine, loaded.model, tok
     engine.close()
+    shutil.rmtree(ckpt, ignore_errors=True)  # 540 MB: pytest keeps its tmp dirs
 
 
 def _requests(tok, temperature: float = 0.0) -> list[Request]:
