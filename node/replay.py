@@ -54,7 +54,7 @@ class TorchReference(Reference):
 
     @torch.inference_mode()
     def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False,
-                with_router_logits: bool = False) -> list[tuple]:
+                with_router_logits: bool = False, logits_from: list[int] | None = None) -> list[tuple]:
         model = self.policies[version][0]
         device = next(model.parameters()).device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
@@ -71,10 +71,14 @@ class TorchReference(Reference):
             ids = torch.zeros(len(members), t, dtype=torch.long)
             for row, i in enumerate(members):
                 ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
-            res = model(ids.to(device))
+            # the LM head only from the first position any member needs ([T, V] is most of the memory)
+            base = min(logits_from[i] for i in members) if logits_from is not None else 0
+            res = model(ids.to(device), logits_at=base)
             for row, i in enumerate(members):
                 n = len(sequences[i])
-                out[i] = (res.logits[row, :n].float().cpu(), res.hidden[row, :n].cpu())
+                lo = logits_from[i] if logits_from is not None else 0
+                # a copy, not a view: a view would keep the whole batch's [B, T, V] logits alive
+                out[i] = (res.logits[row, lo - base : n - base].float().cpu().clone(), res.hidden[row, :n].cpu().clone())
                 if with_routes:
                     out[i] += (None if res.routed_experts is None else res.routed_experts[row, :n].cpu(),)
                     if with_router_logits:
@@ -84,7 +88,7 @@ class TorchReference(Reference):
 
     @torch.inference_mode()
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
-                      with_routes: bool = False, with_router_logits: bool = False) -> tuple:
+                      with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0) -> tuple:
         model = self.policies[segments[0][0]][0]
         cfg, param = model.config, next(model.parameters())
         cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
@@ -94,7 +98,7 @@ class TorchReference(Reference):
         logits, hidden, routes, router = [], [], [], []
         for version, start, end in segments:
             out = self.policies[version][0](ids[:, start:end], torch.arange(start, end, device=param.device)[None],
-                                            cache, slots)
+                                            cache, slots, logits_at=min(max(0, logits_from - start), end - start))
             logits.append(out.logits[0].float().cpu())
             hidden.append(out.hidden[0].cpu())
             routes.append(None if out.routed_experts is None else out.routed_experts[0].cpu())

@@ -94,13 +94,14 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
     """A rollout whose tokens came from several versions: one forward per version segment, each
     attending to the KV the earlier versions wrote, then every segment checked against its version."""
     try:
+        start = len(claim.prompt_ids) - 1  # the position that produced completion token 0
         logits, hidden, *routes = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim),
                                                     with_routes=p.routes is not None,
-                                                    with_router_logits=p.routes is not None)
+                                                    with_router_logits=p.routes is not None, logits_from=start)
         for v in p.tokens:
-            rows = torch.tensor([len(claim.prompt_ids) - 1 + t for t in p.tokens[v]])
-            f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v], p.commitments[v],
-                              p.chunk_offsets[v])
+            rows = torch.tensor(p.tokens[v])
+            f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
+                              p.commitments[v], p.chunk_offsets[v])
             if f is not None:
                 return f
         if p.routes is not None:
@@ -114,6 +115,55 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
 def _router_logits(extra: list) -> torch.Tensor | None:
     """The router logits a Reference returned after the routes (an older Reference returns none)."""
     return extra[1] if len(extra) > 1 else None
+
+
+PREFILL_LOGITS_BYTES = 256 << 20
+"""Completion logits (float32 [tokens, vocab]) one prefill may hand back: a version's claims are prefilled
+and checked in groups under this, each group's logits dropped before the next, so a round of any size
+holds at most this much (SmolLM2's 49,152-token vocabulary: ~1,360 completion tokens; Qwen3's 151,936:
+~440); a claim longer than that is a group of its own."""
+
+
+def _logit_groups(members: list[int], claims: list[RolloutClaim], vocab_size: int) -> list[list[int]]:
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in members:
+        n = 4 * vocab_size * len(claims[i].token_ids)
+        if groups[-1] and size + n > PREFILL_LOGITS_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans: list[_Plan | None],
+                  failures: list[Failure | None], ref: Reference) -> None:
+    """Prefill `members` (claims of version v) together and record each one's failure, if any: logits
+    only from each completion's first producing position (the prompt's rows are never checked)."""
+    seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
+    starts = [len(claims[i].prompt_ids) - 1 for i in members]
+    with_routes = any(plans[i].routes is not None for i in members)
+    try:
+        outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes, logits_from=starts)
+    except Exception as exc:
+        log.warning("prefill of version %d failed: %r", v, exc)
+        for i in members:
+            failures[i] = failures[i] or Failure(Reason.MALFORMED, f"prefill failed: {exc!r}"[:500])
+        return
+    for i, start, (logits, hidden, *routes) in zip(members, starts, outs):
+        if failures[i] is not None:
+            continue
+        p, claim = plans[i], claims[i]
+        rows = torch.tensor(p.tokens[v])
+        try:
+            failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
+                                        p.commitments[v], p.chunk_offsets[v])
+            if failures[i] is None and p.routes is not None:
+                failures[i] = check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
+        except Exception as exc:
+            log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
+            failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
 
 
 def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None,
@@ -146,28 +196,8 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
             else:
                 failures[i] = _verify_mixed(claims[i], p, ref)
     for v, members in sorted(by_version.items()):
-        seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
-        with_routes = any(plans[i].routes is not None for i in members)
-        try:
-            outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes)
-        except Exception as exc:
-            log.warning("prefill of version %d failed: %r", v, exc)
-            for i in members:
-                failures[i] = failures[i] or Failure(Reason.MALFORMED, f"prefill failed: {exc!r}"[:500])
-            continue
-        for i, (logits, hidden, *routes) in zip(members, outs):
-            if failures[i] is not None:
-                continue
-            p, claim = plans[i], claims[i]
-            rows = torch.tensor([len(claim.prompt_ids) - 1 + t for t in p.tokens[v]])
-            try:
-                failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v],
-                                            p.commitments[v], p.chunk_offsets[v])
-                if failures[i] is None and p.routes is not None:
-                    failures[i] = check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
-            except Exception as exc:
-                log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
-                failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+        for group in _logit_groups(members, claims, ref.vocab_size):
+            _verify_group(v, group, claims, plans, failures, ref)
     verdicts = []
     for claim, f in zip(claims, failures):
         v = Verdict(work_id=claim.work_id, claim_digest=claim.digest(), accepted=f is None,

@@ -21,7 +21,7 @@ from contrib.vllm.server import VLLMUnavailable
 from contrib.vllm.settings import VLLMSettings
 from node.engine import Request, SamplingParams
 from node.engine.registry import EngineSetup, EngineUnavailable
-from node.model.checkpoint import CONFIG, WEIGHTS
+from node.model.checkpoint import CONFIG, WEIGHTS, copy_companions
 
 CHECKPOINTS_KEPT = 2
 """Checkpoint directories written for vLLM that stay on disk (the loaded version and the one before)."""
@@ -31,12 +31,17 @@ DTYPE = "float32"
 """vLLM's dtype: the run's policies are float32, which the validator recomputes in (its thresholds)."""
 
 
-def write_hf_checkpoint(state: dict[str, torch.Tensor], hf_config: dict, directory: Path) -> Path:
+def write_hf_checkpoint(state: dict[str, torch.Tensor], hf_config: dict, directory: Path,
+                        companions_from: Path | None = None) -> Path:
+    """`state` (HF names) as an HF directory, with `companions_from`'s tokenizer files and generation
+    config (the model directory the run started from), so each version opens as a whole checkpoint."""
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2))
     save_file({k: t.contiguous() for k, t in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    if companions_from is not None:
+        copy_companions(companions_from, tmp)
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)
     return directory
@@ -72,6 +77,8 @@ class VLLMNodeEngine:
         base = self.root / "base"
         base.mkdir(parents=True, exist_ok=True)
         (base / CONFIG).write_text(json.dumps(setup.hf_config, indent=2))
+        if setup.model_dir is not None:
+            copy_companions(setup.model_dir, base)
         (setup.workdir / "engine.ready").unlink(missing_ok=True)
         self.engine = make_engine(
             str(base), load_format="dummy", log_path=str(setup.workdir / "vllm.log"), cancel=setup.cancel,
@@ -89,8 +96,8 @@ class VLLMNodeEngine:
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Write `version` as an HF checkpoint and load it in place (sequences in flight are kept, or
         rerun by the adapter where vLLM recomputed their KV under the new weights)."""
-        self.engine.load_weights(write_hf_checkpoint(state_dict, self.setup.hf_config, self.root / f"v{version}"),
-                                 version)
+        self.engine.load_weights(write_hf_checkpoint(state_dict, self.setup.hf_config, self.root / f"v{version}",
+                                                     self.setup.model_dir), version)
         written = sorted((int(d.name[1:]) for d in self.root.glob("v*") if d.name[1:].isdigit()), reverse=True)
         for old in written[CHECKPOINTS_KEPT:]:
             shutil.rmtree(self.root / f"v{old}", ignore_errors=True)

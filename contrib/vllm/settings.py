@@ -68,6 +68,9 @@ def server_args(s: VLLMSettings, port: int) -> list[str]:
     args = ["--model", s.model, "--host", s.host, "--port", str(port), "--dtype", s.dtype,
             "--served-model-name", "policy",
             "--skip-tokenizer-init",  # token ids in, token ids out: the node owns the tokenizer
+            # the node owns sampling too: vLLM's neutral defaults, never a checkpoint's generation_config.json
+            # (Qwen3's top_k 20 would change every draw the validator re-derives)
+            "--generation-config", "vllm",
             "--enable-scale-out",  # /inference/v1/generate: token-in/token-out with versions
             "--worker-extension-cls", "contrib.vllm.worker_extension.PrimeRLWorkerExtension",
             "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),

@@ -76,6 +76,9 @@ class EngineSetup:
     """Where an in-process engine serves (`join --device cpu|cuda[:i]`)."""
     fp8: str = "off"
     """FP8 weights on a CUDA engine: off | experts (routed experts only) | all (`join --fp8`)."""
+    model_dir: Path | None = None
+    """The HF directory the run's model came from (None: tiny-moe); engines that write checkpoints copy
+    its tokenizer files and generation config beside each one."""
 
 
 @dataclass(frozen=True)

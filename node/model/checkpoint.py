@@ -98,12 +98,14 @@ def load_hf_state_dict(model: CausalLM, sd: dict[str, torch.Tensor]) -> None:
 
 def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, str] | None = None,
                     companions_from: str | Path | None = None, max_shard_bytes: int | None = None) -> Path:
-    """Write `model` in the HF layout; `companions_from`: a model directory whose tokenizer and
-    generation config are copied alongside; `max_shard_bytes`: split weights into shards + index."""
+    """Write `model` in the HF layout; `companions_from`: the model directory the weights came from,
+    whose config.json fields, tokenizer files (with the chat template) and generation config are
+    written alongside, so the result opens in transformers and vLLM as the original did;
+    `max_shard_bytes`: split weights into shards + index."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    (directory / CONFIG).write_text(json.dumps(model.config.to_hf_dict(dtype), indent=2))
+    (directory / CONFIG).write_text(json.dumps(hf_config_for(model.config, dtype, companions_from), indent=2))
     tensors, meta = state_dict_to_hf(model), metadata or {"format": "pt"}
     if max_shard_bytes is None:
         save_file(tensors, str(directory / WEIGHTS), metadata=meta)
@@ -127,6 +129,27 @@ def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, 
     if companions_from is not None:
         copy_companions(companions_from, directory)
     return directory
+
+
+def hf_config_for(cfg: ModelConfig, dtype: str, source: str | Path | None = None) -> dict:
+    """config.json for `cfg`. With `source` (the model directory the weights started from), its own
+    config.json is written back with only the dtype changed, so what the model was published with
+    (token ids, the full max_position_embeddings a run may have capped) survives training; a source
+    of another architecture is refused (its tokenizer would not fit these weights either)."""
+    ours = cfg.to_hf_dict(dtype)
+    path = None if source is None else Path(source) / CONFIG
+    if path is None or not path.exists():
+        return ours
+    from node.model.hf_config import read_config
+
+    theirs = read_config(path)
+    if theirs.model_copy(update={"max_position_embeddings": cfg.max_position_embeddings}) != cfg:
+        raise InvalidCheckpoint(f"{path} describes another model than the one being saved; save with the "
+                                "companion files of the checkpoint these weights were loaded from")
+    raw = json.loads(path.read_text())
+    for key in [k for k in ("dtype", "torch_dtype") if k in raw] or ["torch_dtype"]:  # transformers 5 / 4
+        raw[key] = dtype
+    return raw
 
 
 def copy_companions(source: str | Path, directory: str | Path) -> None:

@@ -26,7 +26,7 @@ from node.engine import Engine, Request, SamplingParams
 from node.envs import Environment, get_env
 from node.envs.evaluate import evaluate
 from node.envs.rollout import run_episodes
-from node.model.checkpoint import copy_companions, state_dict_to_hf
+from node.model.checkpoint import state_dict_to_hf
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.spec import TINY_MOE, ModelSpec, TinyMoE, load_model
@@ -62,6 +62,9 @@ class LocalRunConfig:
     experts: int = 4
     top_k: int = 2
     adv_std: bool = True
+    sample_lag: int = 0
+    """Sample each step's rollouts from the policy this many versions behind the trainer (0: on-policy);
+    emulates a network run's off-policy lag (max_off_policy_steps) in one process."""
     trainer: TrainerConfig = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -133,6 +136,8 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
 
     score(0)
     trainer = Trainer(model, cfg.trainer)
+    behind = [{k: t.clone() for k, t in state_dict_to_hf(model).items()}] if cfg.sample_lag else []
+    """With sample_lag: the weights of the last sample_lag + 1 versions, the oldest sampled from."""
     metrics: list[dict] = []
     bar = tqdm(range(cfg.steps), desc=f"train-local {cfg.task}", disable=not progress)
     with (out / "metrics.jsonl").open("w") as f:
@@ -150,9 +155,15 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
             rewards = torch.tensor([r.reward for r in rollouts]).view(cfg.prompts, cfg.samples)
             adv = group_advantages(rewards, normalize_std=cfg.adv_std).flatten().tolist()
             stats = trainer.train_step(build_batch(rollouts, adv, tok.pad_id))
-            engine.load_weights(state_dict_to_hf(model), version=step + 1)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            current = state_dict_to_hf(model)
+            due = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps
+            if due or not cfg.sample_lag:
+                engine.load_weights(current, version=step + 1)
+            if due:
                 score(step + 1)
+            if cfg.sample_lag:
+                behind = (behind + [{k: t.clone() for k, t in current.items()}])[-(cfg.sample_lag + 1):]
+                engine.load_weights(behind[0], version=step + 2 - len(behind))
             row = {"step": step, "reward_mean": float(rewards.mean()), "mismatch_kl": stats["mismatch_kl"],
                    "tokens_per_s": (engine.tokens_generated - tokens_before) / gen_s,
                    "completion_tokens": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
@@ -164,10 +175,9 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
             f.write(json.dumps(row) + "\n")
             f.flush()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['mismatch_kl']:.1e}")
+    engine.load_weights(state_dict_to_hf(model), version=cfg.steps)
     score(cfg.steps)
-    trainer.save(out / "checkpoint")
-    if loaded.directory is not None:
-        copy_companions(loaded.directory, out / "checkpoint")
+    trainer.save(out / "checkpoint", companions_from=loaded.directory)
     plot_rewards(metrics, out / "reward.png", cfg.task)
     summary = {"task": cfg.task, "model": cfg.model, "steps": cfg.steps, "reward_first": metrics[0]["reward_mean"],
                "eval": evals, "eval_before": evals[0]["eval_reward"] if evals else None,
@@ -233,6 +243,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-target", type=float, default=None,
                    help="greedy reward that ends the supervised warm-up (default 0.25 tiny; 0 = none, pretrained)")
     p.add_argument("--no-router-replay", action="store_true")
+    p.add_argument("--sample-lag", type=int, default=0,
+                   help="sample from the policy N versions behind the trainer (a network run's off-policy lag)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.set_defaults(func=_main)
 
@@ -247,6 +259,7 @@ def _main(args: argparse.Namespace) -> int:
     cfg = LocalRunConfig(task=args.task, model=args.model, steps=args.steps, prompts=pick("prompts"),
                          samples=pick("samples"), seed=args.seed, warmup_target=pick("warmup_target"),
                          max_seq_len=pick("max_seq_len"), eval_n=pick("eval_n"), eval_every=args.eval_every,
+                         sample_lag=args.sample_lag,
                          trainer=TrainerConfig(lr=pick("lr"), decay_steps=args.steps, temperature=args.temperature,
                                                updates_per_batch=pick("updates_per_batch"),
                                                minibatches=pick("minibatches"),

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint
+from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.loss import LossConfig, policy_loss, token_logprobs
@@ -112,9 +113,12 @@ class Trainer:
         return metrics
 
     # ---- checkpoints: model as HF safetensors, optimizer state as safetensors + json -------
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
+        """The model in the HF layout (with `companions_from`'s config fields, tokenizer files and chat
+        template: the directory the run's model came from), AdamW's state and the step beside it."""
         directory = Path(directory)
-        save_checkpoint(self.model, directory, metadata={"format": "pt", "step": str(self.step)})
+        save_checkpoint(self.model, directory, metadata={"format": "pt", "step": str(self.step)},
+                        companions_from=companions_from)
         names = {id(p): n for n, p in self.model.named_parameters()}
         tensors, meta = {}, {}
         for group in self.optimizer.param_groups:
@@ -142,17 +146,30 @@ class Trainer:
         self.distributed_checkpoint = None
 
     @classmethod
-    def load(cls, directory: str | Path, cfg: TrainerConfig | None = None) -> "Trainer":
+    def load(cls, directory: str | Path, cfg: TrainerConfig | None = None,
+             run_model: ModelConfig | None = None) -> "Trainer":
         """A `Trainer` checkpoint (`save`), or a distributed one (`node.rl.parallel.checkpoint`):
         then the weights are read now and the AdamW state at the first step (or by the world's
-        ranks, each its own shards, when this trainer starts a `world.Leader`)."""
+        ranks, each its own shards, when this trainer starts a `world.Leader`). `run_model`: the
+        run's architecture, which the checkpoint must hold; the trainer then carries it as is (its
+        max_position_embeddings is the run's cap, while a saved config.json keeps the source's)."""
         directory = Path(directory)
         try:
             distributed = "distributed_checkpoint" in json.loads((directory / "trainer.json").read_text())
         except (OSError, ValueError):
             distributed = False
-        if distributed:
-            return cls._load_distributed(directory, cfg)
+        trainer = cls._load_distributed(directory, cfg) if distributed else cls._load_one(directory, cfg)
+        if run_model is not None:
+            held = trainer.model.config.model_copy(update={"max_position_embeddings": run_model.max_position_embeddings})
+            if held != run_model:
+                raise InvalidCheckpoint(f"{directory} holds another model than the run's: "
+                                        + "; ".join(f"{k}: {v!r} vs {getattr(run_model, k)!r}"
+                                                    for k, v in held if v != getattr(run_model, k)))
+            trainer.model.config = run_model
+        return trainer
+
+    @classmethod
+    def _load_one(cls, directory: Path, cfg: TrainerConfig | None) -> "Trainer":
         model = load_checkpoint(directory)
         try:
             state = json.loads((directory / "trainer.json").read_text())
@@ -173,7 +190,7 @@ class Trainer:
 
     @classmethod
     def _load_distributed(cls, directory: Path, cfg: TrainerConfig | None) -> "Trainer":
-        from node.model.config import InvalidModelConfig, ModelConfig
+        from node.model.config import InvalidModelConfig
         from node.rl.parallel.checkpoint import load_whole, read_meta
 
         meta = read_meta(directory)

@@ -36,6 +36,7 @@ from node.engine import registry as engines
 from node.engine.registry import EngineSetup, EngineUnavailable, InferenceEngine
 from node.envs.rollout import run_episodes
 from node.model.routing import RouteShape
+from node.model.spec import resolve
 from node.recipe import Recipe
 from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
 from protocol.errors import ProtocolError, Refused
@@ -85,7 +86,8 @@ class InferenceNode:
             model=lambda: blank_model(spec), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,
             max_seq_len=cfg.max_position_embeddings, eos_id=self.tok.eos_id, encode=self.tok.encode,
             decode=self.tok.decode, bos_id=self.tok.bos_id, capture_experts=self.routes is not None,
-            workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8)
+            workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8,
+            model_dir=resolve(spec.model.source))
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0

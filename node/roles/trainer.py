@@ -40,6 +40,7 @@ import torch
 from node.engine import Engine
 from node.envs.rollout import Rollout
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
+from node.model.spec import resolve
 from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
@@ -63,7 +64,8 @@ from shardcast.store import Store
 log = logging.getLogger(__name__)
 
 CHECKPOINT_EVERY = 20
-"""Steps between trainer checkpoints (resume point after a crash)."""
+"""Steps between trainer checkpoints (resume point after a crash); the last step is always saved, in the
+HF layout with the model's tokenizer files, so the trained model opens in transformers and vLLM."""
 
 
 def origin_server(store: Store, spec: RunSpec, host: str, port: int) -> ShardServer:
@@ -92,6 +94,8 @@ class TrainerNode:
             raise SystemExit(f"trainer parallelism {self.parallel}: {exc}") from exc
         self.port = shardcast_port
         self.tok = tokenizer(spec)
+        self.model_dir = resolve(spec.model.source)
+        """The HF directory the run's model came from (None: tiny-moe): checkpoints carry its tokenizer files."""
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.steps = self.recipe.steps
@@ -155,9 +159,9 @@ class TrainerNode:
                 row.update(wait_s=t_wait, publish_wait_s=t_publish_wait, t_trained=time.time(),
                            tokens=sum(g.n_tokens for _, _, g in items), t_asked=t0)
                 publishing = asyncio.create_task(self._publish_and_log(client, trainer, row, metrics))
-                if step % CHECKPOINT_EVERY == 0:  # after the publication: a world's ranks run one collective at a time
-                    await publishing
-                    await asyncio.to_thread(trainer.save, self.workdir / "checkpoint")
+                if step % CHECKPOINT_EVERY == 0 or step == self.steps:
+                    await publishing  # first: a world's ranks run one collective at a time
+                    await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
             if publishing is not None:
                 await publishing
             if trainer.step >= self.steps:
@@ -186,7 +190,7 @@ class TrainerNode:
     def _resumed_or_warmed_up(self) -> Trainer:
         ckpt = self.workdir / "checkpoint"
         if (ckpt / "trainer.json").exists():
-            trainer = Trainer.load(ckpt, self.cfg)
+            trainer = Trainer.load(ckpt, self.cfg, run_model=model_config(self.spec))
             log.info("resumed from checkpoint at step %d", trainer.step)
             return trainer
         model = fresh_model(self.spec)

@@ -26,7 +26,7 @@ from node.model.qwen3_moe import CausalLM
 from node.model.checkpoint import load_hf_state_dict
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
-from node.roles.common import blank_model, check_version0, environment, fetch_policy, model_config, tokenizer
+from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
@@ -43,10 +43,9 @@ log = logging.getLogger(__name__)
 class ValidatorNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, batch: int = 64):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
-        # a judging round keeps every claim's prefill logits ([tokens, vocab] float32) until verdicts are
-        # out: with a real vocabulary, fewer units per round keep that under ~1 GiB
-        per_unit = 4 * model_config(spec).vocab_size * spec.model.max_seq_len * spec.group_size
-        self.batch = max(1, min(batch, (1 << 30) // per_unit))
+        # a round's logits stay bounded whatever its size: only completion rows, checked in groups under
+        # verification.validator.PREFILL_LOGITS_BYTES and dropped group by group
+        self.batch = batch
         self.tok = tokenizer(spec)
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from concurrent.futures import Future
 
+from node.model.checkpoint import copy_companions
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.parallel import checkpoint as dcp_checkpoint
@@ -297,10 +298,13 @@ class Leader:
                 options: PublishOptions | None = None) -> SignedManifest:
         return self.publish_async(store, key, run_id, version, parent, options).result()
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
         """A distributed checkpoint: every rank writes its shards of the weights and AdamW state
-        (`checkpoint.save`); `Trainer.load` on it resumes one process, `start` any layout."""
+        (`checkpoint.save`); `Trainer.load` on it resumes one process, `start` any layout.
+        `companions_from`: the model directory whose tokenizer files are copied beside it."""
         self._order(Order("save", path=str(directory)))
+        if companions_from is not None:
+            copy_companions(companions_from, directory)
         return Path(directory)
 
     def stop(self) -> None:
