@@ -2,7 +2,8 @@
 
 Invariants (on top of `protocol.coordinator`'s):
 - a work unit enters a batch only with a valid verdict (or, at `verification_rate` < 1, when the
-  selector did not pick it for verification) and within the off-policy bound;
+  selector did not pick it for verification and it is not on probation: its submitter had fewer
+  than `Coordinator.probation_units` units batched when it was accepted) and within the off-policy bound;
 - a work unit is in at most one batch, and asking again for step s returns the same units first
   (a trainer that lost the reply, or a coordinator restarted mid-reply, loses nothing);
 - a unit's verdict is recorded once and never changed, and only for a unit awaiting one (not batched,
@@ -110,15 +111,17 @@ def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
 
 
 def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[int]:
-    """Accepted, unbatched, undropped work units without a verdict that the selector picks. Units
+    """Accepted, unbatched, undropped work units without a verdict that the selector picks, or that
+    are on probation (their submitter had no record, `Coordinator.probation_units`). Units
     that can no longer enter any batch are marked stale here instead (judging them is wasted work,
     and their policy version may already be gone from shardcast's retention)."""
     rows = state.store.unjudged()
-    stale = [w for w, v in rows if not state.ledger.admissible(v)]
+    stale = [w for w, v, _ in rows if not state.ledger.admissible(v)]
     if stale:
         with state.store as db:
             db.drop(stale, "stale")
-    return [w for w, v in rows if w not in set(stale) and selector(w)][:max_items]
+    dropped = set(stale)
+    return [w for w, v, probation in rows if w not in dropped and (probation or selector(w))][:max_items]
 
 
 STRIKES_TO_BAN = 3
@@ -180,8 +183,8 @@ def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -
             if reason:
                 db.drop([rec.work_id], reason)
                 continue
-            if selector(rec.work_id) and not valid.get(rec.work_id, False):
-                continue  # waits for its verdict
+            if (rec.probation or selector(rec.work_id)) and not valid.get(rec.work_id, False):
+                continue  # waits for its verdict (a unit on probation always does)
             db.assign(rec.work_id, step)
             db.credit(rec.submitter)  # earned: the submitter's lease allowance grows (LeasePolicy)
             assigned.append(rec.work_id)

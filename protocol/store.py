@@ -41,7 +41,7 @@ CREATE TABLE IF NOT EXISTS accepted (
     work_id INTEGER PRIMARY KEY, submitter TEXT NOT NULL, body_sha256 TEXT NOT NULL,
     min_version INTEGER NOT NULL, n_tokens INTEGER NOT NULL, reward REAL NOT NULL,
     segment TEXT NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL,
-    accepted_at REAL NOT NULL, batch_step INTEGER, dropped TEXT);
+    accepted_at REAL NOT NULL, batch_step INTEGER, dropped TEXT, probation INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
@@ -69,6 +69,9 @@ class AcceptedRollout:
     accepted_at: float
     batch_step: int | None
     dropped: str | None
+    probation: bool = False
+    """Submitted while its submitter had no record (`Coordinator.probation_units`): it needs a
+    valid verdict before it may enter a batch, whatever the verification selector says."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class CoordinatorStore:
         # FULL: a commit survives power loss too, not only a killed process (NORMAL would).
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(_SCHEMA)
+        if "probation" not in {r[1] for r in self._q("PRAGMA table_info(accepted)")}:  # state from before it
+            self._x("ALTER TABLE accepted ADD COLUMN probation INTEGER NOT NULL DEFAULT 0")
         # The replay guard's pairs live in their own file, committed without fsync (WAL, NORMAL): they
         # must survive the process (a SIGKILL), not a power cut, and are written every half second.
         self.guard_db = sqlite3.connect(self.dir / "replay_guard.sqlite3", isolation_level=None, check_same_thread=False)
@@ -264,10 +269,10 @@ class CoordinatorStore:
         return self.segments.append(envelopes)
 
     def insert_accepted(self, work_id: int, submitter: str, body_sha256: str, min_version: int, n_tokens: int,
-                        reward: float, where: tuple[str, int, int], now: float) -> None:
+                        reward: float, where: tuple[str, int, int], now: float, probation: bool = False) -> None:
         self._x("INSERT INTO accepted(work_id, submitter, body_sha256, min_version, n_tokens, reward, segment, "
-                "offset, length, accepted_at) VALUES(?,?,?,?,?,?,?,?,?,?)",
-                work_id, submitter, body_sha256, min_version, n_tokens, reward, *where, now)
+                "offset, length, accepted_at, probation) VALUES(?,?,?,?,?,?,?,?,?,?,?)",
+                work_id, submitter, body_sha256, min_version, n_tokens, reward, *where, now, int(probation))
         self._x("UPDATE work SET state='accepted' WHERE work_id=?", work_id)
 
     def read_rollout(self, record: AcceptedRollout) -> bytes:
@@ -276,16 +281,17 @@ class CoordinatorStore:
     def accepted(self, work_id: int | None = None) -> list[AcceptedRollout]:
         sql = "SELECT * FROM accepted" + (" WHERE work_id=?" if work_id is not None else "") + " ORDER BY work_id"
         rows = self._q(sql, *(() if work_id is None else (work_id,)))
-        return [AcceptedRollout(r[0], r[1], r[2], r[3], r[4], r[5], self.segments.dir / r[6], *r[7:]) for r in rows]
+        return [AcceptedRollout(r[0], r[1], r[2], r[3], r[4], r[5], self.segments.dir / r[6], *r[7:12], bool(r[12]))
+                for r in rows]
 
     def waiting_count(self, min_version: int) -> int:
         """Accepted units not yet batched nor dropped, of policy version >= `min_version`."""
         return self._one("SELECT COUNT(*) FROM accepted WHERE batch_step IS NULL AND dropped IS NULL "
                          "AND min_version >= ?", min_version)
 
-    def unjudged(self) -> list[tuple[int, int]]:
-        """(work id, min version) of accepted, unbatched, undropped units without a verdict."""
-        return self._q("SELECT a.work_id, a.min_version FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
+    def unjudged(self) -> list[tuple[int, int, bool]]:
+        """(work id, min version, on probation) of accepted, unbatched, undropped units without a verdict."""
+        return self._q("SELECT a.work_id, a.min_version, a.probation FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
                        "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL ORDER BY a.work_id")
 
     def drop(self, work_ids: list[int], reason: str) -> None:

@@ -17,8 +17,9 @@ ALL = lambda work_id: True  # noqa: E731
 
 
 def open_run(tmp_path, keys, batch_groups: int = 16) -> Coordinator:
+    # unverified (the tests batch with a selector that picks nothing), hence no probation either
     spec = RunSpec(run_id="r", coordinator=CK.peer_id, max_off_policy_steps=1, heartbeat_interval_s=1000,
-                   lease_ttl_s=100, group_size=2, batch_groups=batch_groups)
+                   lease_ttl_s=100, group_size=2, batch_groups=batch_groups, verification_rate=0.0)
     c = Coordinator(tmp_path, spec, now=0)
     for key in keys:
         c.join(key.peer_id, Join(spec_hash=c.spec_hash, role="inference"), 0)
