@@ -8,9 +8,13 @@ members on their own libp2p hosts here: 3 inference members (lease, "generate" f
 group), a named validator (judges everything valid), a named trainer (takes each step's batch, then
 publishes the next version). Hoarders are separate OS processes (`python -m benchmarks.sybil_leases
 hoard ...`), each a fresh identity asking for 1,024 leases every 0.5 s and never submitting (the
-red-team attack of issue 17). Each run has three phases of `--phase-s` seconds: none, 2 hoarders,
-10 hoarders (started at the phase's start). Figures per phase: trainer steps per second, its ratio
-to the no-hoarder phase, and the longest gap between two steps against the median step time.
+red-team attack of issue 17), at nice `HOARDER_NICE` (why: see there). Each run has phases of
+`--phase-s` seconds: none, then 2, then 10 hoarders (`--hoarders`; started at the phase's start).
+A third run is the control: as many identities that join and beat but never lease (with the policy),
+to tell the cost of hoarding from the cost of more peers in one process.
+Figures per phase: trainer steps per second, its ratio to the no-hoarder phase, the longest gap
+between two steps against the median step time of the no-hoarder phase, the leases hoarders held,
+how far the honest members' newest policy version lagged, and the 1-minute load average.
 Prints progress, then one JSON line.
 """
 
@@ -34,10 +38,24 @@ log = logging.getLogger("bench.sybil")
 GEN_S = 0.3
 """Simulated generation time per work unit (an honest node's compute)."""
 HONEST_NODES = 3
+HOARDER_NICE = 19
+"""Scheduling niceness of the hoarder processes. On a network an attacker's identities run on the
+attacker's machines; here they share the 2 cores with the one process that holds the coordinator
+and every honest member. At equal priority, 10 busy hoarder processes (each a libp2p host) get ~10/11
+of the CPU from that process (measured: it got ~1/3 of a core at load 14-22 and served nothing), which
+measures the machine's scheduler, not the lease policy. At nice 19 the hoarders still send every
+request they would send; they only stop taking the victim's CPU."""
 
 
-async def hoard(bootstrap: str, spec_path: str) -> None:
-    """A hoarding identity: join, then ask for 1,024 leases every 0.5 s forever; never submit."""
+CLAIMED_VERSION = 1 << 62
+"""The policy version a hoarder says it holds: the coordinator grants leases only to a node whose
+newest version could still yield an admissible rollout, and a liar claims one from the future (a
+hoarder that reported the version it learnt by gossip fell behind, at nice 19, and got nothing)."""
+
+
+async def hoard(bootstrap: str, spec_path: str, idle: bool = False) -> None:
+    """A hoarding identity: join, then ask for 1,024 leases every 0.5 s forever; never submit.
+    `idle`: join and beat only (the control: what a member costs the others without hoarding)."""
     from protocol.client import ONCE, CoordinatorClient
     from protocol.identity import NodeKey
     from protocol.member import RunMember
@@ -51,9 +69,11 @@ async def hoard(bootstrap: str, spec_path: str) -> None:
     member = RunMember(key, host, spec, "inference")
     await member.join(bootstrap)
     client = CoordinatorClient(member, retry=ONCE)
+    while idle:
+        await asyncio.sleep(3600)
     while True:
         try:
-            await client.lease(1024)
+            await client.lease(1024, holds_version=CLAIMED_VERSION)
         except Exception as exc:  # refused, banned, coordinator gone: keep trying, as an attacker would
             log.debug("hoarder: %s", exc)
         await asyncio.sleep(0.5)
@@ -116,7 +136,8 @@ async def trainer(client, stop: asyncio.Event, steps: list[float], groups: int) 
             await asyncio.sleep(0.05)
 
 
-async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int) -> dict:
+async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int, counts: tuple[int, ...] = (0, 2, 10),
+                  nice: int = HOARDER_NICE, idle: bool = False) -> dict:
     from protocol import pipeline
     from protocol.client import CoordinatorClient, Retry
     from protocol.coordinator import Coordinator
@@ -154,12 +175,12 @@ async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int) ->
     phases = {}
     try:
         await asyncio.sleep(phase_s / 2)  # warm-up: honest identities earn a record
-        for n in (0, 2, 10):
+        for n in counts:
             while len(hoarders) < n:
                 hoarders.append(subprocess.Popen([sys.executable, "-m", "benchmarks.sybil_leases", "hoard", "--bootstrap",
-                                                  bootstrap, "--spec", str(tmp / "spec.json")],
+                                                  bootstrap, "--spec", str(tmp / "spec.json")] + ["--idle"] * idle,
                                                  stdout=subprocess.DEVNULL, stderr=open(tmp / "hoarders.log", "ab"),
-                                                 env=dict(os.environ)))
+                                                 env=dict(os.environ), preexec_fn=lambda: os.nice(nice)))
             # measure from when every hoarder has joined (10 processes starting on 2 cores take a while)
             joined_by = time.monotonic() + 120
             while len(svc.state.view.members) < len(clients) + n and time.monotonic() < joined_by:
@@ -167,9 +188,13 @@ async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int) ->
             t0 = time.monotonic()
             first = len(steps)
             held = []  # leases held by identities other than the honest ones, sampled every 0.5 s
+            lag = []  # how far the honest inference members' newest known version is behind the coordinator's
+            alive = []  # honest members the coordinator counts as live
             while time.monotonic() - t0 < phase_s:
                 await asyncio.sleep(0.5)
                 held.append(_held_by_others(svc, [c.member.key.peer_id for c in clients]))
+                lag.append(max(svc.state.ledger.current_version - c.member.policy_version for c in clients[2:]))
+                alive.append(sum(c.member.key.peer_id in svc.state.view.members for c in clients))
             t1 = time.monotonic()
             marks = [t0] + [s for s in steps[first:] if s <= t1] + [t1]
             gaps = [b - a for a, b in zip(marks, marks[1:])]
@@ -179,8 +204,11 @@ async def one_run(tmp: Path, policy: bool, phase_s: float, batch_groups: int) ->
                                       "median_step_s": round(statistics.median(gaps[1:-1]), 2) if done > 1 else None,
                                       "hoarder_leases_held_max": max(held), "hoarder_leases_held_mean":
                                       round(sum(held) / len(held), 2),
+                                      "honest_version_lag_max": max(lag), "honest_members_live_min": min(alive),
+                                      "load_avg_1m": round(os.getloadavg()[0], 2),
                                       "pool": pipeline.out_limit(spec.max_off_policy_steps, spec.batch_groups)}
-            log.info("policy %s, %d hoarders: %s", policy, n, phases[f"hoarders_{n}"])
+            log.info("policy %s, %d %s: %s", policy, n, "idle identities" if idle else "hoarders",
+                     phases[f"hoarders_{n}"])
     finally:
         stop.set()
         for p in hoarders:
@@ -224,29 +252,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec")
     ap.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase (0, 2, 10 hoarders)")
     ap.add_argument("--batch-groups", type=int, default=8)
+    ap.add_argument("--hoarders", default="2,10", help="hoarding identities per measured phase (after one without)")
+    ap.add_argument("--nice", type=int, default=HOARDER_NICE, help="niceness of the hoarder processes (HOARDER_NICE)")
+    ap.add_argument("--idle", action="store_true", help="hoard mode: join and beat, never lease")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     for noisy in ("libp2p", "protocol", "protocol.client"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if args.mode == "hoard":
-        asyncio.run(hoard(args.bootstrap, args.spec))
+        asyncio.run(hoard(args.bootstrap, args.spec, args.idle))
         return 0
+    counts = tuple(int(n) for n in args.hoarders.split(","))
     result = {"bench": "sybil_leases", "machine": platform.node(), "phase_s": args.phase_s,
               "batch_groups": args.batch_groups, "honest_inference_nodes": HONEST_NODES, "gen_s": GEN_S,
-              "command": f"python -m benchmarks.sybil_leases --phase-s {args.phase_s:g}"}
+              "hoarder_nice": args.nice, "load_avg_1m_start": round(os.getloadavg()[0], 2),
+              "command": f"python -m benchmarks.sybil_leases --phase-s {args.phase_s:g} --hoarders {args.hoarders} "
+                         f"--nice {args.nice}"}
+    # with the policy; without it (the peer); and the control: as many identities that only join
+    # and beat, with the policy (what their mere membership costs a process that hosts 6 peers)
+    runs = {"with_policy": (True, False), "without_policy": (False, False), "idle_identities_control": (True, True)}
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in (True, False):
-            d = Path(tmp) / f"p{int(policy)}"
+        for name, (policy, idle) in runs.items():
+            d = Path(tmp) / name
             d.mkdir()
-            result["with_policy" if policy else "without_policy"] = asyncio.run(
-                one_run(d, policy, args.phase_s, args.batch_groups))
-    w, wo = result["with_policy"], result["without_policy"]
+            result[name] = asyncio.run(one_run(d, policy, args.phase_s, args.batch_groups, (0,) + counts, args.nice,
+                                               idle))
+    w, wo, ctl = (result[name] for name in runs)
     result["summary"] = {f"{k}_hoarders": {"rate_with": w[f"hoarders_{k}"]["rate_vs_no_hoarders"],
                                            "rate_without": wo[f"hoarders_{k}"]["rate_vs_no_hoarders"],
+                                           "rate_idle_control": ctl[f"hoarders_{k}"]["rate_vs_no_hoarders"],
                                            "longest_gap_vs_median_step_with": w[f"hoarders_{k}"]["longest_gap_vs_median_step"],
-                                           "longest_gap_vs_median_step_without": wo[f"hoarders_{k}"]["longest_gap_vs_median_step"]}
-                         for k in (2, 10)}
+                                           "longest_gap_vs_median_step_without": wo[f"hoarders_{k}"]["longest_gap_vs_median_step"],
+                                           "longest_gap_vs_median_step_no_hoarders_with": w["hoarders_0"]["longest_gap_vs_median_step"],
+                                           "hoarder_leases_held_mean_with": w[f"hoarders_{k}"]["hoarder_leases_held_mean"],
+                                           "hoarder_leases_held_mean_without": wo[f"hoarders_{k}"]["hoarder_leases_held_mean"]}
+                         for k in counts}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

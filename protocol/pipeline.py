@@ -55,7 +55,8 @@ class LeasePolicy:
     identity's allowance grows with its work that entered a batch (verified, or not selected for
     verification) and shrinks with leases it let expire; identities with no such work ("newcomers")
     get short leases, and together hold at most `newcomer_share` of the pool, so hoarding
-    identities without a record can never hold the pool (honest nodes with a record keep the rest)."""
+    identities without a record can never hold the pool (honest nodes with a record keep the rest),
+    and N Sybils share one budget: more identities do not take more."""
 
     new_allowance: int = 4
     """Leases a newcomer may hold at once (slow start)."""
@@ -63,9 +64,12 @@ class LeasePolicy:
     """Allowance gained per work unit of the identity that entered a batch."""
     expiry_penalty: int = 2
     """Allowance lost per lease the identity let expire (never below 1)."""
-    newcomer_share: float = 0.5
-    """Share of the pool (`out_limit`) all newcomers together may hold (rounded up: a pool of one
-    lease is all newcomers' at a run's start, when nobody has a record yet)."""
+    newcomer_share: float = 0.25
+    """Share of the pool (`out_limit`) all newcomers together may hold, however many identities they
+    are (rounded up: a pool of one lease is all newcomers' at a run's start, when nobody has a record
+    yet). At 0.5, 2 hoarding identities cut the honest step rate to 0.59-0.67 of the rate without
+    them; at 0.25, see `benchmarks/results/sybil_leases-cpu-2core.json`. The price: while hoarders
+    fill this budget, an honest newcomer waits for one of their short leases to expire."""
     newcomer_ttl_share: float = 0.25
     """A newcomer's lease lasts this share of `lease_ttl_s`: a hoarder's leases come back sooner."""
 
