@@ -6,10 +6,8 @@ Invariants (on top of `protocol.coordinator`'s):
   than `Coordinator.probation_units` units batched when it was accepted) and within the off-policy bound;
 - a work unit is in at most one batch, and asking again for step s returns the same units first
   (a trainer that lost the reply, or a coordinator restarted mid-reply, loses nothing);
-- a unit's verdict is recorded once and never changed, and only for a unit awaiting one (not batched,
-  not dropped other than as stale); a ban follows only from the verdict just recorded: a proof-grade
-  failure bans its submitter (unbatched units dropped, leases freed), a borderline one is a strike,
-  and `STRIKES_TO_BAN` strikes ban.
+- a unit's verdict is recorded once, from the validators' opinions, and a ban follows only from the
+  verdict just recorded (`protocol.judging`: spot checks, seats);
 - the pool never has more than `out_limit(k, batch)` units of work out (leased, or accepted and
   unbatched), so inference nodes do not burn compute on rollouts that would only go stale;
   one peer never holds more than `peer_lease_cap` (half of that) leases at once.
@@ -23,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.coordinator import Coordinator
-from protocol.messages import LeaseGrant, StoredWork, Verdict
+from protocol.judging import STRIKES_TO_BAN, JudgingPolicy, record_verdicts  # noqa: F401  (the pipeline's verbs)
+from protocol.messages import LeaseGrant, StoredWork
 
 log = logging.getLogger(__name__)
 
@@ -114,58 +113,23 @@ def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
     return out
 
 
-def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[int]:
+def to_verify(state: Coordinator, max_items: int, selector: Selector, validator: str | None = None) -> list[int]:
     """Accepted, unbatched, undropped work units without a verdict that the selector picks, or that
-    are on probation (their submitter had no record, `Coordinator.probation_units`). Units
-    that can no longer enter any batch are marked stale here instead (judging them is wasted work,
-    and their policy version may already be gone from shardcast's retention)."""
+    are on probation (their submitter had no record, `Coordinator.probation_units`), and that still
+    need an opinion from `validator` (not one it gave already: a spot check goes to another one);
+    units waiting for a second opinion come first. Units that can no longer enter any batch are
+    marked stale here instead (judging them is wasted work, and their policy version may already be
+    gone from shardcast's retention)."""
     rows = state.store.unjudged()
     stale = [w for w, v, _ in rows if not state.ledger.admissible(v)]
     if stale:
         with state.store as db:
             db.drop(stale, "stale")
     dropped = set(stale)
-    return [w for w, v, probation in rows if w not in dropped and (probation or selector(w))][:max_items]
-
-
-STRIKES_TO_BAN = 3
-"""Borderline failures (a few numeric differences near a tolerance, which honest hardware can
-produce) an identity may collect before it is banned; one proof-grade failure bans at once."""
-
-
-def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict], now: float) -> list[tuple[str, str]]:
-    """Store verdicts on units awaiting one; return (submitter, reason) of every peer to ban now.
-    Ignored (and logged): a verdict naming the wrong submitter or an unknown unit, one on a unit that
-    already has a verdict (a verdict is never overwritten, so a second one bans nobody), and one on a
-    unit already batched or dropped (other than as stale: that race is the validator's, not a forgery)."""
-    offenders = []
-    with state.store as db:
-        for v in verdicts:
-            rec = state.store.accepted(v.work_id)
-            if not rec or rec[0].submitter != v.submitter:
-                log.warning("verdict from %s on work %d names %s: no such accepted unit", validator, v.work_id,
-                            v.submitter)
-                continue
-            if rec[0].batch_step is not None or rec[0].dropped not in (None, "stale"):
-                log.warning("verdict from %s on work %d ignored: the unit is %s", validator, v.work_id,
-                            "batched" if rec[0].batch_step is not None else f"dropped ({rec[0].dropped})")
-                continue
-            if not db.put_verdict(v.work_id, v.valid, validator, v.reason, now):
-                log.warning("verdict from %s on work %d ignored: it already has one", validator, v.work_id)
-                continue
-            if v.valid:
-                continue
-            db.drop([v.work_id], "invalid")
-            if v.severity == "borderline":
-                strikes = db.add_strike(v.submitter, v.reason)
-                log.warning("work %d from %s failed near a tolerance (strike %d of %d): %s", v.work_id,
-                            v.submitter, strikes, STRIKES_TO_BAN, v.reason)
-                if strikes >= STRIKES_TO_BAN:
-                    offenders.append((v.submitter, f"{strikes} borderline verification failures, the last on "
-                                                   f"work {v.work_id}: {v.reason}"))
-            else:
-                offenders.append((v.submitter, f"work {v.work_id} failed verification: {v.reason}"))
-    return offenders
+    pending = state.store.pending_opinions()
+    out = [w for w, v, probation in rows if w not in dropped and (probation or selector(w) or w in pending)
+           and validator not in pending.get(w, ((), 0))[0]]
+    return sorted(out, key=lambda w: w not in pending)[:max_items]
 
 
 def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -> list[int]:

@@ -49,6 +49,10 @@ CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT 
 CREATE TABLE IF NOT EXISTS member_stamps (peer_id TEXT PRIMARY KEY, last_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS peer_record (peer_id TEXT PRIMARY KEY, credited INTEGER NOT NULL DEFAULT 0,
     expired INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS opinions (work_id INTEGER NOT NULL, validator TEXT NOT NULL, valid INTEGER NOT NULL,
+    reason TEXT NOT NULL, severity TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (work_id, validator));
+CREATE TABLE IF NOT EXISTS judging (work_id INTEGER PRIMARY KEY, need INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS unseated (validator TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS step_rewards (step INTEGER PRIMARY KEY, groups INTEGER NOT NULL, reward_sum REAL NOT NULL);
 """
 _PRUNED = ("accepted", "rejected", "verified", "batched", "dropped_stale")
@@ -316,6 +320,50 @@ class CoordinatorStore:
                 "last_reason=excluded.last_reason", peer_id, reason)
         return self._one("SELECT count FROM strikes WHERE peer_id=?", peer_id)
 
+    # ---- validators' opinions, spot checks, seats (protocol.judging) ------------------------------
+    def opinions_of(self, work_id: int) -> list[tuple[str, bool, str, str]]:
+        """(validator, valid, reason, severity) of every opinion counted on the unit, oldest first."""
+        return [(v, bool(ok), r, sev) for v, ok, r, sev in self._q(
+            "SELECT validator, valid, reason, severity FROM opinions WHERE work_id=? ORDER BY at, rowid", work_id)]
+
+    def add_opinion(self, work_id: int, validator: str, valid: bool, reason: str, severity: str, now: float) -> None:
+        self._x("INSERT OR IGNORE INTO opinions VALUES(?,?,?,?,?,?)", work_id, validator, int(valid), reason, severity,
+                now)
+
+    def pending_opinions(self) -> dict[int, tuple[set[str], int]]:
+        """Unit -> (validators that gave an opinion, opinions it needs) for units without a verdict yet."""
+        out: dict[int, tuple[set[str], int]] = {}
+        for w, v, need in self._q("SELECT o.work_id, o.validator, COALESCE(j.need, 1) FROM opinions o "
+                                  "LEFT JOIN judging j ON j.work_id = o.work_id "
+                                  "WHERE o.work_id NOT IN (SELECT work_id FROM verdicts)"):
+            out.setdefault(w, (set(), need))[0].add(v)
+        return out
+
+    def need_of(self, work_id: int) -> int:
+        rows = self._q("SELECT need FROM judging WHERE work_id=?", work_id)
+        return rows[0][0] if rows else 1
+
+    def set_need(self, work_id: int, need: int) -> None:
+        self._x("INSERT INTO judging VALUES(?, ?) ON CONFLICT(work_id) DO UPDATE SET need=excluded.need", work_id, need)
+
+    def unseat(self, validator: str, reason: str, now: float) -> list[int]:
+        """The validator's opinions stop counting: those on units without a verdict go, and so do the
+        passing verdicts it gave alone on units not yet batched (they are judged again). Returns those units."""
+        self._x("INSERT OR IGNORE INTO unseated VALUES(?,?,?)", validator, reason, now)
+        alone = [r[0] for r in self._q(
+            "SELECT v.work_id FROM verdicts v JOIN accepted a ON a.work_id = v.work_id "
+            "LEFT JOIN judging j ON j.work_id = v.work_id WHERE v.validator=? AND v.valid=1 "
+            "AND COALESCE(j.need, 1) = 1 AND a.batch_step IS NULL AND a.dropped IS NULL", validator)]
+        self.db.executemany("DELETE FROM verdicts WHERE work_id=?", [(w,) for w in alone])
+        self.db.executemany("DELETE FROM opinions WHERE work_id=?", [(w,) for w in alone])
+        self.db.executemany("DELETE FROM judging WHERE work_id=?", [(w,) for w in alone])
+        self._x("DELETE FROM opinions WHERE validator=? AND work_id NOT IN (SELECT work_id FROM verdicts)", validator)
+        return alone
+
+    def unseated(self) -> dict[str, str]:
+        """Validator -> why it lost its seat."""
+        return dict(self._q("SELECT validator, reason FROM unseated"))
+
     def verdicts(self) -> dict[int, bool]:
         return {r[0]: bool(r[1]) for r in self._q("SELECT work_id, valid FROM verdicts")}
 
@@ -372,7 +420,7 @@ class CoordinatorStore:
                         "WHERE work_id IN gone AND batch_step IS NOT NULL GROUP BY batch_step "
                         "ON CONFLICT(step) DO UPDATE SET groups=groups+excluded.groups, "
                         "reward_sum=reward_sum+excluded.reward_sum")
-                for table in ("accepted", "verdicts", "work"):
+                for table in ("accepted", "verdicts", "work", "opinions", "judging"):
                     self._x(f"DELETE FROM {table} WHERE work_id IN gone")
             self._x("DELETE FROM policy_versions WHERE version < ?", before_version)
         referenced = {r[0] for r in self._q("SELECT DISTINCT segment FROM accepted")}
