@@ -113,14 +113,39 @@ def _settle(state: Coordinator, db: CoordinatorStore, work_id: int, submitter: s
             db.drop([work_id], "disputed")
             return []
         majority, minority = (passing, failing) if len(passing) > len(failing) else (failing, passing)
-        for liar, valid, reason, _ in minority:
-            why = (f"said {'valid' if valid else 'invalid'} ({reason or 'no reason'}) on work {work_id}, "
-                   f"where {len(majority)} other validators said the opposite")
-            log.warning("validator %s loses its seat: %s", liar, why)
-            db.unseat(liar, why, now)
-        opinions = majority
+        validator, valid, reason, _ = majority[0]
+        db.put_verdict(work_id, valid, validator, reason, now)  # first: the liar's withdrawal must not touch it
+        offenders = _consequences(db, work_id, submitter, majority)
+        for liar, said, why, _ in minority:
+            offenders += _unseat(state, db, liar, f"said {'valid' if said else 'invalid'} ({why or 'no reason'}) on "
+                                 f"work {work_id}, where {len(majority)} other validators said the opposite", now)
+        return offenders
     validator, valid, reason, _ = opinions[0]
     db.put_verdict(work_id, valid, validator, reason, now)
+    return _consequences(db, work_id, submitter, opinions)
+
+
+def _unseat(state: Coordinator, db: CoordinatorStore, liar: str, why: str, now: float) -> list[tuple[str, str]]:
+    """Take the liar's seat. An undecided unit that loses its opinion needs one more opinion than it
+    has left from another live seated validator, or, with none live, is settled on what is left."""
+    log.warning("validator %s loses its seat: %s", liar, why)
+    withdrawn, undecided = db.unseat(liar, why, now)
+    if withdrawn:
+        log.warning("%d passing verdicts %s gave alone withdrawn: judged again", len(withdrawn), liar)
+    offenders: list[tuple[str, str]] = []
+    for w in undecided:
+        left = db.opinions_of(w)
+        if not left or live_checkers(state, {o[0] for o in left}, now):
+            db.set_need(w, len(left) + 1)
+        else:
+            offenders += _settle(state, db, w, db.accepted(w)[0].submitter, left, now)
+    return offenders
+
+
+def _consequences(db: CoordinatorStore, work_id: int, submitter: str, opinions: list[tuple[str, bool, str, str]]
+                  ) -> list[tuple[str, str]]:
+    """A verdict was just recorded: a failing one drops the unit and bans, or counts a strike."""
+    validator, valid, reason, _ = opinions[0]
     if valid:
         return []
     db.drop([work_id], "invalid")

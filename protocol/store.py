@@ -346,9 +346,10 @@ class CoordinatorStore:
     def set_need(self, work_id: int, need: int) -> None:
         self._x("INSERT INTO judging VALUES(?, ?) ON CONFLICT(work_id) DO UPDATE SET need=excluded.need", work_id, need)
 
-    def unseat(self, validator: str, reason: str, now: float) -> list[int]:
+    def unseat(self, validator: str, reason: str, now: float) -> tuple[list[int], list[int]]:
         """The validator's opinions stop counting: those on units without a verdict go, and so do the
-        passing verdicts it gave alone on units not yet batched (they are judged again). Returns those units."""
+        passing verdicts it gave alone on units not yet batched (they are judged again). Returns
+        (units whose verdict was withdrawn, undecided units that lost its opinion)."""
         self._x("INSERT OR IGNORE INTO unseated VALUES(?,?,?)", validator, reason, now)
         alone = [r[0] for r in self._q(
             "SELECT v.work_id FROM verdicts v JOIN accepted a ON a.work_id = v.work_id "
@@ -357,8 +358,10 @@ class CoordinatorStore:
         self.db.executemany("DELETE FROM verdicts WHERE work_id=?", [(w,) for w in alone])
         self.db.executemany("DELETE FROM opinions WHERE work_id=?", [(w,) for w in alone])
         self.db.executemany("DELETE FROM judging WHERE work_id=?", [(w,) for w in alone])
+        undecided = [r[0] for r in self._q("SELECT work_id FROM opinions WHERE validator=? AND work_id NOT IN "
+                                           "(SELECT work_id FROM verdicts)", validator)]
         self._x("DELETE FROM opinions WHERE validator=? AND work_id NOT IN (SELECT work_id FROM verdicts)", validator)
-        return alone
+        return alone, undecided
 
     def unseated(self) -> dict[str, str]:
         """Validator -> why it lost its seat."""

@@ -123,3 +123,19 @@ def test_a_validator_that_lost_its_seat_is_refused_over_the_wire(tmp_path):
         finally:
             await stop_all(coord, [m_liar, m_honest])
     run(body(), 60)
+
+
+def test_a_unit_waiting_on_a_liars_opinion_is_judged_on_without_it(tmp_path):
+    """A three-way dispute in progress loses the liar's opinion when the liar is caught elsewhere: the
+    unit then needs one more opinion from a seated validator, and the honest ones settle it."""
+    c = open_run(tmp_path, [LIAR, HONEST1, HONEST2])
+    w, other = submit(c, NODE, 2)
+    say(c, LIAR, NODE, w, False)
+    say(c, HONEST1, NODE, w, True)  # a tie: w waits for a third
+    say(c, LIAR, NODE, other, False)
+    say(c, HONEST2, NODE, other, True)
+    say(c, HONEST1, NODE, other, True)  # the liar is caught on `other`
+    assert LIAR not in seated(c) and c.store.opinions_of(w) == [(HONEST1, True, "", "proof")]
+    assert pipeline.to_verify(c, 8, ALL, HONEST2) == [w]
+    assert say(c, HONEST2, NODE, w, True) == [] and c.store.verdict_of(w)[0] is True
+    assert sorted(pipeline.assign_batch(c, 1, 64, ALL)) == [w, other] and c.store.banned_peers() == set()
