@@ -9,8 +9,10 @@ Invariants (on top of `protocol.coordinator`'s):
 - a unit's verdict is recorded once, from the validators' opinions, and a ban follows only from the
   verdict just recorded (`protocol.judging`: spot checks, seats);
 - the pool never has more than `out_limit(k, batch)` units of work out (leased, or accepted and
-  unbatched), so inference nodes do not burn compute on rollouts that would only go stale;
-  one peer never holds more than `peer_lease_cap` (half of that) leases at once.
+  unbatched), so inference nodes do not burn compute on rollouts that would only go stale, plus,
+  with a `LeasePolicy`, the newcomers' budget (`newcomer_share` of it) whose leases never take room
+  from identities with a record; one peer never holds more than `peer_lease_cap` (half of
+  `out_limit`) leases at once.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ class LeasePolicy:
     """Sybil resistance for leases: identities are free, so what one may hold is earned. An
     identity's allowance grows with its work that entered a batch (verified, or not selected for
     verification) and shrinks with leases it let expire; identities with no such work ("newcomers")
-    get short leases, and together hold at most `newcomer_share` of the pool, so hoarding
-    identities without a record can never hold the pool (honest nodes with a record keep the rest),
-    and N Sybils share one budget: more identities do not take more."""
+    get short leases, and together hold at most `newcomer_share` of the pool, counted on top of it
+    for identities with a record: hoarding identities without one never take the pool's room from
+    honest nodes that have one, and N Sybils share one budget (more identities do not take more)."""
 
     new_allowance: int = 4
     """Leases a newcomer may hold at once (slow start)."""
@@ -66,9 +68,9 @@ class LeasePolicy:
     newcomer_share: float = 0.25
     """Share of the pool (`out_limit`) all newcomers together may hold, however many identities they
     are (rounded up: a pool of one lease is all newcomers' at a run's start, when nobody has a record
-    yet). At 0.5, 2 hoarding identities cut the honest step rate to 0.59-0.67 of the rate without
-    them; at 0.25, see `benchmarks/results/sybil_leases-cpu-2core.json`. The price: while hoarders
-    fill this budget, an honest newcomer waits for one of their short leases to expire."""
+    yet). Identities with a record see the pool less only their own kind's work. The price: while
+    hoarders fill this budget, an honest newcomer waits for one of their short leases to expire, and
+    a run's first batch (when nobody has a record) is leased a quarter of the pool at a time."""
     newcomer_ttl_share: float = 0.25
     """A newcomer's lease lasts this share of `lease_ttl_s`: a hoarder's leases come back sooner."""
 
@@ -96,9 +98,12 @@ def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_
     if policy is not None:
         credited, expired = state.store.record_of(peer_id)
         cap = policy.allowance(credited, expired, cap)
+        newcomers = state.store.leased_by_newcomers()
         if credited == 0:
-            room = min(room, math.ceil(pool * policy.newcomer_share) - state.store.leased_by_newcomers())
+            room = min(room, math.ceil(pool * policy.newcomer_share) - newcomers)
             ttl = state.spec.lease_ttl_s * policy.newcomer_ttl_share
+        else:  # what newcomers hold is never taken from identities with a record
+            room += newcomers
     if peer_cap is not None or policy is not None:
         room = min(room, cap - state.store.leased_count(holder=peer_id))
     return [state.grant_lease(peer_id, now, ttl) for _ in range(max(0, min(count, room)))]
