@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                 counts[f"{who}_rejected"] += not v.accepted
                 if not v.accepted:
                     reasons[f"{who}/{v.reason.value}/{v.severity.value}"] += 1
+                    if not cheat:
+                        log.info("honest rollout rejected (%s batch %d threads %d): %s", precision, batch, threads,
+                                 v.detail[:300] if hasattr(v, "detail") else v)
                 for peer, why in judging.record_verdicts(c, "validator", [Verdict(
                         work_id=wid, submitter=key.peer_id, valid=v.accepted, reason=v.reason.value[:200],
                         severity="borderline" if v.severity.value == "borderline" else "proof")], now):
