@@ -96,7 +96,7 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
     try:
         logits, hidden, *routes = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim),
                                                     with_routes=p.routes is not None,
-                                                    with_router_logits=p.routes is not None)
+                                                    with_router_logits=p.routes is not None, replay=p.routes)
         for v in p.tokens:
             rows = torch.tensor([len(claim.prompt_ids) - 1 + t for t in p.tokens[v]])
             f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v], p.commitments[v],
@@ -104,7 +104,7 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
             if f is not None:
                 return f
         if p.routes is not None:
-            return check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
+            return _check_forced_routes(claim, p.routes, routes, ref.precision)
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
         return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
@@ -114,6 +114,17 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
 def _router_logits(extra: list) -> torch.Tensor | None:
     """The router logits a Reference returned after the routes (an older Reference returns none)."""
     return extra[1] if len(extra) > 1 else None
+
+
+def _check_forced_routes(claim: RolloutClaim, claimed: torch.Tensor, extra: list, precision: str) -> Failure | None:
+    """The recomputation ran along the claimed routes (teacher forcing: an honest near-tie decided
+    the other way in the engine's decode then changes no later position); each claimed set is checked
+    against the top-k of the router logits that same pass computed at its position."""
+    logits = _router_logits(extra)
+    if logits is None or extra[0] is None:
+        return check_routes(claim, claimed, extra[0], precision, logits)
+    own = logits.topk(claimed.shape[-1], dim=-1).indices
+    return check_routes(claim, claimed, own, precision, logits)
 
 
 def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None,
@@ -145,11 +156,17 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
                 by_version.setdefault(next(iter(p.tokens)), []).append(i)
             else:
                 failures[i] = _verify_mixed(claims[i], p, ref)
-    for v, members in sorted(by_version.items()):
+    groups = [(v, [i for i in members if (plans[i].routes is not None) == routed])
+              for v, members in sorted(by_version.items()) for routed in (False, True)]
+    for v, members in groups:
+        if not members:
+            continue
         seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
-        with_routes = any(plans[i].routes is not None for i in members)
+        with_routes = plans[members[0]].routes is not None
         try:
-            outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes)
+            # claims with routes are recomputed along them (`_check_forced_routes`)
+            outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes,
+                               replay=[plans[i].routes for i in members] if with_routes else None)
         except Exception as exc:
             log.warning("prefill of version %d failed: %r", v, exc)
             for i in members:
@@ -164,7 +181,7 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
                 failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows], p.spans[v],
                                             p.commitments[v], p.chunk_offsets[v])
                 if failures[i] is None and p.routes is not None:
-                    failures[i] = check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
+                    failures[i] = _check_forced_routes(claim, p.routes, routes, ref.precision)
             except Exception as exc:
                 log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
                 failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
