@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 STRIKES_TO_BAN = 3
 """Borderline failures (a few numeric differences near a tolerance, which honest hardware can
 produce) an identity may collect before it is banned; one proof-grade failure bans at once."""
+STRIKE_FORGIVEN_AFTER = 200
+"""Valid verdicts of an identity, since its last strike, that take one strike away: honest numeric
+noise is rare but never zero (bf16: 1 borderline failure in 2,048 honest rollouts with teacher-forced
+routes, SECURITY.md), so strikes that never expired would ban every honest node in time; a node must
+now fail 3 times within a few hundred units."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ def _consequences(db: CoordinatorStore, work_id: int, submitter: str, opinions: 
     """A verdict was just recorded: a failing one drops the unit and bans, or counts a strike."""
     validator, valid, reason, _ = opinions[0]
     if valid:
+        db.forgive(submitter, STRIKE_FORGIVEN_AFTER)
         return []
     db.drop([work_id], "invalid")
     if any(o[3] == "borderline" for o in opinions):  # a near-tolerance failure to any validator is a strike

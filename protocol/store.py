@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS accepted (
 CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL,
+    valid_since INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS member_stamps (peer_id TEXT PRIMARY KEY, last_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS peer_record (peer_id TEXT PRIMARY KEY, credited INTEGER NOT NULL DEFAULT 0,
     expired INTEGER NOT NULL DEFAULT 0);
@@ -97,6 +98,8 @@ class CoordinatorStore:
         self.db.executescript(_SCHEMA)
         if "probation" not in {r[1] for r in self._q("PRAGMA table_info(accepted)")}:  # state from before it
             self._x("ALTER TABLE accepted ADD COLUMN probation INTEGER NOT NULL DEFAULT 0")
+        if "valid_since" not in {r[1] for r in self._q("PRAGMA table_info(strikes)")}:
+            self._x("ALTER TABLE strikes ADD COLUMN valid_since INTEGER NOT NULL DEFAULT 0")
         # The replay guard's pairs live in their own file, committed without fsync (WAL, NORMAL): they
         # must survive the process (a SIGKILL), not a power cut, and are written every half second.
         self.guard_db = sqlite3.connect(self.dir / "replay_guard.sqlite3", isolation_level=None, check_same_thread=False)
@@ -314,10 +317,20 @@ class CoordinatorStore:
         rows = self._q("SELECT valid, validator, reason FROM verdicts WHERE work_id=?", work_id)
         return (bool(rows[0][0]), rows[0][1], rows[0][2]) if rows else None
 
+    def forgive(self, peer_id: str, every: int) -> None:
+        """Count one valid verdict of `peer_id`; each `every` of them since its last strike take one strike away."""
+        self._x("UPDATE strikes SET valid_since = valid_since + 1 WHERE peer_id=?", peer_id)
+        self._x("UPDATE strikes SET count = MAX(0, count - 1), valid_since = 0 WHERE peer_id=? AND valid_since >= ?",
+                peer_id, every)
+
+    def strikes_of(self, peer_id: str) -> int:
+        rows = self._q("SELECT count FROM strikes WHERE peer_id=?", peer_id)
+        return rows[0][0] if rows else 0
+
     def add_strike(self, peer_id: str, reason: str) -> int:
         """Count a borderline failure against `peer_id`; returns its strikes so far."""
-        self._x("INSERT INTO strikes VALUES(?, 1, ?) ON CONFLICT(peer_id) DO UPDATE SET count=count+1, "
-                "last_reason=excluded.last_reason", peer_id, reason)
+        self._x("INSERT INTO strikes(peer_id, count, last_reason) VALUES(?, 1, ?) ON CONFLICT(peer_id) DO UPDATE "
+                "SET count=count+1, last_reason=excluded.last_reason, valid_since=0", peer_id, reason)
         return self._one("SELECT count FROM strikes WHERE peer_id=?", peer_id)
 
     # ---- validators' opinions, spot checks, seats (protocol.judging) ------------------------------

@@ -139,3 +139,21 @@ def test_a_unit_waiting_on_a_liars_opinion_is_judged_on_without_it(tmp_path):
     assert pipeline.to_verify(c, 8, ALL, HONEST2) == [w]
     assert say(c, HONEST2, NODE, w, True) == [] and c.store.verdict_of(w)[0] is True
     assert sorted(pipeline.assign_batch(c, 1, 64, ALL)) == [w, other] and c.store.banned_peers() == set()
+
+
+def test_strikes_expire_with_valid_work_so_rare_honest_noise_never_adds_up_to_a_ban(tmp_path):
+    from protocol.judging import STRIKE_FORGIVEN_AFTER, STRIKES_TO_BAN
+
+    c = open_run(tmp_path, [HONEST1])
+    c.probation_units = 0
+
+    def borderline(w):
+        return pipeline.record_verdicts(c, HONEST1, [Verdict(work_id=w, submitter=NODE.peer_id, valid=False,
+                                                             reason="near", severity="borderline")], 2, NEVER)
+    for _ in range(STRIKES_TO_BAN + 1):  # a strike, then enough valid work to forget it, again and again
+        assert borderline(submit(c, NODE, 1)[0]) == []
+        for w in submit(c, NODE, STRIKE_FORGIVEN_AFTER):
+            say(c, HONEST1, NODE, w, True, NEVER)
+        assert c.store.strikes_of(NODE.peer_id) == 0
+    strikes = [borderline(w) for w in submit(c, NODE, STRIKES_TO_BAN)]  # in a row: banned as before
+    assert strikes[-1] and strikes[-1][0][0] == NODE.peer_id
