@@ -54,7 +54,8 @@ class TorchReference(Reference):
 
     @torch.inference_mode()
     def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False,
-                with_router_logits: bool = False, logits_from: list[int] | None = None) -> list[tuple]:
+                with_router_logits: bool = False, logits_from: list[int] | None = None,
+                replay: list[torch.Tensor] | None = None) -> list[tuple]:
         model = self.policies[version][0]
         device = next(model.parameters()).device
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
@@ -71,9 +72,16 @@ class TorchReference(Reference):
             ids = torch.zeros(len(members), t, dtype=torch.long)
             for row, i in enumerate(members):
                 ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            forced = None
+            if replay is not None:  # right padding routes to experts 0..k-1: causal, so it touches no real row
+                k = replay[members[0]].shape[-1]
+                forced = torch.arange(k).expand(len(members), t, replay[members[0]].shape[1], k).clone()
+                for row, i in enumerate(members):
+                    forced[row, : len(sequences[i])] = replay[i]
+                forced = forced.to(device)
             # the LM head only from the first position any member needs ([T, V] is most of the memory)
             base = min(logits_from[i] for i in members) if logits_from is not None else 0
-            res = model(ids.to(device), logits_at=base)
+            res = model(ids.to(device), routed_experts=forced, logits_at=base)
             for row, i in enumerate(members):
                 n = len(sequences[i])
                 lo = logits_from[i] if logits_from is not None else 0
@@ -88,7 +96,8 @@ class TorchReference(Reference):
 
     @torch.inference_mode()
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
-                      with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0) -> tuple:
+                      with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0,
+                      replay: torch.Tensor | None = None) -> tuple:
         model = self.policies[segments[0][0]][0]
         cfg, param = model.config, next(model.parameters())
         cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
@@ -97,8 +106,10 @@ class TorchReference(Reference):
         slots = torch.zeros(1, dtype=torch.long, device=param.device)
         logits, hidden, routes, router = [], [], [], []
         for version, start, end in segments:
+            forced = None if replay is None else replay[start:end][None].to(param.device)
             out = self.policies[version][0](ids[:, start:end], torch.arange(start, end, device=param.device)[None],
-                                            cache, slots, logits_at=min(max(0, logits_from - start), end - start))
+                                            cache, slots, routed_experts=forced,
+                                            logits_at=min(max(0, logits_from - start), end - start))
             logits.append(out.logits[0].float().cpu())
             hidden.append(out.hidden[0].cpu())
             routes.append(None if out.routed_experts is None else out.routed_experts[0].cpu())

@@ -55,6 +55,8 @@ class CoordinatorService:
         self.on_verdicts: list = []
         self.lease_policy: pipeline.LeasePolicy | None = pipeline.LeasePolicy()
         """What an identity may hold, by its record (None: only the per-peer cap, as before)."""
+        self.judging = pipeline.JudgingPolicy()
+        """How often validators are spot-checked by one another (`protocol.judging`)."""
         self.ended = asyncio.Event()
         """Set a grace period after the trainer reported the run's last step (the launcher then exits 0)."""
         """Callbacks (validator, verdicts) for observers such as the status page."""
@@ -129,7 +131,10 @@ class CoordinatorService:
         verify or judge it; with none named, no member can (joining as "validator" grants nothing)."""
         if peer_id != self.key.peer_id and peer_id not in self.spec.validators:
             raise NotAuthorized(f"{peer_id} is not a validator of this run (the spec names "
-                            f"{len(self.spec.validators)})")
+                                f"{len(self.spec.validators)})")
+        lost = self.state.store.unseated().get(peer_id)
+        if lost is not None:
+            raise NotAuthorized(f"{peer_id} lost its validator seat: {lost}")
 
     async def _on_batch_request(self, o: Opened) -> StoredWorkBatch:
         self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
@@ -138,12 +143,12 @@ class CoordinatorService:
 
     async def _on_verify_request(self, o: Opened) -> StoredWorkBatch:
         self._require_validator(o.signer)
-        ids = pipeline.to_verify(self.state, o.message.max_items, self.selector)
+        ids = pipeline.to_verify(self.state, o.message.max_items, self.selector, o.signer)
         return StoredWorkBatch(items=pipeline.stored(self.state, ids))
 
     async def _on_verdicts(self, o: Opened) -> Ok:
         self._require_validator(o.signer)
-        offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time())
+        offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time(), self.judging)
         for cb in self.on_verdicts:
             cb(o.signer, o.message.verdicts)
         for peer_id, reason in dict(offenders).items():

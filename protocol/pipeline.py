@@ -2,16 +2,17 @@
 
 Invariants (on top of `protocol.coordinator`'s):
 - a work unit enters a batch only with a valid verdict (or, at `verification_rate` < 1, when the
-  selector did not pick it for verification) and within the off-policy bound;
+  selector did not pick it for verification and it is not on probation: its submitter had fewer
+  than `Coordinator.probation_units` units batched when it was accepted) and within the off-policy bound;
 - a work unit is in at most one batch, and asking again for step s returns the same units first
   (a trainer that lost the reply, or a coordinator restarted mid-reply, loses nothing);
-- a unit's verdict is recorded once and never changed, and only for a unit awaiting one (not batched,
-  not dropped other than as stale); a ban follows only from the verdict just recorded: a proof-grade
-  failure bans its submitter (unbatched units dropped, leases freed), a borderline one is a strike,
-  and `STRIKES_TO_BAN` strikes ban.
+- a unit's verdict is recorded once, from the validators' opinions, and a ban follows only from the
+  verdict just recorded (`protocol.judging`: spot checks, seats);
 - the pool never has more than `out_limit(k, batch)` units of work out (leased, or accepted and
-  unbatched), so inference nodes do not burn compute on rollouts that would only go stale;
-  one peer never holds more than `peer_lease_cap` (half of that) leases at once.
+  unbatched), so inference nodes do not burn compute on rollouts that would only go stale, plus,
+  with a `LeasePolicy`, the newcomers' budget (`newcomer_share` of it) whose leases never take room
+  from identities with a record; one peer never holds more than `peer_lease_cap` (half of
+  `out_limit`) leases at once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.coordinator import Coordinator
-from protocol.messages import LeaseGrant, StoredWork, Verdict
+from protocol.judging import STRIKES_TO_BAN, JudgingPolicy, record_verdicts  # noqa: F401  (the pipeline's verbs)
+from protocol.messages import LeaseGrant, StoredWork
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,9 @@ class LeasePolicy:
     """Sybil resistance for leases: identities are free, so what one may hold is earned. An
     identity's allowance grows with its work that entered a batch (verified, or not selected for
     verification) and shrinks with leases it let expire; identities with no such work ("newcomers")
-    get short leases, and together hold at most `newcomer_share` of the pool, so hoarding
-    identities without a record can never hold the pool (honest nodes with a record keep the rest)."""
+    get short leases, and together hold at most `newcomer_share` of the pool, counted on top of it
+    for identities with a record: hoarding identities without one never take the pool's room from
+    honest nodes that have one, and N Sybils share one budget (more identities do not take more)."""
 
     new_allowance: int = 4
     """Leases a newcomer may hold at once (slow start)."""
@@ -62,9 +65,12 @@ class LeasePolicy:
     """Allowance gained per work unit of the identity that entered a batch."""
     expiry_penalty: int = 2
     """Allowance lost per lease the identity let expire (never below 1)."""
-    newcomer_share: float = 0.5
-    """Share of the pool (`out_limit`) all newcomers together may hold (rounded up: a pool of one
-    lease is all newcomers' at a run's start, when nobody has a record yet)."""
+    newcomer_share: float = 0.25
+    """Share of the pool (`out_limit`) all newcomers together may hold, however many identities they
+    are (rounded up: a pool of one lease is all newcomers' at a run's start, when nobody has a record
+    yet). Identities with a record see the pool less only their own kind's work. The price: while
+    hoarders fill this budget, an honest newcomer waits for one of their short leases to expire, and
+    a run's first batch (when nobody has a record) is leased a quarter of the pool at a time."""
     newcomer_ttl_share: float = 0.25
     """A newcomer's lease lasts this share of `lease_ttl_s`: a hoarder's leases come back sooner."""
 
@@ -92,9 +98,12 @@ def grant_leases(state: Coordinator, peer_id: str, count: int, now: float, peer_
     if policy is not None:
         credited, expired = state.store.record_of(peer_id)
         cap = policy.allowance(credited, expired, cap)
+        newcomers = state.store.leased_by_newcomers()
         if credited == 0:
-            room = min(room, math.ceil(pool * policy.newcomer_share) - state.store.leased_by_newcomers())
+            room = min(room, math.ceil(pool * policy.newcomer_share) - newcomers)
             ttl = state.spec.lease_ttl_s * policy.newcomer_ttl_share
+        else:  # what newcomers hold is never taken from identities with a record
+            room += newcomers
     if peer_cap is not None or policy is not None:
         room = min(room, cap - state.store.leased_count(holder=peer_id))
     return [state.grant_lease(peer_id, now, ttl) for _ in range(max(0, min(count, room)))]
@@ -109,56 +118,23 @@ def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
     return out
 
 
-def to_verify(state: Coordinator, max_items: int, selector: Selector) -> list[int]:
-    """Accepted, unbatched, undropped work units without a verdict that the selector picks. Units
-    that can no longer enter any batch are marked stale here instead (judging them is wasted work,
-    and their policy version may already be gone from shardcast's retention)."""
+def to_verify(state: Coordinator, max_items: int, selector: Selector, validator: str | None = None) -> list[int]:
+    """Accepted, unbatched, undropped work units without a verdict that the selector picks, or that
+    are on probation (their submitter had no record, `Coordinator.probation_units`), and that still
+    need an opinion from `validator` (not one it gave already: a spot check goes to another one);
+    units waiting for a second opinion come first. Units that can no longer enter any batch are
+    marked stale here instead (judging them is wasted work, and their policy version may already be
+    gone from shardcast's retention)."""
     rows = state.store.unjudged()
-    stale = [w for w, v in rows if not state.ledger.admissible(v)]
+    stale = [w for w, v, _ in rows if not state.ledger.admissible(v)]
     if stale:
         with state.store as db:
             db.drop(stale, "stale")
-    return [w for w, v in rows if w not in set(stale) and selector(w)][:max_items]
-
-
-STRIKES_TO_BAN = 3
-"""Borderline failures (a few numeric differences near a tolerance, which honest hardware can
-produce) an identity may collect before it is banned; one proof-grade failure bans at once."""
-
-
-def record_verdicts(state: Coordinator, validator: str, verdicts: list[Verdict], now: float) -> list[tuple[str, str]]:
-    """Store verdicts on units awaiting one; return (submitter, reason) of every peer to ban now.
-    Ignored (and logged): a verdict naming the wrong submitter or an unknown unit, one on a unit that
-    already has a verdict (a verdict is never overwritten, so a second one bans nobody), and one on a
-    unit already batched or dropped (other than as stale: that race is the validator's, not a forgery)."""
-    offenders = []
-    with state.store as db:
-        for v in verdicts:
-            rec = state.store.accepted(v.work_id)
-            if not rec or rec[0].submitter != v.submitter:
-                log.warning("verdict from %s on work %d names %s: no such accepted unit", validator, v.work_id,
-                            v.submitter)
-                continue
-            if rec[0].batch_step is not None or rec[0].dropped not in (None, "stale"):
-                log.warning("verdict from %s on work %d ignored: the unit is %s", validator, v.work_id,
-                            "batched" if rec[0].batch_step is not None else f"dropped ({rec[0].dropped})")
-                continue
-            if not db.put_verdict(v.work_id, v.valid, validator, v.reason, now):
-                log.warning("verdict from %s on work %d ignored: it already has one", validator, v.work_id)
-                continue
-            if v.valid:
-                continue
-            db.drop([v.work_id], "invalid")
-            if v.severity == "borderline":
-                strikes = db.add_strike(v.submitter, v.reason)
-                log.warning("work %d from %s failed near a tolerance (strike %d of %d): %s", v.work_id,
-                            v.submitter, strikes, STRIKES_TO_BAN, v.reason)
-                if strikes >= STRIKES_TO_BAN:
-                    offenders.append((v.submitter, f"{strikes} borderline verification failures, the last on "
-                                                   f"work {v.work_id}: {v.reason}"))
-            else:
-                offenders.append((v.submitter, f"work {v.work_id} failed verification: {v.reason}"))
-    return offenders
+    dropped = set(stale)
+    pending = state.store.pending_opinions()
+    out = [w for w, v, probation in rows if w not in dropped and (probation or selector(w) or w in pending)
+           and validator not in pending.get(w, ((), 0))[0]]
+    return sorted(out, key=lambda w: w not in pending)[:max_items]
 
 
 def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -> list[int]:
@@ -180,8 +156,8 @@ def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -
             if reason:
                 db.drop([rec.work_id], reason)
                 continue
-            if selector(rec.work_id) and not valid.get(rec.work_id, False):
-                continue  # waits for its verdict
+            if (rec.probation or selector(rec.work_id)) and not valid.get(rec.work_id, False):
+                continue  # waits for its verdict (a unit on probation always does)
             db.assign(rec.work_id, step)
             db.credit(rec.submitter)  # earned: the submitter's lease allowance grows (LeasePolicy)
             assigned.append(rec.work_id)

@@ -41,14 +41,19 @@ CREATE TABLE IF NOT EXISTS accepted (
     work_id INTEGER PRIMARY KEY, submitter TEXT NOT NULL, body_sha256 TEXT NOT NULL,
     min_version INTEGER NOT NULL, n_tokens INTEGER NOT NULL, reward REAL NOT NULL,
     segment TEXT NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL,
-    accepted_at REAL NOT NULL, batch_step INTEGER, dropped TEXT);
+    accepted_at REAL NOT NULL, batch_step INTEGER, dropped TEXT, probation INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS verdicts (
     work_id INTEGER PRIMARY KEY, valid INTEGER NOT NULL, validator TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, until REAL, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS strikes (peer_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_reason TEXT NOT NULL,
+    valid_since INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS member_stamps (peer_id TEXT PRIMARY KEY, last_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS peer_record (peer_id TEXT PRIMARY KEY, credited INTEGER NOT NULL DEFAULT 0,
     expired INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS opinions (work_id INTEGER NOT NULL, validator TEXT NOT NULL, valid INTEGER NOT NULL,
+    reason TEXT NOT NULL, severity TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (work_id, validator));
+CREATE TABLE IF NOT EXISTS judging (work_id INTEGER PRIMARY KEY, need INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS unseated (validator TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS step_rewards (step INTEGER PRIMARY KEY, groups INTEGER NOT NULL, reward_sum REAL NOT NULL);
 """
 _PRUNED = ("accepted", "rejected", "verified", "batched", "dropped_stale")
@@ -69,6 +74,9 @@ class AcceptedRollout:
     accepted_at: float
     batch_step: int | None
     dropped: str | None
+    probation: bool = False
+    """Submitted while its submitter had no record (`Coordinator.probation_units`): it needs a
+    valid verdict before it may enter a batch, whatever the verification selector says."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,10 @@ class CoordinatorStore:
         # FULL: a commit survives power loss too, not only a killed process (NORMAL would).
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(_SCHEMA)
+        if "probation" not in {r[1] for r in self._q("PRAGMA table_info(accepted)")}:  # state from before it
+            self._x("ALTER TABLE accepted ADD COLUMN probation INTEGER NOT NULL DEFAULT 0")
+        if "valid_since" not in {r[1] for r in self._q("PRAGMA table_info(strikes)")}:
+            self._x("ALTER TABLE strikes ADD COLUMN valid_since INTEGER NOT NULL DEFAULT 0")
         # The replay guard's pairs live in their own file, committed without fsync (WAL, NORMAL): they
         # must survive the process (a SIGKILL), not a power cut, and are written every half second.
         self.guard_db = sqlite3.connect(self.dir / "replay_guard.sqlite3", isolation_level=None, check_same_thread=False)
@@ -264,10 +276,10 @@ class CoordinatorStore:
         return self.segments.append(envelopes)
 
     def insert_accepted(self, work_id: int, submitter: str, body_sha256: str, min_version: int, n_tokens: int,
-                        reward: float, where: tuple[str, int, int], now: float) -> None:
+                        reward: float, where: tuple[str, int, int], now: float, probation: bool = False) -> None:
         self._x("INSERT INTO accepted(work_id, submitter, body_sha256, min_version, n_tokens, reward, segment, "
-                "offset, length, accepted_at) VALUES(?,?,?,?,?,?,?,?,?,?)",
-                work_id, submitter, body_sha256, min_version, n_tokens, reward, *where, now)
+                "offset, length, accepted_at, probation) VALUES(?,?,?,?,?,?,?,?,?,?,?)",
+                work_id, submitter, body_sha256, min_version, n_tokens, reward, *where, now, int(probation))
         self._x("UPDATE work SET state='accepted' WHERE work_id=?", work_id)
 
     def read_rollout(self, record: AcceptedRollout) -> bytes:
@@ -276,16 +288,17 @@ class CoordinatorStore:
     def accepted(self, work_id: int | None = None) -> list[AcceptedRollout]:
         sql = "SELECT * FROM accepted" + (" WHERE work_id=?" if work_id is not None else "") + " ORDER BY work_id"
         rows = self._q(sql, *(() if work_id is None else (work_id,)))
-        return [AcceptedRollout(r[0], r[1], r[2], r[3], r[4], r[5], self.segments.dir / r[6], *r[7:]) for r in rows]
+        return [AcceptedRollout(r[0], r[1], r[2], r[3], r[4], r[5], self.segments.dir / r[6], *r[7:12], bool(r[12]))
+                for r in rows]
 
     def waiting_count(self, min_version: int) -> int:
         """Accepted units not yet batched nor dropped, of policy version >= `min_version`."""
         return self._one("SELECT COUNT(*) FROM accepted WHERE batch_step IS NULL AND dropped IS NULL "
                          "AND min_version >= ?", min_version)
 
-    def unjudged(self) -> list[tuple[int, int]]:
-        """(work id, min version) of accepted, unbatched, undropped units without a verdict."""
-        return self._q("SELECT a.work_id, a.min_version FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
+    def unjudged(self) -> list[tuple[int, int, bool]]:
+        """(work id, min version, on probation) of accepted, unbatched, undropped units without a verdict."""
+        return self._q("SELECT a.work_id, a.min_version, a.probation FROM accepted a LEFT JOIN verdicts v ON v.work_id = a.work_id "
                        "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL ORDER BY a.work_id")
 
     def drop(self, work_ids: list[int], reason: str) -> None:
@@ -304,11 +317,68 @@ class CoordinatorStore:
         rows = self._q("SELECT valid, validator, reason FROM verdicts WHERE work_id=?", work_id)
         return (bool(rows[0][0]), rows[0][1], rows[0][2]) if rows else None
 
+    def forgive(self, peer_id: str, every: int) -> None:
+        """Count one valid verdict of `peer_id`; each `every` of them since its last strike take one strike away."""
+        self._x("UPDATE strikes SET valid_since = valid_since + 1 WHERE peer_id=?", peer_id)
+        self._x("UPDATE strikes SET count = MAX(0, count - 1), valid_since = 0 WHERE peer_id=? AND valid_since >= ?",
+                peer_id, every)
+
+    def strikes_of(self, peer_id: str) -> int:
+        rows = self._q("SELECT count FROM strikes WHERE peer_id=?", peer_id)
+        return rows[0][0] if rows else 0
+
     def add_strike(self, peer_id: str, reason: str) -> int:
         """Count a borderline failure against `peer_id`; returns its strikes so far."""
-        self._x("INSERT INTO strikes VALUES(?, 1, ?) ON CONFLICT(peer_id) DO UPDATE SET count=count+1, "
-                "last_reason=excluded.last_reason", peer_id, reason)
+        self._x("INSERT INTO strikes(peer_id, count, last_reason) VALUES(?, 1, ?) ON CONFLICT(peer_id) DO UPDATE "
+                "SET count=count+1, last_reason=excluded.last_reason, valid_since=0", peer_id, reason)
         return self._one("SELECT count FROM strikes WHERE peer_id=?", peer_id)
+
+    # ---- validators' opinions, spot checks, seats (protocol.judging) ------------------------------
+    def opinions_of(self, work_id: int) -> list[tuple[str, bool, str, str]]:
+        """(validator, valid, reason, severity) of every opinion counted on the unit, oldest first."""
+        return [(v, bool(ok), r, sev) for v, ok, r, sev in self._q(
+            "SELECT validator, valid, reason, severity FROM opinions WHERE work_id=? ORDER BY at, rowid", work_id)]
+
+    def add_opinion(self, work_id: int, validator: str, valid: bool, reason: str, severity: str, now: float) -> None:
+        self._x("INSERT OR IGNORE INTO opinions VALUES(?,?,?,?,?,?)", work_id, validator, int(valid), reason, severity,
+                now)
+
+    def pending_opinions(self) -> dict[int, tuple[set[str], int]]:
+        """Unit -> (validators that gave an opinion, opinions it needs) for units without a verdict yet."""
+        out: dict[int, tuple[set[str], int]] = {}
+        for w, v, need in self._q("SELECT o.work_id, o.validator, COALESCE(j.need, 1) FROM opinions o "
+                                  "LEFT JOIN judging j ON j.work_id = o.work_id "
+                                  "WHERE o.work_id NOT IN (SELECT work_id FROM verdicts)"):
+            out.setdefault(w, (set(), need))[0].add(v)
+        return out
+
+    def need_of(self, work_id: int) -> int:
+        rows = self._q("SELECT need FROM judging WHERE work_id=?", work_id)
+        return rows[0][0] if rows else 1
+
+    def set_need(self, work_id: int, need: int) -> None:
+        self._x("INSERT INTO judging VALUES(?, ?) ON CONFLICT(work_id) DO UPDATE SET need=excluded.need", work_id, need)
+
+    def unseat(self, validator: str, reason: str, now: float) -> tuple[list[int], list[int]]:
+        """The validator's opinions stop counting: those on units without a verdict go, and so do the
+        passing verdicts it gave alone on units not yet batched (they are judged again). Returns
+        (units whose verdict was withdrawn, undecided units that lost its opinion)."""
+        self._x("INSERT OR IGNORE INTO unseated VALUES(?,?,?)", validator, reason, now)
+        alone = [r[0] for r in self._q(
+            "SELECT v.work_id FROM verdicts v JOIN accepted a ON a.work_id = v.work_id "
+            "LEFT JOIN judging j ON j.work_id = v.work_id WHERE v.validator=? AND v.valid=1 "
+            "AND COALESCE(j.need, 1) = 1 AND a.batch_step IS NULL AND a.dropped IS NULL", validator)]
+        self.db.executemany("DELETE FROM verdicts WHERE work_id=?", [(w,) for w in alone])
+        self.db.executemany("DELETE FROM opinions WHERE work_id=?", [(w,) for w in alone])
+        self.db.executemany("DELETE FROM judging WHERE work_id=?", [(w,) for w in alone])
+        undecided = [r[0] for r in self._q("SELECT work_id FROM opinions WHERE validator=? AND work_id NOT IN "
+                                           "(SELECT work_id FROM verdicts)", validator)]
+        self._x("DELETE FROM opinions WHERE validator=? AND work_id NOT IN (SELECT work_id FROM verdicts)", validator)
+        return alone, undecided
+
+    def unseated(self) -> dict[str, str]:
+        """Validator -> why it lost its seat."""
+        return dict(self._q("SELECT validator, reason FROM unseated"))
 
     def verdicts(self) -> dict[int, bool]:
         return {r[0]: bool(r[1]) for r in self._q("SELECT work_id, valid FROM verdicts")}
@@ -366,7 +436,7 @@ class CoordinatorStore:
                         "WHERE work_id IN gone AND batch_step IS NOT NULL GROUP BY batch_step "
                         "ON CONFLICT(step) DO UPDATE SET groups=groups+excluded.groups, "
                         "reward_sum=reward_sum+excluded.reward_sum")
-                for table in ("accepted", "verdicts", "work"):
+                for table in ("accepted", "verdicts", "work", "opinions", "judging"):
                     self._x(f"DELETE FROM {table} WHERE work_id IN gone")
             self._x("DELETE FROM policy_versions WHERE version < ?", before_version)
         referenced = {r[0] for r in self._q("SELECT DISTINCT segment FROM accepted")}

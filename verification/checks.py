@@ -57,6 +57,13 @@ only if its spec names them (`RunSpec.engines`)."""
 PROOF_FACTOR = 2.0
 """A recomputation check failing by this factor or more past its threshold is proof of tampering;
 nearer the line it is borderline (`Severity`)."""
+LOGPROB_OUTLIERS = 1
+"""Tokens per version segment whose logprob may differ by more than `max_logprob_err` (and less than
+`PROOF_FACTOR` times it) without failing; the segment's mean check leaves them out too. Honest bf16
+errors are heavy-tailed: `python -m benchmarks.false_bans` saw single tokens at 0.27-0.35 nats
+(logprob -3.4 to -4.7, engine batch 32, 1 thread) in 6 of 779 honest rollouts against the 0.25
+bound (calibration's maximum was 0.17), each a strike, and an honest identity banned within two
+minutes. Fabricated logprobs move every token (or a token far off) and still fail."""
 MIN_MEAN_TOKENS = 32
 """The per-segment mean logprob check applies to segments of at least this many tokens (one proof
 chunk): honest per-token errors are heavy-tailed (bf16: one token up to 0.17 nats while rollout means
@@ -190,6 +197,13 @@ def check_hidden(stats: list[ChunkStats], chunk_offset: int, t: Thresholds) -> F
     return worst
 
 
+def _trimmed_mean(err: torch.Tensor) -> float:
+    """Mean of the per-token errors without the `LOGPROB_OUTLIERS` largest (systematic drift moves
+    them all; one heavy-tailed honest token would otherwise decide a short segment's mean)."""
+    kept = err.sort().values[: max(1, len(err) - LOGPROB_OUTLIERS)]
+    return float(kept.mean())
+
+
 def _strongest(failures: list[Failure | None]) -> Failure | None:
     """The first proof-grade failure, else the first borderline one: a borderline hidden-state
     difference does not hide a logprob or sampling failure that is proof."""
@@ -213,15 +227,17 @@ def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], log
     claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32)
     ours = token_logprobs(logits, claimed_tok, claim.sampling.temperature)
     err = (claimed_lp - ours).abs().nan_to_num(nan=float("inf"))
-    if bool((err > t.max_logprob_err).any()):
-        r = int(err.argmax())
+    over = err > t.max_logprob_err
+    r = int(err.argmax())
+    # one token near the line is honest bf16 noise (LOGPROB_OUTLIERS); more, or one far past it, is not
+    if int(over.sum()) > LOGPROB_OUTLIERS or float(err[r]) >= PROOF_FACTOR * t.max_logprob_err:
         failures.append(Failure(Reason.LOGPROB_MISMATCH, f"claimed logprob {claimed_lp[r].item():.4f}, recomputed "
-                                f"{ours[r].item():.4f}", token=token_idx[r],
-                                severity=graded(float(err[r]) / t.max_logprob_err)))
-    elif len(token_idx) >= MIN_MEAN_TOKENS and float(err.mean()) > t.max_logprob_err_mean:
-        failures.append(Failure(Reason.LOGPROB_MISMATCH, f"mean logprob error {float(err.mean()):.4f} over "
+                                f"{ours[r].item():.4f} ({int(over.sum())} tokens over {t.max_logprob_err})",
+                                token=token_idx[r], severity=graded(float(err[r]) / t.max_logprob_err)))
+    elif len(token_idx) >= MIN_MEAN_TOKENS and _trimmed_mean(err) > t.max_logprob_err_mean:
+        failures.append(Failure(Reason.LOGPROB_MISMATCH, f"mean logprob error {_trimmed_mean(err):.4f} over "
                                 f"{len(token_idx)} tokens of version {spans[0].version}", token=token_idx[0],
-                                severity=graded(float(err.mean()) / t.max_logprob_err_mean)))
+                                severity=graded(_trimmed_mean(err) / t.max_logprob_err_mean)))
     if claim.engine not in SEEDED_ENGINES and claim.sampling.temperature > 0:
         return _strongest(failures)  # drawn from the engine's own generator: the checks above are what binds it
     positions = [len(claim.prompt_ids) + i for i in token_idx]

@@ -42,22 +42,25 @@ class Reference(ABC):
 
     @abstractmethod
     def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False,
-                with_router_logits: bool = False, logits_from: list[int] | None = None) -> list[tuple]:
+                with_router_logits: bool = False, logits_from: list[int] | None = None,
+                replay: list[torch.Tensor] | None = None) -> list[tuple]:
         """(logits [T, V], final hidden [T, H]) of each full sequence under `version`'s weights (with
         `logits_from`, sequence i's logits only from position logits_from[i] on: [T - logits_from[i], V],
         what the checks need of a real vocabulary's logits: the completion's rows, not the prompt's); with
         `with_routes`, a third element: the experts chosen [T, moe_layers, k] (None: dense model); with
         `with_router_logits` too, a fourth: the router logits [T, moe_layers, E] float32 that chose them
         (a Reference that cannot give them returns three elements: the routing check then counts every
-        differing pair, near-ties included)."""
+        differing pair, near-ties included). `replay`: per sequence, the experts [T, moe_layers, k] to
+        route to instead of the router's choice (the router logits are still this router's)."""
 
     @abstractmethod
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
-                      with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0) -> tuple:
+                      with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0,
+                      replay: torch.Tensor | None = None) -> tuple:
         """(logits [T - logits_from, V], hidden [T, H]) of one sequence whose positions [start, end) of each
         (version, start, end) segment were computed by that version, attending to the keys and values
         the earlier segments' versions wrote (an in-flight sequence keeps its KV cache across a swap);
-        with `with_routes`, a third and fourth element as in `prefill`."""
+        with `with_routes`, a third and fourth element as in `prefill`; `replay` as there, for the one sequence."""
 
     def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
         """Claimed route bytes -> [positions, moe_layers, k] for this model; raise ValueError when

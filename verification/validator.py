@@ -97,7 +97,8 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
         start = len(claim.prompt_ids) - 1  # the position that produced completion token 0
         logits, hidden, *routes = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim),
                                                     with_routes=p.routes is not None,
-                                                    with_router_logits=p.routes is not None, logits_from=start)
+                                                    with_router_logits=p.routes is not None, logits_from=start,
+                                                    replay=p.routes)
         for v in p.tokens:
             rows = torch.tensor(p.tokens[v])
             f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
@@ -105,7 +106,7 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
             if f is not None:
                 return f
         if p.routes is not None:
-            return check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
+            return _check_forced_routes(claim, p.routes, routes, ref.precision)
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
         return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
@@ -139,13 +140,15 @@ def _logit_groups(members: list[int], claims: list[RolloutClaim], vocab_size: in
 
 def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans: list[_Plan | None],
                   failures: list[Failure | None], ref: Reference) -> None:
-    """Prefill `members` (claims of version v) together and record each one's failure, if any: logits
-    only from each completion's first producing position (the prompt's rows are never checked)."""
+    """Prefill `members` (claims of version v, all with routes or all without) together and record each
+    one's failure, if any: logits only from each completion's first producing position (the prompt's rows
+    are never checked); claims with routes are recomputed along them (`_check_forced_routes`)."""
     seqs = [claims[i].prompt_ids + claims[i].token_ids[:-1] for i in members]
     starts = [len(claims[i].prompt_ids) - 1 for i in members]
-    with_routes = any(plans[i].routes is not None for i in members)
+    with_routes = plans[members[0]].routes is not None
     try:
-        outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes, logits_from=starts)
+        outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes, logits_from=starts,
+                           replay=[plans[i].routes for i in members] if with_routes else None)
     except Exception as exc:
         log.warning("prefill of version %d failed: %r", v, exc)
         for i in members:
@@ -160,10 +163,21 @@ def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans:
             failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
                                         p.commitments[v], p.chunk_offsets[v])
             if failures[i] is None and p.routes is not None:
-                failures[i] = check_routes(claim, p.routes, routes[0], ref.precision, _router_logits(routes))
+                failures[i] = _check_forced_routes(claim, p.routes, routes, ref.precision)
         except Exception as exc:
             log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
             failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+
+
+def _check_forced_routes(claim: RolloutClaim, claimed: torch.Tensor, extra: list, precision: str) -> Failure | None:
+    """The recomputation ran along the claimed routes (teacher forcing: an honest near-tie decided
+    the other way in the engine's decode then changes no later position); each claimed set is checked
+    against the top-k of the router logits that same pass computed at its position."""
+    logits = _router_logits(extra)
+    if logits is None or extra[0] is None:
+        return check_routes(claim, claimed, extra[0], precision, logits)
+    own = logits.topk(claimed.shape[-1], dim=-1).indices
+    return check_routes(claim, claimed, own, precision, logits)
 
 
 def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None,
@@ -196,8 +210,10 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
             else:
                 failures[i] = _verify_mixed(claims[i], p, ref)
     for v, members in sorted(by_version.items()):
-        for group in _logit_groups(members, claims, ref.vocab_size):
-            _verify_group(v, group, claims, plans, failures, ref)
+        for routed in (False, True):  # a prefill is forced along claimed routes for all its rows or none
+            same = [i for i in members if (plans[i].routes is not None) == routed]
+            for group in _logit_groups(same, claims, ref.vocab_size) if same else []:
+                _verify_group(v, group, claims, plans, failures, ref)
     verdicts = []
     for claim, f in zip(claims, failures):
         v = Verdict(work_id=claim.work_id, claim_digest=claim.digest(), accepted=f is None,

@@ -26,6 +26,8 @@ def test_client_leases_submits_and_a_trainer_gets_the_batch_and_publishes(tmp_pa
         spec = make_spec(ck, batch_groups=2)
         coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
         coord.selector = lambda work_id: False  # no verdicts needed here (tests/protocol/test_pipeline.py)
+        coord.state.probation_units = 0  # nor probation (tests/protocol/test_probation.py)
+        coord.lease_policy = None  # nor a newcomer's budget (a quarter of this pool of 3: tests/protocol/test_lease_policy.py)
         boot = coord.host.addrs[0]
         worker, trainer = await start_member(spec, boot), await start_member(spec, boot, role="trainer")
         try:

@@ -105,6 +105,7 @@ def test_rollout_claiming_a_future_version_is_refused(tmp_path):
 def test_stale_rollout_never_enters_a_batch(tmp_path):
     """Accepted within the bound, then versions move on: the batch builder drops it."""
     c = open_run(tmp_path, k=1, version=3)
+    c.probation_units = 0  # A is past its probation (tests/protocol/test_probation.py)
     subs = {}
     for v in (2, 3, 3):
         g = c.grant_lease(A.peer_id, 1)

@@ -31,6 +31,7 @@ def test_a_second_verdict_on_a_judged_or_batched_unit_changes_nothing_and_bans_n
     assert pipeline.assign_batch(c, 1, 1, ALL) == [w1]
     # a verdict on a unit already trained on (without one) is ignored too
     c2 = open_run(tmp_path / "2")
+    c2.probation_units = 0  # A is past its probation (tests/protocol/test_probation.py)
     w = lease_and_submit(c2, A, 0)
     assert pipeline.assign_batch(c2, 1, 1, lambda _: False) == [w]  # not selected: batched unjudged
     assert _verdict(c2, w, A, False) == [] and c2.store.verdict_of(w) is None

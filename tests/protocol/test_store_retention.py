@@ -25,7 +25,7 @@ def group(work_id: int, version: int, reward: float) -> RolloutGroup:
 
 def open_run(tmp_path, retain: int) -> Coordinator:
     spec = RunSpec(run_id="r", coordinator=CK.peer_id, max_off_policy_steps=1, heartbeat_interval_s=3600,
-                   lease_ttl_s=86_400, batch_groups=4)
+                   lease_ttl_s=86_400, batch_groups=4, verification_rate=0.0)  # unverified: no probation
     return Coordinator(tmp_path, spec, synchronous="OFF", now=0, retain_versions=retain)
 
 

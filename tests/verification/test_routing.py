@@ -110,15 +110,17 @@ def test_forged_routes_are_rejected_beside_accepted_honest_ones(world):
     forged = [c.model_copy(update={"routed_experts": encode_routes(_forge(comp, 0.25, i), shape)})
               for i, (c, comp) in enumerate(zip(claims, comps))]
     verdicts = verify_claims(forged + claims, ref)
-    assert [v.reason for v in verdicts[: len(forged)]] == [Reason.ROUTES_MISMATCH] * len(forged)
+    # the validator recomputes along the claimed routes, so forged ones also move the hidden states
+    # away from the engine's proofs: either check may be the one that says so
+    assert {v.reason for v in verdicts[: len(forged)]} <= {Reason.ROUTES_MISMATCH, Reason.HIDDEN_MISMATCH,
+                                                           Reason.LOGPROB_MISMATCH, Reason.SAMPLING_MISMATCH}
+    assert not any(v.accepted for v in verdicts[: len(forged)])
     assert all(v.accepted for v in verdicts[len(forged):])
-    # a quarter of 20-30 pairs is within twice what the test needs (borderline); of longer ones, proof
-    assert all(v.severity != Severity.NONE for v in verdicts[: len(forged)])
     assert sum(v.severity == Severity.PROOF for v in verdicts[: len(forged)]) >= len(forged) // 2
     assert all(v.severity == Severity.NONE for v in verdicts[len(forged):])
     # One forged pair is below what the binomial test needs (honest variation), in any rollout.
-    light = claims[0].model_copy(update={"routed_experts": encode_routes(_forge(comps[0], 0.0, 1), shape)})
-    assert verify_claims([light], ref)[0].accepted
+    light = _forge(comps[0], 0.0, 1)
+    assert check_routes(claims[0], light, comps[0].routed_experts, ref.precision) is None
 
 
 def test_routes_of_a_wrong_length_or_expert_id_are_rejected_as_malformed(world):
@@ -137,7 +139,9 @@ def test_routes_from_other_weights_are_rejected(world):
     swapped = [c.model_copy(update={"routed_experts": o.routed_experts}) for c, o in zip(claims, other)
                if len(c.routed_experts) == len(o.routed_experts) and c.routed_experts != o.routed_experts]
     verdicts = verify_claims(swapped, ref)
-    assert swapped and sum(v.reason == Reason.ROUTES_MISMATCH for v in verdicts) >= len(swapped) // 2
+    # recomputed along the pasted routes, the hidden states leave the proofs too (either check may say so)
+    assert swapped and sum(not v.accepted and v.reason in (Reason.ROUTES_MISMATCH, Reason.HIDDEN_MISMATCH)
+                           for v in verdicts) >= len(swapped) // 2
 
 
 def test_mixed_version_routes_are_checked_segment_by_segment(world):
@@ -167,7 +171,8 @@ def test_mixed_version_routes_are_checked_segment_by_segment(world):
              for i, (_, _, routes) in zip(mixed, v0)]
     changed = [c for c, i in zip(stale, mixed) if c.routed_experts != claims[i].routed_experts]
     bad = [v for v in verify_claims(changed, ref) if not v.accepted]
-    assert bad and all(v.reason == Reason.ROUTES_MISMATCH for v in bad)
+    assert bad and all(v.reason in (Reason.ROUTES_MISMATCH, Reason.HIDDEN_MISMATCH, Reason.LOGPROB_MISMATCH,
+                                    Reason.SAMPLING_MISMATCH) for v in bad), [v.reason for v in bad]
     # Either segment's routes forged (the other segment honest): rejected whenever the forged pairs
     # are more than the threshold's share of the rollout's (the share is rollout-wide).
     for segment in (0, 1):
@@ -186,7 +191,10 @@ def test_mixed_version_routes_are_checked_segment_by_segment(world):
                                                                                  HONEST_PAIR_RATE["float32"])
                           else Reason.OK)
             forged.append(c.model_copy(update={"routed_experts": encode_routes(routes, shape)}))
-        assert [v.reason for v in verify_claims(forged, ref)] == expect
+        # recomputed along the forged routes, the hidden states leave the proofs too: a forgery below
+        # the routing threshold may be rejected by that check instead, one above it always is
+        got = verify_claims(forged, ref)
+        assert all(not v.accepted for v, e in zip(got, expect) if e == Reason.ROUTES_MISMATCH)
         assert expect.count(Reason.ROUTES_MISMATCH) >= len(mixed) // 2
 
 
@@ -239,28 +247,27 @@ def _tied_model(model, eps: float):
 
 
 def test_near_ties_between_experts_are_not_evidence_and_far_differences_are(world):
+    """An engine whose kernels break a router near-tie the other way than the validator's prefill
+    (here: router rows of experts 2 and 3 apart by +-1e-6, opposite signs on the two sides) routes
+    many pairs differently, and every later position with them: the validator recomputes along the
+    claimed routes, so the rollout is accepted; moved to the set that is not tied, it is not."""
     model, _, work, _, _ = world
-    tied = _tied_model(model, 0.0)  # an exact tie: both sides break it the same way
-    ref = R.reference({0: tied})
-    claims, comps = _claims_with_routes(tied, work[:8])
-    assert all(v.accepted for v in verify_claims(claims, ref))
-    shape = RouteShape.of(tied.config)
-    swapped, far, n_swapped = [], [], 0
+    ref = R.reference({0: _tied_model(model, -1e-6)})
+    claims, comps = _claims_with_routes(model, work[:8], _tied_model(model, 1e-6))
+    ours = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1] for c in claims], with_routes=True)
+    differ = sum(int((comp.routed_experts.sort(-1).values != o[2].sort(-1).values).any(-1).sum())
+                 for comp, o in zip(comps, ours))
+    assert differ >= 8 * 10  # many pairs differ from the validator's own routing, all on a near-tie
+    assert all(v.accepted for v in verify_claims(claims, ref)), [v.detail for v in verify_claims(claims, ref)]
+    shape = RouteShape.of(model.config)
+    far = []
     for c, comp in zip(claims, comps):
-        routes = comp.routed_experts.clone()
-        has2, has3 = (routes == 2).any(-1), (routes == 3).any(-1)
-        flip = has2 ^ has3  # exactly one of the tied pair chosen: the tie decided the set
-        routes[flip] = torch.where(routes[flip] == 2, 3, torch.where(routes[flip] == 3, 2, routes[flip]))
-        n_swapped += int(flip.sum())
-        swapped.append(c.model_copy(update={"routed_experts": encode_routes(routes, shape)}))
-        # the same pairs moved to the complement set, which is not tied: evidence
         wrong = comp.routed_experts.clone()
+        has2, has3 = (wrong == 2).any(-1), (wrong == 3).any(-1)
+        flip = has2 ^ has3  # exactly one of the tied pair chosen: the complement set is not tied
         wrong[flip] = _other_set(comp.routed_experts[flip])
         far.append(c.model_copy(update={"routed_experts": encode_routes(wrong, shape)}))
-    assert n_swapped >= 8 * 20  # many pairs per rollout differ from the recomputation, all on a tie
-    assert all(v.accepted for v in verify_claims(swapped, ref))
-    bad = verify_claims(far, ref)
-    assert all(v.reason == Reason.ROUTES_MISMATCH for v in bad)
+    assert not any(v.accepted for v in verify_claims(far, ref))
 
 
 def _other_set(sets: torch.Tensor) -> torch.Tensor:

@@ -233,3 +233,28 @@ def test_a_short_segment_is_judged_per_token_not_by_a_mean_of_few_tokens():
     assert honest_tail < t.max_logprob_err and honest_tail > t.max_logprob_err_mean
     assert honest_tail / 16 > t.max_logprob_err_mean  # one honest token failed a 16-token mean
     assert honest_tail / MIN_MEAN_TOKENS < t.max_logprob_err_mean  # it no longer can alone
+
+
+def test_one_token_near_the_logprob_line_passes_two_or_one_far_off_do_not(world):
+    """Honest bf16 logprob errors are heavy-tailed (benchmarks.false_bans: single tokens at 0.27-0.35
+    nats against a 0.25 bound, each a strike): one token between the bound and PROOF_FACTOR times it
+    passes; two such tokens are a borderline failure, one token past PROOF_FACTOR x is proof."""
+    from verification.checks import LOGPROB_OUTLIERS, PROOF_FACTOR, THRESHOLDS
+
+    _, ref, _, honest = world
+    tol = THRESHOLDS[ref.precision].max_logprob_err
+    assert LOGPROB_OUTLIERS == 1
+
+    def shifted(c, positions, by):
+        lps = list(c.logprobs)
+        for i in positions:
+            lps[i] = lps[i] - by  # lower: a logprob never exceeds 0
+        return _edit(c, logprobs=lps)
+    near = [shifted(c, [len(c.logprobs) // 2], 1.5 * tol) for c in honest[:6]]
+    two = [shifted(c, [0, len(c.logprobs) - 1], 1.5 * tol) for c in honest[:6] if len(c.logprobs) >= 2]
+    far = [shifted(c, [len(c.logprobs) // 2], (PROOF_FACTOR + 0.5) * tol) for c in honest[:6]]
+    v_near, v_two, v_far = (verify_claims(x, ref) for x in (near, two, far))
+    assert all(v.accepted for v in v_near), [v.detail for v in v_near if not v.accepted]
+    assert two and all(not v.accepted and v.reason == Reason.LOGPROB_MISMATCH and v.severity == Severity.BORDERLINE
+                       for v in v_two), [(v.reason, v.severity) for v in v_two]
+    assert all(not v.accepted and v.severity == Severity.PROOF for v in v_far)
