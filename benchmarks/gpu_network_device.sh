@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from a copy of the repository: benchmarks.gpu_network (the whole network, every
-# role its own process, on this host's GPUs). Output (JSON, PNG, every role's log) under $OUT.
+# role its own process, on this host's GPUs). Output under $OUT: preflight.log, gpu_network.log, result.json,
+# report.png, net.tgz (every run's role logs and records).
 #   carried, git-ignored: .whl and .whl18 (pydantic, zstandard, blake3, cryptography, libp2p 0.8.1's
 #   closure for the GPU's Python 3.12) and .gpumodel (SmolLM2's tokenizer files: the random checkpoint's
 #   tokenizer; the weights themselves cannot travel).
@@ -13,11 +14,13 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
 timeout 150 python3 -m benchmarks.gpu_preflight > $OUT/preflight.log 2>&1; tail -1 $OUT/preflight.log | cut -c1-3000
 if ! tail -1 $OUT/preflight.log | grep -q '"ok": true'; then echo "preflight failed: no network run"; exit 1; fi
-NET=/tmp/net
-keep() {  # results and every role's log come back, never the shardcast stores or the checkpoint (GBs)
+NET=/tmp/net; rm -rf $NET  # a warm machine keeps /tmp: a new run starts clean
+keep() {  # a call brings back at most 8 files: results at the top, every role's log and record in one archive,
+  # never the shardcast stores or the checkpoint (GBs)
   [ -d $NET ] || return 0
-  (cd $NET && find . \( -name '*.json' -o -name '*.jsonl' -o -name '*.png' -o -name 'log.txt' -o -name '*.csv' \
-    -o -name 'run.toml' \) -not -path './model/*' -size -20M -print0 | xargs -0 -I{} cp --parents {} $OUT/ 2>/dev/null)
+  cp $NET/result.json $NET/report.png $OUT/ 2>/dev/null
+  (cd $NET && find . \( -name '*.json' -o -name '*.jsonl' -o -name 'log.txt' -o -name '*.csv' -o -name 'run.toml' \) \
+    -not -path './model/*' -not -path '*/shardcast/*' -size -20M -print0 | tar czf $OUT/net.tgz --null -T - 2>/dev/null)
 }
 ( while sleep 15; do keep; done ) &  # a call cut short by the device's limit still brings back what was written
 timeout ${RUN_S:-200} python3 -m benchmarks.gpu_network --device cuda --model ${MODEL:-random:qwen3-moe-small} \
