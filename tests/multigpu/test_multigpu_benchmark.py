@@ -32,9 +32,18 @@ def test_every_section_runs_on_two_cpu_ranks_and_matches_one_process(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.multigpu", "--tiny", "--gpus", "2", "--layers", "2", "--big-layers", "0",
            "--tokens", "128", "--seq", "64", "--rows", "2", "--batches", "1,3", "--new-tokens", "6", "--greedy-sampler",
            "--shardcast-gib", "0.02", "--timeout", "100", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    r = json.loads(out.read_text())
+    for attempt in range(2):
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=170)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        r = json.loads(out.read_text())
+        # gloo's known abort under CPU contention (a rank's std::terminate while its peer's socket closes;
+        # node/rl/parallel/dims.py shutdown_distributed): seen once in 2 full suites on a loaded 2-core
+        # machine. One more run then; any other error, or the same one twice, fails.
+        gloo_abort = any("terminate called without an active exception" in row.get("tail", "")
+                         for section in ("moe", "trainer", "engine") for row in r[section])
+        if not gloo_abort:
+            break
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == r["summary"]  # one JSON line last
     for section in ("moe", "trainer", "engine"):
         assert [row["gpus"] for row in r[section]] == [2], r[section]  # 1 vs 2: the same code, one world fewer
