@@ -1,0 +1,98 @@
+"""The inference role's expert-parallel engine (`builtin-ep`, `join --role inference --ep N`): rank 0
+built through the registry starts rank 1 as `join` does, and the pair (gloo, CPU) serves what the
+built-in engine serves, switching versions together; the real validator accepts its rollouts; a rank
+that dies stops rank 0 with a typed error, and a rank 0 that dies ends its ranks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.engine import registry as engines
+from node.engine.registry import EngineSetup, EngineUnavailable
+from node.model import CausalLM, ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("ep_role_worker.py")
+
+
+def _worker(tmp_path: Path, mode: str, timeout: float = 120) -> tuple[dict, subprocess.CompletedProcess]:
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), mode], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    return (json.loads(out.read_text()) if out.exists() else {}), proc
+
+
+def test_ep2_role_engine_serves_the_builtin_engines_tokens_and_the_validator_accepts_them(tmp_path):
+    got, proc = _worker(tmp_path, "serve")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert got["served"] == [4, 4]  # attention data-parallel: each rank served its own sequences
+    assert got["tokens_equal"] and got["versions_equal"], got
+    assert got["versions"] == [0, 1]  # version 1 switched in mid-generation, on both ranks at the same step
+    assert got["logprob_max_diff"] < 1e-4 and got["hidden_max_diff"] < 1e-4, got
+    assert got["routes_equal"]
+    assert all(accepted for accepted, _, _ in got["verdicts"]) and len(got["verdicts"]) == 8, got["verdicts"]
+    assert "shape" in got["refused"] and got["after_refused"]  # a misfit version changed nothing on any rank
+    assert got["exit_codes"] == {"1": 0}  # rank 1 left on the stop order
+
+
+def test_a_rank_that_dies_mid_run_stops_rank_0_with_a_typed_error(tmp_path):
+    got, proc = _worker(tmp_path, "rank-dies")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert got["error"] and got["error"].startswith("EPRankLost"), got
+    assert got["error_after_s"] < 30 and got["close_s"] < 30, got
+    assert got["exit_codes"] == {"1": -9}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+
+
+def test_ranks_leave_when_rank_0_is_killed(tmp_path):
+    got, proc = _worker(tmp_path, "leader-dies")
+    assert proc.returncode == -9
+    t = time.time()
+    while not _gone(got["follower_pid"]) and time.time() - t < 30:
+        time.sleep(0.2)
+    assert _gone(got["follower_pid"]), "rank 1 outlived its rank 0"
+
+
+def _setup(tmp_path: Path, model: CausalLM, **kw) -> EngineSetup:
+    cfg = model.config
+    return EngineSetup(model=lambda: copy.deepcopy(model), hf_config=cfg.to_hf_dict(), max_batch=4,
+                       max_seq_len=cfg.max_position_embeddings, eos_id=-1, encode=list, decode=str, bos_id=1,
+                       capture_experts=True, workdir=tmp_path, salt="run", **kw)
+
+
+def test_settings_builtin_ep_cannot_serve_are_refused_before_any_process_starts(tmp_path):
+    torch.manual_seed(0)
+    moe = CausalLM(ModelConfig(vocab_size=64, hidden_size=32, moe_intermediate_size=32, head_dim=8, num_experts=8))
+    assert engines.entry("builtin-ep").claims == "builtin"  # the validator verifies it as the built-in engine
+    assert engines.check("builtin-ep", _setup(tmp_path, moe, ep=2)) == {"ep": 2, "device": "cpu"}
+    with pytest.raises(EngineUnavailable, match="must divide the model's 8 experts"):
+        engines.check("builtin-ep", _setup(tmp_path, moe, ep=3))
+    with pytest.raises(EngineUnavailable, match="use --engine builtin-ep"):
+        engines.check("builtin", _setup(tmp_path, moe, ep=2))
+    with pytest.raises(EngineUnavailable, match="use --engine builtin-ep"):
+        engines.check("builtin-cuda", _setup(tmp_path, moe, ep=2))
+    with pytest.raises(EngineUnavailable, match="FP8"):
+        engines.check("builtin-ep", _setup(tmp_path, moe, ep=2, fp8="experts"))
+    with pytest.raises(EngineUnavailable, match=">= 2"):
+        engines.check("builtin-ep", _setup(tmp_path, moe, ep=1))
+    dense = CausalLM(ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8,
+                                 num_experts=0))
+    with pytest.raises(EngineUnavailable, match="dense"):
+        engines.check("builtin-ep", _setup(tmp_path, dense, ep=2))
