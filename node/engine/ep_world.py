@@ -204,6 +204,7 @@ class EPLeader(RequestQueue):
             return
         self._closing.set()
         self._keepalive.close()
+        log.info("expert-parallel world stopping: requests served per rank %s", self.served)
         if not self._broken:
             try:
                 self._order([EPOrder("stop")] * self.ep)

@@ -96,3 +96,44 @@ def test_settings_builtin_ep_cannot_serve_are_refused_before_any_process_starts(
                                  num_experts=0))
     with pytest.raises(EngineUnavailable, match="dense"):
         engines.check("builtin-ep", _setup(tmp_path, dense, ep=2))
+
+
+@pytest.mark.slow
+def test_sim_with_an_ep2_inference_node_trains_on_rollouts_the_validator_accepted(tmp_path):
+    """Every role a real OS process: the only inference node is `join --role inference --ep 2` (rank 0
+    starts rank 1 itself); its rollouts are verified (100%) as the built-in engine's and trained on."""
+    from node.sim import run_sim
+
+    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=4, group_size=4, timeout_s=150, inference_ep=2)
+    assert s["status"] == "done" and s["steps"] == 3, s
+    assert s["rollouts_trained"] == 3 * 4 * 4 and s["rollouts_rejected"] == 0 and s["honest_banned"] == 0, s
+    assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
+    assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]
+    log = (tmp_path / "inference-0" / "log.txt").read_text()
+    assert "expert-parallel rank 0 of 2: leading" in log
+    served = json.loads(log.split("requests served per rank ")[1].splitlines()[0])
+    assert served[1] > 0 and abs(served[0] - served[1]) <= 1, served  # rank 1 served its share of the sequences
+    rank1 = (tmp_path / "inference-0" / "ep-rank-1.log").read_text()
+    assert "following rank 0" in rank1 and "stop from rank 0" in rank1  # it served, then left on the stop order
+    rounds = [json.loads(x) for x in (tmp_path / "inference-0" / "rounds.jsonl").read_text().splitlines()]
+    assert sum(r["groups"] for r in rounds) >= 3 * 4
+
+
+def test_join_refuses_an_ep_that_does_not_divide_the_experts_or_an_engine_that_cannot_before_starting_ranks(tmp_path, capsys):
+    from node.run_config import RunConfig, to_toml
+    from node.sim_procs import free_port
+    from protocol.identity import NodeKey
+
+    (tmp_path / "run.toml").write_text(to_toml({  # tiny-moe with the recipe's 4 experts
+        "run_id": "t1", "task": "reverse", "trainer": NodeKey.from_seed(b"t" * 32).peer_id,
+        "validators": [NodeKey.from_seed(b"v" * 32).peer_id], "listen": f"/ip4/127.0.0.1/tcp/{free_port()}"}))
+    (tmp_path / "spec.json").write_text(RunConfig.load(tmp_path / "run.toml").run_spec("12D3KooWcoord").model_dump_json())
+    from node.cli import main
+
+    for flags, said in ((["--ep", "3"], "--ep 3 must divide the model's 4 experts"),
+                        (["--ep", "2", "--engine", "builtin"], "engine builtin cannot serve expert-parallel (--ep 2)")):
+        code = main(["join", "--role", "inference", "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWcoord",
+                     "--spec", str(tmp_path / "spec.json"), "--workdir", str(tmp_path / "w"), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and said in err and "Traceback" not in err, err[-2000:]  # one line, before any rank starts
+        assert not list((tmp_path / "w").glob("ep-rank-*.log")) and "RANK" not in os.environ
