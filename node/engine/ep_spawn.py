@@ -56,6 +56,14 @@ class Followers:
         return codes
 
 
+_started: Followers | None = None
+
+
+def started() -> Followers | None:
+    """The ranks this process started (None: none, e.g. under torchrun)."""
+    return _started
+
+
 def spawn_followers(ep: int, argv: list[str], log_dir: Path) -> Followers:
     """Make this process rank 0 of a world of `ep` on 127.0.0.1 (sets its rendezvous variables in
     os.environ) and start ranks 1..ep-1 running `argv`, each logging to LOG_DIR/ep-rank-R.log."""
@@ -71,7 +79,9 @@ def spawn_followers(ep: int, argv: list[str], log_dir: Path) -> Followers:
         procs[r] = subprocess.Popen(argv, env=env, stdout=logs[r].open("a"), stderr=subprocess.STDOUT,
                                     start_new_session=True)
     log.info("expert-parallel world of %d: started ranks 1..%d (logs %s)", ep, ep - 1, log_dir / "ep-rank-*.log")
-    return Followers(procs, logs)
+    global _started
+    _started = Followers(procs, logs)
+    return _started
 
 
 def watch_parent(poll_s: float = 1.0) -> None:

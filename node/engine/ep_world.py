@@ -76,10 +76,18 @@ def check(setup: EngineSetup) -> dict:
     return {"ep": setup.ep, "device": setup.device}
 
 
+def use_device(device: str) -> None:
+    """Make `device` current in the calling thread (a CUDA device is per thread; NCCL and the engine's
+    kernels launch on the current one)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
 class EPRank:
     """One process of the world: its process groups and its share of the engine."""
 
     def __init__(self, setup: EngineSetup):
+        use_device(setup.device)
         backend = "nccl" if setup.device.startswith("cuda") else "gloo"
         if not dist.is_initialized():  # env:// rendezvous: set by torchrun or by `join` (node.engine.ep_spawn)
             dist.init_process_group(backend, timeout=timedelta(seconds=STEP_TIMEOUT_S))
@@ -220,15 +228,43 @@ def start(setup: EngineSetup) -> EPLeader:
     check(setup)
     if int(os.environ.get("RANK", "0")) != 0:
         raise EngineUnavailable("the expert-parallel leader is rank 0; other ranks run ep_world.follow")
-    collectives = ThreadPoolExecutor(1, thread_name_prefix="ep-collectives")
-    try:
-        rank = collectives.submit(EPRank, setup).result()
-    except BaseException:
-        collectives.shutdown()
-        raise
+    rank = _form_world(setup)
+    collectives = ThreadPoolExecutor(1, thread_name_prefix="ep-collectives", initializer=use_device,
+                                     initargs=(setup.device,))
     log.info("expert-parallel rank 0 of %d: leading (%d of %d experts per rank)", rank.world,
              rank.engine.model.config.num_experts // rank.world, rank.engine.model.config.num_experts)
     return EPLeader(rank, collectives)
 
 
 start.check = check  # what `registry.check` calls before anything starts
+
+
+def _form_world(setup: EngineSetup) -> EPRank:
+    """Rank 0's `EPRank`, formed while watching the ranks `join` started: one that exits first (a bad
+    device, an import error) fails the start at once instead of leaving rank 0 waiting out the
+    rendezvous (STEP_TIMEOUT_S). The wait runs in a daemon thread, which an exiting node never waits for."""
+    from node.engine.ep_spawn import started
+
+    box: dict = {}
+
+    def form() -> None:
+        try:
+            box["rank"] = EPRank(setup)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=form, name="ep-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        followers = started()
+        gone = followers.exited() if followers is not None else {}
+        if gone and thread.is_alive():
+            r, code = next(iter(gone.items()))
+            raise EngineUnavailable(f"expert-parallel rank {r} exited (code {code}) before the world formed; "
+                                    f"see {followers.logs[r]}")
+        if setup.cancel.is_set() and thread.is_alive():
+            raise EngineUnavailable("the node stopped while its expert-parallel world formed")
+    if "error" in box:
+        raise box["error"]
+    return box["rank"]

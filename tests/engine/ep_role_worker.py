@@ -23,7 +23,7 @@ from node.engine import Engine  # noqa: E402
 from node.engine import registry as engines  # noqa: E402
 from node.engine.ep_spawn import spawn_followers, watch_parent  # noqa: E402
 from node.engine.ep_world import EPRankLost, follow  # noqa: E402
-from node.engine.registry import EngineSetup  # noqa: E402
+from node.engine.registry import EngineSetup, EngineUnavailable  # noqa: E402
 from node.model.checkpoint import InvalidCheckpoint, state_dict_to_hf  # noqa: E402
 from verification.validator import verify_claims  # noqa: E402
 
@@ -91,12 +91,24 @@ def main() -> None:
     path, mode = Path(sys.argv[1]), sys.argv[2]
     workdir = path.parent
     if int(os.environ.get("RANK", "0")) > 0:
+        if mode == "rank-fails-at-start":
+            raise SystemExit(5)
         watch_parent(poll_s=0.2)
         follow(setup(workdir))
         return
     followers = spawn_followers(2, [sys.executable, __file__, *sys.argv[1:]], workdir)
     out: dict = {"mode": mode}
     t0 = time.time()
+    if mode == "rank-fails-at-start":
+        try:
+            engines.build("builtin-ep", setup(workdir))
+            out["error"] = None
+        except EngineUnavailable as exc:
+            out["error"] = f"EngineUnavailable: {exc}"
+        out["error_after_s"] = time.time() - t0
+        out["exit_codes"] = followers.close()
+        path.write_text(json.dumps(out))
+        return
     ep = engines.build("builtin-ep", setup(workdir))
     out["start_s"] = time.time() - t0
     try:

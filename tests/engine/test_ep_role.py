@@ -54,6 +54,14 @@ def test_a_rank_that_dies_mid_run_stops_rank_0_with_a_typed_error(tmp_path):
     assert got["exit_codes"] == {"1": -9}
 
 
+def test_a_rank_that_fails_at_start_fails_the_engine_start_at_once(tmp_path):
+    got, proc = _worker(tmp_path, "rank-fails-at-start")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert got["error"].startswith("EngineUnavailable: expert-parallel rank 1 exited (code 5)"), got
+    assert got["error_after_s"] < 30  # not the rendezvous timeout (300 s)
+    assert got["exit_codes"] == {"1": 5}
+
+
 def _gone(pid: int) -> bool:
     try:
         return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
