@@ -203,8 +203,12 @@ class EPLeader(RequestQueue):
         try:
             return self.collectives.submit(self._send, orders, version).result()
         except RuntimeError as exc:  # gloo/NCCL: a peer's socket closed, or a collective timed out
+            from node.engine.ep_spawn import started
+
             self._broken = True
-            raise EPRankLost(f"expert-parallel world of {self.ep} broken: {exc}") from exc
+            gone = started().exited() if started() is not None else {}
+            which = "; ".join(f"rank {r} exited with code {c}" for r, c in gone.items()) or "a rank failed"
+            raise EPRankLost(f"expert-parallel world of {self.ep} broken ({which}): {exc}") from exc
 
     def close(self) -> None:
         """Every rank leaves (idempotent; a world already broken is left as it is)."""

@@ -49,7 +49,7 @@ def test_ep2_role_engine_serves_the_builtin_engines_tokens_and_the_validator_acc
 def test_a_rank_that_dies_mid_run_stops_rank_0_with_a_typed_error(tmp_path):
     got, proc = _worker(tmp_path, "rank-dies")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert got["error"] and got["error"].startswith("EPRankLost"), got
+    assert got["error"] and got["error"].startswith("EPRankLost: expert-parallel world of 2 broken (rank 1 exited with code -9)"), got
     assert got["error_after_s"] < 30 and got["close_s"] < 30, got
     assert got["exit_codes"] == {"1": -9}
 
