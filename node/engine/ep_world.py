@@ -51,6 +51,10 @@ class EPRankLost(RuntimeError):
     """A rank of the expert-parallel world failed or went away mid-run: rank 0 stops the node."""
 
 
+class EPWorldStopped(RuntimeError):
+    """A step asked of rank 0's engine after `close()` (a roll-out thread outliving its node)."""
+
+
 @dataclass
 class EPOrder:
     kind: Literal["keepalive", "step", "stop"]
@@ -183,6 +187,8 @@ class EPLeader(RequestQueue):
             load[r] += 1
             self.served[r] += 1
         everyone = self._order(orders, checked)
+        if everyone is None:  # the stop order went out first (close() raced this step)
+            raise EPWorldStopped("the expert-parallel world was stopped")
         if pending is not None:
             self.version = pending[1]
         done = [c for part in everyone for c in part]
@@ -200,6 +206,8 @@ class EPLeader(RequestQueue):
         return self.rank.carry_out(mine, version)
 
     def _order(self, orders: list[EPOrder], version: dict[str, torch.Tensor] | None = None):
+        if self._closing.is_set() and orders[0].kind != "stop":
+            raise EPWorldStopped("the expert-parallel world was stopped")
         try:
             return self.collectives.submit(self._send, orders, version).result()
         except RuntimeError as exc:  # gloo/NCCL: a peer's socket closed, or a collective timed out

@@ -22,7 +22,7 @@ import rollouts as R  # noqa: E402
 from node.engine import Engine  # noqa: E402
 from node.engine import registry as engines  # noqa: E402
 from node.engine.ep_spawn import spawn_followers, watch_parent  # noqa: E402
-from node.engine.ep_world import EPRankLost, follow  # noqa: E402
+from node.engine.ep_world import EPRankLost, EPWorldStopped, follow  # noqa: E402
 from node.engine.registry import EngineSetup, EngineUnavailable  # noqa: E402
 from node.model.checkpoint import InvalidCheckpoint, state_dict_to_hf  # noqa: E402
 from verification.validator import verify_claims  # noqa: E402
@@ -136,6 +136,11 @@ def main() -> None:
         ep.close()
         out["exit_codes"] = followers.close()
         out["close_s"] = time.time() - t
+        try:
+            run(ep, work(1))
+            out["after_close"] = None
+        except EPWorldStopped as exc:
+            out["after_close"] = type(exc).__name__
     path.write_text(json.dumps(out))
 
 

@@ -44,6 +44,7 @@ def test_ep2_role_engine_serves_the_builtin_engines_tokens_and_the_validator_acc
     assert all(accepted for accepted, _, _ in got["verdicts"]) and len(got["verdicts"]) == 8, got["verdicts"]
     assert "shape" in got["refused"] and got["after_refused"]  # a misfit version changed nothing on any rank
     assert got["exit_codes"] == {"1": 0}  # rank 1 left on the stop order
+    assert got["after_close"] == "EPWorldStopped"  # a step after close() is a typed error, not a hang
 
 
 def test_a_rank_that_dies_mid_run_stops_rank_0_with_a_typed_error(tmp_path):
