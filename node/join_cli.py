@@ -186,9 +186,12 @@ async def _run_role(role: str, node, key: NodeKey, stop: asyncio.Event, ep: int)
         except BannedPeer:
             pass  # said below, with its own exit code
         except RuntimeError as exc:
-            if role == "inference" and ep > 1 and type(exc).__name__ == "EPRankLost":
-                print(f"primerl-node {role}: error: {exc}", file=sys.stderr, flush=True)
-                raise SystemExit(EXIT_RANK_LOST) from None
+            if role == "inference" and ep > 1:
+                from node.engine.ep_world import EPRankLost
+
+                if isinstance(exc, EPRankLost):  # the node has left the run; say why in one line
+                    print(f"primerl-node {role}: error: {exc}", file=sys.stderr, flush=True)
+                    raise SystemExit(EXIT_RANK_LOST) from None
             raise
     if getattr(stop, "why", ""):
         print(f"primerl-node {role}: {stop.why}", file=sys.stderr if stop.exit_code else sys.stdout, flush=True)
