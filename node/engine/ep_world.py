@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -214,7 +215,13 @@ class EPLeader(RequestQueue):
             from node.engine.ep_spawn import started
 
             self._broken = True
-            gone = started().exited() if started() is not None else {}
+            followers, gone = started(), {}
+            deadline = time.monotonic() + 1.0  # a killed rank's sockets close a moment before it can be reaped
+            while followers is not None and time.monotonic() < deadline:
+                gone = followers.exited()
+                if gone:
+                    break
+                time.sleep(0.05)
             which = "; ".join(f"rank {r} exited with code {c}" for r, c in gone.items()) or "a rank failed"
             raise EPRankLost(f"expert-parallel world of {self.ep} broken ({which}): {exc}") from exc
 
