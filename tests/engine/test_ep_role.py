@@ -146,3 +146,23 @@ def test_join_refuses_an_ep_that_does_not_divide_the_experts_or_an_engine_that_c
         err = capsys.readouterr().err
         assert code == 2 and said in err and "Traceback" not in err, err[-2000:]  # one line, before any rank starts
         assert not list((tmp_path / "w").glob("ep-rank-*.log")) and "RANK" not in os.environ
+
+
+def test_rank_0_sends_keepalives_only_while_it_sends_no_orders():
+    from node.rl.parallel.control import KeepAlive
+
+    sent: list[float] = []
+    keep = KeepAlive(lambda: sent.append(time.monotonic()), every_s=0.2)
+    try:
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:  # orders going out every 50 ms: no keep-alive needed
+            keep.sent()
+            time.sleep(0.05)
+        assert sent == []
+        time.sleep(0.7)  # idle: one about every 0.2 s
+        assert 2 <= len(sent) <= 4, sent
+    finally:
+        keep.close()
+    n = len(sent)
+    time.sleep(0.4)
+    assert len(sent) == n  # closed: no more
