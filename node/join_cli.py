@@ -37,6 +37,10 @@ SHUTDOWN_GRACE_S = 15.0
 in the bootstrap multiaddr, and the spec must name that peer as its coordinator."""
 
 
+EXIT_RANK_LOST = 4
+"""Exit code of an expert-parallel inference node one of whose ranks failed or went away mid-run."""
+
+
 def quiet_libp2p() -> None:
     """py-libp2p's auto-connector and friends log at INFO every tick."""
     for name in ("libp2p", "multiaddr", "async_service"):
@@ -111,23 +115,25 @@ async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
-               device: str = "cpu", fp8: str = "off") -> None:
+               device: str = "cpu", fp8: str = "off", ep: int = 1) -> None:
     """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
-    (node/adversary.py makes an inference node a cheater this way)."""
+    (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
+    expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
     from node.roles.common import stop_on_signals
 
     spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
     workdir.mkdir(parents=True, exist_ok=True)
     key_path = key_path or workdir / "node.key"
-    if role == "trainer" and int(os.environ.get("RANK", "0")) > 0:
-        # torchrun ranks > 0 never touch the network: they must not race rank 0 to create its key
+    world = role == "trainer" or (role == "inference" and ep > 1)
+    if world and int(os.environ.get("RANK", "0")) > 0:
+        # ranks > 0 never touch the network: they must not race rank 0 to create its key
         key = NodeKey.load(key_path) if key_path.exists() else NodeKey.generate()
     else:
         key = NodeKey.load_or_create(key_path)
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
-        node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8)
+        node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8, ep=ep)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
@@ -139,6 +145,25 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
         node = RelayNode(key, spec, bootstrap, workdir, shardcast_port, host=host)
     if customize is not None:
         customize(node)
+    followers = None
+    if role == "inference" and ep > 1 and "RANK" not in os.environ:  # one command: the other ranks are ours to start
+        from node.engine.ep_spawn import spawn_followers
+
+        if spec_path is None:
+            spec_path = workdir / "spec.json"
+            spec_path.write_text(spec.model_dump_json())
+        argv = [sys.executable, "-m", "node.cli", "--log-level", logging.getLevelName(logging.getLogger().level),
+                "join", "--role", "inference", "--bootstrap", bootstrap, "--spec", str(spec_path), "--workdir",
+                str(workdir), "--engine", engine, "--ep", str(ep), "--device", device.split(":")[0]]
+        followers = spawn_followers(ep, argv, workdir)
+    try:
+        await _run_role(role, node, key, stop, ep)
+    finally:
+        if followers is not None:
+            await asyncio.to_thread(followers.close)
+
+
+async def _run_role(role: str, node, key: NodeKey, stop: asyncio.Event, ep: int) -> None:
     print(f"node id: {key.peer_id} ({role})", flush=True)
     task = asyncio.create_task(node.run(stop))
     stopper = asyncio.create_task(stop.wait())
@@ -160,6 +185,14 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
             task.result()
         except BannedPeer:
             pass  # said below, with its own exit code
+        except RuntimeError as exc:
+            if role == "inference" and ep > 1:
+                from node.engine.ep_world import EPRankLost
+
+                if isinstance(exc, EPRankLost):  # the node has left the run; say why in one line
+                    print(f"primerl-node {role}: error: {exc}", file=sys.stderr, flush=True)
+                    raise SystemExit(EXIT_RANK_LOST) from None
+            raise
     if getattr(stop, "why", ""):
         print(f"primerl-node {role}: {stop.why}", file=sys.stderr if stop.exit_code else sys.stdout, flush=True)
     if getattr(stop, "exit_code", 0):
@@ -189,8 +222,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trainer/relay: address the shard server and libp2p listen on (0.0.0.0 to serve other "
                         "machines; the run spec's shardcast_sources must name a reachable URL)")
     from node.engine.registry import ENGINES
-    j.add_argument("--engine", choices=list(ENGINES), default="builtin",
-                   help="inference engine (node/engine/registry.py): "
+    j.add_argument("--engine", choices=list(ENGINES), default=None,
+                   help="inference engine (default: builtin, or builtin-ep with --ep N > 1; node/engine/registry.py): "
                         + "; ".join(f"{n}: {e.help}" for n, e in ENGINES.items()))
     j.add_argument("--trace-versions", action="store_true",
                    help="inference: append when each policy version was announced, fetched and queued to "
@@ -205,9 +238,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
                    help="with --engine builtin-cuda: block-scaled FP8 weights for the routed experts only, or for every "
                         "projection (an H100/H200-class GPU; docs/fp8.md)")
-    par = j.add_argument_group("trainer parallelism (launch with torchrun; world = dp x cp)")
+    par = j.add_argument_group("parallelism (trainer: launch with torchrun, world = dp x cp; inference: --ep only)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2)")
-    par.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp")
+    par.add_argument("--ep", type=int, default=1,
+                     help="trainer: expert-parallel ranks, taken from dp; inference: N processes of this host "
+                          "(engine builtin-ep; one GPU each with --device cuda), started by this command unless "
+                          "under torchrun --nproc-per-node N")
     par.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     par.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="replicate instead of sharding")
     par.add_argument("--activation-checkpointing", action="store_true",
@@ -239,13 +275,22 @@ def _join(args: argparse.Namespace) -> int:
     args.customize = _customizer(args)
     parallel = {"dp": args.dp, "ep": args.ep, "cp": args.cp, "fsdp": args.fsdp,
                 "activation_checkpointing": args.activation_checkpointing}
-    if args.role != "trainer" and ((args.dp, args.ep, args.cp) != (1, 1, 1) or args.activation_checkpointing):
-        raise SystemExit("primerl-node join: --dp/--ep/--cp/--activation-checkpointing apply to --role trainer only")
-    if args.role != "inference" and args.engine != "builtin":
+    if args.role != "trainer" and ((args.dp, args.cp) != (1, 1) or args.activation_checkpointing):
+        raise SystemExit("primerl-node join: --dp/--cp/--activation-checkpointing apply to --role trainer only")
+    if args.role not in ("trainer", "inference") and args.ep != 1:
+        raise SystemExit("primerl-node join: --ep applies to --role trainer or inference only")
+    if args.role != "inference" and args.engine is not None:
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
-    if args.vllm and args.engine != "vllm":
+    engine = args.engine or ("builtin-ep" if args.role == "inference" and args.ep > 1 else "builtin")
+    if args.vllm and engine != "vllm":
         raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
-    device = args.device or ("cuda" if args.engine == "builtin-cuda" else "cpu")
+    device = args.device or ("cuda" if engine == "builtin-cuda" else "cpu")
+    ep = args.ep if args.role == "inference" else 1
+    if ep > 1 and device.startswith("cuda"):
+        if device != "cuda":
+            raise SystemExit(f"primerl-node join: --ep {ep} serves on cuda:0..{ep - 1} (rank R on cuda:R; "
+                             f"CUDA_VISIBLE_DEVICES picks which GPUs): pass --device cuda, not {device}")
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     if args.role != "inference" and args.fp8 != "off":
         raise SystemExit("primerl-node join: --fp8 applies to --role inference only")
     from node.roles.common import set_device
@@ -254,6 +299,6 @@ def _join(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"primerl-node join: {exc}") from None
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port,
-                     engine=args.engine, parallel=parallel, host=args.host, vllm=args.vllm,
-                     customize=getattr(args, "customize", None), device=device, fp8=args.fp8))
+                     engine=engine, parallel=parallel, host=args.host, vllm=args.vllm,
+                     customize=getattr(args, "customize", None), device=device, fp8=args.fp8, ep=ep))
     return 0

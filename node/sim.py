@@ -61,15 +61,20 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
             vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None,
             model: dict | None = None, run: dict | None = None, placement: Placement | None = None,
-            engine: str = "builtin", fp8: str = "off") -> dict:
+            engine: str = "builtin", fp8: str = "off", inference_ep: int = 1) -> dict:
     """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
     the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
     `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`).
     `model`: the run's model spec (None: the tiny MoE); `run`: run.toml keys to override (e.g. a longer
     dead_after_missed for a large model on a busy machine). `placement`: each role's `--device`
     (node/sim_devices.py; None: all on the CPU); `engine`, `fp8`: the honest inference nodes' `--engine` and
-    `--fp8` (vLLM nodes excepted)."""
+    `--fp8` (vLLM nodes excepted); `inference_ep`: each honest built-in inference node serves over this many
+    expert-parallel processes (`join --ep`, engine builtin-ep; CPU only here)."""
     placement = placement or place("cpu", inference_nodes)
+    if inference_ep > 1:
+        if any(d != "cpu" for d in placement.inference):
+            raise ValueError("sim --ep runs its expert-parallel inference nodes on the CPU (gloo) only")
+        engine = "builtin-ep" if engine == "builtin" else engine
     deadline = Deadline(steps, timeout_for(steps, vllm_nodes) if timeout_s is None else timeout_s,
                         follow=timeout_s is None)
     if vllm_nodes:
@@ -126,7 +131,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     for i in range(inference_nodes):
         name = f"inference-{i}"
         extra = ["--engine", "vllm"] if i < vllm_nodes else \
-            ["--engine", engine, "--device", placement.inference[i], *(["--fp8", fp8] if fp8 != "off" else [])]
+            ["--engine", engine, "--device", placement.inference[i], *(["--fp8", fp8] if fp8 != "off" else []),
+             *(["--ep", str(inference_ep)] if inference_ep > 1 else [])]
         procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
@@ -282,6 +288,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
                    help="with --engine builtin-cuda: FP8 weights (the validator has no FP8 tolerances yet: keep "
                         "verification off, or expect honest FP8 work to be judged by bf16 tolerances)")
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="each built-in inference node serves over N expert-parallel processes (join --ep N, engine "
+                        "builtin-ep, gloo on the CPU); N must divide the recipe's experts")
     p.add_argument("--model", default=None,
                    help="the run's model: tiny-moe (default), smollm2-135m-instruct, or an HF-layout directory")
     p.set_defaults(func=_main)
@@ -320,6 +329,7 @@ def _main(args: argparse.Namespace) -> int:
                       vllm_nodes=args.vllm_nodes, trainer_parallel=args.trainer_parallel, stop_after_target=stop_after,
                       placement=place(args.device, args.inference_nodes),
                       engine=args.engine or ("builtin-cuda" if args.device == "cuda" else "builtin"), fp8=args.fp8,
+                      inference_ep=args.ep,
                       **pretrained_run(args.model))
     print(json.dumps(summary))
     print(f"report: {args.out / 'report.png'}")

@@ -40,29 +40,55 @@ class EPEngine(Engine):
         super().__init__(shard_model_experts(model, self.group), **kwargs)
 
     # ---- weights: each rank keeps its rows of the stacked expert tensors ------------------
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape in the whole model (expert tensors: all experts, not this rank's)."""
+        ep = dist.get_world_size(self.group)
+        return {name: (p.shape[0] * ep, *p.shape[1:]) if ".mlp.experts." in name else tuple(p.shape)
+                for name, p in self.model.state_dict().items()}
+
+    def check_version(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The version in internal names (experts stacked), refused with `InvalidCheckpoint` unless its
+        names and shapes are the whole model's."""
+        internal = hf_to_internal(state_dict, self.model.config)
+        want = self.full_shapes()
+        if sorted(want) != sorted(internal):
+            raise InvalidCheckpoint(f"tensor names differ: missing {sorted(set(want) - set(internal))[:3]}, "
+                                    f"unexpected {sorted(set(internal) - set(want))[:3]}")
+        for name, shape in want.items():
+            if tuple(internal[name].shape) != shape:
+                raise InvalidCheckpoint(f"{name}: shape {tuple(internal[name].shape)}, the model's is {shape}")
+        return internal
+
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is None:
             return
         state_dict, version = pending
-        internal = hf_to_internal(state_dict, self.model.config)
-        own = self.model.state_dict()
-        if sorted(own) != sorted(internal):
-            raise InvalidCheckpoint(f"tensor names differ: missing {sorted(set(own) - set(internal))[:3]}, "
-                                    f"unexpected {sorted(set(internal) - set(own))[:3]}")
-        pairs = []
-        for name, p in own.items():
-            t = internal[name]
-            if ".mlp.experts." in name:
-                block = self.model.get_submodule(name.rsplit(".experts.", 1)[0])
-                t = t[block.expert_offset : block.expert_offset + block.experts.num_experts]
-            if tuple(t.shape) != tuple(p.shape):
-                raise InvalidCheckpoint(f"{name}: shape {tuple(t.shape)}, this rank expects {tuple(p.shape)}")
-            pairs.append((p, t))
-        with torch.no_grad():  # all checked first: a rejected version leaves the weights untouched
-            for p, t in pairs:
+        internal = self.check_version(state_dict)  # all checked first: a rejected version leaves the weights untouched
+        with torch.no_grad():
+            for name, p in self.model.state_dict().items():
+                t = internal[name]
+                if ".mlp.experts." in name:
+                    block = self.model.get_submodule(name.rsplit(".experts.", 1)[0])
+                    t = t[block.expert_offset : block.expert_offset + block.experts.num_experts]
                 p.copy_(t)
+        self.version = version
+
+    @torch.no_grad()
+    def receive_version(self, version: int, internal: dict[str, torch.Tensor] | None = None, src: int = 0) -> None:
+        """Collective: rank `src` passes a checked version (`check_version`), every other rank None;
+        non-expert tensors are broadcast, expert tensors scattered (each rank receives only its experts'
+        rows), straight into the parameters. Call between two steps on every rank together."""
+        ep = dist.get_world_size(self.group)
+        for name, p in sorted(self.model.state_dict().items()):
+            if ".mlp.experts." in name:
+                chunks = list(internal[name].to(p.device, p.dtype).contiguous().chunk(ep)) if internal is not None else None
+                dist.scatter(p, chunks, src=src, group=self.group)
+            else:
+                if internal is not None:
+                    p.copy_(internal[name])
+                dist.broadcast(p, src=src, group=self.group)
         self.version = version
 
     # ---- the collective loop -------------------------------------------------------------

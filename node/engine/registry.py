@@ -76,6 +76,8 @@ class EngineSetup:
     """Where an in-process engine serves (`join --device cpu|cuda[:i]`)."""
     fp8: str = "off"
     """FP8 weights on a CUDA engine: off | experts (routed experts only) | all (`join --fp8`)."""
+    ep: int = 1
+    """Expert-parallel processes of one host serving together (`join --ep`; engines with `expert_parallel`)."""
     model_dir: Path | None = None
     """The HF directory the run's model came from (None: tiny-moe); engines that write checkpoints copy
     its tokenizer files and generation config beside each one."""
@@ -93,6 +95,8 @@ class EngineEntry:
     """True: `path` is a factory(EngineSetup) that may start a process; False: an `Engine`-like class."""
     placed: bool = False
     """An in-process engine that takes `device=` and `fp8=` (and captures its graphs before serving)."""
+    expert_parallel: bool = False
+    """Serves with `EngineSetup.ep` > 1 processes (the others started by `join`, or by torchrun)."""
 
 
 ENGINES: dict[str, EngineEntry] = {
@@ -100,6 +104,10 @@ ENGINES: dict[str, EngineEntry] = {
     "builtin-cuda": EngineEntry("node.engine.cuda_engine:CudaEngine", "builtin",
                                 "the built-in engine on a CUDA device (--device cuda[:i]): CUDA graphs per batch bucket, "
                                 "GPU sampling with the validator's seeded rule, FP8 with --fp8", placed=True),
+    "builtin-ep": EngineEntry("node.engine.ep_world:start", "builtin",
+                              "the built-in engine with expert parallelism over --ep N processes of this host (one "
+                              "GPU each with --device cuda, NCCL; gloo on the CPU): experts split, attention "
+                              "data-parallel, all-to-all dispatch", server=True, expert_parallel=True),
     "vllm": EngineEntry("contrib.vllm.node_engine:VLLMNodeEngine", "vllm",
                         "a supervised vLLM server (contrib/vllm; its interpreter is $PRIMERL_VLLM_PYTHON)", server=True),
 }
@@ -115,6 +123,9 @@ def entry(name: str) -> EngineEntry:
 def check(name: str, setup: EngineSetup) -> dict:
     """Refuse bad settings before anything starts; returns the settings the engine will start with."""
     e = entry(name)
+    if setup.ep > 1 and not e.expert_parallel:
+        raise EngineUnavailable(f"engine {name} cannot serve expert-parallel (--ep {setup.ep}); use --engine builtin-ep"
+                                + ("; vLLM splits experts with --vllm data_parallel=N --vllm expert_parallel=true" if name == "vllm" else ""))
     if not e.server:
         if setup.options:
             raise EngineUnavailable(f"engine {name} takes no options ({', '.join(setup.options)})")

@@ -6,11 +6,13 @@ manifest hash the coordinator announced; work the coordinator cancelled as stale
 submitted. The role holds no cheating code: the simulation's adversary (node/adversary.py) installs
 a `before_submit` hook in a node of its own.
 
-The engine is looked up by name (`node/engine/registry.py`: "builtin", or "vllm", a supervised vLLM
-server from contrib/vllm, run by its own interpreter, $PRIMERL_VLLM_PYTHON) and started while the node
-joins and fetches; the role drives only the registry's `InferenceEngine` surface. Submissions say
+The engine is looked up by name (`node/engine/registry.py`: "builtin", "builtin-cuda", "builtin-ep"
+over `--ep N` processes, or "vllm", a supervised vLLM server from contrib/vllm, run by its own
+interpreter, $PRIMERL_VLLM_PYTHON) and started while the node joins and fetches; the role drives only the registry's `InferenceEngine` surface. Submissions say
 which engine sampled them (`engine`), and a run whose spec does not accept that engine is refused at
-start (`EngineUnavailable`).
+start (`EngineUnavailable`). With `--ep N`, this process is rank 0 (the network node) of an
+expert-parallel world (node/engine/ep_world.py); ranks 1..N-1 run `_follow_rank_0` and never touch the
+network.
 
 Router replay: when the run's recipe asks for it (`router_replay`, on by default) and its model has
 MoE layers, the engine records the experts it routed every position to (the built-in one with
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,9 +65,10 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 
 class InferenceNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None,
-                 device: str = "cpu", fp8: str = "off"):
+                 device: str = "cpu", fp8: str = "off", ep: int = 1):
         """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm);
-        `device`, `fp8`: where an in-process engine serves and whether with FP8 weights (builtin-cuda)."""
+        `device`, `fp8`: where an in-process engine serves and whether with FP8 weights (builtin-cuda);
+        `ep`: expert-parallel processes (builtin-ep; this one is rank $RANK of them)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.leases_per_request = leases_per_request
         self.tok = tokenizer(spec)
@@ -86,7 +91,7 @@ class InferenceNode:
             model=lambda: blank_model(spec), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,
             max_seq_len=cfg.max_position_embeddings, eos_id=self.tok.eos_id, encode=self.tok.encode,
             decode=self.tok.decode, bos_id=self.tok.bos_id, capture_experts=self.routes is not None,
-            workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8,
+            workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8, ep=ep,
             model_dir=resolve(spec.model.source))
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
@@ -107,6 +112,8 @@ class InferenceNode:
         self._engine_start: asyncio.Task | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.engine_setup.ep > 1 and int(os.environ.get("RANK", "0")) > 0:
+            return await self._follow_rank_0()
         # The engine starts while the node joins and fetches (a vLLM server takes tens of seconds).
         self._engine_start = asyncio.create_task(asyncio.to_thread(engines.build, self.engine_name, self.engine_setup))
         try:
@@ -128,6 +135,19 @@ class InferenceNode:
             await self._close_engine()
             log.info("inference %s stopped: %d groups submitted, %d refused", self.key.peer_id[-8:],
                      self.submitted, self.refused)
+
+    async def _follow_rank_0(self) -> None:
+        """An expert-parallel rank > 0: no network; serve rank 0's orders until its stop (node.engine.ep_world).
+        Only rank 0 decides when to stop (it must send the stop order, or ranks would hang in a
+        collective): a signal here is logged and left to rank 0."""
+        from node.engine.ep_spawn import watch_parent
+        from node.engine.ep_world import follow
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, log.info, "signal %s: waiting for rank 0's stop order", sig.name)
+        watch_parent()
+        await asyncio.to_thread(follow, self.engine_setup)
 
     async def _close_engine(self) -> None:
         """Stop the engine, also while it is still starting (a server never outlives the node)."""

@@ -25,7 +25,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +38,8 @@ from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.parallel import checkpoint as dcp_checkpoint
 from node.rl.parallel.apply import init_local, materialize, parallelize
+from node.rl.parallel.control import (LeaderLost, ModelMismatch, KeepAlive, check_same,  # noqa: F401 (re-exported)
+                                      control_group, exchange)
 from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
 from node.rl.parallel.publish import PayloadBuffer, stream_publish
 from node.rl.parallel.state import scatter_optimizer_state, scatter_weights
@@ -51,22 +52,9 @@ from shardcast.store import Store
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_S = 10.0
-"""Rank 0 sends a keep-alive when it has sent no order for this long (waiting for a batch, warm-up)."""
-ORDER_TIMEOUT_S = 120.0
-"""A rank that hears nothing from rank 0 for this long (12 missed keep-alives) gives up."""
 COLLECTIVE_TIMEOUT_S = 600.0
 """Bound on any collective of the training step (a rank that died mid-step); generous for large
 models on GPUs, where one step's gathers take long."""
-
-
-class LeaderLost(RuntimeError):
-    """Rank 0 sent nothing (no order, no keep-alive) within ORDER_TIMEOUT_S: it is gone."""
-
-
-class ModelMismatch(ValueError):
-    """Ranks were given different models (e.g. rank 0 resumed a checkpoint of another model than
-    the run's): every rank raises it at start, naming the fields that differ."""
 
 
 @dataclass
@@ -100,7 +88,7 @@ class TrainerRank:
         self.rank = dist.get_rank()
         # Orders travel on CPU over gloo whatever the training backend: they are small and
         # their timeout (ORDER_TIMEOUT_S) differs from the training collectives'.
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=ORDER_TIMEOUT_S))
+        self.control = control_group()
         self.groups = ParallelGroups.build(dims, self.device)
         if model is not None:
             dims.check_model(model.config)
@@ -112,18 +100,7 @@ class TrainerRank:
 
     def exchange(self, order: Order | list[Order] | None) -> Order:
         """Rank 0 sends `order` (one for all, or one per rank); every rank receives its own."""
-        box: list = [None]
-        if self.rank == 0:
-            orders = order if isinstance(order, list) else [order] * dist.get_world_size()
-        else:
-            orders = None
-        try:
-            dist.scatter_object_list(box, orders, src=0, group=self.control)
-        except RuntimeError as exc:
-            if self.rank == 0:
-                raise
-            raise LeaderLost(f"rank {self.rank}: nothing from rank 0 within {ORDER_TIMEOUT_S:.0f}s ({exc})") from exc
-        return box[0]
+        return exchange(self.control, order)
 
     def carry_out(self, order: Order):
         """The order's work on this rank (collective: every rank runs the same)."""
@@ -147,12 +124,7 @@ class TrainerRank:
         """Build the model on the meta device, shard it, allocate only this rank's shards and fill
         them: from a distributed checkpoint, or tensor by tensor from rank 0's weights."""
         config = self.model.config
-        configs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(configs, config.model_dump(), group=self.control)
-        for r, other in enumerate(configs):
-            diff = [f"{k}: rank 0 {v!r}, rank {r} {other.get(k)!r}" for k, v in configs[0].items() if other.get(k) != v]
-            if diff:
-                raise ModelMismatch("ranks hold different models: " + "; ".join(diff))
+        check_same(self.control, config.model_dump())
         with torch.device("meta"):
             skeleton = CausalLM(config)
         model = materialize(parallelize(skeleton, self.groups), self.device)
@@ -206,10 +178,9 @@ class Leader:
         self.buffer = PayloadBuffer()
         self.last_publish: dict[str, float] = {}
         """Timings of the last publication: gather_s (the world busy), total_s (signed)."""
-        self._last_order = time.monotonic()
         self._stopped = False  # touched only on the collectives thread
         self._closing = threading.Event()
-        threading.Thread(target=self._keep_alive, name="keepalive", daemon=True).start()
+        self._keepalive = KeepAlive(lambda: self.collectives.submit(self._send, Order("keepalive")))
 
     @classmethod
     def connect(cls, dims: ParallelDims, cfg: TrainerConfig, seed: int, model: CausalLM | None = None) -> "Leader":
@@ -232,20 +203,11 @@ class Leader:
             return None
         self._stopped = first.kind == "stop"
         mine = self.rank.exchange(order)
-        self._last_order = time.monotonic()
+        self._keepalive.sent()
         return self.rank.carry_out(mine)
 
     def _order(self, order: Order | list[Order]):
         return self.collectives.submit(self._send, order).result()
-
-    def _keep_alive(self) -> None:
-        while not self._closing.wait(KEEPALIVE_S / 4):
-            if time.monotonic() - self._last_order >= KEEPALIVE_S:
-                self._last_order = time.monotonic()  # one queued keep-alive at a time
-                try:
-                    self.collectives.submit(self._send, Order("keepalive"))
-                except RuntimeError:  # stop() shut the executor down meanwhile
-                    return
 
     def start(self, trainer: Trainer) -> "Leader":
         """Every rank starts from `trainer` (warmed up, or resumed: weights, AdamW state, step);
@@ -312,6 +274,7 @@ class Leader:
         if self._closing.is_set():
             return
         self._closing.set()
+        self._keepalive.close()
         try:
             self._order(Order("stop"))
         except RuntimeError as exc:  # a rank already gone: nothing left to stop
