@@ -33,7 +33,7 @@ run: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/primerl-node sim --inference-nodes 4 --churn --cheaters 1 --task reverse --out runs/sim
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
