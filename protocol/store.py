@@ -357,11 +357,15 @@ class CoordinatorStore:
                 now)
 
     def pending_opinions(self) -> dict[int, tuple[set[str], int]]:
-        """Unit -> (validators that gave an opinion, opinions it needs) for units without a verdict yet."""
+        """Unit -> (validators that gave an opinion, opinions it needs) for waiting units (accepted, not
+        batched nor dropped) without a verdict yet; read through `accepted_waiting`, so a validator's
+        poll costs what is waiting, not every opinion of the run (100k opinions: ~20 ms a poll before)."""
         out: dict[int, tuple[set[str], int]] = {}
-        for w, v, need in self._q("SELECT o.work_id, o.validator, COALESCE(j.need, 1) FROM opinions o "
+        for w, v, need in self._q("SELECT o.work_id, o.validator, COALESCE(j.need, 1) FROM accepted a "
+                                  "INDEXED BY accepted_waiting JOIN opinions o ON o.work_id = a.work_id "
                                   "LEFT JOIN judging j ON j.work_id = o.work_id "
-                                  "WHERE o.work_id NOT IN (SELECT work_id FROM verdicts)"):
+                                  "LEFT JOIN verdicts vd ON vd.work_id = a.work_id "
+                                  "WHERE a.batch_step IS NULL AND a.dropped IS NULL AND vd.work_id IS NULL"):
             out.setdefault(w, (set(), need))[0].add(v)
         return out
 

@@ -29,7 +29,8 @@ def test_a_poll_reads_waiting_units_through_an_index_and_picks_what_the_full_sca
     verdicts = c.store.verdicts()
     assert all(v == verdicts.get(r.work_id) for r, v in waiting)  # the verdict rides along (None: none yet)
     for method, index in (("waiting", "accepted_waiting"), ("batch_of", "accepted_batch"),
-                          ("waiting_count", "accepted_waiting"), ("unjudged", "accepted_waiting")):
+                          ("waiting_count", "accepted_waiting"), ("unjudged", "accepted_waiting"),
+                          ("pending_opinions", "accepted_waiting")):
         plan = _plan(c, method)
         assert index in plan and "SCAN accepted" not in plan.replace(f"USING INDEX {index}", ""), (method, plan)
     c.close()
