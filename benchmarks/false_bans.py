@@ -5,6 +5,10 @@ under varied engine settings and CPU contention, with cheaters mixed in that mus
         [--checkpoint /tmp/fb.jsonl] [--out benchmarks/results/false_bans-100k-cpu-2core.json]
     python -m benchmarks.false_bans --report /tmp/fb.jsonl [--out ...]   # figures of a cut run
 
+Run it with OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1: on a busy 2-core machine OpenMP's spinning
+threads made 2-thread generation 10-30x slower (float32 batch 64: 22 against 168 rollouts/s passive),
+which changes no number a rollout holds, only how many rounds fit in the time.
+
 Tiny MoE model (tests/verification/rollouts.py), CPU, the reverse task's short completions. Each
 round one identity generates a batch of rollouts (fresh tasks and sampling seeds, temperature 1)
 through the real `Engine` (hidden states and routed experts captured, proofs built by
