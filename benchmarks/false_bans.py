@@ -1,21 +1,32 @@
 """False bans: honest rollouts judged by the validator's checks and the coordinator's ban policy,
 under varied engine settings and CPU contention, with cheaters mixed in that must still be caught.
 
-    python -m benchmarks.false_bans [--minutes 10] [--hogs 2] [--out benchmarks/results/false_bans-cpu-2core.json]
+    python -m benchmarks.false_bans [--rollouts 100000] [--minutes 55] [--hogs 2]
+        [--checkpoint /tmp/fb.jsonl] [--out benchmarks/results/false_bans-100k-cpu-2core.json]
+    python -m benchmarks.false_bans --report /tmp/fb.jsonl [--out ...]   # figures of a cut run
 
-Tiny MoE model (tests/verification/rollouts.py), CPU. Each round one identity generates a batch of
-rollouts (fresh tasks and sampling seeds, temperature 1) with a randomly drawn engine batch size
-(1, 8, 32), thread count (1, 2) and precision (float32, bfloat16); every rollout goes through
-`verify_claims` against the honest weights, and its verdict through the coordinator's real judging
-(`protocol.judging.record_verdicts` on a real `Coordinator`: a proof-grade failure bans, three
-borderline ones ban). `HONEST_IDENTITIES` honest identities take turns; every `CHEAT_EVERY`-th round
-is a fresh cheater identity whose engine carries weight noise of 1% of each tensor's std on every
-layer (caught on 99-100% of submissions in `benchmarks/results/weak_tamper-cpu-2core.json`).
-`--hogs` busy-looping processes run beside it the whole time (CPU contention). This is not the
-network chaos of `benchmarks.chaos` (kills, partitions), whose `honest_banned` is reported there: a
-verdict depends on the rollout's numbers, which chaos does not change, and on the engine settings
-and thread scheduling, which this varies. Prints progress, then one JSON line; the peer in the same
-run is the cheaters' detection rate.
+Run it with OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1: on a busy 2-core machine OpenMP's spinning
+threads made 2-thread generation 10-30x slower (float32 batch 64: 22 against 168 rollouts/s passive),
+which changes no number a rollout holds, only how many rounds fit in the time.
+
+Tiny MoE model (tests/verification/rollouts.py), CPU, the reverse task's short completions. Each
+round one identity generates a batch of rollouts (fresh tasks and sampling seeds, temperature 1)
+through the real `Engine` (hidden states and routed experts captured, proofs built by
+`verification.proof.prove_rollouts`) with a randomly drawn engine batch size (`--batches`), thread
+count (1, 2), precision (float32, bfloat16) and policy version (0, 1: two published versions whose
+weights differ by 1% of each tensor's std); every rollout goes through `verify_claims` (the
+validator role's call) against the honest weights of both versions, and its verdict through the
+coordinator's real judging (`protocol.judging.record_verdicts` on a real `Coordinator` in a SQLite
+file, the round's submissions group-committed by `submit_many`: a proof-grade failure bans, three
+borderline ones ban, 200 valid verdicts forgive one). `HONEST_IDENTITIES` honest identities take
+turns; every `--cheat-every`-th round is a fresh cheater identity submitting `CHEAT_ROLLOUTS`
+rollouts, alternately `noise` (an engine with weight noise of 1% of each tensor's std on every
+layer) and `relabel` (version 0's tokens and proofs claimed as version 1). `--hogs` busy-looping
+processes run beside it the whole time (CPU contention). Every round is appended to `--checkpoint`
+(JSONL), so a cut run still reports what it measured (`--report`). This is not the network chaos
+of `benchmarks.chaos` (kills, partitions): a verdict depends on the rollout's numbers, which chaos
+does not change, and on the engine settings and thread scheduling, which this varies. Prints
+progress, then one JSON line; the peer in the same run is the cheaters' detection rate.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import multiprocessing
 import os
 import platform
@@ -46,10 +58,14 @@ from verification.validator import verify_claims
 log = logging.getLogger("bench.false_bans")
 
 HONEST_IDENTITIES = 8
-CHEAT_EVERY = 20
-"""One round in this many is a cheater's."""
+CHEAT_ROLLOUTS = 8
+"""Rollouts a cheater identity submits in its round."""
 CHEAT_NOISE = 1e-2
-"""The cheater's weight noise, as a share of each tensor's std (all layers)."""
+"""The `noise` cheater's weight noise, as a share of each tensor's std (all layers)."""
+VERSION_STEP = 1e-2
+"""Version 1 is version 0 plus noise of this share of each tensor's std (a policy update's size)."""
+VERIFY_THREADS = 1
+"""Torch threads of the verification (the engine's are drawn per round)."""
 
 
 def _hog(stop_at: float) -> None:
@@ -57,41 +73,140 @@ def _hog(stop_at: float) -> None:
         sum(i * i for i in range(10_000))
 
 
-def _unit(c: Coordinator, key: NodeKey, now: float) -> int:
-    """A work unit leased to and submitted by `key` (the rollout's bytes live with the benchmark)."""
-    g = c.grant_lease(key.peer_id, now)
-    sub = RolloutSubmission(work_id=g.work_id, version_runs=[(0, 1)], token_ids=[4], logprobs=[-0.1], reward=0.0,
-                            finish_reason="eos")
-    body = RolloutGroup(work_id=g.work_id, rollouts=[sub])
-    c.submit(key.peer_id, body, seal(key, c.spec.run_id, body, now=now), now)
-    return g.work_id
+def _submit(c: Coordinator, key: NodeKey, version: int, n: int, now: float) -> list[int]:
+    """`n` work units leased to and submitted by `key`, group-committed (the rollout bytes live with
+    the benchmark: the coordinator's judging needs the unit, not its tokens)."""
+    items = []
+    for _ in range(n):
+        g = c.grant_lease(key.peer_id, now)
+        body = RolloutGroup(work_id=g.work_id, rollouts=[RolloutSubmission(
+            work_id=g.work_id, version_runs=[(version, 1)], token_ids=[4], logprobs=[-0.1], reward=0.0,
+            finish_reason="eos")])
+        items.append((key.peer_id, body, seal(key, c.spec.run_id, body, now=now)))
+    for r in c.submit_many(items, now):
+        if not getattr(r, "accepted", False):
+            raise RuntimeError(f"submission refused: {r!r}")
+    return [b.work_id for _, b, _ in items]
+
+
+def upper_95(k: int, n: int) -> float | None:
+    """One-sided 95% upper bound on a binomial rate after k events in n trials (Clopper-Pearson;
+    for k = 0 this is 1 - 0.05^(1/n), about 3/n)."""
+    if n == 0:
+        return None
+    if k >= n:
+        return 1.0
+
+    def cdf(p: float) -> float:
+        return sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                            + (i * math.log(p) if i else 0.0) + (n - i) * math.log1p(-p)) for i in range(k + 1))
+
+    lo, hi = k / n, 1.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > 0.05 else (lo, mid)
+    return hi
+
+
+def summarize(rounds: list[dict], honest_ids: int = HONEST_IDENTITIES) -> dict:
+    """The figures of a run (or of the rounds a cut run checkpointed)."""
+    c: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    settings: Counter[str] = Counter()
+    banned_honest: set[str] = set()
+    cheaters: dict[str, set[str]] = {"noise": set(), "relabel": set()}
+    banned_cheaters: dict[str, set[str]] = {"noise": set(), "relabel": set()}
+    for r in rounds:
+        who = r["who"]
+        c[f"{who}_rollouts"] += r["n"]
+        c[f"{who}_after_ban"] += r.get("after_ban", 0)
+        c[f"{who}_rejected"] += r["rejected"]
+        for k, v in r["reasons"].items():
+            reasons[f"{who}/{k}"] += v
+        if who == "honest":
+            settings[f"{r['precision']}/batch{r['batch']}/threads{r['threads']}"] += r["n"] - r.get("after_ban", 0)
+            banned_honest |= set(r["banned"])
+        else:
+            c[f"{who}_{r['kind']}_rollouts"] += r["n"]
+            c[f"{who}_{r['kind']}_rejected"] += r["rejected"]
+            cheaters[r["kind"]].add(r["identity"])
+            banned_cheaters[r["kind"]] |= set(r["banned"]) & {r["identity"]}
+    judged = c["honest_rollouts"] - c["honest_after_ban"]
+    loads = [r["load1"] for r in rounds]
+    return {
+        "rounds": len(rounds),
+        "seconds": round(rounds[-1]["t"], 1) if rounds else 0.0,
+        "honest_rollouts_judged": judged,
+        "honest_rollouts_rejected": c["honest_rejected"],
+        "honest_identities_banned": len(banned_honest),
+        "honest_identities": honest_ids,
+        "false_rejection_rate_upper_95": round(upper_95(c["honest_rejected"], judged), 8) if judged else None,
+        "honest_rollouts_per_s": round(judged / rounds[-1]["t"], 2) if rounds else 0.0,
+        "cheater_identities": {k: len(v) for k, v in cheaters.items()},
+        "cheaters_banned": {k: len(v) for k, v in banned_cheaters.items()},
+        "cheater_rollouts_judged": {k: c[f"cheater_{k}_rollouts"] for k in cheaters},
+        "cheater_rollouts_rejected": {k: c[f"cheater_{k}_rejected"] for k in cheaters},
+        "cheater_rejection_rate": {k: round(c[f"cheater_{k}_rejected"] / c[f"cheater_{k}_rollouts"], 4)
+                                   for k in cheaters if c[f"cheater_{k}_rollouts"]},
+        "load_avg_1m": {"mean": round(sum(loads) / len(loads), 2), "min": min(loads), "max": max(loads)}
+        if loads else None,
+        "rejections_by_reason": dict(reasons), "honest_rollouts_by_setting": dict(sorted(settings.items())),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=10.0, help="how long to run (bounded)")
+    ap.add_argument("--rollouts", type=int, default=100_000, help="stop after this many honest rollouts judged")
+    ap.add_argument("--minutes", type=float, default=55.0, help="stop after this long in any case")
     ap.add_argument("--hogs", type=int, default=2, help="busy-looping processes beside the run")
+    ap.add_argument("--batches", default="16,64,128,256", help="engine batch sizes drawn per round")
+    ap.add_argument("--round-rollouts", type=int, default=64, help="an honest round's rollouts: max(this, batch)")
+    ap.add_argument("--cheat-every", type=int, default=20, help="one round in this many is a cheater's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", type=Path, help="append every round here (JSONL)")
+    ap.add_argument("--report", type=Path, help="only summarize this checkpoint file")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("protocol").setLevel(logging.ERROR)
+    if args.report:
+        lines = [json.loads(x) for x in args.report.read_text().splitlines() if x.strip()]
+        head, rounds = lines[0], lines[1:]
+        result = {**head, **summarize(rounds), "cut": True}
+    else:
+        result = run(args)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
+    batches = [int(b) for b in args.batches.split(",")]
     t0 = time.time()
     hogs = [multiprocessing.Process(target=_hog, args=(t0 + args.minutes * 60 + 30,), daemon=True)
             for _ in range(args.hogs)]
     for h in hogs:
         h.start()
-    models = {p: R.tiny_model(dtype=d) for p, d in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-    refs = {p: R.reference({0: m}) for p, m in models.items()}
-    cheat_models = {p: perturbed(m, CHEAT_NOISE, "all") for p, m in models.items()}
+    head = {"bench": "false_bans", "machine": platform.node(), "torch": torch.__version__,
+            "command": "python -m benchmarks.false_bans " + " ".join(sys.argv[1:]), "cpu_hogs": args.hogs,
+            "cpus": os.cpu_count(), "verify_threads": VERIFY_THREADS, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                              time.gmtime(t0))}
+    ckpt = args.checkpoint.open("w") if args.checkpoint else None
+    if ckpt:
+        ckpt.write(json.dumps(head) + "\n")
+        ckpt.flush()
+    models = {}
+    for p, d in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        v0 = R.tiny_model(dtype=d)
+        models[p] = {0: v0, 1: perturbed(v0, VERSION_STEP, "all", seed=7)}
+    refs = {p: R.reference(m) for p, m in models.items()}
+    noisy = {p: perturbed(m[0], CHEAT_NOISE, "all") for p, m in models.items()}
     ck = NodeKey.generate()
     honest = [NodeKey.generate() for _ in range(HONEST_IDENTITIES)]
-    counts: Counter[str] = Counter()
-    reasons: Counter[str] = Counter()
-    settings: Counter[str] = Counter()
-    cheaters: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    rounds: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="false-bans-") as tmp:
         spec = RunSpec(run_id="false-bans", coordinator=ck.peer_id, max_off_policy_steps=1,
                        heartbeat_interval_s=3600, lease_ttl_s=86_400, batch_groups=1)
         c = Coordinator(tmp, spec, synchronous="OFF", now=t0)
@@ -99,73 +214,77 @@ def main(argv: list[str] | None = None) -> int:
         for key in honest:
             c.join(key.peer_id, Join(spec_hash=c.spec_hash, role="inference"), t0)
         c.advance_policy(0, "00" * 32, t0)
-        seed, rnd = 10_000, 0
-        while time.time() - t0 < args.minutes * 60:
+        c.advance_policy(1, "11" * 32, t0)
+        seed, rnd, judged = 10_000, 0, 0
+        while judged < args.rollouts and time.time() - t0 < args.minutes * 60:
             precision = rng.choice(("float32", "bfloat16"))
-            batch, threads = rng.choice((1, 8, 32)), rng.choice((1, 2))
-            n = max(batch, 8)
+            batch, threads, version = rng.choice(batches), rng.choice((1, 2)), rng.choice((0, 1))
+            cheat = rnd % args.cheat_every == args.cheat_every - 1
+            kind = ("noise", "relabel")[(rnd // args.cheat_every) % 2] if cheat else None
+            n = CHEAT_ROLLOUTS if cheat else max(batch, args.round_rollouts)
             work = [(s, R.spec(s)) for s in range(seed, seed + n)]
             seed += n
-            cheat = rnd % CHEAT_EVERY == CHEAT_EVERY - 1
             if cheat:
                 key = NodeKey.generate()
                 c.join(key.peer_id, Join(spec_hash=c.spec_hash, role="inference"), time.time())
-                cheaters.append(key.peer_id)
             else:
                 key = honest[rnd % HONEST_IDENTITIES]
-                settings[f"{precision}/batch{batch}/threads{threads}"] += n
-            engine_model = cheat_models[precision] if cheat else models[precision]
-            claims = claims_of(engine_model, models[precision], work, batch, threads)
-            verdicts = verify_claims(claims, refs[precision])
-            who = "cheater" if cheat else "honest"
-            now = time.time()
-            banned_now = c.store.banned_peers()
-            for v in verdicts:
-                counts[f"{who}_rollouts"] += 1
-                if key.peer_id in banned_now:
-                    counts[f"{who}_after_ban"] += 1
-                    continue
-                wid = _unit(c, key, now)
-                counts[f"{who}_rejected"] += not v.accepted
-                if not v.accepted:
-                    reasons[f"{who}/{v.reason.value}/{v.severity.value}"] += 1
-                    if not cheat:
-                        log.info("honest rollout rejected (%s batch %d threads %d): %s", precision, batch, threads,
-                                 v.detail[:300] if hasattr(v, "detail") else v)
-                for peer, why in judging.record_verdicts(c, "validator", [Verdict(
-                        work_id=wid, submitter=key.peer_id, valid=v.accepted, reason=v.reason.value[:200],
-                        severity="borderline" if v.severity.value == "borderline" else "proof")], now):
-                    c.ban(peer, why, now)
-                    banned_now = c.store.banned_peers()
+            rec = {"round": rnd, "who": "cheater" if cheat else "honest", "kind": kind, "identity": key.peer_id,
+                   "precision": precision, "batch": batch, "threads": threads, "n": n, "after_ban": 0,
+                   "rejected": 0, "reasons": {}, "banned": []}
             rnd += 1
-            if rnd % 10 == 0:
-                log.info("%d rounds, %.0f s: %s; banned honest %d of %d, cheaters %d of %d", rnd, time.time() - t0,
-                         dict(counts), len(banned_now & {k.peer_id for k in honest}), HONEST_IDENTITIES,
-                         len(banned_now & set(cheaters)), len(cheaters))
-        banned = c.store.banned_peers()
+            if key.peer_id in c.store.banned_peers():
+                rec["after_ban"] = n  # a banned identity gets no more leases
+            else:
+                if kind == "noise":
+                    version = 0
+                    claims = claims_of(noisy[precision], models[precision][0], work, batch, threads)
+                elif kind == "relabel":  # an old version's work, claimed as the newest
+                    version = 1
+                    claims = R.relabel(claims_of(models[precision][0], models[precision][0], work, batch, threads), 1)
+                else:
+                    claims = claims_of(models[precision][version], models[precision][version],
+                                       [(s, sp) for s, sp in work], batch, threads, version=version)
+                torch.set_num_threads(VERIFY_THREADS)
+                verdicts = verify_claims(claims, refs[precision])
+                now = time.time()
+                wids = _submit(c, key, version, n, now)
+                rec["rejected"] = sum(not v.accepted for v in verdicts)
+                rec["reasons"] = dict(Counter(f"{v.reason.value}/{v.severity.value}" for v in verdicts if not v.accepted))
+                if rec["rejected"] and not cheat:
+                    for v in verdicts:
+                        if not v.accepted:
+                            log.warning("honest rollout rejected (%s batch %d threads %d v%d): %s %s %s", precision,
+                                        batch, threads, version, v.reason.value, v.severity.value, v.detail[:300])
+                    rec["details"] = [v.detail[:300] for v in verdicts if not v.accepted]
+                for peer, why in judging.record_verdicts(c, "validator", [Verdict(
+                        work_id=w, submitter=key.peer_id, valid=v.accepted, reason=v.reason.value[:200],
+                        severity="borderline" if v.severity.value == "borderline" else "proof")
+                        for w, v in zip(wids, verdicts)], now):
+                    c.ban(peer, why, now)
+                    rec["banned"].append(peer)
+                    if not cheat:
+                        log.warning("honest identity %s banned: %s", peer, why)
+                if not cheat:
+                    judged += n
+            rec["version"], rec["t"], rec["load1"] = version, round(time.time() - t0, 2), round(os.getloadavg()[0], 2)
+            rounds.append(rec)
+            if ckpt:
+                ckpt.write(json.dumps(rec) + "\n")
+                ckpt.flush()
+            if rnd % 20 == 0:
+                s = summarize(rounds)
+                log.info("%d rounds, %.0f s: honest %d judged (%.1f/s), %d rejected, %d banned; cheaters rejected %s "
+                         "of %s, banned %s of %s; load %.1f", rnd, time.time() - t0, judged, s["honest_rollouts_per_s"],
+                         s["honest_rollouts_rejected"], s["honest_identities_banned"], s["cheater_rollouts_rejected"],
+                         s["cheater_rollouts_judged"], s["cheaters_banned"], s["cheater_identities"],
+                         os.getloadavg()[0])
         c.close()
     for h in hogs:
         h.terminate()
-    judged_honest = counts["honest_rollouts"] - counts["honest_after_ban"]
-    result = {
-        "bench": "false_bans", "machine": platform.node(), "torch": torch.__version__,
-        "command": f"python -m benchmarks.false_bans --minutes {args.minutes:g} --hogs {args.hogs} --seed {args.seed}",
-        "seconds": round(time.time() - t0, 1), "cpu_hogs": args.hogs, "load_avg_1m_end": round(os.getloadavg()[0], 2),
-        "honest_rollouts_judged": judged_honest,
-        "honest_rollouts_rejected": counts["honest_rejected"],
-        "honest_identities_banned": len(banned & {k.peer_id for k in honest}),
-        "honest_identities": HONEST_IDENTITIES,
-        "false_rejection_rate_upper_95": round(3 / judged_honest, 7) if judged_honest and not counts["honest_rejected"]
-        else None,
-        "cheater_identities": len(cheaters), "cheaters_banned": len(banned & set(cheaters)),
-        "cheater_rollouts_judged": counts["cheater_rollouts"] - counts["cheater_after_ban"],
-        "cheater_rollouts_rejected": counts["cheater_rejected"],
-        "rejections_by_reason": dict(reasons), "honest_rollouts_by_setting": dict(settings),
-    }
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
+    if ckpt:
+        ckpt.close()
+    return {**head, **summarize(rounds), "cut": judged < args.rollouts}
 
 
 if __name__ == "__main__":

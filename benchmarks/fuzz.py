@@ -460,6 +460,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="*", help="surface names to run")
     ap.add_argument("--out", type=Path, help="also write the JSON result here")
+    ap.add_argument("--wire-workers", type=int, default=None, help="wire surfaces: concurrent streams (or publishes)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("protocol.network", "protocol.coordinator_service", "protocol.coordinator", "libp2p"):
@@ -492,7 +493,8 @@ def main() -> None:
         if wire:
             from benchmarks.fuzz_wire import run_wire
             log.info("fuzzing %s from a separate process", wire)
-            out = asyncio.run(run_wire(wire, args.cases, args.seed, tmp / "wire"))
+            from benchmarks.fuzz_wire import WORKERS
+            out = asyncio.run(run_wire(wire, args.cases, args.seed, tmp / "wire", workers=args.wire_workers or WORKERS))
             for n in wire:
                 result["surfaces"][n] = out.get(n, {"inputs": 0, "inputs_per_s": 0, "findings": 1,
                                                     "finding_examples": [f"client exit {out.get('client_exit')}"]})

@@ -54,11 +54,12 @@ def perturbed(model: torch.nn.Module, size: float, scope: str, seed: int = 1) ->
     return m
 
 
-def claims_of(engine_model, ref_model, work, max_batch: int, threads: int):
-    """Rollouts of `engine_model` as claims with routes, generated at this batch size and thread count."""
+def claims_of(engine_model, ref_model, work, max_batch: int, threads: int, version: int = 0):
+    """Rollouts of `engine_model` (serving policy `version`) as claims with routes, generated at this
+    batch size and thread count."""
     torch.set_num_threads(threads)
     engine = Engine(engine_model, max_batch=max_batch, max_seq_len=R.MAX_SEQ, eos_id=R.TOK.eos_id,
-                    decode=R.TOK.decode, capture_hidden=True, capture_experts=True)
+                    decode=R.TOK.decode, capture_hidden=True, capture_experts=True, version=version)
     comps = R.generate(engine, work)
     torch.set_num_threads(2)
     shape = RouteShape.of(ref_model.config)

@@ -144,19 +144,16 @@ def assign_batch(state: Coordinator, step: int, size: int, selector: Selector) -
     if len(assigned) >= size:
         return assigned[:size]
     banned = state.store.banned_peers()
-    valid = state.store.verdicts()
     with state.store as db:
-        for rec in state.store.accepted():
+        for rec, valid in db.waiting():  # unbatched and undropped only: never the whole history
             if len(assigned) >= size:
                 break
-            if rec.batch_step is not None or rec.dropped is not None:
-                continue
             reason = ("stale" if not state.ledger.admissible(rec.min_version, step)
                       else "banned" if rec.submitter in banned else None)
             if reason:
                 db.drop([rec.work_id], reason)
                 continue
-            if (rec.probation or selector(rec.work_id)) and not valid.get(rec.work_id, False):
+            if (rec.probation or selector(rec.work_id)) and not valid:
                 continue  # waits for its verdict (a unit on probation always does)
             db.assign(rec.work_id, step)
             db.credit(rec.submitter)  # earned: the submitter's lease allowance grows (LeasePolicy)
