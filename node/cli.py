@@ -101,11 +101,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from node.model.errors import ModelLoadError
     from node.recipe import InvalidRecipe
     from node.engine.registry import EngineUnavailable
+    from node.launch_guard import LaunchError
     from node.run_config import InvalidRunConfig
     from protocol.errors import ProtocolError
 
     return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError, EngineUnavailable, InvalidRunConfig,
-            InvalidRecipe, ModelLoadError)
+            InvalidRecipe, ModelLoadError, LaunchError)
 
 
 if __name__ == "__main__":

@@ -53,16 +53,22 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     from node.roles.common import stop_on_signals
     from node.roles.status import serve_status
     from node.run_config import RunConfig
+    from node.launch_guard import LaunchError, StateLock, listen_free
     from verification.verdict import selected_for_verification
 
     cfg = RunConfig.load(config)
+    lock = StateLock(state).acquire()  # before anything in the state is read or written
     key = NodeKey.load_or_create(key_path)
     spec = cfg.run_spec(key.peer_id)
-    state.mkdir(parents=True, exist_ok=True)
     (state / "spec.json").write_text(spec.model_dump_json())
     stop = stop_on_signals()
+    listen_free(cfg.listen)
     host = PeerHost(key, cfg.listen)
     await host.start()
+    if not host.addrs:  # py-libp2p logs a failed listen and starts with no address
+        await host.stop()
+        raise LaunchError(f"cannot listen on {cfg.listen} (run.toml `listen`): the address is in use or not "
+                          "this machine's")
     # Which units need a verdict is keyed by a secret only the coordinator holds (nodes cannot predict it).
     secret = hmac.new(key.private_bytes(), b"primerl-node/verification-selection", hashlib.sha256).digest()
     service = CoordinatorService(key, Coordinator(state, spec, retain_versions=retain_versions), host,
@@ -73,7 +79,14 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     async def hand_out_spec(remote: str, data: bytes) -> bytes:
         return spec_bytes
     host.serve(SPEC_PROTOCOL, hand_out_spec)
-    runner, port = await serve_status(service, cfg.status_port)
+    try:
+        runner, port = await serve_status(service, cfg.status_port)
+    except OSError as exc:
+        await service.stop()
+        service.state.close()
+        await host.stop()
+        raise LaunchError(f"cannot serve the status page on port {cfg.status_port} (run.toml `status_port`; 0 "
+                          f"picks a free port): {exc.strerror or exc}") from None
     bootstrap = next(a for a in host.addrs if "/p2p/" in a) if any("/p2p/" in a for a in host.addrs) else host.addrs[0]
     print(f"bootstrap: {bootstrap}\nstatus: http://127.0.0.1:{port}/\nspec: {state / 'spec.json'}", flush=True)
     if addr_file is not None:
@@ -87,6 +100,7 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     await service.stop()
     service.state.close()
     await host.stop()
+    lock.release()
 
 
 async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:

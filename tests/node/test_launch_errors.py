@@ -1,0 +1,76 @@
+"""What an operator meets when `coordinator launch` cannot start: one clear line and exit 2, not a
+traceback (the docs/node.md walk-through: a second launch on the same --state while the first ran
+opened its state, then died on the status port with an OSError traceback; a listen address in use
+started a coordinator with no address at all)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from node.run_config import to_toml
+from node.sim_procs import free_port
+from protocol.identity import NodeKey
+
+TRAINER, VALIDATOR = NodeKey.from_seed(b"t" * 32).peer_id, NodeKey.from_seed(b"v" * 32).peer_id
+
+
+def config(path, listen_port: int, status_port: int = 0):
+    path.write_text(to_toml({"run_id": "t1", "trainer": TRAINER, "validators": [VALIDATOR],
+                             "listen": f"/ip4/127.0.0.1/tcp/{listen_port}", "status_port": status_port}))
+    return path
+
+
+def launch(cfg, state, wait: bool = True, addr_file=None):
+    argv = [sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(cfg), "--state", str(state)]
+    if addr_file is not None:
+        argv += ["--addr-file", str(addr_file)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=90)
+    return proc.returncode, out + err
+
+
+def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_each(tmp_path):
+    first = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", wait=False,
+                   addr_file=tmp_path / "addr")
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "addr").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate(timeout=10)
+            time.sleep(0.2)
+        listen_port = int((tmp_path / "addr").read_text().split("/tcp/")[1].split("/")[0])
+        # the same state directory, other ports: refused before anything in the state is touched
+        code, text = launch(config(tmp_path / "b.toml", free_port()), tmp_path / "state")
+        assert code == 2 and "another coordinator" in text and "Traceback" not in text, text
+        assert first.poll() is None  # the running one is unharmed
+        # a listen address in use (the first coordinator's)
+        code, text = launch(config(tmp_path / "c.toml", listen_port), tmp_path / "state-c")
+        assert code == 2 and "cannot listen on" in text and "Traceback" not in text, text
+        # a status port in use
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            code, text = launch(config(tmp_path / "d.toml", free_port(), busy.getsockname()[1]), tmp_path / "state-d")
+        assert code == 2 and "cannot serve the status page on port" in text and "Traceback" not in text, text
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=30)
+    assert first.returncode == 0
+    # the lock went with the process: the same state launches again
+    again = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", wait=False,
+                   addr_file=tmp_path / "addr2")
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "addr2").exists():
+            assert again.poll() is None and time.monotonic() < deadline, again.communicate(timeout=10)
+            time.sleep(0.2)
+    finally:
+        again.send_signal(signal.SIGTERM)
+        again.communicate(timeout=30)
