@@ -42,10 +42,21 @@ EXIT_RANK_LOST = 4
 
 
 def quiet_libp2p() -> None:
-    """py-libp2p's auto-connector and friends log at INFO every tick."""
+    """py-libp2p's auto-connector and friends log at INFO every tick. Its import leaves the "libp2p"
+    logger without handlers and not propagating, so its warnings reached stderr bare (no time, no
+    name, via logging's last resort); they go through the one formatter instead."""
     for name in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    root = logging.getLogger()
+    lib = logging.getLogger("libp2p")
+    if root.handlers and not lib.handlers:  # some of its modules set INFO themselves: warnings only
+        handler = logging.StreamHandler()
+        handler.setFormatter(root.handlers[0].formatter)
+        handler.setLevel(logging.WARNING)
+        lib.addHandler(handler)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # every failed dial, 4 lines per attempt; protocol.client's one line per retry names the address
+    logging.getLogger("libp2p.transport.tcp").setLevel(logging.CRITICAL)
 
 
 async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_file: Path | None = None,

@@ -74,3 +74,34 @@ def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_ea
     finally:
         again.send_signal(signal.SIGTERM)
         again.communicate(timeout=30)
+
+
+def test_a_member_with_an_unreachable_bootstrap_says_so_once_per_retry_formatted_and_stops_on_sigterm(tmp_path):
+    # the walk-through: py-libp2p's dial errors reached stderr bare (no time, no logger), 4 per retry
+    from protocol.messages import RunSpec
+
+    spec = RunSpec(run_id="t1", coordinator=NodeKey.from_seed(b"c" * 32).peer_id, trainer=TRAINER,
+                   validators=[VALIDATOR])
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    bootstrap = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{spec.coordinator}"
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "join", "--role", "relay", "--bootstrap", bootstrap,
+                             "--spec", str(tmp_path / "spec.json"), "--workdir", str(tmp_path / "relay"),
+                             "--shardcast-port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        time.sleep(12)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out[-2000:]
+    lines = [line for line in out.splitlines() if line and not line.startswith("node id:")]
+    retries = [line for line in lines if "join failed" in line and bootstrap.split("/p2p/")[0] in line]
+    assert retries, out[-2000:]
+    bare = [line for line in lines if not line[:8].replace(":", "").isdigit()]
+    assert not bare, bare[:5]  # every line through the one formatter
+    assert "Failed to open TCP stream" not in out
+    assert len(lines) <= 3 * len(retries) + 6, out[-2000:]
