@@ -55,6 +55,24 @@ def test_a_misspelt_or_out_of_bounds_recipe_key_is_refused_at_launch_with_its_na
     assert out.returncode == 2 and "recipe.lrr" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_run_toml_errors_read_as_sentences_and_a_top_level_key_under_a_table_is_pointed_out(tmp_path):
+    # the walk-through: a run.toml without `trainer` said "run.toml: : Value error, `trainer` is required";
+    # `trainer = ...` appended at the end of the documented run.toml lands in [recipe] (TOML) and said
+    # "recipe.trainer: Extra inputs are not permitted"
+    write_config(tmp_path / "no-trainer.toml", trainer=None)
+    with pytest.raises(InvalidRunConfig) as caught:
+        RunConfig.load(tmp_path / "no-trainer.toml")
+    assert str(caught.value).startswith(f"{tmp_path / 'no-trainer.toml'}: `trainer` is required"), caught.value
+    path = tmp_path / "appended.toml"
+    write_config(path, trainer=None)
+    path.write_text(path.read_text() + f'trainer = "{TRAINER}"\n')
+    with pytest.raises(InvalidRunConfig, match=r"recipe.trainer: unknown key in \[recipe\]; `trainer` is a top-level key"):
+        RunConfig.load(path)
+    write_config(tmp_path / "typo.toml", batch_group=4)
+    with pytest.raises(InvalidRunConfig, match="batch_group: unknown key$"):
+        RunConfig.load(tmp_path / "typo.toml")
+
+
 def test_the_recipe_travels_as_the_keys_set_and_reads_back_typed_with_defaults(tmp_path):
     write_config(tmp_path / "ok.toml", recipe={"steps": 3, "router_replay": False, "lr": 0.01})
     spec = RunConfig.load(tmp_path / "ok.toml").run_spec("12D3KooWcoordinator")
