@@ -97,6 +97,7 @@ def _stack_dumps_on_sigusr1() -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from node.envs import UnknownTask
+    from node.envs.user import TaskMismatch
     from node.model import InvalidCheckpoint, InvalidModelConfig
     from node.model.errors import ModelLoadError
     from node.recipe import InvalidRecipe
@@ -106,7 +107,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from protocol.errors import ProtocolError
 
     return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError, EngineUnavailable, InvalidRunConfig,
-            InvalidRecipe, ModelLoadError, LaunchError)
+            InvalidRecipe, ModelLoadError, LaunchError, TaskMismatch)
 
 
 if __name__ == "__main__":
