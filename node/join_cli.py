@@ -55,8 +55,9 @@ def quiet_libp2p() -> None:
         handler.setLevel(logging.WARNING)
         lib.addHandler(handler)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    # every failed dial, 4 lines per attempt; protocol.client's one line per retry names the address
-    logging.getLogger("libp2p.transport.tcp").setLevel(logging.CRITICAL)
+    # every failed dial or stream (4-7 lines each, at ERROR); protocol.client's one line per retry says it
+    for name in ("libp2p.transport.tcp", "libp2p.host.basic_host", "libp2p.protocol_muxer.multiselect_client"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_file: Path | None = None,

@@ -64,6 +64,8 @@ def listen_free(listen: str) -> None:
         return
     family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # a listener refuses this bind; the TIME_WAIT connections a killed coordinator leaves do not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((parts[1], int(parts[3])))
         except OSError as exc:

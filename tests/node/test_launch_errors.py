@@ -37,9 +37,26 @@ def launch(cfg, state, wait: bool = True, addr_file=None):
     return proc.returncode, out + err
 
 
+def time_wait_on(port: int) -> None:
+    """Leave a connection from 127.0.0.1:port in TIME_WAIT (this side closes first)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        client.bind(("127.0.0.1", port))
+        client.connect(server.getsockname())
+        conn, _ = server.accept()
+        client.close()
+        time.sleep(0.2)
+        conn.close()
+        time.sleep(0.2)
+
+
 def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_each(tmp_path):
     first = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", wait=False,
                    addr_file=tmp_path / "addr")
+    peer = socket.socket()
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "addr").exists():
@@ -59,21 +76,27 @@ def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_ea
             busy.listen()
             code, text = launch(config(tmp_path / "d.toml", free_port(), busy.getsockname()[1]), tmp_path / "state-d")
         assert code == 2 and "cannot serve the status page on port" in text and "Traceback" not in text, text
+        # a connection, so that the coordinator's SIGKILL leaves its port in TIME_WAIT
+        peer.connect(("127.0.0.1", listen_port))
+        time.sleep(0.5)
     finally:
-        first.send_signal(signal.SIGTERM)
+        first.send_signal(signal.SIGKILL)
         first.communicate(timeout=30)
-    assert first.returncode == 0
-    # the lock went with the process: the same state launches again
-    again = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", wait=False,
-                   addr_file=tmp_path / "addr2")
+        peer.close()
+    time_wait_on(listen_port)  # what the killed coordinator's connections from its port leave behind
+    # the documented restart: the same run.toml and --state at once; the lock went with the process
+    # and a port in TIME_WAIT is free (a first version of the listen check refused it)
+    again = launch(tmp_path / "a.toml", tmp_path / "state", wait=False, addr_file=tmp_path / "addr2")
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "addr2").exists():
             assert again.poll() is None and time.monotonic() < deadline, again.communicate(timeout=10)
             time.sleep(0.2)
+        assert f"/tcp/{listen_port}/" in (tmp_path / "addr2").read_text()
     finally:
         again.send_signal(signal.SIGTERM)
         again.communicate(timeout=30)
+    assert again.returncode == 0
 
 
 def test_a_member_with_an_unreachable_bootstrap_says_so_once_per_retry_formatted_and_stops_on_sigterm(tmp_path):
