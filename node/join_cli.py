@@ -110,8 +110,8 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     log.info("coordinator stopping%s", ": the run is over" if ended.done() else "")
     await runner.cleanup()
     await service.stop()
+    await host.stop()  # no request may reach a closed state (members got InternalError: ProgrammingError)
     service.state.close()
-    await host.stop()
     lock.release()
 
 
