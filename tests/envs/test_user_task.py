@@ -98,3 +98,23 @@ def test_a_role_with_another_version_or_without_the_module_says_so_in_one_line_a
     out = subprocess.run([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(tmp_path / "run.toml"),
                           "--state", str(tmp_path / "state")], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and "PYTHONPATH" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_task_file_in_docs_node_md_loads_and_grades(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "node.md").read_text()
+    source = text.split("```python\n# my_module.py", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_module.py").write_text("# my_module.py" + source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_module", None)
+    try:
+        spec_task = task_identity("my_module:MyEnv")
+        env = get_env(spec_task)
+        task = env.sample_task(7)
+        assert env.reward(task, task.answer) == 1.0 and env.reward(task, "") == 0.0
+        from node.model.tokenizer import CharTokenizer
+        tok = CharTokenizer()
+        assert tok.decode(tok.encode(task.prompt)) == task.prompt  # the tiny model can read it
+    finally:
+        sys.modules.pop("my_module", None)
