@@ -18,24 +18,21 @@ import os
 import sys
 from pathlib import Path
 
+from node.launch_guard import LaunchError
+from node.spec_handout import SPEC_PROTOCOL, fetch_spec, read_spec
 from protocol.coordinator import RETAIN_VERSIONS, Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.errors import BannedPeer
 from protocol.identity import NodeKey
-from protocol.messages import RunSpec
 from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
 
-SPEC_PROTOCOL = "/primerl/spec/1"
 STOP_WAIT_S = 5.0
 """After SIGTERM/SIGINT a role gets this long to notice the stop by itself, then its task is cancelled."""
 SHUTDOWN_GRACE_S = 15.0
 """A role must finish its clean shutdown (leave, stop servers) within this after SIGTERM/SIGINT
 (the sim waits 20 s before it SIGKILLs)."""
-"""Where a coordinator hands out its run spec; the stream is authenticated (Noise) to the peer id
-in the bootstrap multiaddr, and the spec must name that peer as its coordinator."""
-
 
 EXIT_RANK_LOST = 4
 """Exit code of an expert-parallel inference node one of whose ranks failed or went away mid-run."""
@@ -65,7 +62,7 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     from node.roles.common import stop_on_signals
     from node.roles.status import serve_status
     from node.run_config import RunConfig
-    from node.launch_guard import LaunchError, StateLock, listen_free
+    from node.launch_guard import StateLock, listen_free
     from verification.verdict import selected_for_verification
 
     cfg = RunConfig.load(config)
@@ -115,29 +112,6 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     lock.release()
 
 
-async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
-    """The run spec from the coordinator at `bootstrap` (retried while it starts up)."""
-    coordinator = bootstrap.rsplit("/p2p/", 1)[-1]
-    host = PeerHost(NodeKey.generate())
-    await host.start()
-    try:
-        end = asyncio.get_running_loop().time() + timeout
-        while True:
-            try:
-                await host.connect(bootstrap, timeout=5)
-                spec = RunSpec.model_validate_json(await host.request(coordinator, SPEC_PROTOCOL, b"{}", timeout=10))
-                break
-            except Exception as exc:
-                if asyncio.get_running_loop().time() > end:
-                    raise SystemExit(f"no run spec from {bootstrap}: {exc}")
-                await asyncio.sleep(1.0)
-    finally:
-        await host.stop()
-    if spec.coordinator != coordinator:
-        raise SystemExit(f"the spec from {bootstrap} names another coordinator ({spec.coordinator})")
-    return spec
-
-
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
@@ -147,7 +121,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
     from node.roles.common import stop_on_signals
 
-    spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
+    spec = read_spec(spec_path, bootstrap) if spec_path else await fetch_spec(bootstrap)
     workdir.mkdir(parents=True, exist_ok=True)
     key_path = key_path or workdir / "node.key"
     world = role == "trainer" or (role == "inference" and ep > 1)

@@ -20,7 +20,8 @@ LOCK_NAME = "coordinator.lock"
 
 
 class LaunchError(RuntimeError):
-    """The coordinator cannot start as run.toml asks (an address in use, another coordinator on --state)."""
+    """A role cannot start as asked: an address in use, another coordinator on --state, a --spec that is
+    missing or of another coordinator."""
 
 
 class StateInUse(LaunchError):
