@@ -59,8 +59,8 @@ def quiet_libp2p() -> None:
 
 async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_file: Path | None = None,
                              retain_versions: int = RETAIN_VERSIONS) -> None:
-    from node.roles.common import stop_on_signals
     from node.roles.status import serve_status
+    from node.stop_signals import stop_on_signals
     from node.run_config import RunConfig
     from node.launch_guard import StateLock, listen_free
     from verification.verdict import selected_for_verification

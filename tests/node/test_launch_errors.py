@@ -128,3 +128,16 @@ def test_a_member_with_an_unreachable_bootstrap_says_so_once_per_retry_formatted
     assert not bare, bare[:5]  # every line through the one formatter
     assert "Failed to open TCP stream" not in out
     assert len(lines) <= 3 * len(retries) + 6, out[-2000:]
+
+
+def test_the_coordinator_starts_without_importing_torch():
+    # restart time: the walk-through's coordinator took 7.7-8.1 s to listen under load 12, 2.5-5 s of it
+    # importing torch through node.roles.common, node.engine and verification.checks; it runs no model
+    code = ("import sys, node.cli\n"
+            "node.cli.build_parser(['coordinator', 'launch', '--config', 'x'])\n"
+            "import node.join_cli, node.run_config, node.roles.status, node.stop_signals, node.launch_guard\n"
+            "import protocol.coordinator_service, verification.verdict\n"
+            "from node.envs import get_env; get_env('reverse')\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
