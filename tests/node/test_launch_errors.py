@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from node.run_config import to_toml
 from node.sim_procs import free_port
 from protocol.identity import NodeKey
@@ -53,6 +55,7 @@ def time_wait_on(port: int) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_each(tmp_path):
     first = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", wait=False,
                    addr_file=tmp_path / "addr")
