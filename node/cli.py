@@ -97,15 +97,17 @@ def _stack_dumps_on_sigusr1() -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from node.envs import UnknownTask
+    from node.envs.user import TaskMismatch
     from node.model import InvalidCheckpoint, InvalidModelConfig
     from node.model.errors import ModelLoadError
     from node.recipe import InvalidRecipe
     from node.engine.registry import EngineUnavailable
+    from node.launch_guard import LaunchError
     from node.run_config import InvalidRunConfig
     from protocol.errors import ProtocolError
 
     return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError, EngineUnavailable, InvalidRunConfig,
-            InvalidRecipe, ModelLoadError)
+            InvalidRecipe, ModelLoadError, LaunchError, TaskMismatch)
 
 
 if __name__ == "__main__":

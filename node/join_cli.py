@@ -18,51 +18,66 @@ import os
 import sys
 from pathlib import Path
 
+from node.launch_guard import LaunchError
+from node.spec_handout import SPEC_PROTOCOL, fetch_spec, read_spec
 from protocol.coordinator import RETAIN_VERSIONS, Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.errors import BannedPeer
 from protocol.identity import NodeKey
-from protocol.messages import RunSpec
 from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
 
-SPEC_PROTOCOL = "/primerl/spec/1"
 STOP_WAIT_S = 5.0
 """After SIGTERM/SIGINT a role gets this long to notice the stop by itself, then its task is cancelled."""
 SHUTDOWN_GRACE_S = 15.0
 """A role must finish its clean shutdown (leave, stop servers) within this after SIGTERM/SIGINT
 (the sim waits 20 s before it SIGKILLs)."""
-"""Where a coordinator hands out its run spec; the stream is authenticated (Noise) to the peer id
-in the bootstrap multiaddr, and the spec must name that peer as its coordinator."""
-
 
 EXIT_RANK_LOST = 4
 """Exit code of an expert-parallel inference node one of whose ranks failed or went away mid-run."""
 
 
 def quiet_libp2p() -> None:
-    """py-libp2p's auto-connector and friends log at INFO every tick."""
+    """py-libp2p's auto-connector and friends log at INFO every tick. Its import leaves the "libp2p"
+    logger without handlers and not propagating, so its warnings reached stderr bare (no time, no
+    name, via logging's last resort); they go through the one formatter instead."""
     for name in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    root = logging.getLogger()
+    lib = logging.getLogger("libp2p")
+    if root.handlers and not lib.handlers:  # some of its modules set INFO themselves: warnings only
+        handler = logging.StreamHandler()
+        handler.setFormatter(root.handlers[0].formatter)
+        handler.setLevel(logging.WARNING)
+        lib.addHandler(handler)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # every failed dial or stream (4-7 lines each, at ERROR); protocol.client's one line per retry says it
+    for name in ("libp2p.transport.tcp", "libp2p.host.basic_host", "libp2p.protocol_muxer.multiselect_client"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_file: Path | None = None,
                              retain_versions: int = RETAIN_VERSIONS) -> None:
-    from node.roles.common import stop_on_signals
     from node.roles.status import serve_status
+    from node.stop_signals import stop_on_signals
     from node.run_config import RunConfig
+    from node.launch_guard import StateLock, listen_free
     from verification.verdict import selected_for_verification
 
     cfg = RunConfig.load(config)
+    lock = StateLock(state).acquire()  # before anything in the state is read or written
     key = NodeKey.load_or_create(key_path)
     spec = cfg.run_spec(key.peer_id)
-    state.mkdir(parents=True, exist_ok=True)
     (state / "spec.json").write_text(spec.model_dump_json())
     stop = stop_on_signals()
+    listen_free(cfg.listen)
     host = PeerHost(key, cfg.listen)
     await host.start()
+    if not host.addrs:  # py-libp2p logs a failed listen and starts with no address
+        await host.stop()
+        raise LaunchError(f"cannot listen on {cfg.listen} (run.toml `listen`): the address is in use or not "
+                          "this machine's")
     # Which units need a verdict is keyed by a secret only the coordinator holds (nodes cannot predict it).
     secret = hmac.new(key.private_bytes(), b"primerl-node/verification-selection", hashlib.sha256).digest()
     service = CoordinatorService(key, Coordinator(state, spec, retain_versions=retain_versions), host,
@@ -73,7 +88,14 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     async def hand_out_spec(remote: str, data: bytes) -> bytes:
         return spec_bytes
     host.serve(SPEC_PROTOCOL, hand_out_spec)
-    runner, port = await serve_status(service, cfg.status_port)
+    try:
+        runner, port = await serve_status(service, cfg.status_port)
+    except OSError as exc:
+        await service.stop()
+        service.state.close()
+        await host.stop()
+        raise LaunchError(f"cannot serve the status page on port {cfg.status_port} (run.toml `status_port`; 0 "
+                          f"picks a free port): {exc.strerror or exc}") from None
     bootstrap = next(a for a in host.addrs if "/p2p/" in a) if any("/p2p/" in a for a in host.addrs) else host.addrs[0]
     print(f"bootstrap: {bootstrap}\nstatus: http://127.0.0.1:{port}/\nspec: {state / 'spec.json'}", flush=True)
     if addr_file is not None:
@@ -85,31 +107,9 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     log.info("coordinator stopping%s", ": the run is over" if ended.done() else "")
     await runner.cleanup()
     await service.stop()
+    await host.stop()  # no request may reach a closed state (members got InternalError: ProgrammingError)
     service.state.close()
-    await host.stop()
-
-
-async def fetch_spec(bootstrap: str, timeout: float = 30.0) -> RunSpec:
-    """The run spec from the coordinator at `bootstrap` (retried while it starts up)."""
-    coordinator = bootstrap.rsplit("/p2p/", 1)[-1]
-    host = PeerHost(NodeKey.generate())
-    await host.start()
-    try:
-        end = asyncio.get_running_loop().time() + timeout
-        while True:
-            try:
-                await host.connect(bootstrap, timeout=5)
-                spec = RunSpec.model_validate_json(await host.request(coordinator, SPEC_PROTOCOL, b"{}", timeout=10))
-                break
-            except Exception as exc:
-                if asyncio.get_running_loop().time() > end:
-                    raise SystemExit(f"no run spec from {bootstrap}: {exc}")
-                await asyncio.sleep(1.0)
-    finally:
-        await host.stop()
-    if spec.coordinator != coordinator:
-        raise SystemExit(f"the spec from {bootstrap} names another coordinator ({spec.coordinator})")
-    return spec
+    lock.release()
 
 
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
@@ -121,7 +121,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
     from node.roles.common import stop_on_signals
 
-    spec = RunSpec.model_validate_json(spec_path.read_bytes()) if spec_path else await fetch_spec(bootstrap)
+    spec = read_spec(spec_path, bootstrap) if spec_path else await fetch_spec(bootstrap)
     workdir.mkdir(parents=True, exist_ok=True)
     key_path = key_path or workdir / "node.key"
     world = role == "trainer" or (role == "inference" and ep > 1)

@@ -107,8 +107,7 @@ class RunConfig(BaseModel):
             cfg = cls.model_validate(tomllib.loads(Path(path).read_text()))
             get_env(cfg.task)  # an unknown task fails at launch, not in every node
         except ValidationError as exc:
-            raise InvalidRunConfig(f"{path}: " + "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False))) from None
+            raise InvalidRunConfig(f"{path}: " + "; ".join(_say(e) for e in exc.errors(include_url=False))) from None
         except tomllib.TOMLDecodeError as exc:
             raise InvalidRunConfig(f"{path}: {exc}") from None
         return cfg
@@ -125,6 +124,18 @@ class RunConfig(BaseModel):
                        verification_rate=self.verification_rate, shardcast_sources=self.shardcast_sources,
                        trainer=self.trainer, validators=self.validators, recipe=self.recipe.wire(),
                        engines=tuple(self.engines))
+
+
+def _say(error: dict) -> str:
+    """One pydantic error as an operator reads it: `key: what is wrong` (a check across keys has no key)."""
+    msg = error["msg"].removeprefix("Value error, ")
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        msg = "unknown key"
+        loc = error["loc"]
+        if len(loc) == 2 and loc[0] in ("recipe", "model") and loc[1] in RunConfig.model_fields:
+            msg += f" in [{loc[0]}]; `{loc[1]}` is a top-level key: TOML puts every key after a [table] line in that table"
+    return f"{where}: {msg}" if where else msg
 
 
 def to_toml(values: dict) -> str:

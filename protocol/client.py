@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import TypeVar
 
-from protocol.errors import BannedPeer, NotMember, ProtocolError, TransportError, UnexpectedReply
+from protocol.errors import BannedPeer, NotMember, ProtocolError, Refused, TransportError, UnexpectedReply
 from protocol.identity import NodeKey
 from protocol.member import EXIT_BANNED, RunMember
 from protocol.messages import (BatchRequest, LeaseBatchRequest, LeaseGrant, LeaseGrants, Message, Ok, PublishPolicy,
@@ -198,6 +198,11 @@ class CoordinatorClient:
                     await self.member.join(self.bootstrap)
                 except ProtocolError as exc:
                     log.warning("re-join failed: %s", exc)
+            except Refused as exc:
+                if exc.reason != "InternalError" or last:
+                    raise
+                # the coordinator's handler failed (a bug, or a coordinator shutting down): not ours to die of
+                log.warning("%s: the coordinator could not answer (%s); retrying in %.1fs", what, exc, delay)
             except TransportError as exc:
                 if last:
                     raise

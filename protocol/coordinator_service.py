@@ -73,14 +73,11 @@ class CoordinatorService:
         guard.preload(self.state.store.seen_since(time.time() - guard.horizon_s), time.time())
         self._tasks.append(asyncio.create_task(self._persist_guard(), name="coordinator-replay-guard"))
         self.net.serve(Join, self._on_join)
-        self.net.serve(RolloutSubmission, self._on_submission)
-        self.net.serve(RolloutGroup, self._on_submission)
-        self.net.serve(LeaseBatchRequest, self._on_lease_batch)
-        self.net.serve(BatchRequest, self._on_batch_request)
-        self.net.serve(VerifyRequest, self._on_verify_request)
-        self.net.serve(VerdictBatch, self._on_verdicts)
-        self.net.serve(PublishPolicy, self._on_publish)
-        self.net.serve(RunEnd, self._on_run_end)
+        for message, handler in ((RolloutSubmission, self._on_submission), (RolloutGroup, self._on_submission),
+                                 (LeaseBatchRequest, self._on_lease_batch), (BatchRequest, self._on_batch_request),
+                                 (VerifyRequest, self._on_verify_request), (VerdictBatch, self._on_verdicts),
+                                 (PublishPolicy, self._on_publish), (RunEnd, self._on_run_end)):
+            self.net.serve(message, self._member_alive(handler))
         self.net.on_gossip(self._on_gossip)
         await self.net.start_gossip()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="coordinator-sweeper"))
@@ -93,6 +90,13 @@ class CoordinatorService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.net.close()
         self._flush_guard()
+
+    def _member_alive(self, handler):
+        """A member's request keeps it alive like a heartbeat does (MembershipView.touch)."""
+        async def serve(o: Opened):
+            self.state.view.touch(o.signer, time.time())
+            return await handler(o)
+        return serve
 
     def _flush_guard(self) -> None:
         now = time.time()

@@ -61,6 +61,14 @@ class MembershipView:
         m.role, m.addrs, m.last_seen, m.last_seq = role, list(addrs), now, seq
         return False
 
+    def touch(self, peer_id: str, now: float) -> None:
+        """A signed request from a member is as good a sign of life as a heartbeat: after a coordinator
+        restart a member's gossip may not reach it for a while when its requests do (a walk-through
+        ejected an inference node that was submitting, and its leased work was lost)."""
+        m = self.members.get(peer_id)
+        if m is not None:
+            m.last_seen = max(m.last_seen, now)
+
     def leave(self, peer_id: str) -> bool:
         return self.members.pop(peer_id, None) is not None
 

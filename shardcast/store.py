@@ -146,7 +146,8 @@ class Store:
         doomed = [v for v in held if v not in keep]
         for v in doomed:
             shutil.rmtree(self.version_dir(run_id, v), ignore_errors=True)
-            log.info("retention: deleted %s v%d", run_id, v)
+        if doomed:  # one line: a delta chain's base going frees 8 versions at once
+            log.info("retention: deleted %s %s", run_id, ", ".join(f"v{v}" for v in doomed))
         return doomed
 
 

@@ -7,11 +7,11 @@ tolerances live here, named, with where they came from (verification/calibration
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 from verification.claim import RolloutClaim
+from verification.reasons import Reason, Severity  # noqa: F401 (their home; importers use either)
 from verification.hidden_check import ChunkStats, compare_blocks
 from verification.proof import Commitment, ChunkSpan
 from verification.reference import Reference
@@ -72,35 +72,9 @@ mean although every token passes; a short segment (the tail of a mixed-version r
 per token."""
 
 
-class Severity(str, Enum):
-    """How strong a failure is as evidence. PROOF: a deterministic check failed (prompt, reward,
-    termination, versions, malformed input) or a numeric one failed far past its tolerance
-    (`PROOF_FACTOR`); the coordinator bans on it. BORDERLINE: a numeric check failed near its
-    tolerance (one or a few routing or numeric differences); the coordinator counts a strike."""
-
-    NONE = "none"
-    PROOF = "proof"
-    BORDERLINE = "borderline"
-
-
 def graded(excess: float) -> Severity:
     """Severity of a numeric failure, given the largest ratio of a statistic to its threshold."""
     return Severity.PROOF if excess >= PROOF_FACTOR else Severity.BORDERLINE
-
-
-class Reason(str, Enum):
-    OK = "ok"
-    MALFORMED = "malformed"
-    UNKNOWN_VERSION = "unknown_version"
-    PROMPT_MISMATCH = "prompt_mismatch"
-    TERMINATION = "bad_termination"
-    REWARD_MISMATCH = "reward_mismatch"
-    HIDDEN_MISMATCH = "hidden_mismatch"
-    LOGPROB_MISMATCH = "logprob_mismatch"
-    SAMPLING_MISMATCH = "sampling_mismatch"
-    ENGINE_NOT_ALLOWED = "engine_not_allowed"
-    ROUTES_MALFORMED = "routes_malformed"
-    ROUTES_MISMATCH = "routes_mismatch"
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.errors import InvalidSignature
 from protocol.identity import NodeKey, peer_id_from_public_bytes, verify
-from verification.checks import Reason, Severity
+from verification.reasons import Reason, Severity
 
 
 class Verdict(BaseModel):

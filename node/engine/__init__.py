@@ -1,6 +1,19 @@
-"""Inference engines. The built-in torch engine: KV cache, continuous batching, seeded sampling."""
+"""Inference engines. The built-in torch engine: KV cache, continuous batching, seeded sampling.
 
-from node.engine.engine import Completion, Engine, Request, RequestTooLong
-from node.engine.sampling import SamplingParams
+Names load on first use (PEP 562): `node.engine.registry` (engine names for `--engine`, which the
+coordinator's command line also builds) must not pull torch into a process that runs no engine."""
+
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {"Engine": "engine", "Request": "engine", "Completion": "engine", "RequestTooLong": "engine",
+          "SamplingParams": "sampling"}
 
 __all__ = ["Engine", "Request", "Completion", "SamplingParams", "RequestTooLong"]
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"node.engine.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'node.engine' has no attribute {name!r}")

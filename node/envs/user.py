@@ -23,6 +23,9 @@ class TaskMismatch(ValueError):
     """The local module is not the source the run's spec pinned (or cannot be loaded)."""
 
 
+IMPORT_HINT = "every role imports it: put the directory holding the module on PYTHONPATH"
+
+
 def is_user_task(name: str) -> bool:
     """`module:attr[@hash]`, as opposed to a built-in name or a registered family (`verifiers:<id>`)."""
     from node.envs import TASK_FAMILIES
@@ -44,7 +47,7 @@ def source_hash(module_name: str) -> str:
         module = importlib.import_module(module_name)
         path = inspect.getsourcefile(module)
     except (ImportError, TypeError) as exc:
-        raise TaskMismatch(f"task module {module_name!r} cannot be loaded: {exc}") from None
+        raise TaskMismatch(f"task module {module_name!r} cannot be loaded: {exc} ({IMPORT_HINT})") from None
     if path is None:
         raise TaskMismatch(f"task module {module_name!r} has no source file to pin")
     with open(path, "rb") as f:
@@ -69,7 +72,8 @@ def load_user_env(name: str, **kwargs) -> Environment:
     try:
         obj = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise TaskMismatch(f"task {module}:{attr} cannot be loaded: {exc}") from None
+        hint = f" ({IMPORT_HINT})" if isinstance(exc, ImportError) else ""
+        raise TaskMismatch(f"task {module}:{attr} cannot be loaded: {exc}{hint}") from None
     env = obj if isinstance(obj, Environment) else obj(**kwargs) if callable(obj) else None
     if not isinstance(env, Environment):
         raise TaskMismatch(f"task {module}:{attr} is not an Environment (nor a class or factory of one)")

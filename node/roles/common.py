@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ from protocol.messages import RunSpec
 from shardcast.fetch import fetch_version
 from shardcast.manifest import TrustedPublishers
 from shardcast.store import Store
+from node.stop_signals import dump_tasks, stop_on_signals  # noqa: F401 (roles import them from here)
 
 log = logging.getLogger(__name__)
 
@@ -100,25 +99,6 @@ def tokenizer(spec: RunSpec) -> Tokenizer:
 
 def environment(spec: RunSpec):
     return get_env(spec.environment)
-
-
-def stop_on_signals() -> asyncio.Event:
-    """An event set by the first SIGINT or SIGTERM (a clean shutdown follows)."""
-    from protocol.client import RunStop
-
-    stop = RunStop()  # also ended by the coordinator: the run's end (exit 0) or a ban (EXIT_BANNED)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if hasattr(signal, "SIGUSR2"):  # `kill -USR2 PID`: every asyncio task's stack to stderr (a shutdown that hangs)
-        loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
-    return stop
-
-
-def dump_tasks() -> None:
-    for task in asyncio.all_tasks():
-        print(f"--- {task.get_name()}: {task.get_coro()!r}", file=sys.stderr, flush=True)
-        task.print_stack(file=sys.stderr)
 
 
 async def fetch_policy(spec: RunSpec, store_dir: Path, version: int, expect_hash: str | None = None,

@@ -72,3 +72,49 @@ def test_train_local_runs_a_user_task_from_the_command_line(user_module, tmp_pat
                           "--prompts", "2", "--samples", "2", "--warmup-target", "0", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_role_with_another_version_or_without_the_module_says_so_in_one_line_and_exits_2(user_module, tmp_path):
+    # the walk-through: both ended in a TaskMismatch traceback (exit 1)
+    from node.sim_procs import free_port
+
+    spec = RunConfig.model_validate({"run_id": "u", "task": "my_tasks:Echo", "verification_rate": 0.0,
+                                     "trainer": NodeKey.generate().peer_id}).run_spec(NodeKey.generate().peer_id)
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "my_tasks.py").write_text(SOURCE.replace("startswith(task.answer)", "endswith(task.answer)"))
+    bootstrap = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{spec.coordinator}"  # never reached: refused before
+    for path, says in ((other, "the run pins"), (tmp_path / "empty", "put the directory holding the module on PYTHONPATH")):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([sys.executable, "-m", "node.cli", "join", "--role", "inference", "--bootstrap", bootstrap,
+                              "--spec", str(tmp_path / "spec.json"), "--workdir", str(tmp_path / "inf")],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    (tmp_path / "run.toml").write_text(to_toml({"run_id": "u", "task": "my_tasks:Echo", "verification_rate": 0.0,
+                                                 "trainer": NodeKey.generate().peer_id, "status_port": 0,
+                                                 "listen": f"/ip4/127.0.0.1/tcp/{free_port()}"}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the coordinator cannot import my_tasks either
+    out = subprocess.run([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(tmp_path / "run.toml"),
+                          "--state", str(tmp_path / "state")], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "PYTHONPATH" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_task_file_in_docs_node_md_loads_and_grades(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "node.md").read_text()
+    source = text.split("```python\n# my_module.py", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_module.py").write_text("# my_module.py" + source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_module", None)
+    try:
+        spec_task = task_identity("my_module:MyEnv")
+        env = get_env(spec_task)
+        task = env.sample_task(7)
+        assert env.reward(task, task.answer) == 1.0 and env.reward(task, "") == 0.0
+        from node.model.tokenizer import CharTokenizer
+        tok = CharTokenizer()
+        assert tok.decode(tok.encode(task.prompt)) == task.prompt  # the tiny model can read it
+    finally:
+        sys.modules.pop("my_module", None)

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from node.join_cli import fetch_spec
+from node.spec_handout import fetch_spec
 from node.recipe import DEFAULT, InvalidRecipe, Recipe
 from node.run_config import InvalidRunConfig, RunConfig, to_toml
 from node.sim_procs import free_port
@@ -55,6 +55,24 @@ def test_a_misspelt_or_out_of_bounds_recipe_key_is_refused_at_launch_with_its_na
     assert out.returncode == 2 and "recipe.lrr" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_run_toml_errors_read_as_sentences_and_a_top_level_key_under_a_table_is_pointed_out(tmp_path):
+    # the walk-through: a run.toml without `trainer` said "run.toml: : Value error, `trainer` is required";
+    # `trainer = ...` appended at the end of the documented run.toml lands in [recipe] (TOML) and said
+    # "recipe.trainer: Extra inputs are not permitted"
+    write_config(tmp_path / "no-trainer.toml", trainer=None)
+    with pytest.raises(InvalidRunConfig) as caught:
+        RunConfig.load(tmp_path / "no-trainer.toml")
+    assert str(caught.value).startswith(f"{tmp_path / 'no-trainer.toml'}: `trainer` is required"), caught.value
+    path = tmp_path / "appended.toml"
+    write_config(path, trainer=None)
+    path.write_text(path.read_text() + f'trainer = "{TRAINER}"\n')
+    with pytest.raises(InvalidRunConfig, match=r"recipe.trainer: unknown key in \[recipe\]; `trainer` is a top-level key"):
+        RunConfig.load(path)
+    write_config(tmp_path / "typo.toml", batch_group=4)
+    with pytest.raises(InvalidRunConfig, match="batch_group: unknown key$"):
+        RunConfig.load(tmp_path / "typo.toml")
+
+
 def test_the_recipe_travels_as_the_keys_set_and_reads_back_typed_with_defaults(tmp_path):
     write_config(tmp_path / "ok.toml", recipe={"steps": 3, "router_replay": False, "lr": 0.01})
     spec = RunConfig.load(tmp_path / "ok.toml").run_spec("12D3KooWcoordinator")
@@ -86,6 +104,20 @@ def test_joiner_gets_the_run_spec_from_the_bootstrap_coordinator_which_stops_cle
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_missing_malformed_or_other_coordinators_spec_is_one_line_and_exit_2(tmp_path):
+    # the walk-through: a --spec path that does not exist, or a file that is not a spec, ended in a traceback
+    ours, other = NodeKey.from_seed(b"c" * 32).peer_id, NodeKey.from_seed(b"d" * 32).peer_id
+    (tmp_path / "other.json").write_text(RunSpec(run_id="t1", coordinator=other, trainer=TRAINER).model_dump_json())
+    (tmp_path / "junk.json").write_text('{"bad": 1}')
+    bootstrap = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{ours}"
+    for spec, says in (("missing.json", "No such file"), ("junk.json", "is not a run spec"),
+                       ("other.json", f"is the spec of coordinator {other}")):
+        out = subprocess.run([sys.executable, "-m", "node.cli", "join", "--role", "inference", "--bootstrap", bootstrap,
+                              "--spec", str(tmp_path / spec), "--workdir", str(tmp_path / "inf")],
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 def test_trainer_only_flags_are_refused_on_other_roles_before_anything_starts():

@@ -88,3 +88,36 @@ def test_a_member_the_coordinator_forgot_joins_again_and_its_request_succeeds(tm
         finally:
             await stop_all(coord, [member])
     run(body(), 60)
+
+
+def test_a_coordinator_that_fails_to_answer_is_retried_not_fatal(tmp_path):
+    # the walk-through: a validator asked while the coordinator shut down got "InternalError:
+    # ProgrammingError" (a request served after its state closed) and exited 2
+    from protocol.errors import Refused
+    from protocol.messages import LeaseGrants
+
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        member = await start_member(spec, coord.host.addrs[0])
+        calls = []
+
+        async def failing_then_fine(opened) -> LeaseGrants:
+            calls.append(opened.message)
+            if len(calls) < 3:
+                raise RuntimeError("the handler broke")  # answered as Refusal(InternalError)
+            return LeaseGrants(grants=[])
+        coord.net.serve(LeaseBatchRequest, failing_then_fine)
+        try:
+            fast = Retry(tries=5, first_delay_s=0.05, max_delay_s=0.1)
+            assert await CoordinatorClient(member, coord.host.addrs[0], retry=fast).lease(1) == []
+            assert len(calls) == 3
+            calls.clear()
+            coord.net.serve(LeaseBatchRequest, failing_then_fine)
+            with pytest.raises(Refused, match="InternalError"):  # out of tries: the error, typed
+                await CoordinatorClient(member, coord.host.addrs[0], retry=Retry(tries=2, first_delay_s=0.05)).lease(1)
+            assert len(calls) == 2
+        finally:
+            await stop_all(coord, [member])
+    run(body(), 60)

@@ -1,6 +1,7 @@
 """Delta chains rebuild bit-exactly; keyframes bound the chain; retention keeps what is needed."""
 
 import asyncio
+import logging
 
 from shardcast.fetch import Fetcher
 from shardcast.publish import PublishOptions, publish
@@ -65,7 +66,7 @@ def test_delta_shard_verified_against_full_version_hashes(tmp_path, key, sc):
         decode_shard(e, wire, out, np.asarray(origin.payload("run", 0)[: e.raw_size]))
 
 
-def test_retention_deletes_only_old_versions_and_keeps_the_keyframe_chain(tmp_path, key, sc):
+def test_retention_deletes_only_old_versions_and_keeps_the_keyframe_chain(tmp_path, key, sc, caplog):
     store = Store(tmp_path / "origin")
     _publish_chain(store, key, sc, n=9, keyframe_every=4, keep_last=3)
     # v8 is a keyframe, v6,v7 deltas on keyframe v4: keep 6,7,8 plus 4,5 they need; 0..3 go.
@@ -73,8 +74,12 @@ def test_retention_deletes_only_old_versions_and_keeps_the_keyframe_chain(tmp_pa
     for v in store.versions("run"):
         assert store.payload_path("run", v).exists() and len(store.held_shards("run", v)) == len(store.manifest("run", v).manifest.shards)
     assert not (tmp_path / "origin" / "run" / "00000003").exists()
-    assert store.retain("run", keep_last=1) == [4, 5, 6, 7], "a keyframe alone needs nothing older"
+    with caplog.at_level(logging.INFO, logger="shardcast.store"):
+        assert store.retain("run", keep_last=1) == [4, 5, 6, 7], "a keyframe alone needs nothing older"
     assert store.versions("run") == [8]
+    # one line for the versions a retention pass deletes (the walk-through: a burst of 8 lines)
+    assert [r.getMessage() for r in caplog.records if "retention" in r.getMessage()] == [
+        "retention: deleted run v4, v5, v6, v7"]
 
 
 def test_layout_change_forces_a_full_version(tmp_path, key, sc):
