@@ -44,6 +44,16 @@ THRESHOLDS = {
     # bf16 honest maxima: exp 6, mantissa mean 2.73 / median 1, logprob 0.17 / mean 0.0070, flip margin 0.014.
     "bfloat16": Thresholds(max_exp_mismatches=12, max_mant_err_mean=3.5, max_mant_err_median=2.0,
                            max_logprob_err=0.25, max_logprob_err_mean=0.01, margin_noise=0.05),
+    # FP8 runs (RunSpec.model.fp8, docs/fp8.md): "fp8-<experts|all>-<base dtype>", engine and validator both
+    # quantised by node.engine.fp8.model.apply_fp8_mode. PROVISIONAL (calibration running).
+    "fp8-experts-float32": Thresholds(max_exp_mismatches=8, max_mant_err_mean=1.0, max_mant_err_median=1.0,
+                                      max_logprob_err=0.03, max_logprob_err_mean=0.002, margin_noise=0.01),
+    "fp8-all-float32": Thresholds(max_exp_mismatches=14, max_mant_err_mean=2.5, max_mant_err_median=2.0,
+                                  max_logprob_err=0.1, max_logprob_err_mean=0.02, margin_noise=0.01),
+    "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=16, max_mant_err_mean=4.0, max_mant_err_median=2.0,
+                                       max_logprob_err=0.9, max_logprob_err_mean=0.04, margin_noise=0.05),
+    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=18, max_mant_err_mean=4.5, max_mant_err_median=3.0,
+                                   max_logprob_err=0.25, max_logprob_err_mean=0.04, margin_noise=0.15),
 }
 REWARD_TOL = 1e-6
 """Rewards are exact functions of the transcript; only float formatting may differ."""
