@@ -2,6 +2,7 @@
 the honest variation the thresholds must pass.
 
     python -m benchmarks.weak_tamper [--rollouts 48] [--out benchmarks/results/weak_tamper-cpu-2core.json]
+    python -m benchmarks.weak_tamper --fp8 experts [--out benchmarks/results/weak_tamper-fp8-experts-cpu-2core.json]
 
 Tiny MoE model (tests/verification/rollouts.py), CPU. Tampered engines run weights
 w + s * std(w) * N(0, 1) for s from 0.01% to 1% of each tensor's std, on layer 0 only or on every
@@ -10,6 +11,11 @@ logprobs and routed experts) goes through `verify_claims` against the honest wei
 the same run is the honest variation: engine batch 1/8/32, 1 and 2 threads, each precision, which
 must all pass; their raw figures (`verification.calibration.measure`) and the router-logit spread
 (KV-cached decode against one prefill) are reported beside. Prints progress, then one JSON line.
+
+`--fp8 experts|all`: an FP8 run (`ModelSpec.fp8`). The honest engines and the validator's reference are
+quantised by `apply_fp8_mode` (the CPU reference GEMM); a tampered engine perturbs the high-precision
+weights, then quantises them as an honest node would, so the detection figures are at the FP8
+thresholds (`fp8-<mode>-<dtype>` in verification/checks.py).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import platform
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,7 +37,7 @@ from node.engine import Engine
 from node.model.cache import KVCache
 from node.model.routing import RouteShape, encode_routes
 from verification.calibration.measure import measure, summarize
-from verification.checks import Severity
+from verification.checks import THRESHOLDS, Severity
 from verification.validator import verify_claims
 
 log = logging.getLogger("bench.weak_tamper")
@@ -52,6 +59,11 @@ def perturbed(model: torch.nn.Module, size: float, scope: str, seed: int = 1) ->
             w = p.float()
             p.copy_((w + size * w.std() * torch.randn(p.shape, generator=g)).to(p.dtype))
     return m
+
+
+def ref_precision(dtype: str, fp8: str) -> str:
+    """The thresholds key the validator's reference picks (node/replay.py TorchReference.precision)."""
+    return dtype if fp8 == "off" else f"fp8-{fp8}-{dtype}"
 
 
 def claims_of(engine_model, ref_model, work, max_batch: int, threads: int):
@@ -95,19 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=48, help="rollouts (submissions) per case")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
+                    help="judge an FP8 run: engines and reference quantised this way (node/engine/fp8/model.py)")
     args = ap.parse_args(argv)
+    from node.engine.fp8.model import apply_fp8_mode
+
+    def served(m: torch.nn.Module) -> torch.nn.Module:
+        """What an engine (or the validator) of this run computes with: a copy, quantised as the run says."""
+        return apply_fp8_mode(copy.deepcopy(m), args.fp8)
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
     work = [(s, R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
     honest, tamper, spread, threshold = {}, {}, {}, {}
     for precision, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         model = R.tiny_model(dtype=dtype)
-        ref = R.reference({0: model})
-        spread[precision] = {f"threads{t}": router_logit_spread(model, t) for t in (1, 2)}
+        ref = R.reference({0: served(model)})
+        assert ref.precision == ref_precision(precision, args.fp8), ref.precision
+        spread[precision] = {f"threads{t}": router_logit_spread(served(model), t) for t in (1, 2)}
         rows_all = []
         for batch in (1, 8, 32):
             for threads in (1, 2):
-                claims = claims_of(model, model, work, batch, threads)
+                claims = claims_of(served(model), model, work, batch, threads)
                 rows_all += measure(claims, ref)
                 honest[f"{precision}/batch{batch}/threads{threads}"] = judged(claims, ref)
                 log.info("honest %s batch %d threads %d: %s", precision, batch, threads,
@@ -115,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         honest[f"{precision}/figures"] = summarize(rows_all)
         for scope in ("layer0", "all"):
             for size in SIZES:
-                claims = claims_of(perturbed(model, size, scope), model, work, 32, 2)
+                claims = claims_of(served(perturbed(model, size, scope)), model, work, 32, 2)
                 name = f"{precision}/{scope}/{size:g}"
                 tamper[name] = {**judged(claims, ref), "figures": summarize(measure(claims, ref))}
                 log.info("tamper %s: %s", name, {k: v for k, v in tamper[name].items() if k != "figures"})
@@ -125,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                        for p in ("float32", "bfloat16")}
     result = {
         "bench": "weak_tamper", "machine": platform.node(), "torch": torch.__version__,
-        "command": f"python -m benchmarks.weak_tamper --rollouts {args.rollouts}",
+        "command": f"python -m benchmarks.weak_tamper --rollouts {args.rollouts}"
+                   + (f" --fp8 {args.fp8}" if args.fp8 != "off" else ""),
+        "fp8": args.fp8, "thresholds": {p: asdict(THRESHOLDS[ref_precision(p, args.fp8)]) for p in ("float32", "bfloat16")},
         "seconds": round(time.perf_counter() - t0, 1),
         "honest_rejected_max": honest_rejected,
         "smallest_size_caught_99pct": threshold,

@@ -17,6 +17,7 @@ import paths here are strings, resolved by `importlib` only for the engine a nod
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from node.plugins import resolve
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the registry stays light: `join --help` lists engines without importing torch
     import torch
@@ -172,6 +175,9 @@ def build(name: str, setup: EngineSetup, version: int = -1) -> InferenceEngine:
     if not e.placed:
         from node.engine.fp8.model import apply_fp8_mode
 
+        if setup.fp8 != "off":
+            log.info("engine %s serves FP8 weights (%s) on the CPU through the reference GEMM (slow: small models)",
+                     name, setup.fp8)
         return cls(apply_fp8_mode(setup.model(), setup.fp8), max_batch=setup.max_batch, eos_id=setup.eos_id,
                    decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts, version=version)
     fp8 = {"off": False, "experts": "experts", "all": True}[setup.fp8]

@@ -102,6 +102,9 @@ class ValidatorNode:
             check_version0(self.spec, model)  # the high-precision weights the trainer published
         # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
         apply_fp8_mode(model, self.spec.model.fp8)
+        if self.spec.model.fp8 != "off":
+            log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
+                     self.spec.model.fp8)
         self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
 
     def _prune(self) -> None:

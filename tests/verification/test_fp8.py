@@ -126,3 +126,10 @@ def test_a_new_version_loaded_mid_rollout_is_quantised_on_arrival_and_checked_pe
     # had the load not reached the FP8 buffers, version 1's segments would be version 0's numbers
     _all_rejected(R.relabel([c for c in claims if 1 in c.versions], 0), R.reference({0: fp8(model, "experts")}),
                   RECOMPUTED)
+
+
+def test_every_precision_a_reference_can_name_has_thresholds_for_every_check():
+    from verification.routing import HONEST_PAIR_RATE, ROUTER_TIE
+
+    names = {"float32", "bfloat16"} | {f"fp8-{m}-{d}" for m in ("experts", "all") for d in ("float32", "bfloat16")}
+    assert set(THRESHOLDS) == set(ROUTER_TIE) == set(HONEST_PAIR_RATE) == names
