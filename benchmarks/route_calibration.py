@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollouts", type=int, default=64, help="rollouts per variation")
     ap.add_argument("--out", type=Path, default=None, help="default: routing.json (routing-fp8.json with --fp8)")
     ap.add_argument("--fp8", action="store_true", help="calibrate the FP8 precisions instead")
+    ap.add_argument("--batched-only", action="store_true",
+                    help="only the validator's batched prefill (bf16 showed no difference from one sequence at a time)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     R = _harness()
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cases: dict[str, dict] = {}
     honest: dict[str, list[tuple[int, int]]] = {p: [] for p in models}
     for precision, model in models.items():
-        for batch_tokens in (65_536, 1):  # the validator's prefill batched with others, or alone
+        for batch_tokens in (65_536, 1) if not args.batched_only else (65_536,):  # validator's prefill batched or alone
             ref = R.reference({0: model})
             ref.batch_tokens = batch_tokens
             for max_batch in (1, 8, 32):
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             cases[f"{name}/{precision}"] = summary(shares(R, engine_model, ref, seeds, 32, 2))
             log.info("%-72s %s", f"{name}/{precision}", cases[f"{name}/{precision}"])
     result = {"command": f"python -m benchmarks.route_calibration --rollouts {args.rollouts}"
-                         + (" --fp8" if args.fp8 else ""), "router_logit_spread": spread,
+                         + (" --fp8" if args.fp8 else "") + (" --batched-only" if args.batched_only else ""),
+              "router_logit_spread": spread,
               "torch": torch.__version__,
               "honest": {p: summary(rows) for p, rows in honest.items()},
               "in_force": {"honest_pair_rate": HONEST_PAIR_RATE, "router_tie": ROUTER_TIE,

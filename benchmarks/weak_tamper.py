@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=48, help="rollouts (submissions) per case")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="base dtypes to run, comma-separated")
+    ap.add_argument("--sizes", default=",".join(f"{x:g}" for x in SIZES),
+                    help="noise sizes (share of each tensor's std), comma-separated")
     ap.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
                     help="judge an FP8 run: engines and reference quantised this way (node/engine/fp8/model.py)")
     args = ap.parse_args(argv)
@@ -120,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     work = [(s, R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
     honest, tamper, spread, threshold = {}, {}, {}, {}
-    for precision, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    sizes = tuple(float(x) for x in args.sizes.split(","))
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for precision, dtype in ((d, getattr(torch, d)) for d in dtypes):
         model = R.tiny_model(dtype=dtype)
         ref = R.reference({0: served(model)})
         assert ref.precision == ref_precision(precision, args.fp8), ref.precision
@@ -135,26 +140,26 @@ def main(argv: list[str] | None = None) -> int:
                          honest[f"{precision}/batch{batch}/threads{threads}"])
         honest[f"{precision}/figures"] = summarize(rows_all)
         for scope in ("layer0", "all"):
-            for size in SIZES:
+            for size in sizes:
                 claims = claims_of(served(perturbed(model, size, scope)), model, work, 32, 2)
                 name = f"{precision}/{scope}/{size:g}"
                 tamper[name] = {**judged(claims, ref), "figures": summarize(measure(claims, ref))}
                 log.info("tamper %s: %s", name, {k: v for k, v in tamper[name].items() if k != "figures"})
-            caught = [s for s in SIZES if tamper[f"{precision}/{scope}/{s:g}"]["rejected"] >= 0.99]
+            caught = [s for s in sizes if tamper[f"{precision}/{scope}/{s:g}"]["rejected"] >= 0.99]
             threshold[f"{precision}/{scope}"] = min(caught) if caught else None
     honest_rejected = {p: max(v["rejected"] for k, v in honest.items() if k.startswith(p) and "rejected" in v)
-                       for p in ("float32", "bfloat16")}
+                       for p in dtypes}
     result = {
         "bench": "weak_tamper", "machine": platform.node(), "torch": torch.__version__,
-        "command": f"python -m benchmarks.weak_tamper --rollouts {args.rollouts}"
-                   + (f" --fp8 {args.fp8}" if args.fp8 != "off" else ""),
-        "fp8": args.fp8, "thresholds": {p: asdict(THRESHOLDS[ref_precision(p, args.fp8)]) for p in ("float32", "bfloat16")},
+        "command": f"python -m benchmarks.weak_tamper --rollouts {args.rollouts} --dtypes {args.dtypes} "
+                   f"--sizes {args.sizes}" + (f" --fp8 {args.fp8}" if args.fp8 != "off" else ""),
+        "fp8": args.fp8, "thresholds": {p: asdict(THRESHOLDS[ref_precision(p, args.fp8)]) for p in dtypes},
         "seconds": round(time.perf_counter() - t0, 1),
         "honest_rejected_max": honest_rejected,
         "smallest_size_caught_99pct": threshold,
-        "detection_at_0.1pct": {k: tamper[f"{k}/0.001"]["rejected"] for k in threshold},
-        "detection_at_1pct": {k: tamper[f"{k}/0.01"]["rejected"] for k in threshold},
-        "detection_by_size": {k: {f"{s:g}": tamper[f"{k}/{s:g}"]["rejected"] for s in SIZES} for k in threshold},
+        "detection_at_0.1pct": {k: tamper.get(f"{k}/0.001", {}).get("rejected") for k in threshold},
+        "detection_at_1pct": {k: tamper.get(f"{k}/0.01", {}).get("rejected") for k in threshold},
+        "detection_by_size": {k: {f"{s:g}": tamper[f"{k}/{s:g}"]["rejected"] for s in sizes} for k in threshold},
         "honest_rollouts": sum(v["rollouts"] for k, v in honest.items() if "rejected" in v),
         "router_logit_spread": spread, "honest": honest, "tamper": tamper,
     }

@@ -45,13 +45,24 @@ THRESHOLDS = {
     "bfloat16": Thresholds(max_exp_mismatches=12, max_mant_err_mean=3.5, max_mant_err_median=2.0,
                            max_logprob_err=0.25, max_logprob_err_mean=0.01, margin_noise=0.05),
     # FP8 runs (RunSpec.model.fp8, docs/fp8.md): "fp8-<experts|all>-<base dtype>", engine and validator both
-    # quantised by node.engine.fp8.model.apply_fp8_mode. PROVISIONAL (calibration running).
+    # quantised by node.engine.fp8.model.apply_fp8_mode. Honest maxima from `python -m
+    # benchmarks.verification_calibration --fp8 --rollouts 50` (300 rollouts per precision: engine batch
+    # 1/8/32 x 1/2 threads, KV-cached decode vs prefill), on the CPU path (reference_gemm) ONLY: GPU FP8
+    # kernels (Triton, DeepGEMM) against this CPU reference were NOT measured (no GPU this session). Headroom
+    # as for bf16 (counts and medians x2, mantissa mean x1.3, logprob max and mean x1.5, flip margin >= 3.5x),
+    # and never tighter than the plain precision's own thresholds (which keep room for other kernels).
+    # An activation that lands near an e4m3 rounding boundary rounds either way under a 1e-7 difference
+    # (another matmul blocking at another batch size), so FP8 on a float32 base is not bit-exact as plain
+    # float32 is: fp8-all-float32 reached logprob 0.23 at engine batch 8.
+    # float32 base, experts: exp 2, mantissa mean 0.43 / median 0, logprob 0.015 / mean 0.00053, no flips.
     "fp8-experts-float32": Thresholds(max_exp_mismatches=8, max_mant_err_mean=1.0, max_mant_err_median=1.0,
-                                      max_logprob_err=0.03, max_logprob_err_mean=0.002, margin_noise=0.01),
-    "fp8-all-float32": Thresholds(max_exp_mismatches=14, max_mant_err_mean=2.5, max_mant_err_median=2.0,
-                                  max_logprob_err=0.1, max_logprob_err_mean=0.02, margin_noise=0.01),
-    "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=16, max_mant_err_mean=4.0, max_mant_err_median=2.0,
-                                       max_logprob_err=0.9, max_logprob_err_mean=0.04, margin_noise=0.05),
+                                      max_logprob_err=0.025, max_logprob_err_mean=0.002, margin_noise=0.01),
+    # float32 base, all: exp 7, mantissa mean 1.66 / median 1, logprob 0.23 / mean 0.0121, no flips.
+    "fp8-all-float32": Thresholds(max_exp_mismatches=14, max_mant_err_mean=2.2, max_mant_err_median=2.0,
+                                  max_logprob_err=0.35, max_logprob_err_mean=0.018, margin_noise=0.01),
+    # bf16 base, experts: FILL
+    "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=20, max_mant_err_mean=5.0, max_mant_err_median=4.0,
+                                       max_logprob_err=1.0, max_logprob_err_mean=0.04, margin_noise=0.16),
     "fp8-all-bfloat16": Thresholds(max_exp_mismatches=18, max_mant_err_mean=4.5, max_mant_err_median=3.0,
                                    max_logprob_err=0.25, max_logprob_err_mean=0.04, margin_noise=0.15),
 }

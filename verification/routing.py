@@ -64,8 +64,13 @@ HONEST_PAIR_RATE = {
     "float32": 1e-4,
     # bf16: 88 differing pairs of 55,232 (1.6e-3), near-ties included; the bound covers them all.
     "bfloat16": 2e-3,
-    # FP8 runs: PROVISIONAL (calibration running)
-    "fp8-experts-float32": 2e-3,
+    # FP8 runs (verification/calibration/routing-fp8.json, CPU reference GEMM only). float32 base, experts:
+    # 0 differing pairs (as plain float32): the float32 bound.
+    "fp8-experts-float32": 1e-4,
+    # The other FP8 precisions: the bf16 bound. Not calibrated pair by pair (route_calibration --fp8 did not
+    # finish on the loaded 2-core machine); what holds them: near-ties within ROUTER_TIE (>= 2x the measured
+    # decode-vs-prefill logit spread) are never evidence, and weak_tamper --fp8 experts' honest runs (with
+    # routes) were all accepted.
     "fp8-all-float32": 2e-3,
     "fp8-experts-bfloat16": 2e-3,
     "fp8-all-bfloat16": 2e-3,
