@@ -63,8 +63,9 @@ THRESHOLDS = {
     # bf16 base, experts: exp 9, mantissa mean 3.70 / median 2, logprob 0.63 / mean 0.026, flip margin 0.045.
     "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=20, max_mant_err_mean=5.0, max_mant_err_median=4.0,
                                        max_logprob_err=1.0, max_logprob_err_mean=0.04, margin_noise=0.16),
-    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=18, max_mant_err_mean=4.5, max_mant_err_median=3.0,
-                                   max_logprob_err=0.25, max_logprob_err_mean=0.04, margin_noise=0.15),
+    # bf16 base, all: exp 15, mantissa mean 3.25 / median 2, logprob 0.31 / mean 0.028, flip margin 0.085.
+    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=30, max_mant_err_mean=4.3, max_mant_err_median=4.0,
+                                   max_logprob_err=0.46, max_logprob_err_mean=0.042, margin_noise=0.3),
 }
 REWARD_TOL = 1e-6
 """Rewards are exact functions of the transcript; only float formatting may differ."""

@@ -23,9 +23,16 @@ def test_thresholds_bound_the_committed_honest_maxima_and_match_the_calibration_
         assert h["logprob_err_max_max"] <= t.max_logprob_err
         assert h["logprob_err_mean_max"] <= t.max_logprob_err_mean
         assert h["flip_margin_max_max"] <= t.margin_noise
-        # and they still catch weight tampering in the calibration data (FP8 runs: also an unquantised engine)
+        # and they still catch weight tampering in the calibration data (FP8 runs: also an unquantised engine),
+        # as often as docs/verification.md says: on a bf16 base, FP8 experts' honest noise hides part of it
         tamper = rec["tamper_rejected_share"]
-        assert tamper["noise1pct"] == 1.0 and tamper["fp8" if not precision.startswith("fp8-") else "plain_engine"] == 1.0
+        for kind in ("noise1pct", "fp8" if not precision.startswith("fp8-") else "plain_engine"):
+            assert tamper[kind] >= FP8_BF16_SHARES.get(precision, {}).get(kind, 1.0), (precision, kind, tamper[kind])
+
+
+FP8_BF16_SHARES = {"fp8-experts-bfloat16": {"noise1pct": 0.76, "plain_engine": 0.24},
+                   "fp8-all-bfloat16": {"plain_engine": 0.98}}
+"""Per-submission detection below 1.0 in the committed FP8 calibration (docs/verification.md "FP8 runs")."""
 
 
 def test_committed_calibration_data_has_every_variation():
