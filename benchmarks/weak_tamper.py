@@ -61,11 +61,6 @@ def perturbed(model: torch.nn.Module, size: float, scope: str, seed: int = 1) ->
     return m
 
 
-def ref_precision(dtype: str, fp8: str) -> str:
-    """The thresholds key the validator's reference picks (node/replay.py TorchReference.precision)."""
-    return dtype if fp8 == "off" else f"fp8-{fp8}-{dtype}"
-
-
 def claims_of(engine_model, ref_model, work, max_batch: int, threads: int):
     """Rollouts of `engine_model` as claims with routes, generated at this batch size and thread count."""
     torch.set_num_threads(threads)
@@ -85,6 +80,11 @@ def judged(claims, ref) -> dict:
             "proof": round(sum(v.severity == Severity.PROOF for v in verdicts) / n, 4),
             "borderline": round(sum(v.severity == Severity.BORDERLINE for v in verdicts) / n, 4),
             "reasons": dict(Counter(v.reason.value for v in verdicts if not v.accepted))}
+
+
+def ref_precision(dtype: str, fp8: str) -> str:
+    """The thresholds key the validator's reference picks (node/replay.py TorchReference.precision)."""
+    return dtype if fp8 == "off" else f"fp8-{fp8}-{dtype}"
 
 
 @torch.inference_mode()
