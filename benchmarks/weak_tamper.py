@@ -2,7 +2,8 @@
 the honest variation the thresholds must pass.
 
     python -m benchmarks.weak_tamper [--rollouts 48] [--out benchmarks/results/weak_tamper-cpu-2core.json]
-    python -m benchmarks.weak_tamper --fp8 experts [--out benchmarks/results/weak_tamper-fp8-experts-cpu-2core.json]
+    python -m benchmarks.weak_tamper --fp8 experts --dtypes float32 --sizes 0.0003,0.001,0.003,0.01 \
+        [--out benchmarks/results/weak_tamper-fp8-experts-float32-cpu-2core.json]
 
 Tiny MoE model (tests/verification/rollouts.py), CPU. Tampered engines run weights
 w + s * std(w) * N(0, 1) for s from 0.01% to 1% of each tensor's std, on layer 0 only or on every
