@@ -60,9 +60,12 @@ THRESHOLDS = {
     # float32 base, all: exp 7, mantissa mean 1.66 / median 1, logprob 0.23 / mean 0.0121, no flips.
     "fp8-all-float32": Thresholds(max_exp_mismatches=14, max_mant_err_mean=2.2, max_mant_err_median=2.0,
                                   max_logprob_err=0.35, max_logprob_err_mean=0.018, margin_noise=0.01),
-    # bf16 base, experts: exp 9, mantissa mean 3.70 / median 2, logprob 0.63 / mean 0.026, flip margin 0.045.
-    "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=20, max_mant_err_mean=5.0, max_mant_err_median=4.0,
-                                       max_logprob_err=1.0, max_logprob_err_mean=0.04, margin_noise=0.16),
+    # bf16 base, experts: exp 9, mantissa mean 3.70 / median 2, logprob 0.63 / mean 0.026, flip margin 0.045;
+    # the honest runs of `weak_tamper --fp8 experts --dtypes bfloat16` (288 other rollouts, same figures
+    # without route replay) went further: exp 11, mantissa mean 4.75 / median 4, logprob mean 0.043, flip
+    # margin 0.25. Bounds cover both sets (margin x2, not x3.5: it would bind almost no choice).
+    "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=22, max_mant_err_mean=6.2, max_mant_err_median=8.0,
+                                       max_logprob_err=1.0, max_logprob_err_mean=0.064, margin_noise=0.5),
     # bf16 base, all: exp 15, mantissa mean 3.25 / median 2, logprob 0.31 / mean 0.028, flip margin 0.085.
     "fp8-all-bfloat16": Thresholds(max_exp_mismatches=30, max_mant_err_mean=4.3, max_mant_err_median=4.0,
                                    max_logprob_err=0.46, max_logprob_err_mean=0.042, margin_noise=0.3),

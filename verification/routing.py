@@ -64,16 +64,16 @@ HONEST_PAIR_RATE = {
     "float32": 1e-4,
     # bf16: 88 differing pairs of 55,232 (1.6e-3), near-ties included; the bound covers them all.
     "bfloat16": 2e-3,
-    # FP8 runs (verification/calibration/routing-fp8.json, CPU reference GEMM only). float32 base, experts:
-    # 0 differing pairs (as plain float32): the float32 bound.
+    # FP8 runs (verification/calibration/routing-fp8.json: `route_calibration --fp8 --batched-only --rollouts
+    # 24`, engine batch 1/8/32 x 1/2 threads, CPU reference GEMM only; the differing pairs were the same in
+    # every engine variation: KV-cached decode against prefill). float32 base: 0 differing pairs of 10,908
+    # (experts) and 10,368 (all): the float32 bound.
     "fp8-experts-float32": 1e-4,
-    # The other FP8 precisions: the bf16 bound. Not calibrated pair by pair (route_calibration --fp8 did not
-    # finish on the loaded 2-core machine); what holds them: near-ties within ROUTER_TIE (>= 2x the measured
-    # decode-vs-prefill logit spread) are never evidence, and weak_tamper --fp8 experts' honest runs (with
-    # routes) were all accepted.
-    "fp8-all-float32": 2e-3,
+    "fp8-all-float32": 1e-4,
+    # bf16 base, experts: 18 of 10,524 (1.7e-3), near-ties included: the bf16 bound covers them.
     "fp8-experts-bfloat16": 2e-3,
-    "fp8-all-bfloat16": 2e-3,
+    # bf16 base, all: 40 of 10,380 (3.9e-3), at most 7 of 1,730 in one variation (4.0e-3): above the bf16 bound: 5e-3.
+    "fp8-all-bfloat16": 5e-3,
 }
 """Upper bound on the per-pair rate at which an honest engine's routes count as evidence."""
 

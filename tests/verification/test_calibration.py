@@ -30,7 +30,7 @@ def test_thresholds_bound_the_committed_honest_maxima_and_match_the_calibration_
             assert tamper[kind] >= FP8_BF16_SHARES.get(precision, {}).get(kind, 1.0), (precision, kind, tamper[kind])
 
 
-FP8_BF16_SHARES = {"fp8-experts-bfloat16": {"noise1pct": 0.76, "plain_engine": 0.24},
+FP8_BF16_SHARES = {"fp8-experts-bfloat16": {"noise1pct": 0.5, "plain_engine": 0.06},
                    "fp8-all-bfloat16": {"plain_engine": 0.98}}
 """Per-submission detection below 1.0 in the committed FP8 calibration (docs/verification.md "FP8 runs")."""
 
