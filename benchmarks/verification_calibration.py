@@ -7,13 +7,22 @@ for tampered engines (1% weight noise, fp8 and int8 weight rounding, a bf16 engi
 float32), and writes verification/calibration/`data.json` (one row per rollout) and `thresholds.json`
 (honest maxima per precision, the thresholds in force, and the share of tampered rollouts they
 reject). tests/verification/test_calibration.py holds the thresholds in force above the honest
-maxima. It lives here, not in `verification`, because it drives the node's engine through the test
+maxima.
+
+`--fp8` calibrates the FP8 precisions instead (`fp8-<experts|all>-<float32|bfloat16>`: the run's
+`model.fp8` on its dtype): engine and reference both quantised by `apply_fp8_mode`, on the CPU path
+(`reference_gemm`); honest variation = batch 1/8/32 x 1/2 threads x KV-cached decode against prefill;
+tampers: 1% weight noise and int8 rounding before quantisation, and an unquantised engine claiming the
+FP8 run (`plain_engine`). It writes `data-fp8.json` and merges its precisions into `thresholds.json`.
+GPU FP8 kernels (Triton, DeepGEMM) against this CPU reference are not part of it (no GPU measured).
+`--rescore` recomputes the summary from the data file with the thresholds in force (after editing them). It lives here, not in `verification`, because it drives the node's engine through the test
 harness (`verification` imports nothing from `node`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -54,12 +63,79 @@ def run_case(R, engine_model, ref, seeds, max_batch: int, threads: int) -> list[
     return measure(R.claims_from(comps, work), ref)
 
 
+FP8_TAMPERS = ("noise1pct", "int8", "plain_engine")
+
+
+def fp8_cases(R, seeds: list[int]) -> dict[str, list[RolloutFigures]]:
+    """Honest and tampered FP8 engines, per FP8 mode and base dtype, judged by an FP8 reference."""
+    from node.engine.fp8.model import apply_fp8_mode
+
+    cases: dict[str, list[RolloutFigures]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ("experts", "all"):
+            base = R.tiny_model(dtype=dtype)
+            ref = R.reference({0: apply_fp8_mode(copy.deepcopy(base), mode)})
+            served = apply_fp8_mode(copy.deepcopy(base), mode)  # the engine's own copy, as a node loads it
+            for max_batch in (1, 8, 32):
+                for threads in (1, 2):
+                    name = f"honest/{ref.precision}/batch{max_batch}/threads{threads}"
+                    t = time.perf_counter()
+                    cases[name] = run_case(R, served, ref, seeds, max_batch, threads)
+                    log.info("%-48s %s (%.1fs)", name, summarize(cases[name]), time.perf_counter() - t)
+            for kind in FP8_TAMPERS:
+                engine_model = base if kind == "plain_engine" else apply_fp8_mode(perturb(base, kind), mode)
+                name = f"tamper/{ref.precision}/{kind}"
+                cases[name] = run_case(R, engine_model, ref, seeds, 32, 2)
+                log.info("%-48s %s", name, summarize(cases[name]))
+    return cases
+
+
+def scored(cases: dict[str, list[RolloutFigures]], precisions) -> dict:
+    out = {}
+    for precision in precisions:
+        honest = [r for k, rows in cases.items() if k.startswith(f"honest/{precision}/") for r in rows]
+        t = THRESHOLDS[precision] if precision in THRESHOLDS else None
+        out[precision] = {
+            "honest_max": summarize(honest),
+            "in_force": asdict(t) if t else None,
+            "honest_rejected": sum(rejected_by(r, t) for r in honest) if t else None,
+            "tamper_rejected_share": {k.split("/")[-1]: round(sum(rejected_by(r, t) for r in rows) / len(rows), 4)
+                                      for k, rows in cases.items() if k.startswith(f"tamper/{precision}/")} if t else None,
+        }
+    return out
+
+
+def main_fp8(args) -> int:
+    data_path, thr_path = args.out / "data-fp8.json", args.out / "thresholds.json"
+    if args.rescore:
+        data = json.loads(data_path.read_text())
+        cases = {k: [RolloutFigures(*row) for row in rows] for k, rows in data["cases"].items()}
+    else:
+        seeds = list(range(1000, 1000 + args.rollouts))
+        cases = fp8_cases(_harness(), seeds)
+        args.out.mkdir(parents=True, exist_ok=True)
+        data_path.write_text(json.dumps({"fields": FIELDS,
+                                         "cases": {k: [r.row() for r in rows] for k, rows in cases.items()}}) + "\n")
+    precisions = sorted({k.split("/")[1] for k in cases})
+    result = json.loads(thr_path.read_text())
+    result["precisions"].update(scored(cases, precisions))
+    rollouts = len(next(iter(cases.values())))
+    result["fp8_command"] = f"python -m benchmarks.verification_calibration --fp8 --rollouts {rollouts}"
+    thr_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({p: result["precisions"][p] for p in precisions}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=64, help="rollouts per variation")
     ap.add_argument("--out", type=Path, default=HERE)
+    ap.add_argument("--fp8", action="store_true", help="calibrate the FP8 precisions (merged into thresholds.json)")
+    ap.add_argument("--rescore", action="store_true", help="with --fp8: re-score data-fp8.json, generate nothing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.fp8:
+        return main_fp8(args)
     R = _harness()
     models = {"float32": R.tiny_model(), "bfloat16": R.tiny_model(dtype=torch.bfloat16)}
     refs = {k: R.reference({0: m}) for k, m in models.items()}

@@ -2,6 +2,8 @@
 the honest variation the thresholds must pass.
 
     python -m benchmarks.weak_tamper [--rollouts 48] [--out benchmarks/results/weak_tamper-cpu-2core.json]
+    python -m benchmarks.weak_tamper --fp8 experts --dtypes float32 --sizes 0.0003,0.001,0.003,0.01 \
+        [--out benchmarks/results/weak_tamper-fp8-experts-float32-cpu-2core.json]
 
 Tiny MoE model (tests/verification/rollouts.py), CPU. Tampered engines run weights
 w + s * std(w) * N(0, 1) for s from 0.01% to 1% of each tensor's std, on layer 0 only or on every
@@ -10,6 +12,11 @@ logprobs and routed experts) goes through `verify_claims` against the honest wei
 the same run is the honest variation: engine batch 1/8/32, 1 and 2 threads, each precision, which
 must all pass; their raw figures (`verification.calibration.measure`) and the router-logit spread
 (KV-cached decode against one prefill) are reported beside. Prints progress, then one JSON line.
+
+`--fp8 experts|all`: an FP8 run (`ModelSpec.fp8`). The honest engines and the validator's reference are
+quantised by `apply_fp8_mode` (the CPU reference GEMM); a tampered engine perturbs the high-precision
+weights, then quantises them as an honest node would, so the detection figures are at the FP8
+thresholds (`fp8-<mode>-<dtype>` in verification/checks.py).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import platform
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,7 +38,7 @@ from node.engine import Engine
 from node.model.cache import KVCache
 from node.model.routing import RouteShape, encode_routes
 from verification.calibration.measure import measure, summarize
-from verification.checks import Severity
+from verification.checks import THRESHOLDS, Severity
 from verification.validator import verify_claims
 
 log = logging.getLogger("bench.weak_tamper")
@@ -76,6 +84,11 @@ def judged(claims, ref) -> dict:
             "reasons": dict(Counter(v.reason.value for v in verdicts if not v.accepted))}
 
 
+def ref_precision(dtype: str, fp8: str) -> str:
+    """The thresholds key the validator's reference picks (node/replay.py TorchReference.precision)."""
+    return dtype if fp8 == "off" else f"fp8-{fp8}-{dtype}"
+
+
 @torch.inference_mode()
 def router_logit_spread(model, threads: int, batch: int = 8, length: int = 48) -> float:
     """Largest |router logit| difference between KV-cached decode (one token per step, `batch` rows)
@@ -96,43 +109,59 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=48, help="rollouts (submissions) per case")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="base dtypes to run, comma-separated")
+    ap.add_argument("--sizes", default=",".join(f"{x:g}" for x in SIZES),
+                    help="noise sizes (share of each tensor's std), comma-separated")
+    ap.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
+                    help="judge an FP8 run: engines and reference quantised this way (node/engine/fp8/model.py)")
     args = ap.parse_args(argv)
+    from node.engine.fp8.model import apply_fp8_mode
+
+    def served(m: torch.nn.Module) -> torch.nn.Module:
+        """What an engine (or the validator) of this run computes with: a copy, quantised as the run says."""
+        return apply_fp8_mode(copy.deepcopy(m), args.fp8)
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
     work = [(s, R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
     honest, tamper, spread, threshold = {}, {}, {}, {}
-    for precision, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    sizes = tuple(float(x) for x in args.sizes.split(","))
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for precision, dtype in ((d, getattr(torch, d)) for d in dtypes):
         model = R.tiny_model(dtype=dtype)
-        ref = R.reference({0: model})
-        spread[precision] = {f"threads{t}": router_logit_spread(model, t) for t in (1, 2)}
+        ref = R.reference({0: served(model)})
+        assert ref.precision == ref_precision(precision, args.fp8), ref.precision
+        spread[precision] = {f"threads{t}": router_logit_spread(served(model), t) for t in (1, 2)}
         rows_all = []
         for batch in (1, 8, 32):
             for threads in (1, 2):
-                claims = claims_of(model, model, work, batch, threads)
+                claims = claims_of(served(model), model, work, batch, threads)
                 rows_all += measure(claims, ref)
                 honest[f"{precision}/batch{batch}/threads{threads}"] = judged(claims, ref)
                 log.info("honest %s batch %d threads %d: %s", precision, batch, threads,
                          honest[f"{precision}/batch{batch}/threads{threads}"])
         honest[f"{precision}/figures"] = summarize(rows_all)
         for scope in ("layer0", "all"):
-            for size in SIZES:
-                claims = claims_of(perturbed(model, size, scope), model, work, 32, 2)
+            for size in sizes:
+                claims = claims_of(served(perturbed(model, size, scope)), model, work, 32, 2)
                 name = f"{precision}/{scope}/{size:g}"
                 tamper[name] = {**judged(claims, ref), "figures": summarize(measure(claims, ref))}
                 log.info("tamper %s: %s", name, {k: v for k, v in tamper[name].items() if k != "figures"})
-            caught = [s for s in SIZES if tamper[f"{precision}/{scope}/{s:g}"]["rejected"] >= 0.99]
+            caught = [s for s in sizes if tamper[f"{precision}/{scope}/{s:g}"]["rejected"] >= 0.99]
             threshold[f"{precision}/{scope}"] = min(caught) if caught else None
     honest_rejected = {p: max(v["rejected"] for k, v in honest.items() if k.startswith(p) and "rejected" in v)
-                       for p in ("float32", "bfloat16")}
+                       for p in dtypes}
     result = {
         "bench": "weak_tamper", "machine": platform.node(), "torch": torch.__version__,
-        "command": f"python -m benchmarks.weak_tamper --rollouts {args.rollouts}",
+        "command": f"python -m benchmarks.weak_tamper --rollouts {args.rollouts} --dtypes {args.dtypes} "
+                   f"--sizes {args.sizes}" + (f" --fp8 {args.fp8}" if args.fp8 != "off" else ""),
+        "fp8": args.fp8, "thresholds": {p: asdict(THRESHOLDS[ref_precision(p, args.fp8)]) for p in dtypes},
         "seconds": round(time.perf_counter() - t0, 1),
         "honest_rejected_max": honest_rejected,
         "smallest_size_caught_99pct": threshold,
-        "detection_at_0.1pct": {k: tamper[f"{k}/0.001"]["rejected"] for k in threshold},
-        "detection_at_1pct": {k: tamper[f"{k}/0.01"]["rejected"] for k in threshold},
-        "detection_by_size": {k: {f"{s:g}": tamper[f"{k}/{s:g}"]["rejected"] for s in SIZES} for k in threshold},
+        "detection_at_0.1pct": {k: tamper.get(f"{k}/0.001", {}).get("rejected") for k in threshold},
+        "detection_at_1pct": {k: tamper.get(f"{k}/0.01", {}).get("rejected") for k in threshold},
+        "detection_by_size": {k: {f"{s:g}": tamper[f"{k}/{s:g}"]["rejected"] for s in sizes} for k in threshold},
         "honest_rollouts": sum(v["rollouts"] for k, v in honest.items() if "rejected" in v),
         "router_logit_spread": spread, "honest": honest, "tamper": tamper,
     }

@@ -115,7 +115,7 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
-               device: str = "cpu", fp8: str = "off", ep: int = 1) -> None:
+               device: str = "cpu", fp8: str | None = None, ep: int = 1) -> None:
     """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
@@ -235,9 +235,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--device", default=None,
                    help="where this role runs the run's model: cpu | cuda | cuda:I (default: cuda for --engine "
                         "builtin-cuda, else cpu)")
-    j.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
-                   help="with --engine builtin-cuda: block-scaled FP8 weights for the routed experts only, or for every "
-                        "projection (an H100/H200-class GPU; docs/fp8.md)")
+    j.add_argument("--fp8", choices=["off", "experts", "all"], default=None,
+                   help="block-scaled FP8 weights for the routed experts only, or for every projection (builtin-cuda on "
+                        "an H100/H200-class GPU; builtin on the CPU, slowly). Default: what the run spec's model.fp8 "
+                        "says; a value that differs from it is refused (validators recompute that way; docs/fp8.md)")
     par = j.add_argument_group("parallelism (trainer: launch with torchrun, world = dp x cp; inference: --ep only)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2)")
     par.add_argument("--ep", type=int, default=1,
@@ -291,7 +292,7 @@ def _join(args: argparse.Namespace) -> int:
             raise SystemExit(f"primerl-node join: --ep {ep} serves on cuda:0..{ep - 1} (rank R on cuda:R; "
                              f"CUDA_VISIBLE_DEVICES picks which GPUs): pass --device cuda, not {device}")
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    if args.role != "inference" and args.fp8 != "off":
+    if args.role != "inference" and args.fp8 is not None:
         raise SystemExit("primerl-node join: --fp8 applies to --role inference only")
     from node.roles.common import set_device
     try:

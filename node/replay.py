@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from node.engine.fp8.model import fp8_mode_of
 from node.engine.sampling import SamplingParams, sample
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
@@ -35,7 +36,10 @@ class TorchReference(Reference):
         any_model = next(iter(policies.values()))[0]
         self.hidden_size = any_model.config.hidden_size
         self.vocab_size = any_model.config.vocab_size
-        self.precision = str(next(any_model.parameters()).dtype).removeprefix("torch.")
+        # an FP8-served model (node/engine/fp8/model.py) is judged by the thresholds of its FP8 mode on its base
+        # dtype ("fp8-experts-bfloat16"); a plain one by its dtype's
+        fp8, dtype = fp8_mode_of(any_model), str(next(any_model.parameters()).dtype).removeprefix("torch.")
+        self.precision = f"fp8-{fp8}-{dtype}" if fp8 != "off" else dtype
         self.eos_id, self.max_seq_len = eos_id, max_seq_len
         self._decode, self._tasks, self._reward = decode, tasks, reward
         # a prefill batch holds [tokens, vocab] float32 logits: bound them to ~256 MiB (65,536 tokens

@@ -14,6 +14,8 @@ Example:
     listen = "/ip4/127.0.0.1/tcp/4001"
     status_port = 8480
     engines = ["builtin"]      # add "vllm" to accept `join --engine vllm` nodes
+    [model]
+    fp8 = "experts"            # serve block-scaled FP8 experts ("all": every projection; default "off"); docs/fp8.md
     [recipe]
     steps = 500
     lr = 1e-3
@@ -53,7 +55,8 @@ class RunConfig(BaseModel):
     (contrib/verifiers; `pip install -e '.[verifiers]'`)."""
     model: ModelSpec = Field(default_factory=ModelSpec)
     """The run's model (protocol/model_spec.py): a name (`model = "smollm2-135m-instruct"`) or a
-    `[model]` table with source, dtype, weights_hash, max_seq_len; tiny-moe's shape comes from `recipe`."""
+    `[model]` table with source, dtype, weights_hash, max_seq_len, fp8 (off | experts | all: the serving precision
+    inference nodes follow and validators recompute in); tiny-moe's shape comes from `recipe`."""
 
     @field_validator("model", mode="before")
     @classmethod

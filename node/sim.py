@@ -67,8 +67,9 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`).
     `model`: the run's model spec (None: the tiny MoE); `run`: run.toml keys to override (e.g. a longer
     dead_after_missed for a large model on a busy machine). `placement`: each role's `--device`
-    (node/sim_devices.py; None: all on the CPU); `engine`, `fp8`: the honest inference nodes' `--engine` and
-    `--fp8` (vLLM nodes excepted); `inference_ep`: each honest built-in inference node serves over this many
+    (node/sim_devices.py; None: all on the CPU); `engine`: the honest inference nodes' `--engine` (vLLM nodes
+    excepted); `fp8`: the run spec's `model.fp8` (every inference node serves it, the validator recomputes in it;
+    docs/fp8.md); `inference_ep`: each honest built-in inference node serves over this many
     expert-parallel processes (`join --ep`, engine builtin-ep; CPU only here)."""
     placement = placement or place("cpu", inference_nodes)
     if inference_ep > 1:
@@ -101,6 +102,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         cfg["engines"] = ["builtin", "vllm"]
     if model:  # a [model] table (protocol/model_spec.py); the default is the recipe-shaped tiny MoE
         cfg["model"] = model
+    if fp8 != "off":  # the run serves FP8: nodes follow the spec (no --fp8 flag), the validator recomputes so
+        cfg["model"] = {**cfg.get("model", {}), "fp8": fp8}
     cfg.update(run or {})
     (out / "run.toml").write_text(to_toml(cfg))
     addr_file = out / "coordinator" / "addr"
@@ -131,7 +134,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     for i in range(inference_nodes):
         name = f"inference-{i}"
         extra = ["--engine", "vllm"] if i < vllm_nodes else \
-            ["--engine", engine, "--device", placement.inference[i], *(["--fp8", fp8] if fp8 != "off" else []),
+            ["--engine", engine, "--device", placement.inference[i],
              *(["--ep", str(inference_ep)] if inference_ep > 1 else [])]
         procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
@@ -286,8 +289,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", default=None,
                    help="the inference nodes' engine (default: builtin on the CPU, builtin-cuda with --device cuda)")
     p.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
-                   help="with --engine builtin-cuda: FP8 weights (the validator has no FP8 tolerances yet: keep "
-                        "verification off, or expect honest FP8 work to be judged by bf16 tolerances)")
+                   help="the run serves FP8 (spec model.fp8): every built-in inference node serves block-scaled e4m3 "
+                        "weights (builtin on the CPU, builtin-cuda with --device cuda) and the validator recomputes "
+                        "with the same quantisation and FP8 thresholds (docs/fp8.md)")
     p.add_argument("--ep", type=int, default=1, metavar="N",
                    help="each built-in inference node serves over N expert-parallel processes (join --ep N, engine "
                         "builtin-ep, gloo on the CPU); N must divide the recipe's experts")

@@ -2,6 +2,7 @@
 one signed verdict per claim (JSON lines). The built-in environments and char tokenizer are used.
 
     primerl-node verify --checkpoint DIR --claims claims.jsonl [--version 0] [--manifest-hash HEX] [--key FILE]
+                        [--fp8 off|experts|all]
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engines", type=_engines, default=("builtin",),
                    help="engines whose rollouts the run accepts, comma-separated (its spec's `engines`; "
                         "default builtin): a claim naming another is rejected (engine_not_allowed)")
+    p.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
+                   help="the run's serving precision (its spec's model.fp8): recompute with the same block-scaled "
+                        "e4m3 weights and judge with that precision's thresholds (docs/fp8.md)")
     p.set_defaults(func=run)
 
 
@@ -51,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from verification.claim import RolloutClaim
     from verification.validator import verify_claims
 
-    model = load_checkpoint(args.checkpoint)
+    from node.engine.fp8.model import apply_fp8_mode
+
+    model = apply_fp8_mode(load_checkpoint(args.checkpoint), args.fp8)
     if args.manifest_hash:
         manifest = bytes.fromhex(args.manifest_hash)
     else:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 TINY_MOE = "tiny-moe"
+FP8_MODES = ("off", "experts", "all")
+"""How inference nodes serve the run's weights: `experts` quantises the routed experts to block-scaled
+e4m3, `all` every decoder projection too (node/engine/fp8/model.py); the validator recomputes the same way."""
 
 
 class ModelSpec(BaseModel):
@@ -29,3 +32,16 @@ class ModelSpec(BaseModel):
     max_seq_len: int = Field(512, ge=8, le=1 << 20)
     """Longest prompt + completion any role runs: sizes engine KV caches and the validator's prefill
     (not the model's own limit, which can be far larger)."""
+    fp8: Literal["off", "experts", "all"] = "off"
+    """Serving precision of inference nodes (docs/fp8.md): `off` serves `dtype`; `experts` or `all` serves
+    block-scaled e4m3 weights (DeepSeek-V3 layout) for the routed experts or every decoder projection, on
+    top of `dtype`. Validators recompute with the same quantisation and judge with that precision's
+    thresholds (verification/checks.py); `join --fp8` must agree. Omitted from the signed bytes when
+    `off`, so specs that do not name it keep their hash."""
+
+    @model_serializer(mode="wrap")
+    def _omit_fp8_off(self, handler):
+        data = handler(self)
+        if data.get("fp8") == "off":
+            del data["fp8"]
+        return data

@@ -44,6 +44,31 @@ THRESHOLDS = {
     # bf16 honest maxima: exp 6, mantissa mean 2.73 / median 1, logprob 0.17 / mean 0.0070, flip margin 0.014.
     "bfloat16": Thresholds(max_exp_mismatches=12, max_mant_err_mean=3.5, max_mant_err_median=2.0,
                            max_logprob_err=0.25, max_logprob_err_mean=0.01, margin_noise=0.05),
+    # FP8 runs (RunSpec.model.fp8, docs/fp8.md): "fp8-<experts|all>-<base dtype>", engine and validator both
+    # quantised by node.engine.fp8.model.apply_fp8_mode. Honest maxima from `python -m
+    # benchmarks.verification_calibration --fp8 --rollouts 50` (300 rollouts per precision: engine batch
+    # 1/8/32 x 1/2 threads, KV-cached decode vs prefill), on the CPU path (reference_gemm) ONLY: GPU FP8
+    # kernels (Triton, DeepGEMM) against this CPU reference were NOT measured (no GPU this session). Headroom
+    # as for bf16 (counts and medians x2, mantissa mean x1.3, logprob max and mean x1.5, flip margin >= 3.5x),
+    # and never tighter than the plain precision's own thresholds (which keep room for other kernels).
+    # An activation that lands near an e4m3 rounding boundary rounds either way under a 1e-7 difference
+    # (another matmul blocking at another batch size), so FP8 on a float32 base is not bit-exact as plain
+    # float32 is: fp8-all-float32 reached logprob 0.23 at engine batch 8.
+    # float32 base, experts: exp 2, mantissa mean 0.43 / median 0, logprob 0.015 / mean 0.00053, no flips.
+    "fp8-experts-float32": Thresholds(max_exp_mismatches=8, max_mant_err_mean=1.0, max_mant_err_median=1.0,
+                                      max_logprob_err=0.025, max_logprob_err_mean=0.002, margin_noise=0.01),
+    # float32 base, all: exp 7, mantissa mean 1.66 / median 1, logprob 0.23 / mean 0.0121, no flips.
+    "fp8-all-float32": Thresholds(max_exp_mismatches=14, max_mant_err_mean=2.2, max_mant_err_median=2.0,
+                                  max_logprob_err=0.35, max_logprob_err_mean=0.018, margin_noise=0.01),
+    # bf16 base, experts: exp 9, mantissa mean 3.70 / median 2, logprob 0.63 / mean 0.026, flip margin 0.045;
+    # the honest runs of `weak_tamper --fp8 experts --dtypes bfloat16` (288 other rollouts, same figures
+    # without route replay) went further: exp 11, mantissa mean 4.75 / median 4, logprob mean 0.043, flip
+    # margin 0.25. Bounds cover both sets (margin x2, not x3.5: it would bind almost no choice).
+    "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=22, max_mant_err_mean=6.2, max_mant_err_median=8.0,
+                                       max_logprob_err=1.0, max_logprob_err_mean=0.064, margin_noise=0.5),
+    # bf16 base, all: exp 15, mantissa mean 3.25 / median 2, logprob 0.31 / mean 0.028, flip margin 0.085.
+    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=30, max_mant_err_mean=4.3, max_mant_err_median=4.0,
+                                   max_logprob_err=0.46, max_logprob_err_mean=0.042, margin_noise=0.3),
 }
 REWARD_TOL = 1e-6
 """Rewards are exact functions of the transcript; only float formatting may differ."""

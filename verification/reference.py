@@ -34,7 +34,9 @@ class Reference(ABC):
     vocab_size: int
     """Token ids must lie below this."""
     precision: str
-    """Engine precision the run prescribes ("float32" or "bfloat16"); picks the thresholds."""
+    """Engine precision the run prescribes: its dtype ("float32", "bfloat16"), or "fp8-<mode>-<dtype>"
+    ("fp8-experts-bfloat16", ...) when it serves block-scaled FP8 weights on that base dtype; picks the
+    thresholds (verification/checks.py `THRESHOLDS`)."""
 
     @abstractmethod
     def manifest_hash(self, version: int) -> bytes | None:

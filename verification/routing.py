@@ -45,6 +45,14 @@ ROUTER_TIE = {
     "float32": 1e-3,
     # bf16: at most 0.0156 (2 ulps at |logit| ~2); 2 delta = 0.031, doubled.
     "bfloat16": 0.0625,
+    # FP8 runs (engine and validator quantised alike; the gate itself stays in the base dtype): decode vs
+    # prefill router logits differed by at most 5.1e-4 / 0.0082 (float32 base, experts / all) and 0.035 /
+    # 0.059 (bf16 base), 1 and 2 threads (verification/calibration/routing-fp8.json `router_logit_spread`,
+    # CPU reference GEMM only); 2 delta, doubled, as for bf16.
+    "fp8-experts-float32": 0.0025,
+    "fp8-all-float32": 0.035,
+    "fp8-experts-bfloat16": 0.15,
+    "fp8-all-bfloat16": 0.25,
 }
 """A differing (position, layer) pair whose claimed set is within this much (router logit units) of
 being the recomputed top-k is a near-tie, not evidence."""
@@ -56,6 +64,16 @@ HONEST_PAIR_RATE = {
     "float32": 1e-4,
     # bf16: 88 differing pairs of 55,232 (1.6e-3), near-ties included; the bound covers them all.
     "bfloat16": 2e-3,
+    # FP8 runs (verification/calibration/routing-fp8.json: `route_calibration --fp8 --batched-only --rollouts
+    # 24`, engine batch 1/8/32 x 1/2 threads, CPU reference GEMM only; the differing pairs were the same in
+    # every engine variation: KV-cached decode against prefill). float32 base: 0 differing pairs of 10,908
+    # (experts) and 10,368 (all): the float32 bound.
+    "fp8-experts-float32": 1e-4,
+    "fp8-all-float32": 1e-4,
+    # bf16 base, experts: 18 of 10,524 (1.7e-3), near-ties included: the bf16 bound covers them.
+    "fp8-experts-bfloat16": 2e-3,
+    # bf16 base, all: 40 of 10,380 (3.9e-3), at most 7 of 1,730 in one variation (4.0e-3): above the bf16 bound: 5e-3.
+    "fp8-all-bfloat16": 5e-3,
 }
 """Upper bound on the per-pair rate at which an honest engine's routes count as evidence."""
 

@@ -17,6 +17,7 @@ import paths here are strings, resolved by `importlib` only for the engine a nod
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from node.plugins import resolve
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the registry stays light: `join --help` lists engines without importing torch
     import torch
@@ -75,7 +78,7 @@ class EngineSetup:
     device: str = "cpu"
     """Where an in-process engine serves (`join --device cpu|cuda[:i]`)."""
     fp8: str = "off"
-    """FP8 weights on a CUDA engine: off | experts (routed experts only) | all (`join --fp8`)."""
+    """FP8 weights: off | experts (routed experts only) | all (`join --fp8`, or the run spec's `model.fp8`)."""
     ep: int = 1
     """Expert-parallel processes of one host serving together (`join --ep`; engines with `expert_parallel`)."""
     model_dir: Path | None = None
@@ -97,13 +100,16 @@ class EngineEntry:
     """An in-process engine that takes `device=` and `fp8=` (and captures its graphs before serving)."""
     expert_parallel: bool = False
     """Serves with `EngineSetup.ep` > 1 processes (the others started by `join`, or by torchrun)."""
+    fp8: bool = False
+    """Serves block-scaled FP8 weights through `node.engine.fp8.model.apply_fp8_mode` (the validator's rule)."""
 
 
 ENGINES: dict[str, EngineEntry] = {
-    "builtin": EngineEntry("node.engine.engine:Engine", "builtin", "the built-in torch engine"),
+    "builtin": EngineEntry("node.engine.engine:Engine", "builtin", "the built-in torch engine (CPU; FP8 with --fp8 "
+                           "through the plain-torch reference GEMM: slow, for tests and small models)", fp8=True),
     "builtin-cuda": EngineEntry("node.engine.cuda_engine:CudaEngine", "builtin",
                                 "the built-in engine on a CUDA device (--device cuda[:i]): CUDA graphs per batch bucket, "
-                                "GPU sampling with the validator's seeded rule, FP8 with --fp8", placed=True),
+                                "GPU sampling with the validator's seeded rule, FP8 with --fp8", placed=True, fp8=True),
     "builtin-ep": EngineEntry("node.engine.ep_world:start", "builtin",
                               "the built-in engine with expert parallelism over --ep N processes of this host (one "
                               "GPU each with --device cuda, NCCL; gloo on the CPU): experts split, attention "
@@ -111,6 +117,20 @@ ENGINES: dict[str, EngineEntry] = {
     "vllm": EngineEntry("contrib.vllm.node_engine:VLLMNodeEngine", "vllm",
                         "a supervised vLLM server (contrib/vllm; its interpreter is $PRIMERL_VLLM_PYTHON)", server=True),
 }
+
+
+class FP8Mismatch(EngineUnavailable):
+    """`join --fp8` differs from the run spec's `model.fp8`: the validator recomputes in the spec's precision,
+    so the node's honest rollouts would be judged against numbers it does not compute."""
+
+
+def serving_fp8(run_fp8: str, flag: str | None) -> str:
+    """The FP8 mode a node serves: the run spec's (`ModelSpec.fp8`) when `--fp8` is absent; a flag that
+    names another is refused (`FP8Mismatch`) before anything starts."""
+    if flag is None or flag == run_fp8:
+        return run_fp8
+    raise FP8Mismatch(f"--fp8 {flag} but this run serves fp8 {run_fp8} (its spec's model.fp8; validators recompute "
+                      f"that way): drop --fp8 to follow the spec")
 
 
 def entry(name: str) -> EngineEntry:
@@ -126,15 +146,22 @@ def check(name: str, setup: EngineSetup) -> dict:
     if setup.ep > 1 and not e.expert_parallel:
         raise EngineUnavailable(f"engine {name} cannot serve expert-parallel (--ep {setup.ep}); use --engine builtin-ep"
                                 + ("; vLLM splits experts with --vllm data_parallel=N --vllm expert_parallel=true" if name == "vllm" else ""))
+    if setup.fp8 not in ("off", "experts", "all"):
+        raise EngineUnavailable(f"--fp8 must be off, experts or all, not {setup.fp8!r}")
+    if setup.fp8 != "off" and not e.fp8:
+        # the validator recomputes with the block-scaled layout of apply_fp8_mode: another FP8 scheme
+        # (vLLM's quantization=fp8) would be judged against numbers it does not compute
+        raise EngineUnavailable(f"engine {name} cannot serve the block-scaled FP8 the run prescribes (fp8 "
+                                f"{setup.fp8}); use --engine builtin-cuda (GPU) or builtin (CPU)")
     if not e.server:
         if setup.options:
             raise EngineUnavailable(f"engine {name} takes no options ({', '.join(setup.options)})")
-        if not e.placed and (setup.device != "cpu" or setup.fp8 != "off"):
-            raise EngineUnavailable(f"engine {name} serves on the CPU without FP8; for --device {setup.device} "
-                                    f"--fp8 {setup.fp8} use --engine builtin-cuda")
-        if e.placed and setup.fp8 not in ("off", "experts", "all"):
-            raise EngineUnavailable(f"--fp8 must be off, experts or all, not {setup.fp8!r}")
-        return {"device": setup.device, "fp8": setup.fp8} if e.placed else {}
+        if not e.placed and setup.device != "cpu":
+            raise EngineUnavailable(f"engine {name} serves on the CPU; for --device {setup.device} "
+                                    f"use --engine builtin-cuda")
+        if e.placed:
+            return {"device": setup.device, "fp8": setup.fp8}
+        return {"fp8": setup.fp8} if setup.fp8 != "off" else {}
     checker = getattr(resolve(e.path), "check", None)
     return checker(setup) if checker else {}
 
@@ -146,8 +173,13 @@ def build(name: str, setup: EngineSetup, version: int = -1) -> InferenceEngine:
     if e.server:
         return cls(setup)
     if not e.placed:
-        return cls(setup.model(), max_batch=setup.max_batch, eos_id=setup.eos_id, decode=setup.decode,
-                   capture_hidden=True, capture_experts=setup.capture_experts, version=version)
+        from node.engine.fp8.model import apply_fp8_mode
+
+        if setup.fp8 != "off":
+            log.info("engine %s serves FP8 weights (%s) on the CPU through the reference GEMM (slow: small models)",
+                     name, setup.fp8)
+        return cls(apply_fp8_mode(setup.model(), setup.fp8), max_batch=setup.max_batch, eos_id=setup.eos_id,
+                   decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts, version=version)
     fp8 = {"off": False, "experts": "experts", "all": True}[setup.fp8]
     model = setup.model()
     # served in the run's dtype (the spec's), never the engine's own default: the validator recomputes in

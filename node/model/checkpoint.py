@@ -81,7 +81,8 @@ def hf_to_internal(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
 
 
 def load_hf_state_dict(model: CausalLM, sd: dict[str, torch.Tensor]) -> None:
-    """Copy HF-named weights into `model` in place; every parameter must be present with its shape."""
+    """Copy HF-named weights into `model` in place; every parameter must be present with its shape
+    (an FP8-served model quantises them on arrival)."""
     internal = hf_to_internal(sd, model.config)
     own = model.state_dict()
     missing = sorted(set(own) - set(internal))
@@ -92,8 +93,9 @@ def load_hf_state_dict(model: CausalLM, sd: dict[str, torch.Tensor]) -> None:
         if tuple(t.shape) != tuple(own[name].shape):
             raise InvalidCheckpoint(f"{name}: shape {tuple(t.shape)} in checkpoint, model expects {tuple(own[name].shape)}")
     with torch.no_grad():
-        for name, p in own.items():
-            p.copy_(internal[name])
+        # load_state_dict, not copies into state_dict()'s tensors: an FP8 model's state_dict() is dequantised
+        # copies, and its modules quantise what they load (node/engine/fp8/model.py); plain ones copy in place
+        model.load_state_dict(internal, strict=True)
 
 
 def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, str] | None = None,

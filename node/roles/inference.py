@@ -65,9 +65,10 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 
 class InferenceNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None,
-                 device: str = "cpu", fp8: str = "off", ep: int = 1):
+                 device: str = "cpu", fp8: str | None = None, ep: int = 1):
         """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm);
-        `device`, `fp8`: where an in-process engine serves and whether with FP8 weights (builtin-cuda);
+        `device`: where an in-process engine serves; `fp8`: the node's `--fp8` (None: the spec's `model.fp8`,
+        which any value given must equal: `FP8Mismatch` otherwise);
         `ep`: expert-parallel processes (builtin-ep; this one is rank $RANK of them)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.leases_per_request = leases_per_request
@@ -86,6 +87,7 @@ class InferenceNode:
             raise EngineUnavailable(f"run {spec.run_id} does not accept {self.engine_claims} rollouts (its spec's "
                                     f"engines: {', '.join(spec.engines)}); its run.toml must list "
                                     f"\"{self.engine_claims}\" in engines")
+        fp8 = engines.serving_fp8(spec.model.fp8, fp8)
         cfg = model_config(spec)
         self.engine_setup = EngineSetup(
             model=lambda: blank_model(spec), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,

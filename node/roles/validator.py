@@ -7,6 +7,10 @@ produced it, each version held as its own model object (Engine/Reference loads a
 versions must not share one); nothing a submission holds can crash the validator (an unreadable
 unit is a `malformed` rejection).
 
+FP8 runs (`RunSpec.model.fp8` experts | all): each version is quantised after loading with the rule the
+inference nodes serve with (`apply_fp8_mode`), so the recomputation sees the same e4m3 weights and the
+checks apply that precision's thresholds (`TorchReference.precision` -> verification/checks.py).
+
 Routed experts (router replay) a submission carries are checked against the same recomputation
 (`verification.routing`): bytes that cannot be the model's routes, or routes that differ from the
 claimed version's beyond honest variation, reject the unit. A submission without routes is judged
@@ -22,6 +26,7 @@ import logging
 import time
 from pathlib import Path
 
+from node.engine.fp8.model import apply_fp8_mode
 from node.model.qwen3_moe import CausalLM
 from node.model.checkpoint import load_hf_state_dict
 from node.recipe import Recipe
@@ -94,7 +99,12 @@ class ValidatorNode:
         model = blank_model(self.spec)
         load_hf_state_dict(model, state)
         if version == 0:
-            check_version0(self.spec, model)
+            check_version0(self.spec, model)  # the high-precision weights the trainer published
+        # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
+        apply_fp8_mode(model, self.spec.model.fp8)
+        if self.spec.model.fp8 != "off":
+            log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
+                     self.spec.model.fp8)
         self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
 
     def _prune(self) -> None:

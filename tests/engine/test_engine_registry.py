@@ -43,8 +43,36 @@ def test_engine_settings_it_cannot_honour_are_refused_before_start(tmp_path):
     model = tiny()
     with pytest.raises(EngineUnavailable, match="builtin-cuda"):
         engines.check("builtin", setup(tmp_path, model, device="cuda"))
-    with pytest.raises(EngineUnavailable, match="builtin-cuda"):
-        engines.check("builtin", setup(tmp_path, model, fp8="experts"))
     with pytest.raises(EngineUnavailable, match="fp8"):
         engines.check("builtin-cuda", setup(tmp_path, model, device="cpu", fp8="int4"))
+    with pytest.raises(EngineUnavailable, match="block-scaled FP8"):  # vLLM's FP8 is not the validator's
+        engines.check("vllm", setup(tmp_path, model, fp8="experts"))
     assert engines.check("builtin", setup(tmp_path, model)) == {}
+
+
+def test_builtin_cpu_engine_serves_the_runs_fp8_and_loads_new_versions_into_it(tmp_path):
+    from node.engine.fp8.model import fp8_mode_of
+
+    model = tiny()
+    s = setup(tmp_path, model, fp8="all")
+    assert engines.check("builtin", s) == {"fp8": "all"}
+    built = engines.build("builtin", s, version=0)
+    assert fp8_mode_of(built.model) == "all" and fp8_mode_of(model) == "off"
+    reqs = [Request(str(i), [3 + i, 5, 7], SamplingParams(temperature=0.0, max_new_tokens=6)) for i in range(4)]
+    before = built.generate(reqs)
+    newer = {k: v * 1.5 for k, v in model.state_dict().items()}
+    built.load_weights(newer, version=1)
+    after = built.generate(reqs)
+    assert {v for c in after for v in c.versions} == {1}
+    assert [c.logprobs for c in after] != [c.logprobs for c in before]  # the FP8 buffers took version 1
+    assert torch.allclose(built.model.state_dict()["model.layers.0.mlp.experts.down_proj"],
+                          newer["model.layers.0.mlp.experts.down_proj"], rtol=0.07, atol=1e-3)
+
+
+def test_fp8_follows_the_run_spec_and_a_differing_flag_is_refused():
+    assert engines.serving_fp8("experts", None) == "experts" and engines.serving_fp8("off", None) == "off"
+    assert engines.serving_fp8("all", "all") == "all"
+    with pytest.raises(engines.FP8Mismatch, match="model.fp8"):
+        engines.serving_fp8("off", "experts")
+    with pytest.raises(engines.FP8Mismatch, match="drop --fp8"):
+        engines.serving_fp8("experts", "off")

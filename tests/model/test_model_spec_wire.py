@@ -26,6 +26,22 @@ def test_default_model_keeps_spec_bytes_and_old_string_specs_still_parse():
     assert again == named and again.spec_hash() == named.spec_hash() != plain.spec_hash()
 
 
+def test_fp8_serving_is_signed_in_the_spec_and_off_keeps_every_existing_specs_bytes(tmp_path):
+    named = _spec(model="smollm2-135m-instruct")
+    assert b"fp8" not in encode_message(named) and b"fp8" not in encode_message(_spec())  # off: bytes as before
+    fp8 = _spec(model=ModelSpec(source="smollm2-135m-instruct", fp8="experts"))
+    assert b'"fp8":"experts"' in encode_message(fp8)
+    again = RunSpec.model_validate_json(encode_message(fp8))
+    assert again.model.fp8 == "experts" and again.spec_hash() == fp8.spec_hash() != named.spec_hash()
+    assert _spec(model=ModelSpec(fp8="all")).spec_hash() != _spec().spec_hash()  # tiny-moe + fp8 is not the default
+    base = {"run_id": "r", "task": "reverse", "trainer": PEER, "validators": [PEER]}
+    (tmp_path / "f.toml").write_text(to_toml({**base, "model": {"fp8": "all"}}))
+    assert RunConfig.load(tmp_path / "f.toml").run_spec(PEER).model.fp8 == "all"
+    (tmp_path / "g.toml").write_text(to_toml({**base, "model": {"fp8": "int4"}}))
+    with pytest.raises(InvalidRunConfig, match="fp8"):
+        RunConfig.load(tmp_path / "g.toml")
+
+
 def test_run_toml_takes_a_model_name_or_table(tmp_path):
     base = {"run_id": "r", "task": "reverse", "trainer": PEER, "validators": [PEER]}
     (tmp_path / "a.toml").write_text(to_toml({**base, "model": "smollm2-135m-instruct"}))

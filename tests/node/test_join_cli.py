@@ -126,3 +126,22 @@ def test_trainer_only_flags_are_refused_on_other_roles_before_anything_starts():
     for flag in (["--activation-checkpointing"], ["--dp", "2"]):
         with pytest.raises(SystemExit, match="apply to --role trainer only"):
             main(["join", "--role", "inference", "--bootstrap", "/ip4/127.0.0.1/tcp/1", *flag])
+
+
+def test_an_inference_node_whose_fp8_differs_from_the_run_spec_is_refused_at_join(tmp_path, capsys):
+    from node.cli import main
+    from protocol.identity import NodeKey
+    from protocol.messages import RunSpec
+    from protocol.model_spec import ModelSpec
+
+    coord = NodeKey.generate().peer_id
+    spec = RunSpec(run_id="fp8-run", coordinator=coord, environment="reverse", model=ModelSpec(fp8="experts"))
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    argv = ["join", "--role", "inference", "--spec", str(tmp_path / "spec.json"), "--bootstrap",
+            f"/ip4/127.0.0.1/tcp/1/p2p/{coord}", "--workdir", str(tmp_path / "node")]
+    assert main([*argv, "--fp8", "off"]) == 2  # before any network: the validator would recompute in FP8
+    err = capsys.readouterr().err
+    assert "--fp8 off but this run serves fp8 experts" in err and "drop --fp8" in err
+    assert main([*argv, "--fp8", "all"]) == 2
+    with pytest.raises(SystemExit, match="--fp8 applies to --role inference only"):  # the validator reads the spec
+        main(["join", "--role", "validator", "--bootstrap", "/ip4/127.0.0.1/tcp/1", "--fp8", "experts"])

@@ -90,3 +90,15 @@ def test_synchronous_run_trains_only_on_the_newest_policy(tmp_path):
     assert s["status"] == "done" and s["steps"] == 4
     assert s["max_off_policy_seen"] == 0
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
+
+
+@pytest.mark.slow
+def test_an_fp8_run_serves_and_verifies_in_fp8_and_trains(tmp_path):
+    s = run_sim(tmp_path, inference_nodes=2, steps=3, batch_groups=4, group_size=4, timeout_s=240, fp8="experts")
+    assert s["status"] == "done" and s["steps"] == 3
+    assert json.loads((tmp_path / "coordinator" / "spec.json").read_text())["model"]["fp8"] == "experts"
+    assert "model.fp8 = " not in (tmp_path / "run.toml").read_text() and 'fp8 = "experts"' in (tmp_path / "run.toml").read_text()
+    for i in range(2):  # every inference node followed the spec (no --fp8 flag) and served FP8
+        assert "serves FP8 weights (experts)" in (tmp_path / f"inference-{i}" / "log.txt").read_text()
+    assert "recomputed with FP8 weights (experts)" in (tmp_path / "validator" / "log.txt").read_text()
+    assert s["rollouts_trained"] == 3 * 4 * 4 and s["rollouts_rejected"] == 0 and s["honest_banned"] == 0

@@ -23,8 +23,16 @@ def test_thresholds_bound_the_committed_honest_maxima_and_match_the_calibration_
         assert h["logprob_err_max_max"] <= t.max_logprob_err
         assert h["logprob_err_mean_max"] <= t.max_logprob_err_mean
         assert h["flip_margin_max_max"] <= t.margin_noise
-        # and they still catch weight tampering in the calibration data
-        assert rec["tamper_rejected_share"]["noise1pct"] == 1.0 and rec["tamper_rejected_share"]["fp8"] == 1.0
+        # and they still catch weight tampering in the calibration data (FP8 runs: also an unquantised engine),
+        # as often as docs/verification.md says: on a bf16 base, FP8 experts' honest noise hides part of it
+        tamper = rec["tamper_rejected_share"]
+        for kind in ("noise1pct", "fp8" if not precision.startswith("fp8-") else "plain_engine"):
+            assert tamper[kind] >= FP8_BF16_SHARES.get(precision, {}).get(kind, 1.0), (precision, kind, tamper[kind])
+
+
+FP8_BF16_SHARES = {"fp8-experts-bfloat16": {"noise1pct": 0.5, "plain_engine": 0.06},
+                   "fp8-all-bfloat16": {"plain_engine": 0.98}}
+"""Per-submission detection below 1.0 in the committed FP8 calibration (docs/verification.md "FP8 runs")."""
 
 
 def test_committed_calibration_data_has_every_variation():
@@ -35,3 +43,14 @@ def test_committed_calibration_data_has_every_variation():
             for threads in (1, 2):
                 assert f"honest/{precision}/batch{batch}/threads{threads}" in names
     assert all(len(rows) >= 32 for rows in data["cases"].values())
+
+
+def test_committed_fp8_calibration_has_every_variation_on_the_cpu_path():
+    data = json.loads((CAL / "data-fp8.json").read_text())
+    names = set(data["cases"])
+    for precision in (p for p in THRESHOLDS if p.startswith("fp8-")):
+        for batch in (1, 8, 32):
+            for threads in (1, 2):
+                assert f"honest/{precision}/batch{batch}/threads{threads}" in names
+        assert {f"tamper/{precision}/{k}" for k in ("noise1pct", "int8", "plain_engine")} <= names
+    assert all(len(rows) >= 50 for rows in data["cases"].values())

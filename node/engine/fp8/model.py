@@ -141,3 +141,24 @@ def use_triton_bf16_experts(model: nn.Module) -> nn.Module:
         if isinstance(mod, MoEBlock) and isinstance(mod.experts, GroupedExperts):
             mod.experts = TritonGroupedExperts(mod.experts)
     return model
+
+
+FP8Mode = str
+"""'off' | 'experts' | 'all' (protocol.model_spec.FP8_MODES; `join --fp8`, `ModelSpec.fp8`)."""
+
+
+def apply_fp8_mode(model: nn.Module, mode: FP8Mode) -> nn.Module:
+    """The run's serving precision applied to `model` in place: one rule for every engine and the
+    validator (`experts`: routed experts only; `all`: every decoder projection and the experts; `off`:
+    unchanged). Returns the model."""
+    if mode not in ("off", "experts", "all"):
+        raise ValueError(f"fp8 mode must be off, experts or all, not {mode!r}")
+    return model if mode == "off" else quantize_model_fp8(model, dense=mode == "all")
+
+
+def fp8_mode_of(model: nn.Module) -> FP8Mode:
+    """Which FP8 mode `model` is served in, read from its modules (inverse of `apply_fp8_mode`)."""
+    mods = list(model.modules())
+    if any(isinstance(m, FP8Linear) for m in mods):
+        return "all"
+    return "experts" if any(isinstance(m, FP8GroupedExperts) for m in mods) else "off"
