@@ -11,12 +11,13 @@ import pytest
 from node.cli import main
 from protocol.messages import RunSpec
 
-BOOTSTRAP = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+COORDINATOR = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+BOOTSTRAP = f"/ip4/127.0.0.1/tcp/9/p2p/{COORDINATOR}"  # the spec names this coordinator: join checks they agree
 
 
 def _join(tmp_path, engines, capfd) -> tuple[int, str]:
     spec = tmp_path / "spec.json"
-    spec.write_text(RunSpec(run_id="r", coordinator="c", environment="reverse", engines=engines).model_dump_json())
+    spec.write_text(RunSpec(run_id="r", coordinator=COORDINATOR, environment="reverse", engines=engines).model_dump_json())
     rc = main(["join", "--role", "inference", "--engine", "vllm", "--spec", str(spec), "--bootstrap", BOOTSTRAP,
                "--workdir", str(tmp_path / "node")])
     return rc, capfd.readouterr().err
@@ -57,7 +58,7 @@ def _fake_vllm_python(tmp_path) -> str:
 def test_a_bad_vllm_setting_is_refused_at_start(tmp_path, capfd, monkeypatch, option, says):
     monkeypatch.setenv("PRIMERL_VLLM_PYTHON", _fake_vllm_python(tmp_path))
     spec = tmp_path / "spec.json"
-    spec.write_text(RunSpec(run_id="r", coordinator="c", environment="reverse", engines=("builtin", "vllm"))
+    spec.write_text(RunSpec(run_id="r", coordinator=COORDINATOR, environment="reverse", engines=("builtin", "vllm"))
                     .model_dump_json())
     rc = main(["join", "--role", "inference", "--engine", "vllm", "--vllm", option, "--spec", str(spec),
                "--bootstrap", BOOTSTRAP, "--workdir", str(tmp_path / "node")])
@@ -70,7 +71,7 @@ def test_vllm_settings_from_join_are_typed_and_override_the_nodes_defaults(tmp_p
     from protocol.identity import NodeKey
 
     monkeypatch.setenv("PRIMERL_VLLM_PYTHON", _fake_vllm_python(tmp_path))
-    spec = RunSpec(run_id="r", coordinator="c", environment="reverse", engines=("builtin", "vllm"), group_size=4)
+    spec = RunSpec(run_id="r", coordinator=COORDINATOR, environment="reverse", engines=("builtin", "vllm"), group_size=4)
     node = InferenceNode(NodeKey.generate(), spec, BOOTSTRAP, tmp_path / "node", engine="vllm",
                          vllm=["data_parallel=2", "quantization=fp8", "expert_parallel=true", "max_num_seqs=64"])
     assert node.engine_settings["data_parallel"] == 2 and node.engine_settings["expert_parallel"] is True
