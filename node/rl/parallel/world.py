@@ -240,11 +240,21 @@ class Leader:
         """Stream the weights into `store` as `version`. Returns once the world has gathered them
         (the next order, e.g. the next step, may run while rank 0 encodes); the Future gets the
         SignedManifest."""
-        done: Future = Future()
+        done: Future = Future()  # set by rank 0's publication sink
+        signed: Future = Future()  # what the caller gets: resolved only once the timings are written
         started = time.perf_counter()
+        timings: dict[str, float] = {}
 
         def stamp(f: Future) -> None:
-            self.last_publish["total_s"] = time.perf_counter() - started
+            # a done-callback runs after result() has already woken its waiters, so the caller's
+            # Future must not be `done` itself: a reader of last_publish could miss total_s
+            timings["total_s"] = time.perf_counter() - started
+            if f.cancelled():
+                signed.cancel()
+            elif f.exception() is not None:
+                signed.set_exception(f.exception())
+            else:
+                signed.set_result(f.result())
 
         done.add_done_callback(stamp)
 
@@ -253,8 +263,9 @@ class Leader:
                                           options=options, buffer=self.buffer, done=done)
             return self._send(Order("publish"))
 
-        self.last_publish = {"gather_s": self.collectives.submit(send).result()}
-        return done
+        timings["gather_s"] = self.collectives.submit(send).result()
+        self.last_publish = timings
+        return signed
 
     def publish(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                 options: PublishOptions | None = None) -> SignedManifest:
