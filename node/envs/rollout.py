@@ -2,7 +2,7 @@
 
 All episodes share the engine's running batch: when one model turn ends with a tool call, the
 tool's reply is appended and the episode continues as a new request while other episodes keep
-decoding. Tool tokens are part of the transcript but never of the loss (`loss_mask` False).
+decoding; new episodes join between any two steps (`Episodes`). Tool tokens are part of the transcript but never of the loss (`loss_mask` False).
 """
 
 from __future__ import annotations
@@ -67,40 +67,65 @@ class Rollout:
         return encode_routes(routes, shape)
 
 
-def run_episodes(engine: Engine, env: Environment, tokenizer: Tokenizer,
-                 episodes: list[tuple[str, Task, SamplingParams]]) -> list[Rollout]:
-    """Play every (episode_id, task, params) to the end; results in input order."""
-    live: dict[str, tuple[Rollout, SamplingParams]] = {}
-    for episode_id, task, params in episodes:
+class Episodes:
+    """Episodes in flight on one engine, single- or multi-turn: `add` queues an episode, `step` runs
+    one engine step and returns the episodes it finished. Episodes may be added between any two steps
+    (continuous batching across callers: the inference role admits new work as slots free up). Not
+    thread-safe: one thread adds and steps (the engine is not shared either)."""
+
+    def __init__(self, engine: Engine, env: Environment, tokenizer: Tokenizer):
+        self.engine, self.env, self.tokenizer = engine, env, tokenizer
+        self._live: dict[str, tuple[Rollout, SamplingParams]] = {}
+
+    def __len__(self) -> int:
+        """Episodes added and not yet finished."""
+        return len(self._live)
+
+    def add(self, episode_id: str, task: Task, params: SamplingParams) -> None:
         params = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-                                max_new_tokens=env.max_new_tokens, stop_token_ids=params.stop_token_ids,
-                                stop_strings=env.stop_strings)
-        rollout = Rollout(episode_id, task, task.prompt_ids(tokenizer))
-        live[episode_id] = (rollout, params)
-        engine.add_request(Request(f"{episode_id}/0", rollout.prompt_ids, params))
-    done: dict[str, Rollout] = {}
-    while engine.has_work():
-        for completion in engine.step():
+                                max_new_tokens=self.env.max_new_tokens, stop_token_ids=params.stop_token_ids,
+                                stop_strings=self.env.stop_strings)
+        rollout = Rollout(episode_id, task, task.prompt_ids(self.tokenizer))
+        self._live[episode_id] = (rollout, params)
+        self.engine.add_request(Request(f"{episode_id}/0", rollout.prompt_ids, params))
+
+    def step(self) -> list[Rollout]:
+        """One engine step; the episodes whose last turn it finished (rewarded), in completion order."""
+        env, tokenizer, finished = self.env, self.tokenizer, []
+        for completion in self.engine.step():
             episode_id, turn = completion.request_id.rsplit("/", 1)
-            rollout, params = live[episode_id]
+            rollout, params = self._live[episode_id]
             _append_turn(rollout, completion)
             reply = None
             if completion.finish_reason == "stop" and int(turn) + 1 < env.max_turns:
                 reply = env.respond(rollout.task, tokenizer.decode(rollout.completion_ids))
-            room = engine.max_seq_len - len(rollout.prompt_ids) - len(rollout.completion_ids) - 1
+            room = self.engine.max_seq_len - len(rollout.prompt_ids) - len(rollout.completion_ids) - 1
             if reply is not None and room > len(reply):
                 reply_ids = tokenizer.encode(reply)
                 rollout.completion_ids += reply_ids
                 rollout.loss_mask += [False] * len(reply_ids)
                 rollout.logprobs += [0.0] * len(reply_ids)
                 rollout.versions += [rollout.versions[-1]] * len(reply_ids)
-                engine.add_request(Request(f"{episode_id}/{int(turn) + 1}",
-                                           rollout.prompt_ids + rollout.completion_ids, params))
+                self.engine.add_request(Request(f"{episode_id}/{int(turn) + 1}",
+                                                rollout.prompt_ids + rollout.completion_ids, params))
                 continue
-            text = tokenizer.decode(rollout.completion_ids)
-            rollout.reward = float(env.reward(rollout.task, text))
+            rollout.reward = float(env.reward(rollout.task, tokenizer.decode(rollout.completion_ids)))
             rollout.finish_reason = completion.finish_reason
-            done[episode_id] = rollout
+            del self._live[episode_id]
+            finished.append(rollout)
+        return finished
+
+
+def run_episodes(engine: Engine, env: Environment, tokenizer: Tokenizer,
+                 episodes: list[tuple[str, Task, SamplingParams]]) -> list[Rollout]:
+    """Play every (episode_id, task, params) to the end; results in input order."""
+    running = Episodes(engine, env, tokenizer)
+    for episode_id, task, params in episodes:
+        running.add(episode_id, task, params)
+    done: dict[str, Rollout] = {}
+    while engine.has_work():
+        for rollout in running.step():
+            done[rollout.episode_id] = rollout
     return [done[e[0]] for e in episodes]
 
 

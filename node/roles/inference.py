@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +40,7 @@ import torch
 from node.engine import SamplingParams
 from node.engine import registry as engines
 from node.engine.registry import EngineSetup, EngineUnavailable, InferenceEngine
-from node.envs.rollout import run_episodes
+from node.envs.rollout import Episodes, Rollout, run_episodes
 from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
@@ -128,8 +130,7 @@ class InferenceNode:
             while not stop.is_set() and client.policy_version < 0:
                 await asyncio.sleep(0.2)
             await self._load(client.policy_version, None)
-            while not stop.is_set():
-                await self._one_round(client)
+            await self._serve(client, stop)
         except asyncio.CancelledError:
             pass
         finally:
@@ -214,9 +215,50 @@ class InferenceNode:
     def _max_batch(self) -> int:
         return self.leases_per_request * self.spec.group_size
 
-    async def _one_round(self, client: CoordinatorClient) -> None:
+    def _capacity_groups(self) -> int:
+        """Groups this node holds at once: what the engine's slots decode together, plus half a lease
+        request queued ahead (the engine never waits on a round trip to the coordinator), and never
+        more than the tool waits allow."""
+        slots = getattr(self.engine, "max_batch", self._max_batch)
+        ahead = max(1, self.leases_per_request // 2)
+        return max(1, slots // self.spec.group_size) + ahead
+
+    async def _serve(self, client: CoordinatorClient, stop: asyncio.Event) -> None:
+        """Lease work as the engine frees room and hand it to the engine's own thread, which steps
+        without pause while anything is in flight (continuous batching across leases: no drain
+        between rounds). Finished groups come back to this loop to be proved and submitted, off the
+        engine's thread."""
+        loop = asyncio.get_running_loop()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._room = asyncio.Event()
+        self._in_flight = 0
+        halt = threading.Event()
+        failed: asyncio.Future = loop.create_future()
+        driver = threading.Thread(target=self._drive_engine, args=(loop, halt, client, failed),
+                                  name="engine", daemon=True)
+        driver.start()
         try:
-            grants = await client.lease(self.leases_per_request, holds_version=self._newest_loaded)
+            while not stop.is_set() and not failed.done():
+                await self._lease_more(client)
+            if failed.done():
+                raise failed.result()
+        finally:
+            halt.set()
+            await asyncio.to_thread(driver.join)
+            for task in list(self._waiting):
+                task.cancel()
+
+    async def _lease_more(self, client: CoordinatorClient) -> None:
+        room = self._capacity_groups() - self._in_flight
+        if room <= 0 or len(self._waiting) >= MAX_WAITING_GROUPS:
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+            return
+        try:
+            grants = await client.lease(min(self.leases_per_request, room), holds_version=self._newest_loaded)
         except Refused as exc:
             log.warning("lease refused: %s", exc)
             await asyncio.sleep(1.0)
@@ -224,24 +266,98 @@ class InferenceNode:
         if not grants:
             await asyncio.sleep(0.1)
             return
-        t0 = time.time()
-        groups = await asyncio.to_thread(self._roll_out, grants)
-        if self.on_round:
-            subs = [sub for group in groups for sub in group.rollouts]
-            row = {"t0": t0, "t1": time.time(), "groups": len(groups), "tokens": sum(s.n_tokens for s in subs),
-                   "versions": sorted({v for s in subs for v in s.token_versions})}
-            for hook in self.on_round:
-                hook(row)
+        self._in_flight += len(grants)
+        self._inbox.put(grants)
+
+    def _drive_engine(self, loop: asyncio.AbstractEventLoop, halt: threading.Event, client: CoordinatorClient,
+                      failed: asyncio.Future) -> None:
+        """The engine's thread: admit leased groups between steps, step while anything runs, hand each
+        finished group back to the event loop; every second, one activity row for `on_round` hooks
+        ({t0, t1, groups, tokens, versions, busy_s, started}: `busy_s` the seconds inside engine steps,
+        `started` when each new policy version first sampled)."""
+        episodes = Episodes(self.engine, self.env, self.tok)
+        g = self.spec.group_size
+        open_groups: dict[int, tuple[LeaseGrant, list[Rollout | None]]] = {}
+        row = _ActivityRow(time.time())
+        last_version = getattr(self.engine, "version", None)
+        try:
+            while not halt.is_set():
+                try:
+                    grants = self._inbox.get(timeout=0.05) if not self.engine.has_work() else self._inbox.get_nowait()
+                except queue.Empty:
+                    grants = None
+                while grants is not None:
+                    for grant in grants:
+                        if client.lease_cancelled(grant):  # too stale before it started: no work spent on it
+                            loop.call_soon_threadsafe(self._group_done, client, grant, None)
+                            continue
+                        open_groups[grant.work_id] = (grant, [None] * g)
+                        task = self.env.sample_task(grant.task_index)
+                        for j in range(g):
+                            episodes.add(f"{grant.work_id}-{j}", task,
+                                         SamplingParams(temperature=self.recipe.temperature,
+                                                        seed=sampling_seed(grant.seed, j)))
+                    try:
+                        grants = self._inbox.get_nowait()
+                    except queue.Empty:
+                        grants = None
+                if self.engine.has_work():
+                    t = time.time()
+                    finished = episodes.step()
+                    row.busy_s += time.time() - t
+                    version = getattr(self.engine, "version", None)
+                    if version is not None and version != last_version:
+                        row.started.setdefault(version, t)
+                        last_version = version
+                    for rollout in finished:
+                        work_id, j = rollout.episode_id.rsplit("-", 1)
+                        grant, members = open_groups[int(work_id)]
+                        members[int(j)] = rollout
+                        row.add(rollout)
+                        if all(m is not None for m in members):
+                            del open_groups[int(work_id)]
+                            row.groups += 1
+                            loop.call_soon_threadsafe(self._group_done, client, grant, members)
+                if time.time() - row.t0 >= 1.0:
+                    row = self._emit(loop, row)
+            self._emit(loop, row)
+        except BaseException as exc:  # a failing engine stops the node (as a failing round did)
+            log.exception("engine thread failed")
+            loop.call_soon_threadsafe(lambda: failed.done() or failed.set_result(exc))
+
+    def _emit(self, loop: asyncio.AbstractEventLoop, row: "_ActivityRow") -> "_ActivityRow":
+        if self.on_round and (row.busy_s > 0 or row.groups):
+            done = row.as_dict(time.time())
+            loop.call_soon_threadsafe(lambda: [hook(done) for hook in self.on_round])
+        return _ActivityRow(time.time())
+
+    def _group_done(self, client: CoordinatorClient, grant: LeaseGrant, rollouts: list[Rollout] | None) -> None:
+        """On the loop: a leased group left the engine (finished, or dropped as cancelled)."""
+        self._in_flight -= 1
+        self._room.set()
+        if rollouts is None:
+            return
+        task = asyncio.create_task(self._complete(client, grant, rollouts))
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
+
+    async def _complete(self, client: CoordinatorClient, grant: LeaseGrant, rollouts: list[Rollout]) -> None:
+        """Prove a finished group (off the engine's thread), let hooks see it, wait for its tools, submit."""
+        group = await asyncio.to_thread(self._group_of, grant, rollouts)
+        groups = [group]
+        for hook in self.before_submit:
+            groups = hook(groups, self._newest_loaded)
         wait = self.recipe.tool_wait_s
-        for grant, group in zip(grants, groups):
-            if wait <= 0:
-                await self._finish(client, grant, group, 0.0)
-            else:  # episodes wait on their tools concurrently while the engine starts the next round
-                task = asyncio.create_task(self._finish(client, grant, group, tool_wait(grant.seed, wait)))
-                self._waiting.add(task)
-                task.add_done_callback(self._waiting.discard)
-        while len(self._waiting) >= MAX_WAITING_GROUPS:
-            await asyncio.wait(set(self._waiting), return_when=asyncio.FIRST_COMPLETED)
+        for group in groups:
+            await self._finish(client, grant, group, tool_wait(grant.seed, wait) if wait > 0 else 0.0)
+
+    def _group_of(self, grant: LeaseGrant, rollouts: list[Rollout]) -> RolloutGroup:
+        hidden = [(torch.cat([t.hidden for t in r.turns]), [v for v, m in zip(r.versions, r.loss_mask) if m])
+                  for r in rollouts]
+        proofs = prove_rollouts(hidden, {v: bytes.fromhex(h) for v, h in self.hashes.items()})
+        subs = [r.to_submission(grant.work_id, proof, self.engine_claims, self.routes)
+                for r, proof in zip(rollouts, proofs)]
+        return RolloutGroup(work_id=grant.work_id, rollouts=subs)
 
     async def _finish(self, client: CoordinatorClient, grant: LeaseGrant, group: RolloutGroup, wait_s: float) -> None:
         if wait_s > 0:
@@ -251,23 +367,17 @@ class InferenceNode:
         await self._submit(client, group)
 
     def _roll_out(self, grants: list[LeaseGrant]) -> list[RolloutGroup]:
+        """Every grant's group rolled out to the end at once and proved (blocking; the role itself streams
+        groups through `_serve`): the same episodes, seeds and proofs."""
         g = self.spec.group_size
-        temperature = self.recipe.temperature
         episodes = []
         for grant in grants:
             task = self.env.sample_task(grant.task_index)
             for j in range(g):
                 episodes.append((f"{grant.work_id}-{j}", task,
-                                 SamplingParams(temperature=temperature, seed=sampling_seed(grant.seed, j))))
+                                 SamplingParams(temperature=self.recipe.temperature, seed=sampling_seed(grant.seed, j))))
         rollouts = run_episodes(self.engine, self.env, self.tok, episodes)
-        hidden = [(torch.cat([t.hidden for t in r.turns]), [v for v, m in zip(r.versions, r.loss_mask) if m])
-                  for r in rollouts]
-        proofs = prove_rollouts(hidden, {v: bytes.fromhex(h) for v, h in self.hashes.items()})
-        out = []
-        for i, grant in enumerate(grants):
-            subs = [rollouts[i * g + j].to_submission(grant.work_id, proofs[i * g + j], self.engine_claims, self.routes)
-                    for j in range(g)]
-            out.append(RolloutGroup(work_id=grant.work_id, rollouts=subs))
+        out = [self._group_of(grant, rollouts[i * g:(i + 1) * g]) for i, grant in enumerate(grants)]
         for hook in self.before_submit:
             out = hook(out, self._newest_loaded)
         return out
@@ -279,3 +389,22 @@ class InferenceNode:
         except Refused as exc:  # stale, expired, re-granted, banned: an answer, not an outage
             self.refused += 1
             log.info("work %d refused: %s", group.work_id, exc)
+
+
+class _ActivityRow:
+    """The engine thread's tally over about a second of work (one `on_round` row)."""
+
+    def __init__(self, t0: float):
+        self.t0, self.busy_s, self.groups, self.tokens = t0, 0.0, 0, 0
+        self.versions: set[int] = set()
+        self.started: dict[int, float] = {}
+
+    def add(self, rollout: Rollout) -> None:
+        sampled = [v for v, m in zip(rollout.versions, rollout.loss_mask) if m]
+        self.tokens += len(sampled)
+        self.versions.update(sampled)
+
+    def as_dict(self, t1: float) -> dict:
+        return {"t0": self.t0, "t1": t1, "groups": self.groups, "tokens": self.tokens,
+                "versions": sorted(self.versions), "busy_s": self.busy_s,
+                "started": {str(v): t for v, t in self.started.items()}}
