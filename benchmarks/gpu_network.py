@@ -71,11 +71,14 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
         timeline[f"inference-{i}"] = [(r["t0"], max(r["versions"])) for r in rounds if r["versions"]]
         for v, t in sorted(trained.items()):
             queued = min((d for d in versions if d["version"] >= v), key=lambda d: d["t_queued"], default=None)
+            # the engine's own record of the step that first sampled with v (or a newer version), else the
+            # first activity row that sampled with it
+            started = [ts for r in rounds for sv, ts in r.get("started", {}).items() if int(sv) >= v]
             first = min((r for r in rounds if r["versions"] and max(r["versions"]) >= v), key=lambda r: r["t1"],
                         default=None)
-            if queued is None or first is None:
+            if queued is None or (first is None and not started):
                 continue
-            lat.append(max(first["t0"], queued["t_queued"]) - t)
+            lat.append((min(started) if started else max(first["t0"], queued["t_queued"])) - t)
             if queued["version"] == v and queued.get("t_announced"):
                 stages["announce_s"].append(queued["t_announced"] - t)
                 stages["fetch_verify_s"].append(queued["t_fetched"] - queued["t_fetch"])
@@ -84,10 +87,11 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
 
 
 def throughput(rounds: list[dict], t_from: float) -> tuple[float, float, float]:
-    """(tokens per busy second, busy seconds, tokens) of the rounds that started after `t_from` (a
-    validator's busy time is its recomputation, `verify_s`, without fetching versions)."""
+    """(tokens per busy second, busy seconds, tokens) of the rows that started after `t_from` (a
+    validator's busy time is its recomputation, `verify_s`, without fetching versions; an inference
+    node's the seconds inside engine steps, `busy_s`)."""
     rs = [r for r in rounds if r["t0"] >= t_from]
-    busy = sum(r.get("verify_s", r["t1"] - r["t0"]) for r in rs)
+    busy = sum(r.get("verify_s", r.get("busy_s", r["t1"] - r["t0"])) for r in rs)
     tokens = sum(r["tokens"] for r in rs)
     return (tokens / busy if busy else 0.0), busy, tokens
 

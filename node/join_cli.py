@@ -115,7 +115,7 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
-               device: str = "cpu", fp8: str | None = None, ep: int = 1) -> None:
+               device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9) -> None:
     """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
@@ -133,7 +133,8 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
-        node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8, ep=ep)
+        node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8, ep=ep,
+                             gpu_memory_share=gpu_memory_share)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
@@ -239,6 +240,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="block-scaled FP8 weights for the routed experts only, or for every projection (builtin-cuda on "
                         "an H100/H200-class GPU; builtin on the CPU, slowly). Default: what the run spec's model.fp8 "
                         "says; a value that differs from it is refused (validators recompute that way; docs/fp8.md)")
+    j.add_argument("--gpu-memory-share", type=float, default=0.9,
+                   help="inference on a GPU: share of the memory free after the weights that the engine's KV slots may "
+                        "take; the slots (sequences decoded at once) are sized from it and the plan printed at start "
+                        "(lower it where other roles share the GPU; node/engine/memory_plan.py)")
     par = j.add_argument_group("parallelism (trainer: launch with torchrun, world = dp x cp; inference: --ep only)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2)")
     par.add_argument("--ep", type=int, default=1,
@@ -301,5 +306,6 @@ def _join(args: argparse.Namespace) -> int:
         raise SystemExit(f"primerl-node join: {exc}") from None
     asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port,
                      engine=engine, parallel=parallel, host=args.host, vllm=args.vllm,
-                     customize=getattr(args, "customize", None), device=device, fp8=args.fp8, ep=ep))
+                     customize=getattr(args, "customize", None), device=device, fp8=args.fp8, ep=ep,
+                     gpu_memory_share=args.gpu_memory_share))
     return 0

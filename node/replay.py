@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from node.engine.fp8.model import fp8_mode_of
-from node.engine.sampling import SamplingParams, sample
+from node.engine.sampling import SamplingParams, sample, token_seed, top_p_mask
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
@@ -42,9 +42,19 @@ class TorchReference(Reference):
         self.precision = f"fp8-{fp8}-{dtype}" if fp8 != "off" else dtype
         self.eos_id, self.max_seq_len = eos_id, max_seq_len
         self._decode, self._tasks, self._reward = decode, tasks, reward
-        # a prefill batch holds [tokens, vocab] float32 logits: bound them to ~256 MiB (65,536 tokens
-        # of the tiny model's 88-token vocabulary; ~1,300 tokens of SmolLM2's 49,152)
-        self.batch_tokens = batch_tokens or max(256, min(65_536, (256 << 20) // (4 * self.vocab_size)))
+        device = next(any_model.parameters()).device
+        self.on_device = device.type == "cuda"
+        """Outputs stay on the model's GPU and every check runs there (only verdict-sized data comes back);
+        on the CPU they are host tensors anyway."""
+        budget = logits_budget(device)
+        # a prefill batch holds [tokens, vocab] logits three times over (model dtype, float32 copy, the
+        # checks' log_softmax): bound them by the budget (CPU: 256 MiB, 65,536 tokens of the tiny model's
+        # 88-token vocabulary, ~1,300 of SmolLM2's 49,152; GPU: a share of free memory)
+        self.batch_tokens = batch_tokens or max(256, min(65_536 if not self.on_device else 1 << 20,
+                                                         budget // (12 * self.vocab_size)))
+        self.logits_bytes = budget if self.on_device else None
+        """Completion logits (float32) one group of claims may hold at once on a GPU (None: the CPU's
+        `verification.validator.PREFILL_LOGITS_BYTES`)."""
 
     def manifest_hash(self, version: int) -> bytes | None:
         p = self.policies.get(version)
@@ -90,7 +100,11 @@ class TorchReference(Reference):
                 n = len(sequences[i])
                 lo = logits_from[i] if logits_from is not None else 0
                 # a copy, not a view: a view would keep the whole batch's [B, T, V] logits alive
-                out[i] = (res.logits[row, lo - base : n - base].float().cpu().clone(), res.hidden[row, :n].cpu().clone())
+                logits, hidden = res.logits[row, lo - base : n - base], res.hidden[row, :n]
+                if self.on_device:
+                    out[i] = (logits.to(torch.float32, copy=True), hidden.clone())
+                else:
+                    out[i] = (logits.float().cpu().clone(), hidden.cpu().clone())
                 if with_routes:
                     out[i] += (None if res.routed_experts is None else res.routed_experts[row, :n].cpu(),)
                     if with_router_logits:
@@ -114,8 +128,8 @@ class TorchReference(Reference):
             out = self.policies[version][0](ids[:, start:end], torch.arange(start, end, device=param.device)[None],
                                             cache, slots, routed_experts=forced,
                                             logits_at=min(max(0, logits_from - start), end - start))
-            logits.append(out.logits[0].float().cpu())
-            hidden.append(out.hidden[0].cpu())
+            logits.append(out.logits[0].float() if self.on_device else out.logits[0].float().cpu())
+            hidden.append(out.hidden[0] if self.on_device else out.hidden[0].cpu())
             routes.append(None if out.routed_experts is None else out.routed_experts[0].cpu())
             router.append(_router_logits(out, 1, end - start, 0, end - start))
         if not with_routes:
@@ -124,6 +138,8 @@ class TorchReference(Reference):
         return out + ((None if router[0] is None else torch.cat(router)),) if with_router_logits else out
 
     def replay_sampling(self, logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
+        if logits.is_cuda:
+            return replay_on_device(logits, spec, positions)
         params = sampling_params(spec)
         s = sample(logits, [params] * len(positions), positions)
         return Replay(s.tokens, s.logprobs, s.margins)
@@ -140,6 +156,42 @@ class TorchReference(Reference):
         if self._reward is None:
             raise KeyError("this reference has no environments")
         return self._reward(env, task_seed, completion_ids)
+
+
+CPU_LOGITS_BYTES = 256 << 20
+"""Logits a CPU validator holds at once (verification.validator.PREFILL_LOGITS_BYTES)."""
+GPU_LOGITS_SHARE = 0.25
+"""Share of the GPU's free memory (when the reference is built) a validator's logits may take: the
+rest is the model's, the activations', and on a shared GPU the other roles'."""
+
+
+def logits_budget(device: torch.device) -> int:
+    """Bytes of logits one prefill group may hold on `device` (sized from free memory on a GPU)."""
+    if device.type != "cuda":
+        return CPU_LOGITS_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(CPU_LOGITS_BYTES, int(GPU_LOGITS_SHARE * free))
+
+
+def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
+    """`sampling.sample`'s rule where the logits are: the same temperature, top-p nucleus and seeded
+    Gumbel noise (`device_sampling.gumbel_torch`, bit-identical to the host's splitmix64 draw), so a
+    GPU validator reaches the CPU's decisions without copying [N, V] logits to the host."""
+    from node.engine.device_sampling import gumbel_torch
+
+    device = logits.device
+    scaled = logits.float() / (spec.temperature if spec.temperature > 0 else 1.0)
+    logp = torch.log_softmax(scaled, dim=-1)
+    scores = logp
+    if spec.top_p < 1:
+        top_p = torch.full((logp.shape[0],), spec.top_p, dtype=torch.float32, device=device)
+        scores = scores.masked_fill(~top_p_mask(logp, top_p), float("-inf"))
+    if spec.temperature > 0:
+        seeds = torch.tensor([token_seed(spec.seed, p) for p in positions], dtype=torch.int64, device=device)
+        scores = scores + gumbel_torch(seeds, logits.shape[-1])
+    top2 = scores.topk(2, dim=-1)
+    tokens = top2.indices[:, 0]
+    return Replay(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])
 
 
 def _router_logits(res, b: int, t: int, row: int, n: int) -> torch.Tensor | None:

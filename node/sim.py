@@ -135,7 +135,9 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         name = f"inference-{i}"
         extra = ["--engine", "vllm"] if i < vllm_nodes else \
             ["--engine", engine, "--device", placement.inference[i],
-             *(["--ep", str(inference_ep)] if inference_ep > 1 else [])]
+             *(["--ep", str(inference_ep)] if inference_ep > 1 else []),
+             *(["--gpu-memory-share", str(placement.inference_memory_share(i))]
+               if placement.inference[i].startswith("cuda") else [])]
         procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
     vllm_procs = [procs[f"inference-{i}"] for i in range(vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy

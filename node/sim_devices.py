@@ -19,6 +19,15 @@ class Placement:
     validator: str
     inference: tuple[str, ...]
 
+    def inference_memory_share(self, i: int) -> float:
+        """The KV share of free GPU memory for inference node i: what is left to it after the other roles
+        on its GPU start (the trainer's optimizer states and the validator's versions grow after it
+        plans), split between the inference nodes there."""
+        device = self.inference[i]
+        nodes = sum(d == device for d in self.inference)
+        others = (self.trainer == device) + (self.validator == device)
+        return round(0.9 / nodes if not others else 0.3 / nodes, 3)
+
     def describe(self) -> str:
         nodes = ", ".join(f"inference-{i} {d}" for i, d in enumerate(self.inference))
         return f"trainer {self.trainer}, validator {self.validator}, {nodes}"

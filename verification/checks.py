@@ -222,8 +222,9 @@ def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], log
     t = THRESHOLDS[ref.precision]
     stats = compare_blocks(chunk_blocks(hidden, spans), commitments)
     failures = [_strongest([check_hidden([s], off, t) for s, off in zip(stats, chunk_offsets)])]
-    claimed_tok = torch.tensor([claim.token_ids[i] for i in token_idx])
-    claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32)
+    # the checks run where the recomputed logits are (a GPU validator's stay on its GPU)
+    claimed_tok = torch.tensor([claim.token_ids[i] for i in token_idx], device=logits.device)
+    claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32, device=logits.device)
     ours = token_logprobs(logits, claimed_tok, claim.sampling.temperature)
     err = (claimed_lp - ours).abs().nan_to_num(nan=float("inf"))
     over = err > t.max_logprob_err

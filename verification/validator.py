@@ -100,7 +100,7 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
                                                     with_router_logits=p.routes is not None, logits_from=start,
                                                     replay=p.routes)
         for v in p.tokens:
-            rows = torch.tensor(p.tokens[v])
+            rows = torch.tensor(p.tokens[v], device=logits.device)
             f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
                               p.commitments[v], p.chunk_offsets[v])
             if f is not None:
@@ -125,12 +125,13 @@ holds at most this much (SmolLM2's 49,152-token vocabulary: ~1,360 completion to
 ~440); a claim longer than that is a group of its own."""
 
 
-def _logit_groups(members: list[int], claims: list[RolloutClaim], vocab_size: int) -> list[list[int]]:
+def _logit_groups(members: list[int], claims: list[RolloutClaim], vocab_size: int,
+                  budget: int = PREFILL_LOGITS_BYTES) -> list[list[int]]:
     groups: list[list[int]] = [[]]
     size = 0
     for i in members:
         n = 4 * vocab_size * len(claims[i].token_ids)
-        if groups[-1] and size + n > PREFILL_LOGITS_BYTES:
+        if groups[-1] and size + n > budget:
             groups.append([])
             size = 0
         groups[-1].append(i)
@@ -158,7 +159,7 @@ def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans:
         if failures[i] is not None:
             continue
         p, claim = plans[i], claims[i]
-        rows = torch.tensor(p.tokens[v])
+        rows = torch.tensor(p.tokens[v], device=logits.device)
         try:
             failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
                                         p.commitments[v], p.chunk_offsets[v])
@@ -212,7 +213,8 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
     for v, members in sorted(by_version.items()):
         for routed in (False, True):  # a prefill is forced along claimed routes for all its rows or none
             same = [i for i in members if (plans[i].routes is not None) == routed]
-            for group in _logit_groups(same, claims, ref.vocab_size) if same else []:
+            budget = getattr(ref, "logits_bytes", None) or PREFILL_LOGITS_BYTES  # a GPU reference sizes its own
+            for group in _logit_groups(same, claims, ref.vocab_size, budget) if same else []:
                 _verify_group(v, group, claims, plans, failures, ref)
     verdicts = []
     for claim, f in zip(claims, failures):

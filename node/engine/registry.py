@@ -84,6 +84,11 @@ class EngineSetup:
     model_dir: Path | None = None
     """The HF directory the run's model came from (None: tiny-moe); engines that write checkpoints copy
     its tokenizer files and generation config beside each one."""
+    gpu_memory_share: float = 0.9
+    """Share of the GPU memory free when the engine starts (after its weights) that its KV cache may take
+    (`join --gpu-memory-share`; lower it where other roles share the GPU); sizes the slots."""
+    min_batch: int = 1
+    """Fewest sequences the engine must hold at once (one lease group): a plan below it refuses to start."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,13 @@ def build(name: str, setup: EngineSetup, version: int = -1) -> InferenceEngine:
                    decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts, version=version)
     fp8 = {"off": False, "experts": "experts", "all": True}[setup.fp8]
     model = setup.model()
+    param = next(model.parameters())
+    if param.device.type == "cuda":  # slots from free memory, planned (and refused) before the cache exists
+        from node.engine.memory_plan import MAX_SLOTS, plan_on
+
+        plan = plan_on(param.device, model.config, setup.max_seq_len, param.dtype, setup.gpu_memory_share,
+                       MAX_SLOTS, setup.min_batch)
+        setup.max_batch = plan.slots
     # served in the run's dtype (the spec's), never the engine's own default: the validator recomputes in
     # that dtype and picks its tolerances by it, so a float32 run served in bf16 would fail honest work
     engine = cls(model, max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, eos_id=setup.eos_id,

@@ -67,11 +67,12 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 
 class InferenceNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None,
-                 device: str = "cpu", fp8: str | None = None, ep: int = 1):
+                 device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9):
         """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm);
         `device`: where an in-process engine serves; `fp8`: the node's `--fp8` (None: the spec's `model.fp8`,
         which any value given must equal: `FP8Mismatch` otherwise);
-        `ep`: expert-parallel processes (builtin-ep; this one is rank $RANK of them)."""
+        `ep`: expert-parallel processes (builtin-ep; this one is rank $RANK of them); `gpu_memory_share`: of the
+        GPU memory free after the weights, what the engine's KV slots may take (they are sized from it)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.leases_per_request = leases_per_request
         self.tok = tokenizer(spec)
@@ -96,7 +97,7 @@ class InferenceNode:
             max_seq_len=cfg.max_position_embeddings, eos_id=self.tok.eos_id, encode=self.tok.encode,
             decode=self.tok.decode, bos_id=self.tok.bos_id, capture_experts=self.routes is not None,
             workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8, ep=ep,
-            model_dir=resolve(spec.model.source))
+            model_dir=resolve(spec.model.source), gpu_memory_share=gpu_memory_share, min_batch=spec.group_size)
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0

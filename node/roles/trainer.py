@@ -194,10 +194,17 @@ class TrainerNode:
             log.info("resumed from checkpoint at step %d", trainer.step)
             return trainer
         model = fresh_model(self.spec)
-        engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=self.tok.eos_id, decode=self.tok.decode)
-        warm = warm_up(model, engine, self.env, self.tok,
-                       LocalRunConfig(task=self.spec.environment, seed=self.recipe.seed,
-                                      warmup_target=self.recipe.warmup_target))
+        warm = {"warmup_steps": 0, "warmup_greedy_reward": None}
+        if self.recipe.warmup_target > 0:  # random initialisation only (a pretrained model is not re-taught)
+            # a few seconds of a small model, with the CPU engine it measures greedy reward with, so on
+            # the CPU; the trained weights then go back to the role's device (no copy of a large model)
+            device = next(model.parameters()).device
+            model = model.to("cpu")
+            engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=self.tok.eos_id, decode=self.tok.decode)
+            warm = warm_up(model, engine, self.env, self.tok,
+                           LocalRunConfig(task=self.spec.environment, seed=self.recipe.seed,
+                                          warmup_target=self.recipe.warmup_target))
+            model = model.to(device)
         log.info("warm-up done: %s", warm)
         (self.workdir / "warmup.json").write_text(json.dumps(warm))
         return Trainer(model, self.cfg)
