@@ -170,6 +170,53 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
     }
 
 
+def engine_alone(args, model_run: dict, out: Path) -> dict:
+    """The inference role's engine alone, built as `join` builds it (registry, memory plan, graphs), on the
+    network's workload (the same task, group size and sampling; as many groups as a step trains), with
+    nothing else on the GPU: the upper bound the network's generation is held against."""
+    from node.engine import SamplingParams
+    from node.engine import registry as engines
+    from node.envs.rollout import run_episodes
+    from node.roles.common import blank_model, model_config, set_device, tokenizer
+    from protocol.messages import RunSpec
+    from protocol.model_spec import ModelSpec
+    from protocol.work import sampling_seed
+
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    set_device(device)
+    spec = RunSpec(run_id="engine-alone", coordinator="c", environment=args.task, group_size=args.group_size,
+                   model=ModelSpec(**model_run["model"]) if model_run.get("model") else ModelSpec(), recipe={})
+    tok, cfg = tokenizer(spec), model_config(spec)
+    name = "builtin-cuda" if args.device == "cuda" else "builtin"
+    setup = engines.EngineSetup(model=lambda: blank_model(spec), hf_config=cfg.to_hf_dict(), max_batch=64 * args.group_size,
+                                max_seq_len=cfg.max_position_embeddings, eos_id=tok.eos_id, encode=tok.encode,
+                                decode=tok.decode, bos_id=tok.bos_id, capture_experts=True, workdir=out, salt="x",
+                                device=device, fp8=args.fp8, min_batch=args.group_size)
+    engine = engines.build(name, setup)
+    engine.load_weights(_hf_state(spec), 0)
+    from node.envs import get_env
+
+    env = get_env(args.task)
+    episodes = [(f"{w}-{j}", env.sample_task(10_000 + w), SamplingParams(temperature=1.0, seed=sampling_seed(w, j)))
+                for w in range(args.batch_groups * 2) for j in range(args.group_size)]
+    run_episodes(engine, env, tok, episodes[: args.group_size * 4])  # warm: first prefills, allocator
+    t0 = time.time()
+    rollouts = run_episodes(engine, env, tok, episodes)
+    wall = time.time() - t0
+    tokens = sum(len(r.completion_ids) for r in rollouts)
+    engines.close(engine)
+    return {"engine_alone_tok_s": round(tokens / wall, 1), "engine_alone_slots": setup.max_batch,
+            "engine_alone_rollouts": len(rollouts), "engine_alone_tokens": tokens}
+
+
+def _hf_state(spec) -> dict:
+    """Version 0's weights by their HF names, as shardcast hands them to the engine."""
+    from node.model.checkpoint import state_dict_to_hf
+    from node.roles.common import fresh_model
+
+    return state_dict_to_hf(fresh_model(spec))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -191,6 +238,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600, help="each run's hard limit in seconds")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--machine", default=None, help="recorded in the JSON (default: guessed)")
+    p.add_argument("--no-engine-alone", dest="engine_alone", action="store_false",
+                   help="skip the engine-alone run on the same workload (engine_alone_tok_s)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_network-"))
@@ -205,6 +254,8 @@ def main() -> None:
         public = {key: v for key, v in runs[-1].items() if not key.startswith("_")}
         log.info("k=%d: %s", k, json.dumps(public))
         (out / f"k{k}.json").write_text(json.dumps(public, indent=2))  # kept if a later run is cut short
+    alone = engine_alone(args, model_run, out / "engine-alone") if args.engine_alone else {}
+    log.info("engine alone: %s", alone)
     base = next((r for r in runs if r["k"] == 0), None)  # the synchronous peer, whatever order --ks gives
     last = max(runs, key=lambda r: r["k"])
     best = min(runs, key=lambda r: r["step_s"] or float("inf"))
@@ -217,6 +268,13 @@ def main() -> None:
         "async_speedup": round(base["step_s"] / last["step_s"], 2) if base and last is not base and base["step_s"]
         and last["step_s"] else None,
         "gen_tok_s": last["gen_tok_s"], "verify_over_generate": last["verify_over_generate"],
+        "gpu_busy_share": max((g["busy_share"] for g in last["gpus"].values()), default=None),
+        "trained_tok_s": last["trained_tok_s"], **alone,
+        "trained_over_engine_alone": round(last["trained_tok_s"] / alone["engine_alone_tok_s"], 3)
+        if alone.get("engine_alone_tok_s") and last["trained_tok_s"] else None,
+        "weight_latency_max_s": last["weight_latency_max_s"], "weight_latency_stages_s": last["weight_latency_stages_s"],
+        "rollouts_rejected": sum(r["rollouts_rejected"] or 0 for r in runs),
+        "honest_banned": sum(r["honest_banned"] or 0 for r in runs),
         "rollouts_lost": sum(r["rollouts_lost"] or 0 for r in runs),
         "rollouts_duplicated": sum(r["rollouts_duplicated"] or 0 for r in runs),
         "off_policy_violations": sum((r["max_off_policy_seen"] or 0) > r["k"] for r in runs),
