@@ -3,7 +3,7 @@
 # fixture generated on the GPU and the CPU fixture judged by the GPU path, then benchmarks.gpu_network.
 #   carried, git-ignored: .whl (make_wheels.sh: pydantic, zstandard, blake3, cryptography, libp2p's closure)
 #   and .gpumodel (SmolLM2's tokenizer files, no config.json: the random checkpoint's tokenizer).
-#   MODEL=random:qwen3-moe-small KS=1,0 STEPS=10 GROUPS=32 K_S=150 TESTS=1 bash benchmarks/h200_session.sh
+#   MODEL=random:qwen3-moe-small KS=1,0 STEPS=10 NGROUPS=32 K_S=150 TESTS=1 bash benchmarks/h200_session.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -34,5 +34,5 @@ keep() {
 KEEPER=$!
 timeout ${RUN_S:-420} python3 -m benchmarks.gpu_network --device cuda --model ${MODEL:-random:qwen3-moe-small} \
   --dtype ${DTYPE:-bfloat16} --tokenizer-from .gpumodel --ks ${KS:-1,0} --steps ${STEPS:-10} --warmup 2 \
-  --batch-groups ${GROUPS:-32} --group-size 8 --timeout ${K_S:-150} --out $NET ${ARGS:-} > $OUT/gpu_network.log 2>&1
+  --batch-groups ${NGROUPS:-32} --group-size 8 --timeout ${K_S:-150} --out $NET ${ARGS:-} > $OUT/gpu_network.log 2>&1
 echo "gpu_network rc=$?"; kill $KEEPER 2>/dev/null; keep; tail -c 3000 $OUT/gpu_network.log

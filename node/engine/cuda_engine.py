@@ -49,8 +49,8 @@ def _use_device(device: str | torch.device) -> None:
     inference role's asyncio.to_thread) would otherwise launch its kernels on the wrong GPU (seen on the
     H200 pair: "Pointer argument (at 0) cannot be accessed from Triton", "The CUDA Graph is empty")."""
     device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # plain "cuda" is the process's default GPU (torch wants an index here)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
 
 
 def buckets_for(max_batch: int) -> list[int]:
