@@ -21,7 +21,8 @@ from pathlib import Path
 
 from protocol.envelope import open_envelope
 from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, MalformedMessage,
-                             NotLeaseHolder, NotMember, Refused, ReplayedMessage, SpecMismatch, UnknownLease)
+                             NotLeaseHolder, NotMember, Refused, ReplayedMessage, SpecMismatch, StaleRollout,
+                             UnknownLease)
 from protocol.ledger import OffPolicyLedger
 from protocol.membership import MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutGroup, RolloutSubmission,
@@ -226,7 +227,14 @@ class Coordinator:
             raise NotLeaseHolder(f"work {sub.work_id} is leased to another member now")
         if sub.min_version < 0:
             raise InconsistentRollout("negative policy version")
-        self.ledger.check_submission(sub.min_version)  # raises StaleRollout
+        try:
+            self.ledger.check_submission(sub.min_version)
+        except StaleRollout:
+            # the unit goes back to the pool now, not at its deadline: refused work must not hold the
+            # peer's lease cap (a node whose rollouts went stale could lease nothing until its TTL ran out)
+            with self.store as db:
+                db.release([sub.work_id])
+            raise
         return None
 
     def on_probation(self, peer_id: str) -> bool:

@@ -93,6 +93,9 @@ def test_off_policy_bound_at_the_edge(tmp_path, lag):
         with pytest.raises(StaleRollout):
             submit(c, A, sub, 2)
         assert c.accepted_rollouts() == []
+        # the refused unit is back in the pool at once: it holds none of A's lease cap until its deadline
+        assert c.store.leased_count(A.peer_id) == 0
+        assert c.grant_lease(A.peer_id, 3).work_id == g.work_id
 
 
 def test_rollout_claiming_a_future_version_is_refused(tmp_path):
