@@ -43,6 +43,9 @@ from node.sim_devices import place
 
 log = logging.getLogger("benchmarks.gpu_network")
 
+LONG_TASK_MAX_SEQ = 1536
+"""Sequence limit with `--task reverse-text-long` (a prompt of up to ~400 tokens + up to 1,024 new)."""
+
 
 def trainer_rows(out: Path) -> list[dict]:
     rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
@@ -226,8 +229,11 @@ def main() -> None:
                    help="with --model random:SHAPE: the directory whose tokenizer files it gets (default: SmolLM2's)")
     p.add_argument("--vocab-size", type=int, default=49152, help="with --model random:SHAPE")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--task", default=None, help="default: reverse-text (real models), reverse (tiny-moe)")
+    p.add_argument("--task", default=None, help="default: reverse-text (real models), reverse (tiny-moe); "
+                   "reverse-text-long: heavy-tailed completion lengths up to 1,024 tokens (the RL-shaped workload)")
     p.add_argument("--ks", default="0,1,2", help="max_off_policy_steps of each run")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="the model's sequence limit (default 128; 1,536 with --task reverse-text-long)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state figures")
     p.add_argument("--inference-nodes", type=int, default=1)
@@ -294,6 +300,8 @@ def model_of(args, out: Path) -> dict:
     from protocol.model_spec import ModelSpec
 
     source = args.model
+    # the long-tailed task's prompts hold its text and its completions run up to 1,024 tokens
+    max_len = args.max_seq_len or (LONG_TASK_MAX_SEQ if args.task == "reverse-text-long" else PRETRAINED_MAX_SEQ)
     if source.startswith("random:"):
         from benchmarks.random_checkpoint import write_random
 
@@ -303,10 +311,10 @@ def model_of(args, out: Path) -> dict:
             tok = smollm2_dir()
         t0 = time.time()
         source = str(write_random(source.removeprefix("random:"), out / "model", tok, args.vocab_size,
-                                  max_seq_len=PRETRAINED_MAX_SEQ, device="cuda:0" if args.device == "cuda" else "cpu",
+                                  max_seq_len=max_len, device="cuda:0" if args.device == "cuda" else "cpu",
                                   dtype=getattr(__import__("torch"), args.dtype)))
         log.info("random checkpoint written in %.1f s: %s", time.time() - t0, source)
-    spec = ModelSpec(source=source, dtype=args.dtype, max_seq_len=PRETRAINED_MAX_SEQ)
+    spec = ModelSpec(source=source, dtype=args.dtype, max_seq_len=max_len)
     return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash},
             "recipe": {"warmup_target": 0.0}}
 

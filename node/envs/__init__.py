@@ -6,11 +6,12 @@ from node.envs.arithmetic import Addition, Reverse
 from node.envs.base import Environment, Task
 from node.envs.calculator import Calculator
 from node.envs.coding import Coding
-from node.envs.text_tasks import Arithmetic, ReverseText
+from node.envs.text_tasks import Arithmetic, LongReverseText, ReverseText
 from node.plugins import resolve
 
 TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition, "calculator": Calculator, "coding": Coding,
-                                     "reverse-text": ReverseText, "arithmetic": Arithmetic}
+                                     "reverse-text": ReverseText, "reverse-text-long": LongReverseText,
+                                     "arithmetic": Arithmetic}
 """The built-in tasks (`reverse-text` and `arithmetic` are for pretrained models with real tokenizers)."""
 TASK_FAMILIES: dict[str, str] = {"verifiers": "contrib.verifiers:load_environment"}
 """`<family>:<id>` task names -> the import path of the family's loader `(id, **kwargs) -> Environment`,

@@ -57,6 +57,12 @@ class Environment(ABC):
     def reward(self, task: Task, transcript: str) -> float:
         """Reward in [0, 1] for the text after the prompt (model turns and tool replies)."""
 
+    def new_tokens(self, task: Task) -> int:
+        """Length limit of one model turn of `task` (default `max_new_tokens`; a task whose answers vary
+        in length gives each its own budget). The inference role samples with it and the validator
+        holds the `length` finish reason to it, both from the task the seed draws."""
+        return self.max_new_tokens
+
     def respond(self, task: Task, transcript: str) -> str | None:
         """The tool's reply to the model's last turn, or None to end the episode."""
         return None

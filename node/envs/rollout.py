@@ -83,7 +83,7 @@ class Episodes:
 
     def add(self, episode_id: str, task: Task, params: SamplingParams) -> None:
         params = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-                                max_new_tokens=self.env.max_new_tokens, stop_token_ids=params.stop_token_ids,
+                                max_new_tokens=self.env.new_tokens(task), stop_token_ids=params.stop_token_ids,
                                 stop_strings=self.env.stop_strings)
         rollout = Rollout(episode_id, task, task.prompt_ids(self.tokenizer))
         self._live[episode_id] = (rollout, params)

@@ -8,6 +8,10 @@ from a fixed word list with the task's seed. Differences, on purpose: a completi
 is scored as a whole (a 135M model rarely writes the tags before training, and a zero for every
 sample gives GRPO no signal).
 
+`reverse-text-long`: the same task on texts whose length is heavy-tailed (Pareto: most a few words,
+some a hundred and more), each with a completion budget that grows with its text (up to 1,024 tokens):
+the long-tailed lengths of RL workloads, where a batch waits on its longest rollouts.
+
 `arithmetic`: a two-operand integer question ("What is 47 + 38?"); reward 1.0 when the last integer
 in the completion equals the answer, else 0. Both tasks are pure functions of (seed, text), so a
 validator recomputes rewards exactly.
@@ -57,6 +61,27 @@ class ReverseText(Environment):
         m = _TAG.search(transcript)
         answer = m.group(1) if m else transcript.strip()
         return lcs_ratio(answer, task.answer)
+
+
+class LongReverseText(ReverseText):
+    """`reverse-text` with heavy-tailed text lengths and a budget per task (`new_tokens`)."""
+
+    name = "reverse-text-long"
+
+    def __init__(self, alpha: float = 1.2, max_words: int = 170, max_new_tokens: int = 1024):
+        super().__init__(1, max_words, max_new_tokens)
+        self.alpha = alpha
+
+    def sample_task(self, seed: int) -> Task:
+        rng = random.Random(seed)
+        n = min(self.max_words, int(2 * rng.paretovariate(self.alpha)))
+        text = " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
+        return Task(f"reverse-text-long-{seed}", text, text[::-1], {"text": text}, system=self.system_prompt)
+
+    def new_tokens(self, task: Task) -> int:
+        # reversed words split into about one token per 1-2 characters: the text's length in characters
+        # (plus the tags) is room enough for the answer, and the budget grows with the task
+        return min(self.max_new_tokens, 32 + len(task.answer))
 
 
 class Arithmetic(Environment):

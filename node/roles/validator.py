@@ -177,12 +177,13 @@ class ValidatorNode:
         return out
 
     def _claim(self, item: StoredWork, j: int, sub) -> RolloutClaim:
+        task = self.env.sample_task(item.task_index)
         return RolloutClaim(
             work_id=item.work_id, env=self.spec.environment, task_seed=item.task_index,
-            prompt_ids=self.env.sample_task(item.task_index).prompt_ids(self.tok),
+            prompt_ids=task.prompt_ids(self.tok),
             token_ids=sub.token_ids, logprobs=sub.logprobs, versions=sub.token_versions, sampled=sub.sampled,
             sampling=SamplingSpec(temperature=self.recipe.temperature,
-                                  max_new_tokens=self.env.max_new_tokens, seed=sampling_seed(item.seed, j),
+                                  max_new_tokens=self.env.new_tokens(task), seed=sampling_seed(item.seed, j),
                                   stop_strings=tuple(self.env.stop_strings)),
             finish_reason=sub.finish_reason, reward=sub.reward, proof=sub.proof, engine=sub.engine,
             routed_experts=sub.routed_experts)

@@ -125,3 +125,26 @@ def test_held_out_evaluation_is_greedy_and_repeatable():
     first = evaluate(engine, get_env("reverse"), tok, n=8)
     again = evaluate(engine, get_env("reverse"), tok, n=8)
     assert first.rewards == again.rewards and len(first.rewards) == 8
+
+
+def test_the_long_tailed_task_gives_each_text_its_own_budget_and_rollouts_keep_to_it():
+    env = get_env("reverse-text-long")
+    tasks = [env.sample_task(s) for s in range(2000)]
+    budgets = sorted(env.new_tokens(t) for t in tasks)
+    assert budgets[len(budgets) // 2] < 100 and budgets[-1] == 1024  # most short, a tail to the 1,024 cap
+    assert all(env.new_tokens(t) == min(1024, 32 + len(t.answer)) for t in tasks[:50])
+    assert env.reward(tasks[0], f"<reversed_text>{tasks[0].answer}</reversed_text>") == 1.0
+    # the rollout driver samples each episode with its task's budget (the validator's termination check reads
+    # the same one): a model that never stops runs exactly to it
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, model_type="qwen3",
+                      max_position_embeddings=512)
+    model = CausalLM(cfg)
+    short = [t for t in tasks if 32 + len(t.answer) < 60][:2] + [t for t in tasks if 90 < 32 + len(t.answer) < 200][:1]
+    episodes = [(f"e{i}", t, SamplingParams(temperature=1.0, seed=i)) for i, t in enumerate(short)]
+    never = -1  # an end-of-turn id no token has: every turn ends at its budget
+    rollouts = run_episodes(Engine(model, max_batch=4, eos_id=never, decode=tok.decode), env, tok, episodes)
+    assert [len(r.completion_ids) for r in rollouts] == [env.new_tokens(t) for t in short]
+    assert all(r.finish_reason == "length" for r in rollouts)
