@@ -34,6 +34,7 @@ import platform
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -109,25 +110,38 @@ class GpuSampler:
         try:
             self.p = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
                                        "--format=csv,noheader,nounits", "-lms", "500"],
-                                      stdout=self.path.open("w"), stderr=subprocess.DEVNULL)
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._out = self.path.open("w")
+            self._reader = threading.Thread(target=self._stamp, daemon=True)
+            self._reader.start()
         except OSError:
             self.p = None
         return self
+
+    def _stamp(self) -> None:
+        """Each sample line with the time it arrived (the steady window is cut by time)."""
+        for line in self.p.stdout:
+            self._out.write(f"{time.time():.2f}, {line}")
+            self._out.flush()
 
     def __exit__(self, *exc) -> None:
         if self.p is not None:
             self.p.terminate()
             self.p.wait(10)
+            self._reader.join(5)
+            self._out.close()
 
-    def busy(self) -> dict[str, dict[str, float]]:
+    def busy(self, t_from: float = 0.0) -> dict[str, dict[str, float]]:
+        """Mean utilization (nvidia-smi's share of time a kernel ran) and peak memory per GPU, from `t_from` on."""
         per: dict[str, list[tuple[float, float]]] = {}
         for line in self.path.read_text().splitlines() if self.path.exists() else []:
             try:
-                idx, util, mem = (x.strip() for x in line.split(","))
-                per.setdefault(f"cuda:{idx}", []).append((float(util), float(mem)))
+                t, idx, util, mem = (x.strip() for x in line.split(","))
+                if float(t) >= t_from:
+                    per.setdefault(f"cuda:{idx}", []).append((float(util), float(mem)))
             except ValueError:
                 continue
-        return {gpu: {"busy_share": round(statistics.mean(u for u, _ in xs) / 100, 3),
+        return {gpu: {"busy_share": round(statistics.mean(u for u, _ in xs) / 100, 3), "samples": len(xs),
                       "memory_gib_max": round(max(m for _, m in xs) / 1024, 1)} for gpu, xs in per.items()}
 
 
@@ -166,7 +180,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["period_s"] for r in steady), 1) if steady else None,
         "reward_per_step": [round(r["reward_mean"], 4) for r in rows],
         "reward_mean_steady": round(statistics.mean(r["reward_mean"] for r in steady), 4) if steady else None,
-        "gpus": gpus.busy(),
+        "gpus": gpus.busy(t_steady), "gpus_whole_run": gpus.busy(),
         **{key: summary.get(key) for key in ("rollouts_lost", "rollouts_duplicated", "rollouts_rejected",
                                               "max_off_policy_seen", "max_off_policy_steps", "honest_banned")},
         "_rows": rows, "_timeline": timeline,
