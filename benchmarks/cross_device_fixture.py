@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cross_device_files import judge, read_fixture, write_fixture, write_weights
+from benchmarks.cross_device_files import drift, judge, read_fixture, reference, write_fixture, write_weights
 from node.envs.user import is_user_task, task_identity
 from node.model.checkpoint import read_weights
 from node.roles.common import blank_model, set_device
@@ -149,6 +149,7 @@ def generate(device: str, out: Path) -> dict:
         "temperatures": sorted({t for *_, t in CASES}),
         "environments": sorted({fixture_spec(c[0], 1).environment for c in CASES}),
         "router_replay": any(c.routed_experts is not None for c in claims), "threads": torch.get_num_threads(),
+        "numerics": numerics(device),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "generate_s": round(time.perf_counter() - t0, 1),
     }
     write_fixture(out, base, claims, cases, provenance)
@@ -162,13 +163,26 @@ def generate(device: str, out: Path) -> dict:
 def judge_report(directory: Path, device: str) -> dict:
     fx = read_fixture(directory)
     t0 = time.perf_counter()
-    verdicts = judge(fx, device=device)
+    ref = reference(fx, device)
+    verdicts = judge(fx, ref=ref)
+    judge_s = time.perf_counter() - t0
     rejected = Counter(f"{case}: {v.reason.value}" for case, v in zip(fx.cases, verdicts) if not v.accepted)
     return {"fixture": str(directory), "generated_on": fx.generated_on, "judged_on": device_name(device),
             "judge_device": device, "torch": torch.__version__, "claims": len(verdicts),
             "accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),
             "rejections": dict(rejected), "details": [v.detail for v in verdicts if not v.accepted][:20],
-            "judge_s": round(time.perf_counter() - t0, 2)}
+            "judge_s": round(judge_s, 2), "numerics": numerics(device), "drift": drift(fx, ref)}
+
+
+def numerics(device: str) -> dict:
+    """The matmul settings the recomputation ran under on this device."""
+    out = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+           "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    if device.startswith("cuda"):
+        out.update(cuda_matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                   cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+                   bf16_reduced_precision_reduction=torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
