@@ -144,7 +144,8 @@ def generate(device: str, out: Path) -> dict:
     provenance = {
         "command": f"python -m benchmarks.cross_device_fixture --device {device} --out DIR",
         "device": device, "device_name": device_name(device), "torch": torch.__version__,
-        "cuda": torch.version.cuda if device.startswith("cuda") else None, "dtype": base.model.dtype,
+        "cuda": torch.version.cuda if device.startswith("cuda") else None, "triton": triton_version(),
+        "dtype": base.model.dtype,
         "fp8": base.model.fp8, **facts, "engine_batches": sorted({leases * group for _, leases, group, _ in CASES}),
         "temperatures": sorted({t for *_, t in CASES}),
         "environments": sorted({fixture_spec(c[0], 1).environment for c in CASES}),
@@ -172,6 +173,14 @@ def judge_report(directory: Path, device: str) -> dict:
             "accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),
             "rejections": dict(rejected), "details": [v.detail for v in verdicts if not v.accepted][:20],
             "judge_s": round(judge_s, 2), "numerics": numerics(device), "drift": drift(fx, ref)}
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def numerics(device: str) -> dict:
