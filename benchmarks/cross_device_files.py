@@ -114,7 +114,7 @@ def judge(fx: Fixture, claims: list[RolloutClaim] | None = None, device: str = "
 @torch.inference_mode()
 def drift(fx, ref) -> dict:
     """The honest figures the checks judge, worst over the fixture (`verification.calibration.measure`'s
-    fields, along the validator's path: one prefill forced along each claim's routes, sampled tokens only;
+    fields, along the validator's path: batched prefills forced along the claimed routes, sampled tokens only;
     `logprob_err_mean_max` is the plain mean over any length, `logprob_err_checked_mean_max` the trimmed mean
     the check applies to rollouts of >= MIN_MEAN_TOKENS), beside the thresholds in force for its precision."""
     from verification.calibration.measure import RolloutFigures, summarize
@@ -123,11 +123,19 @@ def drift(fx, ref) -> dict:
     from verification.proof import Commitment, chunk_blocks, chunk_spans, decode_rollout_proof
     from verification.routing import route_positions
 
+    outs: list = [None] * len(fx.claims)
+    for routed in (False, True):  # batched as `verify_claims` batches: forced along routes for all rows or none
+        members = [i for i, c in enumerate(fx.claims) if (c.routed_experts is not None) == routed]
+        if not members:
+            continue
+        cs = [fx.claims[i] for i in members]
+        got = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1] for c in cs], logits_from=[len(c.prompt_ids) - 1 for c in cs],
+                          replay=[ref.decode_routes(c.routed_experts, route_positions(c)) for c in cs] if routed else None)
+        for i, o in zip(members, got):
+            outs[i] = o
     rows, means = [], []
-    for c in fx.claims:
+    for c, (logits, hidden) in zip(fx.claims, outs):
         start, idx = len(c.prompt_ids) - 1, [i for i, s in enumerate(c.sampled_mask) if s]
-        routes = None if c.routed_experts is None else [ref.decode_routes(c.routed_experts, route_positions(c))]
-        logits, hidden = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1]], logits_from=[start], replay=routes)[0]
         rows_idx = torch.tensor(idx)
         commitments = [Commitment.from_bytes(b) for r in decode_rollout_proof(c.proof, ref.hidden_size) for b in r.chunks]
         stats = compare_blocks(chunk_blocks(hidden[rows_idx + start], chunk_spans([c.versions[i] for i in idx])),

@@ -88,13 +88,12 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def roll_out_case(env: str, leases: int, group: int, temperature: float, device: str, state: dict,
+def roll_out_case(env: str, leases: int, group: int, temperature: float, device: str, engine: str, state: dict,
                   manifest: bytes, workdir: Path, first_work_id: int) -> tuple[list[RolloutClaim], dict]:
     """One case: a fresh inference node and engine of batch leases x group, `ROUNDS` rounds of leases,
     each submission turned into the validator role's claim."""
     spec = fixture_spec(env, group)
     key = NodeKey.generate()
-    engine = "builtin-cuda" if device.startswith("cuda") else "builtin"
     node = InferenceNode(key, spec, "", workdir / "inference", leases_per_request=leases, engine=engine,
                          device=device)
     validator = ValidatorNode(NodeKey.generate(), spec, "", workdir / "validator")
@@ -123,7 +122,9 @@ def roll_out_case(env: str, leases: int, group: int, temperature: float, device:
     return claims, facts
 
 
-def generate(device: str, out: Path) -> dict:
+def generate(device: str, out: Path, engine: str | None = None) -> dict:
+    """`engine`: the registry's name (default: `builtin-cuda` on a CUDA device, `builtin` on the CPU)."""
+    engine = engine or ("builtin-cuda" if device.startswith("cuda") else "builtin")
     base = fixture_spec(CASES[0][0], 1)
     model = random_weights(base)
     manifest = write_weights(out, model)
@@ -135,14 +136,14 @@ def generate(device: str, out: Path) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for env, leases, group, temperature in CASES:
-            got, facts = roll_out_case(env, leases, group, temperature, device, state, manifest, Path(tmp),
+            got, facts = roll_out_case(env, leases, group, temperature, device, engine, state, manifest, Path(tmp),
                                        first_work_id=len(claims) + 1)
             name = f"{env.rpartition(':')[2].lower()}/batch{leases * group}/t{temperature:g}"
             log.info("%-26s %3d claims, %4d tokens", name, len(got), sum(len(c.token_ids) for c in got))
             claims += got
             cases += [name] * len(got)
     provenance = {
-        "command": f"python -m benchmarks.cross_device_fixture --device {device} --out DIR",
+        "command": f"python -m benchmarks.cross_device_fixture --device {device} --engine {engine} --out DIR",
         "device": device, "device_name": device_name(device), "torch": torch.__version__,
         "cuda": torch.version.cuda if device.startswith("cuda") else None, "triton": triton_version(),
         "dtype": base.model.dtype,
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where to generate (or judge)")
     ap.add_argument("--out", type=Path, help="directory to write the fixture to")
+    ap.add_argument("--engine", choices=["builtin", "builtin-cuda"], default=None,
+                    help="the engine to generate with (default: builtin-cuda on CUDA, builtin on the CPU; "
+                         "builtin-cuda on the CPU runs CudaEngine eagerly, without graphs)")
     ap.add_argument("--judge", type=Path, help="judge this fixture on --device instead of generating one")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         report = judge_report(args.judge, args.device)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        report = generate(args.device, args.out)
+        report = generate(args.device, args.out, args.engine)
     print(json.dumps(report))
     return 0
 
