@@ -2,6 +2,7 @@
 
     python -m benchmarks.cross_device_fixture --device cuda --out DIR    # generate (or --device cpu)
     python -m benchmarks.cross_device_fixture --judge DIR [--device cuda] # judge DIR on this device
+    bash benchmarks/cross_device_device.sh                               # the H200 run, output under $OUT
 
 Generation runs the inference role's own code: an `InferenceNode` of a run whose spec names the tiny
 MoE (Qwen3-MoE layout, the character tokenizer's 88-token vocabulary, recipe `SHAPE`, bf16 weights as
