@@ -11,14 +11,15 @@ the GPU engine serves them), its engine built by the registry as the role builds
 on the CPU), version 0 loaded through `load_weights`, rounds of leases rolled out and proved by
 `InferenceNode._roll_out` (routed experts attached, router replay on), and every submission turned into
 the claim the validator role builds (`ValidatorNode._claim`). Cases (`CASES`): four environments
-(`ENVIRONMENTS`: short and longer prompts, completions of 6 to 36 tokens, multi-turn episodes whose later
+(`ENVIRONMENTS`: short and longer prompts, completions of 1 to 39 tokens, multi-turn episodes whose later
 turns prefill the transcript so far) x engine batches 1, 8 and 64 (leases x group size) at temperature 1,
 seeded; and greedy at batch 8.
 Writes the fixture (benchmarks/cross_device_files.py) to DIR and ends with one JSON line.
 
 `--judge DIR` loads a fixture's weights on `--device` as the validator role does (`--device cuda`: the
 role's GPU path, the same `TorchReference` with its model on the GPU) and verifies every claim with
-`verify_claims`; one JSON line with the accepted / rejected counts, the reasons, and the fixture's origin.
+`verify_claims`, in one round and each claim in a round of its own; one JSON line with the accepted /
+rejected counts, the reasons, the honest drift beside the thresholds in force, and the fixture's origin.
 tests/verification/test_cross_device.py judges the committed fixture on the CPU in CI.
 """
 
