@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from protocol.messages import RunSpec
 from verification.claim import RolloutClaim
@@ -107,3 +109,48 @@ def judge(fx: Fixture, claims: list[RolloutClaim] | None = None, device: str = "
     from verification.validator import verify_claims
 
     return verify_claims(fx.claims if claims is None else claims, ref or reference(fx, device), None, fx.spec.engines)
+
+
+@torch.inference_mode()
+def drift(fx, ref) -> dict:
+    """The honest figures the checks judge, worst over the fixture (`verification.calibration.measure`'s
+    fields, along the validator's path: batched prefills forced along the claimed routes, sampled tokens only;
+    `logprob_err_mean_max` is the plain mean over any length, `logprob_err_checked_mean_max` the trimmed mean
+    the check applies to rollouts of >= MIN_MEAN_TOKENS), beside the thresholds in force for its precision."""
+    from verification.calibration.measure import RolloutFigures, summarize
+    from verification.checks import MIN_MEAN_TOKENS, THRESHOLDS, _trimmed_mean, token_logprobs
+    from verification.hidden_check import compare_blocks
+    from verification.proof import Commitment, chunk_blocks, chunk_spans, decode_rollout_proof
+    from verification.routing import route_positions
+
+    outs: list = [None] * len(fx.claims)
+    for routed in (False, True):  # batched as `verify_claims` batches: forced along routes for all rows or none
+        members = [i for i, c in enumerate(fx.claims) if (c.routed_experts is not None) == routed]
+        if not members:
+            continue
+        cs = [fx.claims[i] for i in members]
+        got = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1] for c in cs], logits_from=[len(c.prompt_ids) - 1 for c in cs],
+                          replay=[ref.decode_routes(c.routed_experts, route_positions(c)) for c in cs] if routed else None)
+        for i, o in zip(members, got):
+            outs[i] = o
+    rows, means = [], []
+    for c, (logits, hidden) in zip(fx.claims, outs):
+        start, idx = len(c.prompt_ids) - 1, [i for i, s in enumerate(c.sampled_mask) if s]
+        rows_idx = torch.tensor(idx)
+        commitments = [Commitment.from_bytes(b) for r in decode_rollout_proof(c.proof, ref.hidden_size) for b in r.chunks]
+        stats = compare_blocks(chunk_blocks(hidden[rows_idx + start], chunk_spans([c.versions[i] for i in idx])),
+                               commitments)
+        toks = torch.tensor([c.token_ids[i] for i in idx])
+        err = (torch.tensor([c.logprobs[i] for i in idx]) - token_logprobs(logits[rows_idx], toks,
+                                                                           c.sampling.temperature)).abs()
+        replay = ref.replay_sampling(logits[rows_idx], c.sampling, [len(c.prompt_ids) + i for i in idx])
+        flips = replay.tokens != toks
+        if len(idx) >= MIN_MEAN_TOKENS:  # the mean the check applies (trimmed, long segments only)
+            means.append(_trimmed_mean(err))
+        rows.append(RolloutFigures(
+            len(idx), len(stats), max(s.exp_mismatches for s in stats), max(s.mant_err_mean for s in stats),
+            max(s.mant_err_median for s in stats), float(err.max()), float(err.mean()), int(flips.sum()),
+            float(replay.margins[flips].max()) if bool(flips.any()) else 0.0))
+    worst = {**summarize(rows), "logprob_err_checked_mean_max": round(max(means, default=0.0), 5),
+             "checked_mean_rollouts": len(means)}
+    return {"precision": ref.precision, "honest_max": worst, "in_force": asdict(THRESHOLDS[ref.precision])}

@@ -2,6 +2,7 @@
 
     python -m benchmarks.cross_device_fixture --device cuda --out DIR    # generate (or --device cpu)
     python -m benchmarks.cross_device_fixture --judge DIR [--device cuda] # judge DIR on this device
+    bash benchmarks/cross_device_device.sh                               # the H200 run, output under $OUT
 
 Generation runs the inference role's own code: an `InferenceNode` of a run whose spec names the tiny
 MoE (Qwen3-MoE layout, the character tokenizer's 88-token vocabulary, recipe `SHAPE`, bf16 weights as
@@ -10,14 +11,15 @@ the GPU engine serves them), its engine built by the registry as the role builds
 on the CPU), version 0 loaded through `load_weights`, rounds of leases rolled out and proved by
 `InferenceNode._roll_out` (routed experts attached, router replay on), and every submission turned into
 the claim the validator role builds (`ValidatorNode._claim`). Cases (`CASES`): four environments
-(`ENVIRONMENTS`: short and longer prompts, completions of 6 to 36 tokens, multi-turn episodes whose later
+(`ENVIRONMENTS`: short and longer prompts, completions of 1 to 39 tokens, multi-turn episodes whose later
 turns prefill the transcript so far) x engine batches 1, 8 and 64 (leases x group size) at temperature 1,
 seeded; and greedy at batch 8.
 Writes the fixture (benchmarks/cross_device_files.py) to DIR and ends with one JSON line.
 
 `--judge DIR` loads a fixture's weights on `--device` as the validator role does (`--device cuda`: the
 role's GPU path, the same `TorchReference` with its model on the GPU) and verifies every claim with
-`verify_claims`; one JSON line with the accepted / rejected counts, the reasons, and the fixture's origin.
+`verify_claims`, in one round and each claim in a round of its own; one JSON line with the accepted /
+rejected counts, the reasons, the honest drift beside the thresholds in force, and the fixture's origin.
 tests/verification/test_cross_device.py judges the committed fixture on the CPU in CI.
 """
 
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cross_device_files import judge, read_fixture, write_fixture, write_weights
+from benchmarks.cross_device_files import drift, judge, read_fixture, reference, write_fixture, write_weights
 from node.envs.user import is_user_task, task_identity
 from node.model.checkpoint import read_weights
 from node.roles.common import blank_model, set_device
@@ -88,13 +90,12 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def roll_out_case(env: str, leases: int, group: int, temperature: float, device: str, state: dict,
+def roll_out_case(env: str, leases: int, group: int, temperature: float, device: str, engine: str, state: dict,
                   manifest: bytes, workdir: Path, first_work_id: int) -> tuple[list[RolloutClaim], dict]:
     """One case: a fresh inference node and engine of batch leases x group, `ROUNDS` rounds of leases,
     each submission turned into the validator role's claim."""
     spec = fixture_spec(env, group)
     key = NodeKey.generate()
-    engine = "builtin-cuda" if device.startswith("cuda") else "builtin"
     node = InferenceNode(key, spec, "", workdir / "inference", leases_per_request=leases, engine=engine,
                          device=device)
     validator = ValidatorNode(NodeKey.generate(), spec, "", workdir / "validator")
@@ -123,7 +124,9 @@ def roll_out_case(env: str, leases: int, group: int, temperature: float, device:
     return claims, facts
 
 
-def generate(device: str, out: Path) -> dict:
+def generate(device: str, out: Path, engine: str | None = None) -> dict:
+    """`engine`: the registry's name (default: `builtin-cuda` on a CUDA device, `builtin` on the CPU)."""
+    engine = engine or ("builtin-cuda" if device.startswith("cuda") else "builtin")
     base = fixture_spec(CASES[0][0], 1)
     model = random_weights(base)
     manifest = write_weights(out, model)
@@ -135,20 +138,22 @@ def generate(device: str, out: Path) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for env, leases, group, temperature in CASES:
-            got, facts = roll_out_case(env, leases, group, temperature, device, state, manifest, Path(tmp),
+            got, facts = roll_out_case(env, leases, group, temperature, device, engine, state, manifest, Path(tmp),
                                        first_work_id=len(claims) + 1)
             name = f"{env.rpartition(':')[2].lower()}/batch{leases * group}/t{temperature:g}"
             log.info("%-26s %3d claims, %4d tokens", name, len(got), sum(len(c.token_ids) for c in got))
             claims += got
             cases += [name] * len(got)
     provenance = {
-        "command": f"python -m benchmarks.cross_device_fixture --device {device} --out DIR",
+        "command": f"python -m benchmarks.cross_device_fixture --device {device} --engine {engine} --out DIR",
         "device": device, "device_name": device_name(device), "torch": torch.__version__,
-        "cuda": torch.version.cuda if device.startswith("cuda") else None, "dtype": base.model.dtype,
+        "cuda": torch.version.cuda if device.startswith("cuda") else None, "triton": triton_version(),
+        "dtype": base.model.dtype,
         "fp8": base.model.fp8, **facts, "engine_batches": sorted({leases * group for _, leases, group, _ in CASES}),
         "temperatures": sorted({t for *_, t in CASES}),
         "environments": sorted({fixture_spec(c[0], 1).environment for c in CASES}),
         "router_replay": any(c.routed_experts is not None for c in claims), "threads": torch.get_num_threads(),
+        "numerics": numerics(device),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "generate_s": round(time.perf_counter() - t0, 1),
     }
     write_fixture(out, base, claims, cases, provenance)
@@ -159,32 +164,68 @@ def generate(device: str, out: Path) -> dict:
             "total_bytes": sum(sizes.values()), **{k: provenance[k] for k in ("device_name", "engine", "graphs", "torch")}}
 
 
-def judge_report(directory: Path, device: str) -> dict:
+def judge_report(directory: Path, device: str, singly: bool = True) -> dict:
+    """Counts of one judging round of every claim; with `singly`, also of each claim judged in a round of its
+    own (the recomputation's numbers move with the batch a claim is prefilled in: docs/verification.md)."""
     fx = read_fixture(directory)
     t0 = time.perf_counter()
-    verdicts = judge(fx, device=device)
+    ref = reference(fx, device)
+    verdicts = judge(fx, ref=ref)
+    judge_s = time.perf_counter() - t0
     rejected = Counter(f"{case}: {v.reason.value}" for case, v in zip(fx.cases, verdicts) if not v.accepted)
     return {"fixture": str(directory), "generated_on": fx.generated_on, "judged_on": device_name(device),
             "judge_device": device, "torch": torch.__version__, "claims": len(verdicts),
             "accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),
             "rejections": dict(rejected), "details": [v.detail for v in verdicts if not v.accepted][:20],
-            "judge_s": round(time.perf_counter() - t0, 2)}
+            "judge_s": round(judge_s, 2), "numerics": numerics(device), "drift": drift(fx, ref),
+            **(_singly(fx, ref) if singly else {})}
+
+
+def _singly(fx, ref) -> dict:
+    verdicts = [judge(fx, [c], ref=ref)[0] for c in fx.claims]
+    return {"one_at_a_time": {"accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),
+                              "rejections": dict(Counter(f"{case}: {v.reason.value}" for case, v in zip(fx.cases, verdicts)
+                                                         if not v.accepted)),
+                              "details": [v.detail for v in verdicts if not v.accepted][:20]}}
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def numerics(device: str) -> dict:
+    """The matmul settings the recomputation ran under on this device."""
+    out = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+           "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    if device.startswith("cuda"):
+        out.update(cuda_matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                   cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+                   bf16_reduced_precision_reduction=torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where to generate (or judge)")
     ap.add_argument("--out", type=Path, help="directory to write the fixture to")
+    ap.add_argument("--engine", choices=["builtin", "builtin-cuda"], default=None,
+                    help="the engine to generate with (default: builtin-cuda on CUDA, builtin on the CPU; "
+                         "builtin-cuda on the CPU runs CudaEngine eagerly, without graphs)")
     ap.add_argument("--judge", type=Path, help="judge this fixture on --device instead of generating one")
+    ap.add_argument("--batched-only", action="store_true", help="with --judge: skip judging each claim on its own")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if (args.out is None) == (args.judge is None):
         ap.error("give exactly one of --out (generate) and --judge (judge)")
     if args.judge is not None:
-        report = judge_report(args.judge, args.device)
+        report = judge_report(args.judge, args.device, singly=not args.batched_only)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        report = generate(args.device, args.out)
+        report = generate(args.device, args.out, args.engine)
     print(json.dumps(report))
     return 0
 
