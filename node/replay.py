@@ -12,6 +12,7 @@ import torch
 
 from node.engine.fp8.model import fp8_mode_of
 from node.engine.sampling import SamplingParams, sample, token_seed, top_p_mask
+from node.model.batching import right_pad, token_budget_groups
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
@@ -72,20 +73,11 @@ class TorchReference(Reference):
                 replay: list[torch.Tensor] | None = None) -> list[tuple]:
         model = self.policies[version][0]
         device = next(model.parameters()).device
-        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
-        start = 0
-        while start < len(order):
-            # Batches of similar length, bounded in padded tokens (right padding; causal, so exact).
-            t = len(sequences[order[start]])
-            end = start + 1
-            while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= self.batch_tokens:
-                end += 1
-            members = order[start:end]
-            t = max(len(sequences[i]) for i in members)
-            ids = torch.zeros(len(members), t, dtype=torch.long)
-            for row, i in enumerate(members):
-                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+        # batches of similar length, bounded in padded tokens (right padding; causal, so exact)
+        for members in token_budget_groups([len(s) for s in sequences], self.batch_tokens):
+            ids = right_pad([sequences[i] for i in members])
+            t = ids.shape[1]
             forced = None
             if replay is not None:  # right padding routes to experts 0..k-1: causal, so it touches no real row
                 k = replay[members[0]].shape[-1]
@@ -109,7 +101,6 @@ class TorchReference(Reference):
                     out[i] += (None if res.routed_experts is None else res.routed_experts[row, :n].cpu(),)
                     if with_router_logits:
                         out[i] += (_router_logits(res, len(members), t, row, n),)
-            start = end
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()

@@ -185,11 +185,6 @@ def decode_rollout_proof(data: bytes, hidden_size: int, chunk_tokens: int = CHUN
     return runs
 
 
-def prove_rollout(hidden: torch.Tensor, versions: list[int], manifest_hashes: dict[int, bytes]) -> bytes:
-    """The wire proof of one rollout: hidden [n_sampled, H] rows in token order, their versions."""
-    return prove_rollouts([(hidden, versions)], manifest_hashes)[0]
-
-
 def prove_rollouts(rollouts: list[tuple[torch.Tensor, list[int]]], manifest_hashes: dict[int, bytes]) -> list[bytes]:
     """Wire proofs of many rollouts, built with one batched top-k and interpolation."""
     out = []

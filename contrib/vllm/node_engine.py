@@ -71,6 +71,11 @@ class VLLMNodeEngine:
             raise EngineUnavailable(f"--vllm: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
         return {name: getattr(checked, name) for name in settings}
 
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> VLLMNodeEngine:
+        """The registry's factory (`vllm`): the server started and warm (blocking: tens of seconds)."""
+        return cls(setup)
+
     def __init__(self, setup: EngineSetup):
         self.setup = setup
         self.root = setup.workdir / "vllm"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-_HOMES = {"Engine": "engine", "Request": "engine", "Completion": "engine", "RequestTooLong": "engine",
+_HOMES = {"Engine": "engine", "Request": "core", "Completion": "core", "RequestTooLong": "core",
           "SamplingParams": "sampling"}
 
 __all__ = ["Engine", "Request", "Completion", "SamplingParams", "RequestTooLong"]

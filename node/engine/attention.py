@@ -9,8 +9,6 @@ the plain torch reference, which the kernel must match.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +44,3 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         splits = num_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1])
     return decode_attention_triton(q, k_cache, v_cache, slots, lens, splits)
 
-
-def softmax_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -1,7 +1,8 @@
 """The built-in CUDA engine: continuous batching with each decode step replayed from a CUDA graph.
 
-Public methods as `Engine` (add_request, has_work, step, generate, load_weights), so the
-inference and validator roles take either. What differs is where the work happens:
+The loop (admission, version swaps between steps, finish reasons, `generate`) is `core.EngineCore`'s,
+as for `Engine`, so the inference and validator roles take either. What this backend supplies is
+where the work happens:
 
 - Per-slot state lives on the device: the last token, the next position, the temperature, the
   seed of every position (`token_seed`, computed on admission), and the stores a completion is
@@ -24,19 +25,22 @@ against `Engine`, token for token.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
 from node.engine.bucket_graphs import BucketGraphs
-from node.engine.cuda_state import (FP8Unsupported, SlotState, WeightsMismatch, check_weights, expected_shapes,
-                                     prepare_model)
+from node.engine.core import Completion, EngineCore, FinishReason, SlotSequence
+from node.engine.cuda_state import FP8Unsupported, SlotState, prepare_model
 from node.engine.device_sampling import sample_device
-from node.engine.engine import Completion, Engine, Request, RequestQueue, _Sequence
 from node.engine.forward import decode_step, prefill_chunk
+from node.engine.weights import WeightsMismatch, check_weights, expected_shapes
+from node.model.batching import right_pad, token_budget_groups
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
+
+if TYPE_CHECKING:
+    from node.engine.registry import EngineSetup
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ def buckets_for(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
-class CudaEngine(RequestQueue):
+class CudaEngine(EngineCore):
     def __init__(self, model: CausalLM, max_batch: int = 64, max_seq_len: int | None = None,
                  eos_id: int = 2, decode=None, capture_hidden: bool = False,  # noqa: ANN001
                  capture_experts: bool = False, version: int = 0, *, fp8: bool | str = False,
@@ -70,6 +74,7 @@ class CudaEngine(RequestQueue):
         """`device`/`dtype`: move the model there first (on CUDA, bf16 unless `dtype` says otherwise);
         None serves it where it is. `fp8`: True/'all' (decoder projections and experts) or 'experts'."""
         cfg = model.config
+        super().__init__(max_batch, max_seq_len or cfg.max_position_embeddings, eos_id, decode, version)
         _use_device(device if device is not None else next(model.parameters()).device)
         self._shapes = expected_shapes(model)
         model = prepare_model(model, device, dtype, fp8)
@@ -77,8 +82,6 @@ class CudaEngine(RequestQueue):
         self.device = param.device
         self.fp8 = fp8
         self.model = model.eval()
-        self.max_batch, self.eos_id, self.decode, self.version = max_batch, eos_id, decode, version
-        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         self.capture_hidden = capture_hidden
         self.capture_experts = capture_experts and cfg.num_experts > 0
         # the MoE block's float32 expert path counts rows on the host: only bf16 / FP8 steps capture
@@ -99,12 +102,6 @@ class CudaEngine(RequestQueue):
         self._slot_buf = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
         self._tok_out = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._graphs = BucketGraphs(self.device, self._decode_body, lambda b: self._slot_buf[:b].fill_(self.scratch))
-        self.waiting: deque[Request] = deque()
-        self.running: dict[int, _Sequence] = {}
-        self._free = list(range(max_batch - 1, -1, -1))
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
-        self._lock = threading.Lock()
-        self.tokens_generated = 0
         from node.engine.fp8.ops import grouped_backend
 
         log.info("CudaEngine on %s: %s, graphs %s, grouped GEMM backend %s", self.device,
@@ -112,25 +109,35 @@ class CudaEngine(RequestQueue):
                  else str(param.dtype).removeprefix("torch."), self.use_graphs,
                  grouped_backend(self.device) if fp8 else "torch")
 
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> CudaEngine:
+        """The registry's factory (`builtin-cuda`): on the node's device, FP8 as the run prescribes, every
+        batch bucket's graph captured before the first lease (a few seconds; FP8 ~12 s once)."""
+        model = setup.model()
+        param = next(model.parameters())
+        if param.device.type == "cuda":  # slots from free memory, planned (and refused) before the cache exists
+            from node.engine.memory_plan import MAX_SLOTS, plan_on
+
+            setup.max_batch = plan_on(param.device, model.config, setup.max_seq_len, param.dtype,
+                                      setup.gpu_memory_share, MAX_SLOTS, setup.min_batch).slots
+        # served in the run's dtype (the spec's), never the engine's own default: the validator recomputes in
+        # that dtype and picks its tolerances by it, so a float32 run served in bf16 would fail honest work
+        engine = cls(model, **setup.engine_kwargs(), fp8={"off": False, "experts": "experts", "all": True}[setup.fp8],
+                     device=setup.device, dtype=next(model.parameters()).dtype)
+        engine.capture_all()
+        return engine
+
     # ---- weights -------------------------------------------------------------------------
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Check HF-named tensors against the served model now (`WeightsMismatch` on any missing,
-        unexpected or mis-shaped tensor: nothing is queued and the current version keeps serving);
-        queue them to be copied in place before the next step."""
-        internal = check_weights(state_dict, self.model.config, self._shapes)
-        with self._lock:
-            self._pending = (internal, version)
+    def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checked against the served model at once (`WeightsMismatch` on any missing, unexpected or
+        mis-shaped tensor: nothing is queued and the current version keeps serving)."""
+        return check_weights(state_dict, self.model.config, self._shapes)
 
-    def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            internal, version = pending
-            with torch.no_grad():
-                self.model.load_state_dict(internal, strict=True)  # copies into the existing storage
-            self.version = version
+    def _swap_weights(self, internal: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(internal, strict=True)  # copies into the existing storage
 
-    # ---- requests: add_request, has_work, generate from RequestQueue ---------------------------
+    # ---- the validator's recomputation --------------------------------------------------
     def verify_prefill(self, sequences: list[list[int]], prompt_lens: list[int], params: list,
                        with_routes: bool = False) -> list:
         """The validator's batched recomputation under the served weights (`verify.verify_prefill`)."""
@@ -144,37 +151,20 @@ class CudaEngine(RequestQueue):
     def close(self) -> None:
         self._graphs.clear()
 
-    # ---- the loop ------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- the loop: core.EngineCore's; admission batched, forwards and sampling on the device ----
     def step(self) -> list[Completion]:
         _use_device(self.device)
-        self._apply_pending()
-        decoding = sorted(self.running.values(), key=lambda s: s.slot)
-        admitted = []
-        self._free.sort(reverse=True)
-        ready = not self.running or len(self._free) >= min(self.admit_batch, len(self.waiting))
-        while ready and self.waiting and self._free:
-            seq = _Sequence(self.waiting.popleft(), self._free.pop())
-            self.running[seq.slot] = seq
-            self.state.admit(seq.slot, seq.request)
-            admitted.append(seq)
-        finished: list[Completion] = []
-        if admitted:
-            finished += self._prefill(admitted)
-        if decoding:
-            finished += self._decode(decoding)
-        return finished
+        return super().step()
 
-    def _prefill(self, seqs: list[_Sequence]) -> list[Completion]:
-        seqs = sorted(seqs, key=lambda s: len(s.request.prompt_ids))
-        done: list[tuple[_Sequence, torch.Tensor]] = []  # (sequence, its last prompt row's hidden)
-        start = 0
-        while start < len(seqs):
-            end = start + 1
-            while end < len(seqs) and (end + 1 - start) * len(seqs[end].request.prompt_ids) <= self.prefill_tokens:
-                end += 1
-            done += self._prefill_group(seqs[start:end])
-            start = end
+    def _admission_open(self) -> bool:
+        return not self.running or len(self._free) >= min(self.admit_batch, len(self.waiting))
+
+    def _prefill(self, seqs: list[SlotSequence]) -> list[Completion]:
+        for seq in seqs:
+            self.state.admit(seq.slot, seq.request)
+        done: list[tuple[SlotSequence, torch.Tensor]] = []  # (sequence, its last prompt row's hidden)
+        for group in token_budget_groups([len(s.request.prompt_ids) for s in seqs], self.prefill_tokens):
+            done += self._prefill_group([seqs[i] for i in group])
         group = [s for s, _ in done]
         hidden = torch.stack([h for _, h in done])
         slots = torch.tensor([s.slot for s in group], device=self.device)
@@ -183,14 +173,11 @@ class CudaEngine(RequestQueue):
         self.state.sample_first(slots, plen, logits, hidden, [s.request.params.top_p for s in group])
         return self._advance(group, self.state.last_tok[slots].tolist())
 
-    def _prefill_group(self, seqs: list[_Sequence]) -> list[tuple[_Sequence, torch.Tensor]]:
+    def _prefill_group(self, seqs: list[SlotSequence]) -> list[tuple[SlotSequence, torch.Tensor]]:
         lens = [len(s.request.prompt_ids) for s in seqs]
         t = max(lens)
         chunk = max(1, min(t, self.prefill_tokens // len(seqs)))
-        ids = torch.zeros(len(seqs), t, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = torch.tensor(s.request.prompt_ids)
-        ids = ids.to(self.device)
+        ids = right_pad([s.request.prompt_ids for s in seqs]).to(self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         last: list[torch.Tensor | None] = [None] * len(seqs)
         for c0 in range(0, t, chunk):
@@ -204,7 +191,7 @@ class CudaEngine(RequestQueue):
                     last[i] = hidden[i, n - 1 - c0]
         return list(zip(seqs, last))  # type: ignore[arg-type]
 
-    def _decode(self, seqs: list[_Sequence]) -> list[Completion]:
+    def _decode(self, seqs: list[SlotSequence]) -> list[Completion]:
         n = len(seqs)
         b = next(x for x in self.buckets if x >= n)
         slots = torch.full((b,), self.scratch, dtype=torch.long)
@@ -242,20 +229,7 @@ class CudaEngine(RequestQueue):
             for b in sorted(self.buckets, reverse=True):
                 self._graphs.ensure(b)
 
-    def _advance(self, seqs: list[_Sequence], tokens: list[int]) -> list[Completion]:
-        finished = []
-        for s, tok in zip(seqs, tokens):
-            s.tokens.append(tok)
-            s.versions.append(self.version)
-            reason = Engine._finish_reason(self, s, tok)  # type: ignore[arg-type]
-            if reason is not None:
-                finished.append(self._finish(s, reason))
-        self.tokens_generated += len(seqs)
-        return finished
-
-    def _finish(self, s: _Sequence, reason) -> Completion:  # noqa: ANN001
-        del self.running[s.slot]
-        self._free.append(s.slot)
+    def _completion(self, s: SlotSequence, reason: FinishReason) -> Completion:
         plen, n = len(s.request.prompt_ids), len(s.tokens)
         st = self.state
         return Completion(

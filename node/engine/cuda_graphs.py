@@ -1,4 +1,6 @@
-"""Decode steps captured in CUDA graphs, for a fixed batch of sequences that all start together.
+"""Decode steps captured in CUDA graphs, for a fixed batch of sequences that all start together: the
+benchmarks' decode loop (`benchmarks.fp8_engine`, `benchmarks.gpu_engine`: the model's own forward per
+step, no slots, no sampling). The engine serves with `cuda_engine` and `bucket_graphs` instead.
 
 A decode step of a small-batch MoE is hundreds of small kernels; launched one by one from Python
 they cost far more than the bytes they move. A CUDA graph replays the whole step with one launch.
@@ -7,7 +9,8 @@ mask, built from positions on the device, hides the unwritten tail), expert coun
 without host synchronisation (node.model.moe.expert_counts), and kernels compiled before capture.
 
 Invariant: replaying the graph computes exactly what an eager forward of the same tokens at the
-same positions computes (same kernels, same shapes); `tests/fp8/test_cuda_graphs.py` pins it.
+same positions computes (same kernels, same shapes);
+`tests/fp8/test_kernels.py::test_cuda_graph_replay_equals_eager_decode` pins it.
 """
 
 from __future__ import annotations

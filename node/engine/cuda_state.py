@@ -1,4 +1,4 @@
-"""Device-side state of the CUDA engine's slots, and the weight check of `load_weights`.
+"""Device-side state of the CUDA engine's slots, and how its model is placed and quantised.
 
 `SlotState` holds, per cache slot, what a decode step reads (last token, next position,
 temperature, the seed of every position) and what a completion is read from at the end
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from node.engine.core import Request
 from node.engine.device_sampling import sample_device, sample_torch, seed_row
-from node.engine.engine import Request
-from node.model.checkpoint import InvalidCheckpoint, hf_to_internal
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 
@@ -39,35 +38,6 @@ def prepare_model(model: CausalLM, device: str | torch.device | None, dtype: tor
 
         quantize_model_fp8(model, dense=fp8 != "experts")
     return model
-
-
-class WeightsMismatch(InvalidCheckpoint):
-    """A policy version whose tensors do not match the served model (names, shapes or dtype kind);
-    refused before anything is copied, so the engine keeps serving the version it has."""
-
-
-def expected_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
-    """Internal tensor names and shapes of the model as built (before any quantisation)."""
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def check_weights(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
-                  shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> internal names, or `WeightsMismatch` naming what does not fit."""
-    try:
-        internal = hf_to_internal(state_dict, cfg)
-    except InvalidCheckpoint as exc:
-        raise WeightsMismatch(str(exc)) from exc
-    missing = sorted(set(shapes) - set(internal))
-    unexpected = sorted(set(internal) - set(shapes))
-    if missing or unexpected:
-        raise WeightsMismatch(f"missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    for name, t in internal.items():
-        if tuple(t.shape) != shapes[name]:
-            raise WeightsMismatch(f"{name}: shape {tuple(t.shape)}, the served model has {shapes[name]}")
-        if not t.is_floating_point():
-            raise WeightsMismatch(f"{name}: dtype {t.dtype} is not a float type")
-    return internal
 
 
 class SlotState:

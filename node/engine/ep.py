@@ -8,7 +8,9 @@ all-to-alls are the trainer's (`node.rl.parallel.expert`), so engine and trainer
 Invariant: every rank runs the same number of model forwards per `step()`, in the same order
 (prefill, then decode), because each MoE layer is a collective. A rank with nothing to prefill or
 decode while another has runs a one-token forward without KV cache whose output it throws away.
-`step()`, `has_work_anywhere()` and `generate()` are therefore collective: all ranks call them together.
+`step()`, `has_work_anywhere()` and `generate()` (the core's, which steps while any rank has work) are
+therefore collective: all ranks call them together. What differs from `Engine` is only that: the
+step's forwards (`_run`), the question of more work, and the version swap (each rank its experts' rows).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from node.engine.engine import Completion, Engine, Request, _Sequence
-from node.model.checkpoint import InvalidCheckpoint, hf_to_internal
+from node.engine.core import Completion, SlotSequence
+from node.engine.engine import Engine
+from node.engine.weights import check_weights
 from node.model.moe import MoEBlock
 from node.model.qwen3_moe import CausalLM
 from node.rl.parallel.expert import shard_experts
@@ -47,24 +50,11 @@ class EPEngine(Engine):
                 for name, p in self.model.state_dict().items()}
 
     def check_version(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The version in internal names (experts stacked), refused with `InvalidCheckpoint` unless its
+        """The version in internal names (experts stacked), refused with `WeightsMismatch` unless its
         names and shapes are the whole model's."""
-        internal = hf_to_internal(state_dict, self.model.config)
-        want = self.full_shapes()
-        if sorted(want) != sorted(internal):
-            raise InvalidCheckpoint(f"tensor names differ: missing {sorted(set(want) - set(internal))[:3]}, "
-                                    f"unexpected {sorted(set(internal) - set(want))[:3]}")
-        for name, shape in want.items():
-            if tuple(internal[name].shape) != shape:
-                raise InvalidCheckpoint(f"{name}: shape {tuple(internal[name].shape)}, the model's is {shape}")
-        return internal
+        return check_weights(state_dict, self.model.config, self.full_shapes())
 
-    def _apply_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        state_dict, version = pending
+    def _swap_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         internal = self.check_version(state_dict)  # all checked first: a rejected version leaves the weights untouched
         with torch.no_grad():
             for name, p in self.model.state_dict().items():
@@ -73,7 +63,6 @@ class EPEngine(Engine):
                     block = self.model.get_submodule(name.rsplit(".experts.", 1)[0])
                     t = t[block.expert_offset : block.expert_offset + block.experts.num_experts]
                 p.copy_(t)
-        self.version = version
 
     @torch.no_grad()
     def receive_version(self, version: int, internal: dict[str, torch.Tensor] | None = None, src: int = 0) -> None:
@@ -105,30 +94,14 @@ class EPEngine(Engine):
         one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.model(one, one)
 
-    @torch.inference_mode()
-    def step(self) -> list[Completion]:
-        self._apply_pending()
-        decoding = sorted(self.running.values(), key=lambda s: s.slot)
-        admitted = []
-        self._free.sort(reverse=True)
-        while self.waiting and self._free:
-            seq = _Sequence(self.waiting.popleft(), self._free.pop())
-            self.running[seq.slot] = seq
-            admitted.append(seq)
+    def _run(self, admitted: list[SlotSequence], decoding: list[SlotSequence]) -> list[Completion]:
         any_prefill, any_decode = self._any(bool(admitted), bool(decoding))
-        finished: list[Completion] = []
-        if any_prefill:
-            finished += self._prefill(admitted) if admitted else self._idle_forward() or []
-        if any_decode:
-            finished += self._decode(decoding) if decoding else self._idle_forward() or []
-        return finished
+        return self._together(self._prefill, admitted, any_prefill) + self._together(self._decode, decoding, any_decode)
 
-    def generate(self, requests: list[Request]) -> list[Completion]:
-        """Collective: run this rank's `requests` to completion while the others run theirs."""
-        for r in requests:
-            self.add_request(r)
-        done: dict[str, Completion] = {}
-        while self.has_work_anywhere():
-            for c in self.step():
-                done[c.request_id] = c
-        return [done[r.request_id] for r in requests]
+    def _together(self, forward, seqs: list[SlotSequence], anywhere: bool) -> list[Completion]:  # noqa: ANN001
+        """`forward(seqs)` where this rank has sequences; a throwaway forward where only another rank has."""
+        if seqs:
+            return forward(seqs)
+        if anywhere:
+            self._idle_forward()
+        return []

@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,7 +35,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from node.engine.engine import Completion, Request, RequestQueue
+from node.engine.core import Completion, Request, RequestQueue
 from node.engine.ep import EPEngine
 from node.engine.registry import EngineSetup, EngineUnavailable
 from node.rl.parallel.control import KeepAlive, check_same, control_group, exchange
@@ -103,9 +102,7 @@ class EPRank:
         model = setup.model()
         check_same(self.control, {**model.config.model_dump(), "dtype": str(next(model.parameters()).dtype),
                                   "max_batch": setup.max_batch, "max_seq_len": setup.max_seq_len})
-        self.engine = EPEngine(model, max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, eos_id=setup.eos_id,
-                               decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts,
-                               version=-1)
+        self.engine = EPEngine(model, **setup.engine_kwargs())
 
     def carry_out(self, order: EPOrder, version: dict[str, torch.Tensor] | None = None) -> list[list[Completion]] | None:
         """The order's work on this rank (collective). Rank 0 passes the checked version to send and
@@ -144,35 +141,40 @@ class EPLeader(RequestQueue):
     """Rank 0's engine: the built-in engine's surface over the whole world."""
 
     def __init__(self, rank: EPRank, collectives: ThreadPoolExecutor):
+        super().__init__(rank.engine.max_seq_len, version=-1)  # `waiting`: requests not yet given to a rank
         self.rank, self.collectives = rank, collectives
-        self.max_seq_len = rank.engine.max_seq_len
-        self.waiting: deque[Request] = deque()
-        """Requests not yet given to a rank."""
         self.running: dict[str, int] = {}
         """Request id -> the rank serving it."""
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
-        self._lock = threading.Lock()
         self._stopped = False  # touched only on the collectives thread
         self._broken = False
         self._closing = threading.Event()
-        self.version = -1
-        self.tokens_generated = 0
         self.served = [0] * rank.world
         """Requests given to each rank so far."""
         self._keepalive = KeepAlive(lambda: self.collectives.submit(self._send, [EPOrder("keepalive")] * rank.world))
+
+    check = staticmethod(check)  # what `registry.check` calls before anything starts
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> EPLeader:
+        """The registry's factory (`builtin-ep`): join the world as rank 0 (blocking: waits for every rank)."""
+        check(setup)
+        if int(os.environ.get("RANK", "0")) != 0:
+            raise EngineUnavailable("the expert-parallel leader is rank 0; other ranks run ep_world.follow")
+        rank = _form_world(setup)
+        collectives = ThreadPoolExecutor(1, thread_name_prefix="ep-collectives", initializer=use_device,
+                                         initargs=(setup.device,))
+        log.info("expert-parallel rank 0 of %d: leading (%d of %d experts per rank)", rank.world,
+                 rank.engine.model.config.num_experts // rank.world, rank.engine.model.config.num_experts)
+        return cls(rank, collectives)
 
     @property
     def ep(self) -> int:
         return self.rank.world
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Queue `version` (HF names); every rank switches to it before the next step's forward."""
-        with self._lock:
-            self._pending = (state_dict, version)
-
     def step(self) -> list[Completion]:
-        with self._lock:
-            pending, self._pending = self._pending, None
+        """Give the waiting requests to the least loaded ranks, and the pending version (every rank switches
+        to it before this step's forward); one step on every rank; every rank's finished completions."""
+        pending = self._pending.take()
         checked = None
         if pending is not None:  # checked before any order carries it: a refused version changes nothing anywhere
             checked = self.rank.engine.check_version(pending[0])
@@ -240,22 +242,6 @@ class EPLeader(RequestQueue):
         # a broken world has no peer to wait for: leave at once
         self.collectives.submit(self.rank.close, 0.0 if self._broken else 10.0).result()
         self.collectives.shutdown()
-
-
-def start(setup: EngineSetup) -> EPLeader:
-    """The registry's factory (`builtin-ep`): join the world as rank 0 (blocking: waits for every rank)."""
-    check(setup)
-    if int(os.environ.get("RANK", "0")) != 0:
-        raise EngineUnavailable("the expert-parallel leader is rank 0; other ranks run ep_world.follow")
-    rank = _form_world(setup)
-    collectives = ThreadPoolExecutor(1, thread_name_prefix="ep-collectives", initializer=use_device,
-                                     initargs=(setup.device,))
-    log.info("expert-parallel rank 0 of %d: leading (%d of %d experts per rank)", rank.world,
-             rank.engine.model.config.num_experts // rank.world, rank.engine.model.config.num_experts)
-    return EPLeader(rank, collectives)
-
-
-start.check = check  # what `registry.check` calls before anything starts
 
 
 def _form_world(setup: EngineSetup) -> EPRank:

@@ -6,7 +6,8 @@ math as `CausalLM.forward`) but shaped for serving:
   the step has fixed shapes and no host synchronisation and can be captured in a CUDA graph.
 - `prefill_chunk`: a right-padded [B, T] chunk of prompts; the first chunk attends causally to
   its own keys (flash attention), later chunks of a long prompt read the cache with a mask.
-Neither computes logits: the caller applies the LM head to the rows it samples from, which at a
+Both start each layer with the model's own attention prelude (`Attention.qkv`, `rotated_qkv`), so
+a change to attention is one edit. Neither computes logits: the caller applies the LM head to the rows it samples from, which at a
 151,936-token vocabulary is most of the cost of a prefill that computed all of them.
 Quantised (FP8) projections and experts plug in as modules, as in the model.
 """
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from node.engine.attention import decode_attention
 from node.model.cache import KVCache
 from node.model.moe import MoEBlock
-from node.model.qwen3_moe import Attention, CausalLM, RMSNorm, rope, rope_tables
+from node.model.qwen3_moe import CausalLM, RMSNorm, rope, rope_tables
 from node.model.rope import inv_frequencies
 
 
@@ -36,16 +37,6 @@ def _norm(mod: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
         return rms_norm(x, mod.weight, mod.eps)
     return mod(x)
-
-
-def _qkv(attn: Attention, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """q [*shape, NH, D], k and v [*shape, NKV, D] of normed input h [..., H], q/k-normed, no rope."""
-    q = attn.q_proj(h).view(*shape, attn.n_heads, attn.head_dim)
-    k = attn.k_proj(h).view(*shape, attn.n_kv, attn.head_dim)
-    v = attn.v_proj(h).view(*shape, attn.n_kv, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-    return q, k, v
 
 
 def _mlp(layer, h: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
@@ -68,7 +59,7 @@ def decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.T
     routes: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, _norm(layer.input_layernorm, x), (b,))
+        q, k, v = attn.qkv(_norm(layer.input_layernorm, x), _norm)  # [B, NH | NKV, D]
         if FUSED and x.is_cuda:
             from node.engine.rope_kernels import rope_and_write
 
@@ -97,10 +88,7 @@ def prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, c
     routes: list[torch.Tensor] = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, _norm(layer.input_layernorm, x), (b, t))
-        q = rope(q.transpose(1, 2), cos, sin)
-        k = rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
+        q, k, v = attn.rotated_qkv(_norm(layer.input_layernorm, x), (cos, sin), _norm)
         if cache is not None:
             cache.write(i, slots, positions, k, v)
         if cache is None or read_len == 0:

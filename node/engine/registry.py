@@ -3,12 +3,11 @@
 `join --role inference --engine NAME` builds `ENGINES[NAME]`; the inference role sees only the
 `InferenceEngine` surface below, never an engine's module. Adding an engine is one entry:
 
-    "builtin-cuda": EngineEntry("node.engine.cuda:CudaEngine", claims="builtin", help="..."),
+    "builtin-cuda": EngineEntry("node.engine.cuda_engine:CudaEngine", claims="builtin", help="..."),
 
-An in-process entry (the default) names a class with the built-in `Engine`'s constructor
-(`cls(model, max_batch=, eos_id=, decode=, capture_hidden=, capture_experts=, version=)`); a
-`server` entry names a callable `factory(EngineSetup) -> InferenceEngine` that may start a process
-(vLLM) and may carry a `check(EngineSetup) -> dict` that refuses bad settings before anything starts.
+Every entry names an engine class; `build` calls its `from_setup(EngineSetup)`, the one construction
+path, which for a `server` entry may start processes (vLLM, the expert-parallel world). A server class
+may carry a `check(EngineSetup) -> dict` that refuses bad settings before anything starts.
 
 Invariant: `node`, `protocol`, `shardcast` and `verification` import nothing from `contrib`; the
 import paths here are strings, resolved by `importlib` only for the engine a node runs
@@ -17,7 +16,6 @@ import paths here are strings, resolved by `importlib` only for the engine a nod
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,12 +24,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from node.plugins import resolve
 
-log = logging.getLogger(__name__)
-
 if TYPE_CHECKING:  # the registry stays light: `join --help` lists engines without importing torch
     import torch
 
-    from node.engine.engine import Completion, Request
+    from node.engine.core import Completion, Request
 
 
 class EngineUnavailable(RuntimeError):
@@ -39,7 +35,11 @@ class EngineUnavailable(RuntimeError):
 
 
 class InferenceEngine(Protocol):
-    """What the inference role drives (the built-in `Engine`'s surface)."""
+    """What the roles drive: the built-in engines (`node.engine.core.RequestQueue`), the expert-parallel
+    world's rank 0 and vLLM all have it (tests/engine/test_engine_registry.py)."""
+
+    max_seq_len: int
+    """Longest prompt + completion the engine serves (the rollout driver bounds each turn by it)."""
 
     def add_request(self, request: Request) -> None: ...
     def has_work(self) -> bool: ...
@@ -47,6 +47,8 @@ class InferenceEngine(Protocol):
     def generate(self, requests: list[Request]) -> list[Completion]: ...
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Queue policy `version` (HF names); it takes effect between two decode steps."""
+    def close(self) -> None:
+        """Stop what the engine started (a server, the ranks of its world); idempotent."""
 
 
 @dataclass
@@ -90,17 +92,23 @@ class EngineSetup:
     min_batch: int = 1
     """Fewest sequences the engine must hold at once (one lease group): a plan below it refuses to start."""
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The built-in engines' constructor arguments (`core.EngineCore`'s and what each records), before
+        any policy version is loaded (version -1)."""
+        return dict(max_batch=self.max_batch, max_seq_len=self.max_seq_len, eos_id=self.eos_id, decode=self.decode,
+                    capture_hidden=True, capture_experts=self.capture_experts, version=-1)
+
 
 @dataclass(frozen=True)
 class EngineEntry:
     path: str
-    """"module:attribute" of the engine class (in-process) or factory (server)."""
+    """"module:Class" of the engine; `Class.from_setup(EngineSetup)` builds it."""
     claims: str
     """The engine name its submissions carry (`RolloutSubmission.engine`; the run spec must accept it)."""
     help: str
     """One line for `join --help`."""
     server: bool = False
-    """True: `path` is a factory(EngineSetup) that may start a process; False: an `Engine`-like class."""
+    """True: the engine starts processes of its own (and may `check` its settings); False: it serves in this one."""
     placed: bool = False
     """An in-process engine that takes `device=` and `fp8=` (and captures its graphs before serving)."""
     expert_parallel: bool = False
@@ -115,7 +123,7 @@ ENGINES: dict[str, EngineEntry] = {
     "builtin-cuda": EngineEntry("node.engine.cuda_engine:CudaEngine", "builtin",
                                 "the built-in engine on a CUDA device (--device cuda[:i]): CUDA graphs per batch bucket, "
                                 "GPU sampling with the validator's seeded rule, FP8 with --fp8", placed=True, fp8=True),
-    "builtin-ep": EngineEntry("node.engine.ep_world:start", "builtin",
+    "builtin-ep": EngineEntry("node.engine.ep_world:EPLeader", "builtin",
                               "the built-in engine with expert parallelism over --ep N processes of this host (one "
                               "GPU each with --device cuda, NCCL; gloo on the CPU): experts split, attention "
                               "data-parallel, all-to-all dispatch", server=True, expert_parallel=True),
@@ -167,44 +175,15 @@ def check(name: str, setup: EngineSetup) -> dict:
         if e.placed:
             return {"device": setup.device, "fp8": setup.fp8}
         return {"fp8": setup.fp8} if setup.fp8 != "off" else {}
-    checker = getattr(resolve(e.path), "check", None)
+    checker = getattr(resolve(e.path), "check", None)  # a server's own refusals
     return checker(setup) if checker else {}
 
 
-def build(name: str, setup: EngineSetup, version: int = -1) -> InferenceEngine:
-    """The engine `name`, started, with no policy loaded yet (blocking: run it in a thread)."""
-    e = entry(name)
-    cls = resolve(e.path)
-    if e.server:
-        return cls(setup)
-    if not e.placed:
-        from node.engine.fp8.model import apply_fp8_mode
-
-        if setup.fp8 != "off":
-            log.info("engine %s serves FP8 weights (%s) on the CPU through the reference GEMM (slow: small models)",
-                     name, setup.fp8)
-        return cls(apply_fp8_mode(setup.model(), setup.fp8), max_batch=setup.max_batch, eos_id=setup.eos_id,
-                   decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts, version=version)
-    fp8 = {"off": False, "experts": "experts", "all": True}[setup.fp8]
-    model = setup.model()
-    param = next(model.parameters())
-    if param.device.type == "cuda":  # slots from free memory, planned (and refused) before the cache exists
-        from node.engine.memory_plan import MAX_SLOTS, plan_on
-
-        plan = plan_on(param.device, model.config, setup.max_seq_len, param.dtype, setup.gpu_memory_share,
-                       MAX_SLOTS, setup.min_batch)
-        setup.max_batch = plan.slots
-    # served in the run's dtype (the spec's), never the engine's own default: the validator recomputes in
-    # that dtype and picks its tolerances by it, so a float32 run served in bf16 would fail honest work
-    engine = cls(model, max_batch=setup.max_batch, max_seq_len=setup.max_seq_len, eos_id=setup.eos_id,
-                 decode=setup.decode, capture_hidden=True, capture_experts=setup.capture_experts, version=version,
-                 fp8=fp8, device=setup.device, dtype=next(model.parameters()).dtype)
-    engine.capture_all()  # every batch bucket's graph before the first lease (a few seconds; FP8 ~12 s once)
-    return engine
+def build(name: str, setup: EngineSetup) -> InferenceEngine:
+    """The engine `name`, started, with no policy loaded yet (version -1; blocking: run it in a thread)."""
+    return resolve(entry(name).path).from_setup(setup)
 
 
 def close(engine: InferenceEngine) -> None:
-    """Stop what the engine started (a server); in-process engines have nothing to stop."""
-    stop = getattr(engine, "close", None)
-    if stop is not None:
-        stop()
+    """Stop what the engine started (`InferenceEngine.close`)."""
+    engine.close()

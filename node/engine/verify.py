@@ -20,6 +20,7 @@ import torch
 from node.engine.device_sampling import sample_device, sample_torch, seed_row, token_logprobs
 from node.engine.forward import prefill_chunk
 from node.engine.sampling import SamplingParams
+from node.model.batching import right_pad, token_budget_groups
 from node.model.qwen3_moe import CausalLM
 
 
@@ -46,28 +47,18 @@ def verify_prefill(model: CausalLM, sequences: list[list[int]], prompt_lens: lis
     for s, p in zip(sequences, prompt_lens):
         if not 0 < p < len(s):
             raise ValueError(f"prompt length {p} must lie inside a sequence of {len(s)} tokens")
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out: list[PrefillCheck | None] = [None] * len(sequences)
-    start = 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and (end + 1 - start) * len(sequences[order[end]]) <= batch_tokens:
-            end += 1
-        members = order[start:end]
+    for members in token_budget_groups([len(s) for s in sequences], batch_tokens):
         for i, check in zip(members, _group(model, [sequences[i] for i in members], [prompt_lens[i] for i in members],
                                             [params[i] for i in members], with_routes, lm_rows, device)):
             out[i] = check
-        start = end
     return out  # type: ignore[return-value]
 
 
 def _group(model: CausalLM, seqs: list[list[int]], plens: list[int], params: list[SamplingParams],
            with_routes: bool, lm_rows: int, device: torch.device) -> list[PrefillCheck]:
-    t = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), t, dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s)
-    ids = ids.to(device)
+    ids = right_pad(seqs).to(device)
+    t = ids.shape[1]
     hidden, routes = prefill_chunk(model, ids, torch.arange(t, device=device).expand(len(seqs), t))
     # completion rows: row j of sequence r predicts token j + 1, for j in [plen - 1, len - 1)
     rows_r = np.concatenate([np.full(len(s) - p, r) for r, (s, p) in enumerate(zip(seqs, plens))])

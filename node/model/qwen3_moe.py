@@ -8,6 +8,7 @@ applied from outside (see moe.py); the KV cache is optional and passed in by the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,16 +49,32 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def qkv(self, x: torch.Tensor, norm: Callable[[RMSNorm, torch.Tensor], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prelude before rotation: q [..., NH, D], k and v [..., NKV, D] of normed input x [..., H],
+        q and k RMS-normed per head. `norm(module, t)` stands in for the norms' own forward (the CUDA
+        engine's fused kernel); the decode step rotates q and k itself, fused with the cache write."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = (self.q_norm(q), self.k_norm(k)) if norm is None else (norm(self.q_norm, q), norm(self.k_norm, k))
+        return q, k, v
+
+    def rotated_qkv(self, x: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
+                    norm: Callable[[RMSNorm, torch.Tensor], torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole prelude, what every attention of this model (this forward, the engine's prefill,
+        ring attention) starts with: q [B, NH, T, D], k and v [B, NKV, T, D] of x [B, T, H], q and k
+        rotated by `rope_cs` (`rope_tables` of the positions)."""
+        q, k, v = self.qkv(x, norm)
+        return rope(q.transpose(1, 2), *rope_cs), rope(k.transpose(1, 2), *rope_cs), v.transpose(1, 2)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
                 cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q.transpose(1, 2), *rope_cs)
-        k = rope(k.transpose(1, 2), *rope_cs)
+        q, k, v = self.rotated_qkv(x, rope_cs)
         if cache is None:
             mask = None
         else:

@@ -77,6 +77,18 @@ def test_weight_swap_mid_generation_records_per_token_versions():
     assert not torch.allclose(lp_old[4:], torch.tensor(c.logprobs[4:]), atol=1e-3)
 
 
+def test_a_newer_pending_version_replaces_an_older_one_not_yet_applied():
+    reqs = [Request(str(i), p, SamplingParams(temperature=0.8, max_new_tokens=6, seed=i)) for i, p in enumerate(prompts(3))]
+    want = Engine(tiny(5), max_batch=4, eos_id=-1, version=2).generate(reqs)
+    engine = Engine(tiny(0), max_batch=4, eos_id=-1)
+    engine.load_weights(state_dict_to_hf(tiny(4)), version=1)
+    engine.load_weights(state_dict_to_hf(tiny(5)), version=2)  # before any step applied version 1
+    got = engine.generate(reqs)
+    assert [c.versions for c in got] == [[2] * 6] * 3
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs, w.logprobs)) <= 1e-5
+
+
 def test_stop_conditions_eos_stop_token_stop_string_and_length():
     model = tiny(4)
     base = Engine(model, max_batch=4, eos_id=-1).generate([Request("r", [3, 4], SamplingParams(max_new_tokens=8, seed=7))])[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.engine import Engine, Request, SamplingParams
+from node.engine import Engine, Request, RequestTooLong, SamplingParams
 from node.engine import registry as engines
 from node.engine.cuda_engine import CudaEngine
 from node.engine.registry import EngineSetup, EngineUnavailable
@@ -31,7 +31,7 @@ def test_builtin_cuda_engine_is_built_by_name_and_samples_as_the_builtin_one(tmp
     s = setup(tmp_path, model, device="cpu")
     assert engines.check("builtin-cuda", s) == {"device": "cpu", "fp8": "off"}
     assert engines.entry("builtin-cuda").claims == "builtin"  # the validator re-derives its sampling
-    built = engines.build("builtin-cuda", s, version=0)
+    built = engines.build("builtin-cuda", s)
     assert isinstance(built, CudaEngine)
     reqs = [Request(str(i), [3 + i, 5, 7], SamplingParams(temperature=0.9, max_new_tokens=5, seed=i)) for i in range(6)]
     ref = Engine(copy.deepcopy(model), max_batch=4, eos_id=-1).generate(reqs)
@@ -56,7 +56,7 @@ def test_builtin_cpu_engine_serves_the_runs_fp8_and_loads_new_versions_into_it(t
     model = tiny()
     s = setup(tmp_path, model, fp8="all")
     assert engines.check("builtin", s) == {"fp8": "all"}
-    built = engines.build("builtin", s, version=0)
+    built = engines.build("builtin", s)
     assert fp8_mode_of(built.model) == "all" and fp8_mode_of(model) == "off"
     reqs = [Request(str(i), [3 + i, 5, 7], SamplingParams(temperature=0.0, max_new_tokens=6)) for i in range(4)]
     before = built.generate(reqs)
@@ -76,3 +76,28 @@ def test_fp8_follows_the_run_spec_and_a_differing_flag_is_refused():
         engines.serving_fp8("off", "experts")
     with pytest.raises(engines.FP8Mismatch, match="drop --fp8"):
         engines.serving_fp8("experts", "off")
+
+
+def test_every_registered_engine_is_built_one_way_and_has_the_whole_inference_engine_surface(tmp_path):
+    import typing
+
+    from node.plugins import resolve
+
+    surface = set(typing.get_type_hints(engines.InferenceEngine)) | {
+        n for n, v in vars(engines.InferenceEngine).items() if callable(v) and not n.startswith("_")}
+    assert surface == {"max_seq_len", "add_request", "has_work", "step", "generate", "load_weights", "close"}
+    for name, e in engines.ENGINES.items():
+        cls = resolve(e.path)
+        assert callable(cls.from_setup), name  # registry.build's one construction path
+        assert all(callable(getattr(cls, m)) for m in surface - {"max_seq_len"}), name
+    model = tiny()
+    for name in ("builtin", "builtin-cuda"):
+        s = setup(tmp_path, model, device="cpu")
+        s.max_seq_len = 16  # the node's bound, not the model's 512 positions
+        built = engines.build(name, s)
+        assert built.max_seq_len == 16 and built.version == -1
+        with pytest.raises(RequestTooLong):
+            built.add_request(Request("long", list(range(16))))
+        done = built.generate([Request("r", [3, 5, 7], SamplingParams(temperature=0.0, max_new_tokens=100))])
+        assert done[0].finish_reason == "length" and len(done[0].prompt_ids) + len(done[0].token_ids) == 16
+        engines.close(built)

@@ -98,21 +98,6 @@ class FP8GroupedExperts(_QuantizedWeights):
                               capacity=cap)
 
 
-class TritonGroupedExperts(nn.Module):
-    """bf16 experts through our grouped Triton kernel: the like-for-like comparison path for FP8."""
-
-    def __init__(self, experts: GroupedExperts):
-        super().__init__()
-        self.num_experts = experts.num_experts
-        self.gate_up_proj = experts.gate_up_proj
-        self.down_proj = experts.down_proj
-
-    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gu = grouped_linear(x_sorted, counts, self.gate_up_proj.data)
-        gate, up = gu.chunk(2, dim=-1)
-        return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj.data)
-
-
 def _is_projection(name: str) -> bool:
     return ".layers." in f".{name}" and not name.endswith("mlp.gate") and not name.endswith("lm_head")
 
@@ -132,14 +117,6 @@ def quantize_model_fp8(model: nn.Module, dense: bool = True) -> nn.Module:
     for name, new in swaps:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
-    return model
-
-
-def use_triton_bf16_experts(model: nn.Module) -> nn.Module:
-    """Route bf16 experts through our grouped kernel (for comparisons); returns the model."""
-    for mod in model.modules():
-        if isinstance(mod, MoEBlock) and isinstance(mod.experts, GroupedExperts):
-            mod.experts = TritonGroupedExperts(mod.experts)
     return model
 
 

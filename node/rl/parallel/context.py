@@ -11,7 +11,8 @@ gradient is its share of the whole softmax); K/V go round the ring again with th
 accumulators, which arrive back at their owner after cp hops. Sends overlap the block compute
 (`batch_isend_irecv`). Gradients equal one process's up to float reassociation.
 
-Applied from outside: `Attention.forward` is replaced on each instance. Rotary embeddings are
+Applied from outside: `Attention.forward` is replaced on each instance; the q/k/v + RoPE prelude is the
+model's own (`Attention.rotated_qkv`), only the attention after it differs. Rotary embeddings are
 right because the model gets the global positions of the slice. GQA: K/V travel with their own
 (fewer) heads and are expanded per block.
 """
@@ -23,7 +24,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from node.model.qwen3_moe import Attention, rope
+from node.model.qwen3_moe import Attention
 
 
 def _exchange(t: torch.Tensor, group) -> tuple[torch.Tensor, list]:
@@ -139,13 +140,7 @@ def _cp_forward(self: Attention, x, positions, rope_cs, cache, slots):
     if cache is not None:
         raise ValueError("context parallelism is for training forwards; the KV cache is the engine's")
     b, t, _ = x.shape
-    q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-    k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-    v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-    if self.q_norm is not None:
-        q, k = self.q_norm(q), self.k_norm(k)
-    q = rope(q.transpose(1, 2), *rope_cs)
-    k = rope(k.transpose(1, 2), *rope_cs)
+    q, k, v = self.rotated_qkv(x, rope_cs)
     out = ring_attention(q, k, v, self.cp_group)
     return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
