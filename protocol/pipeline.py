@@ -137,7 +137,7 @@ def drop_unjudged(state: Coordinator, selector: Selector, now: float, limbo_s: f
     when validators judged a unit accepted after them or judged nothing in the last `limbo_s`."""
     newest_judged, last_verdict = state.store.judging_progress()
     idle = last_verdict is None or last_verdict < now - limbo_s
-    late = [w for w, accepted_at, probation in state.store.unjudged(accepted_before=now - limbo_s)
+    late = [w for w, _, probation, accepted_at in state.store.unjudged(accepted_before=now - limbo_s)
             if (probation or selector(w)) and (idle or (newest_judged or 0) > accepted_at)]
     if late:
         with state.store as db:
