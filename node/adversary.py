@@ -42,6 +42,15 @@ def tamper(sub: RolloutSubmission, kind: str, newest: int) -> RolloutSubmission:
     return sub.model_copy(update={"version_runs": [(max(0, other), sub.n_tokens)]})
 
 
+class BareRollout(RolloutSubmission):
+    """A bare rollout on the wire (`type` rollout_submission) that the inference role's own bookkeeping
+    can still read as a group of one (it counts `group.rollouts`)."""
+
+    @property
+    def rollouts(self) -> list[RolloutSubmission]:
+        return [self]
+
+
 def junk(group: RolloutGroup, kind: str, newest: int) -> RolloutGroup | RolloutSubmission:
     first = group.rollouts[0]
     if kind == "future":  # real versions for the first tokens, one nobody published for the last
@@ -50,7 +59,7 @@ def junk(group: RolloutGroup, kind: str, newest: int) -> RolloutGroup | RolloutS
     elif kind == "vocab":
         first = first.model_copy(update={"token_ids": [*first.token_ids[:-1], (1 << 31) - 1]})
     elif kind == "bare":
-        return first
+        return BareRollout(**first.model_dump())
     elif kind == "short":
         return RolloutGroup(work_id=group.work_id, rollouts=group.rollouts[:-1] or [first, first])
     return RolloutGroup(work_id=group.work_id, rollouts=[first, *group.rollouts[1:]])
