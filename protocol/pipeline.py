@@ -135,10 +135,13 @@ skipping: their backlog waits."""
 def drop_unjudged(state: Coordinator, selector: Selector, now: float, limbo_s: float = JUDGE_LIMBO_S) -> list[int]:
     """Drop, as `unjudged`, units accepted more than `limbo_s` ago that need a verdict and have none,
     when validators judged a unit accepted after them or judged nothing in the last `limbo_s`."""
+    old = [(w, accepted_at) for w, _, probation, accepted_at in state.store.unjudged(accepted_before=now - limbo_s)
+           if probation or selector(w)]
+    if not old:  # the usual case (0.1 ms, read through the waiting units' index); the progress query below
+        return []  # scans the verdicts: 58-113 ms at 100,000 of them (cpu-2core, load 10-20), only while one is late
     newest_judged, last_verdict = state.store.judging_progress()
     idle = last_verdict is None or last_verdict < now - limbo_s
-    late = [w for w, _, probation, accepted_at in state.store.unjudged(accepted_before=now - limbo_s)
-            if (probation or selector(w)) and (idle or (newest_judged or 0) > accepted_at)]
+    late = [w for w, accepted_at in old if idle or (newest_judged or 0) > accepted_at]
     if late:
         with state.store as db:
             db.drop(late, "unjudged")
