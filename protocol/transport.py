@@ -173,7 +173,9 @@ class PeerHost:
     async def _inbound(self, stream: Any, maddr: multiaddr.Multiaddr) -> None:
         """One accepted TCP connection, from accept to close (in place of py-libp2p's handler, see the
         module docstring): refused at once over its address's or its identity's bounds, else upgraded
-        (security, muxer) by py-libp2p and held until it closes, then its slots are given back."""
+        (security, muxer) by py-libp2p and held until it closes, then its slots are given back. TCP
+        only (no pre-multiplexed QUIC path), and py-libp2p's allow/deny gate, empty unless configured,
+        is not consulted: nothing here configures one."""
         swarm = self._host.get_network()
         remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
         address = str(remote[0]) if remote else "?"

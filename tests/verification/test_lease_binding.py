@@ -28,8 +28,8 @@ def test_rollouts_made_under_one_holders_lease_fail_when_another_identity_submit
     made_by_a = R.claims_from(R.generate(R.engine_for(model), [(t, sp) for t, sp, _ in work]),
                               [(t, sp) for t, sp, _ in work])
     assert [v.reason for v in verify_claims(made_by_a, ref)] == [Reason.OK] * len(work)  # A's own: accepted
-    as_b = [c.model_copy(update={"sampling": c.sampling.model_copy(update={"seed": sampling_seed(holder_seed(s, B), 0)})})
-            for c, (_, _, s) in zip(made_by_a, work)]
+    as_b = [c.model_copy(update={"sampling": c.sampling.model_copy(
+        update={"seed": sampling_seed(holder_seed(s, B), 0)})}) for c, (_, _, s) in zip(made_by_a, work)]
     verdicts = verify_claims(as_b, ref)
     # every rollout with at least one binding choice fails the replay (a near-tie may go either way)
     assert sum(not v.accepted for v in verdicts) >= len(work) - 1, [v.reason for v in verdicts]
