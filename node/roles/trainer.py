@@ -55,7 +55,7 @@ from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
 from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec, UnitFailure
@@ -248,7 +248,12 @@ class TrainerNode:
                         failures.append(UnitFailure(work_id=item.work_id, reason=str(exc)[:500]))
                 if not failures:
                     return units
-                await client.reject_units(step, failures)  # out of the batch for good; ask again
+                try:
+                    await client.reject_units(step, failures)  # out of the batch for good; ask again
+                except Refused as exc:  # not trained on either way: ask again, never die of it
+                    log.error("step %d: the coordinator refused the report of %d rejected units: %s", step,
+                              len(failures), exc)
+                    await asyncio.sleep(1.0)
                 continue
             await asyncio.sleep(0.05)
         return None
