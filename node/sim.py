@@ -61,7 +61,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
             vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None,
             model: dict | None = None, run: dict | None = None, placement: Placement | None = None,
-            engine: str = "builtin", fp8: str = "off", inference_ep: int = 1) -> dict:
+            engine: str = "builtin", fp8: str = "off", inference_ep: int = 1,
+            cheat_kinds: tuple[str, ...] = CHEATS) -> dict:
     """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
     the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
     `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`).
@@ -117,7 +118,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     bootstrap = wait_for(addr_file, coord, 60).splitlines()[0]
     spec = str(out / "coordinator" / "spec.json")
     cheater_names = [f"inference-{i}" for i in range(inference_nodes - cheaters, inference_nodes)]
-    kinds = list(CHEATS)
+    kinds = list(cheat_kinds)  # each cheater's kind, in turn (node/adversary.py: CHEATS, JUNK)
 
     def member(name: str, role: str, extra: list[str] = (), launcher: list[str] = ()) -> Proc:
         argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",

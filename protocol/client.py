@@ -21,9 +21,9 @@ from typing import TypeVar
 from protocol.errors import BannedPeer, NotMember, ProtocolError, Refused, TransportError, UnexpectedReply
 from protocol.identity import NodeKey
 from protocol.member import EXIT_BANNED, RunMember
-from protocol.messages import (BatchRequest, LeaseBatchRequest, LeaseGrant, LeaseGrants, Message, Ok, PublishPolicy,
+from protocol.messages import (BatchRejects, BatchRequest, LeaseBatchRequest, LeaseGrant, LeaseGrants, Message, Ok, PublishPolicy,
                                Role, RolloutGroup, RolloutSubmission, RunSpec, StoredWork, StoredWorkBatch,
-                               RunEnd, SubmissionReceipt, Verdict, VerdictBatch, VerifyRequest)
+                               RunEnd, SubmissionReceipt, UnitFailure, Verdict, VerdictBatch, VerifyRequest)
 from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,11 @@ class CoordinatorClient:
         verified work is still short)."""
         return await self._call(BatchRequest(step=step, groups=groups), StoredWorkBatch, f"batch {step}",
                                 BULK_TIMEOUT_S)
+
+    async def reject_units(self, step: int, failures: list[UnitFailure]) -> None:
+        """Trainer: these units of step `step`'s batch cannot be trained on; the coordinator takes them out
+        of the batch for good (asking again tops it up) and strikes their submitters."""
+        await self._call(BatchRejects(step=step, failures=failures), Ok, f"reject units of batch {step}")
 
     async def to_verify(self, max_items: int) -> list[StoredWork]:
         """Accepted work units that still need this validator's verdict."""

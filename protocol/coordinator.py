@@ -4,7 +4,12 @@ Invariants:
 - every work id's result is accepted at most once; an identical retry by the holder gets the same
   positive answer (idempotent), any other later submission is refused with `DuplicateSubmission`;
 - a lease past its deadline, of a member that died or left, or that can no longer yield an
-  admissible rollout, goes back to the pool and is granted again with the same task and seed;
+  admissible rollout, goes back to the pool and is granted again with the same task (and a sampling
+  seed bound to its new holder, `protocol.work.holder_seed`);
+- a unit is admitted only in the shape the run trains (`protocol.work.unit_group`) and only if every
+  token claims a version in [oldest admissible, newest published]; a unit that fails either is
+  refused (`MalformedWork`, `UnpublishedVersion`) and counted against its submitter (the service
+  strikes it, `protocol.judging.strike`);
 - a rollout enters a batch only within the off-policy bound (checked at submission and again
   at batch time, see `protocol.ledger`).
 All methods are synchronous and called from one thread (the node's asyncio loop); `now` is
@@ -21,14 +26,14 @@ from pathlib import Path
 
 from protocol.envelope import open_envelope
 from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, MalformedMessage,
-                             NotLeaseHolder, NotMember, Refused, ReplayedMessage, SpecMismatch, StaleRollout,
-                             UnknownLease)
+                             MalformedWork, NotLeaseHolder, NotMember, Refused, ReplayedMessage, SpecMismatch,
+                             StaleRollout, UnknownLease, UnpublishedVersion)
 from protocol.ledger import OffPolicyLedger
 from protocol.membership import MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutGroup, RolloutSubmission,
                                RunSpec, SubmissionReceipt)
 from protocol.store import AcceptedRollout, CoordinatorStore, Pruned
-from protocol.work import derive_work
+from protocol.work import derive_work, holder_seed, unit_group
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +170,8 @@ class Coordinator:
             else:
                 work_id, task, seed = pending
                 db.lease(work_id, peer_id, version, deadline)
-        return LeaseGrant(work_id=work_id, holder=peer_id, policy_version=version, task_index=task, seed=seed,
-                          deadline=deadline)
+        return LeaseGrant(work_id=work_id, holder=peer_id, policy_version=version, task_index=task,
+                          seed=holder_seed(seed, peer_id), deadline=deadline)
 
     # ---- submissions ---------------------------------------------------------------------------
     def submit(self, peer_id: str, sub: RolloutSubmission | RolloutGroup, envelope: bytes, now: float) -> SubmissionReceipt:
@@ -227,6 +232,11 @@ class Coordinator:
             raise NotLeaseHolder(f"work {sub.work_id} is leased to another member now")
         if sub.min_version < 0:
             raise InconsistentRollout("negative policy version")
+        group = unit_group(sub, sub.work_id, self.spec.group_size)  # raises MalformedWork
+        newest = max(v for r in group.rollouts for v, _ in r.version_runs)
+        if newest > self.ledger.current_version:
+            raise UnpublishedVersion(f"work {sub.work_id} claims policy version {newest} for some of its tokens; "
+                                     f"the newest published is {self.ledger.current_version}")
         try:
             self.ledger.check_submission(sub.min_version)
         except StaleRollout:
@@ -236,6 +246,10 @@ class Coordinator:
                 db.release([sub.work_id])
             raise
         return None
+
+    EVIDENCE = (MalformedWork, UnpublishedVersion)
+    """Refusals no honest node earns (a shape the run never asks for, a version nobody published):
+    each is counted against the submitter (`CoordinatorService` strikes it)."""
 
     def on_probation(self, peer_id: str) -> bool:
         """Whether the peer's new work must be verified (and judged valid) before it may be batched."""

@@ -16,10 +16,10 @@ import time
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import Opened
-from protocol.errors import NotAuthorized, NotMember, ProtocolError
-from protocol import pipeline
+from protocol.errors import NotAuthorized, NotMember, ProtocolError, UnknownWork
+from protocol import judging, pipeline
 from protocol.identity import NodeKey
-from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrants,
+from protocol.messages import (Ban, BatchRejects, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrants,
                                Leave, Message, Ok, PolicyAnnounce, PublishPolicy,
                                RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch, SubmissionReceipt,
                                VerdictBatch, VerifyRequest, WorkCancel, RunEnd)
@@ -57,6 +57,8 @@ class CoordinatorService:
         """What an identity may hold, by its record (None: only the per-peer cap, as before)."""
         self.judging = pipeline.JudgingPolicy()
         """How often validators are spot-checked by one another (`protocol.judging`)."""
+        self.limbo_s = pipeline.JUDGE_LIMBO_S
+        """How long a unit may wait for a verdict while validators skip it (`pipeline.drop_unjudged`)."""
         self.ended = asyncio.Event()
         """Set a grace period after the trainer reported the run's last step (the launcher then exits 0)."""
         """Callbacks (validator, verdicts) for observers such as the status page."""
@@ -76,7 +78,8 @@ class CoordinatorService:
         for message, handler in ((RolloutSubmission, self._on_submission), (RolloutGroup, self._on_submission),
                                  (LeaseBatchRequest, self._on_lease_batch), (BatchRequest, self._on_batch_request),
                                  (VerifyRequest, self._on_verify_request), (VerdictBatch, self._on_verdicts),
-                                 (PublishPolicy, self._on_publish), (RunEnd, self._on_run_end)):
+                                 (PublishPolicy, self._on_publish), (RunEnd, self._on_run_end),
+                                 (BatchRejects, self._on_batch_rejects)):
             self.net.serve(message, self._member_alive(handler))
         self.net.on_gossip(self._on_gossip)
         await self.net.start_gossip()
@@ -145,6 +148,30 @@ class CoordinatorService:
         ids = pipeline.assign_batch(self.state, o.message.step, o.message.groups, self.selector)
         return StoredWorkBatch(step=o.message.step, items=pipeline.stored(self.state, ids))
 
+    async def _on_batch_rejects(self, o: Opened) -> Ok:
+        """The trainer could not train on these units of its batch: out of the batch for good (a restarted
+        trainer never gets them again), dropped, and a strike against each submitter."""
+        self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
+        offenders: list[tuple[str, str]] = []
+        with self.state.store as db:
+            for failure in o.message.failures:
+                rec = db.accepted(failure.work_id)
+                if not rec or not db.unbatch([failure.work_id], o.message.step, "rejected_by_trainer"):
+                    if rec and rec[0].dropped == "rejected_by_trainer":
+                        continue  # a retry of a report already taken
+                    raise UnknownWork(f"work {failure.work_id} is not in the batch of step {o.message.step}")
+                log.warning("trainer rejected work %d of step %d from %s: %s", failure.work_id, o.message.step,
+                            rec[0].submitter, failure.reason)
+                offenders += judging.strike(db, rec[0].submitter, f"work {failure.work_id} rejected by the "
+                                            f"trainer: {failure.reason}")
+        await self._ban_all(offenders)
+        return Ok()
+
+    async def _ban_all(self, offenders: list[tuple[str, str]]) -> None:
+        for peer_id, reason in dict(offenders).items():
+            log.warning("banning %s: %s", peer_id, reason)
+            await self.ban(peer_id, reason)
+
     async def _on_verify_request(self, o: Opened) -> StoredWorkBatch:
         self._require_validator(o.signer)
         ids = pipeline.to_verify(self.state, o.message.max_items, self.selector, o.signer)
@@ -155,9 +182,7 @@ class CoordinatorService:
         offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time(), self.judging)
         for cb in self.on_verdicts:
             cb(o.signer, o.message.verdicts)
-        for peer_id, reason in dict(offenders).items():
-            log.warning("banning %s: %s", peer_id, reason)
-            await self.ban(peer_id, reason)
+        await self._ban_all(offenders)
         return Ok()
 
     async def _on_run_end(self, o: Opened) -> Ok:
@@ -210,6 +235,19 @@ class CoordinatorService:
             for (_, fut), result in zip(batch, results):
                 if not fut.done():
                     fut.set_exception(result) if isinstance(result, Exception) else fut.set_result(result)
+            await self._strike_junk([(o.signer, r) for (o, _), r in zip(batch, results)])
+
+    async def _strike_junk(self, results: list[tuple[str, object]]) -> None:
+        """Refusals no honest node earns (`Coordinator.EVIDENCE`) count against their submitter."""
+        junk = [(peer, r) for peer, r in results if isinstance(r, self.state.EVIDENCE)]
+        if not junk:
+            return
+        try:
+            with self.state.store as db:
+                offenders = [o for peer, r in junk for o in judging.strike(db, peer, f"{r.reason}: {r}")]
+            await self._ban_all(offenders)
+        except Exception:
+            log.exception("striking %d refused submissions failed", len(junk))
 
     # ---- gossip --------------------------------------------------------------------------------
     async def _on_gossip(self, o: Opened) -> None:
@@ -227,6 +265,7 @@ class CoordinatorService:
                 dead, released = self.state.sweep(time.time())
                 if dead or released:
                     log.info("sweep: dead %s; work back in the pool %s", dead, released)
+                pipeline.drop_unjudged(self.state, self.selector, time.time(), self.limbo_s)
             except Exception:
                 log.exception("sweep failed")
 

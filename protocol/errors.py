@@ -107,10 +107,25 @@ class InconsistentRollout(Refused):
     """A rollout whose version runs, tokens and logprobs do not line up."""
 
 
+class UnpublishedVersion(StaleRollout):
+    """A rollout claiming, for any of its tokens, a policy version that has not been published (a
+    version from the future: no honest node can hold it). Counted against the submitter."""
+
+
+class MalformedWork(Refused):
+    """A work unit of the wrong type or shape for the run: a bare submission where the run expects a
+    group, a group of another size than the spec's, or tokens no model of the run can read.
+    Counted against the submitter."""
+
+
+class UnknownWork(Refused):
+    """A report on a work unit that is not in the batch it names."""
+
+
 REFUSALS: dict[str, type[Refused]] = {
     cls.__name__: cls
     for cls in (NotMember, NotAuthorized, BannedPeer, SpecMismatch, UnknownLease, NotLeaseHolder, LeaseExpired,
-                DuplicateSubmission, StaleRollout, InconsistentRollout)
+                DuplicateSubmission, StaleRollout, InconsistentRollout, UnpublishedVersion, MalformedWork, UnknownWork)
 }
 
 

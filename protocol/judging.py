@@ -156,10 +156,15 @@ def _consequences(db: CoordinatorStore, work_id: int, submitter: str, opinions: 
         return []
     db.drop([work_id], "invalid")
     if any(o[3] == "borderline" for o in opinions):  # a near-tolerance failure to any validator is a strike
-        strikes = db.add_strike(submitter, reason)
-        log.warning("work %d from %s failed near a tolerance (strike %d of %d): %s", work_id, submitter, strikes,
-                    STRIKES_TO_BAN, reason)
-        if strikes < STRIKES_TO_BAN:
-            return []
-        return [(submitter, f"{strikes} borderline verification failures, the last on work {work_id}: {reason}")]
+        return strike(db, submitter, f"work {work_id} failed near a tolerance: {reason}")
     return [(submitter, f"work {work_id} failed verification: {reason}")]
+
+
+def strike(db: CoordinatorStore, peer_id: str, reason: str) -> list[tuple[str, str]]:
+    """Count one strike against `peer_id` (a borderline failure, or a unit refused at admission or
+    dropped by the trainer as junk); returns [(peer_id, ban reason)] once it has `STRIKES_TO_BAN`."""
+    strikes = db.add_strike(peer_id, reason[:400])
+    log.warning("strike %d of %d against %s: %s", strikes, STRIKES_TO_BAN, peer_id, reason)
+    if strikes < STRIKES_TO_BAN:
+        return []
+    return [(peer_id, f"{strikes} strikes, the last: {reason}"[:500])]

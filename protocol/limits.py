@@ -8,7 +8,10 @@ costs the server one dictionary lookup, nothing is buffered for it.
 Invariant: `sum(in flight) <= max_total_inflight` and, per key, `in flight <= max_inflight` and
 `bytes in flight <= max_bytes_inflight`, at every moment. Not thread-safe: each server uses its
 own limiter from its one event loop (trio thread for libp2p, asyncio for aiohttp).
-`ConnectionCap` bounds open TCP connections per client IP for asyncio servers.
+`ConnectionCap` bounds open TCP connections per client IP for asyncio servers; `ConnectionGuard`
+bounds a libp2p host's inbound connections (open and attempted, per peer, per address and in
+total: protocol/transport.py installs it in place of py-libp2p's inbound slots, which a closed
+connection never gave back).
 """
 
 from __future__ import annotations
@@ -156,3 +159,114 @@ class _CappedProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.inner is not None:
             self.inner.resume_writing()
+
+
+@dataclass
+class ConnectionLimits:
+    max_inbound: int = 250
+    """Inbound connections open at once, over all peers: py-libp2p 0.8.1's own inbound cap (its 300
+    connections less the 50 it keeps for dialling out), now with slots given back on close."""
+    per_peer: int = 4
+    """Inbound connections of one identity open at once (py-libp2p dials at most 3 to one peer)."""
+    per_address: int = 128
+    """Inbound connections from one IP open at once: the local simulation runs every node on
+    127.0.0.1, so this is generous; on a real network it bounds one machine's share."""
+    attempts_per_peer_per_s: float = 1.0
+    """Sustained connection attempts of one identity (after the handshake names it). An honest member
+    connects once and re-dials with a backoff (0.3 s doubling to 3 s, protocol/client.py)."""
+    attempt_burst_per_peer: float = 10.0
+    """Attempts a quiet identity may make at once (restarts, a coordinator restart)."""
+    attempts_per_address_per_s: float = 20.0
+    """Sustained connection attempts from one IP, counted before the handshake (its CPU is the cost)."""
+    attempt_burst_per_address: float = 200.0
+    """Attempts a quiet IP may make at once (a whole local simulation starting on 127.0.0.1)."""
+    max_keys: int = 100_000
+    """Peers and addresses tracked; idle ones are forgotten first when this is exceeded."""
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float
+    open: int = 0
+
+    def take(self, rate: float, burst: float, now: float) -> bool:
+        self.tokens = min(burst, self.tokens + (now - self.stamp) * rate)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class ConnectionGuard:
+    """Inbound connections of a libp2p host: each address (before the handshake) and each identity
+    (after it) gets a token bucket of attempts and a bound on connections open at once, and all of
+    them together `max_inbound`. Every True of `open_address` / `open_peer` is paired with one
+    `close_address` / `close_peer` when that connection ends, so churn never uses slots up.
+    Not thread-safe: used from the libp2p (trio) thread only."""
+
+    def __init__(self, cfg: ConnectionLimits | None = None):
+        self.cfg = cfg or ConnectionLimits()
+        self.refused: dict[str, int] = {}
+        """Refused attempts by reason: address_rate, address_open, total_open, peer_rate, peer_open."""
+        self.open_total = 0
+        self._addresses: dict[str, _Bucket] = {}
+        self._peers: dict[str, _Bucket] = {}
+
+    def open_address(self, address: str, now: float | None = None) -> bool:
+        """An inbound connection from `address` begins: count the attempt and take a slot (False: refuse it)."""
+        cfg = self.cfg
+        now = time.monotonic() if now is None else now
+        b = self._bucket(self._addresses, address, cfg.attempt_burst_per_address, now)
+        if not b.take(cfg.attempts_per_address_per_s, cfg.attempt_burst_per_address, now):
+            return self._refuse("address_rate")
+        if b.open >= cfg.per_address:
+            return self._refuse("address_open")
+        if self.open_total >= cfg.max_inbound:
+            return self._refuse("total_open")
+        b.open += 1
+        self.open_total += 1
+        return True
+
+    def close_address(self, address: str) -> None:
+        b = self._addresses.get(address)
+        if b is not None and b.open > 0:
+            b.open -= 1
+            self.open_total -= 1
+
+    def open_peer(self, peer_id: str, now: float | None = None) -> bool:
+        """The connection's handshake named `peer_id`: count the attempt and take its slot (False: close it)."""
+        cfg = self.cfg
+        now = time.monotonic() if now is None else now
+        b = self._bucket(self._peers, peer_id, cfg.attempt_burst_per_peer, now)
+        if not b.take(cfg.attempts_per_peer_per_s, cfg.attempt_burst_per_peer, now):
+            return self._refuse("peer_rate")
+        if b.open >= cfg.per_peer:
+            return self._refuse("peer_open")
+        b.open += 1
+        return True
+
+    def close_peer(self, peer_id: str) -> None:
+        b = self._peers.get(peer_id)
+        if b is not None and b.open > 0:
+            b.open -= 1
+
+    def open_of(self, peer_id: str | None = None, address: str | None = None) -> int:
+        """Connections open now of a peer, or from an address."""
+        b = self._peers.get(peer_id) if peer_id is not None else self._addresses.get(address)
+        return b.open if b else 0
+
+    def _refuse(self, reason: str) -> bool:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        return False
+
+    def _bucket(self, table: dict[str, _Bucket], key: str, burst: float, now: float) -> _Bucket:
+        b = table.get(key)
+        if b is None:
+            if len(table) >= self.cfg.max_keys:
+                idle = [k for k, v in table.items() if v.open == 0]
+                for k in idle[: max(1, len(idle) // 2)]:
+                    del table[k]
+            b = table[key] = _Bucket(burst, now)
+        return b

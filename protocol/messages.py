@@ -340,6 +340,26 @@ class BatchRequest(Message):
     """Work units wanted."""
 
 
+class UnitFailure(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    work_id: int = Field(ge=0, le=MAX_INT64)
+    """A unit of the batch the trainer cannot train on."""
+    reason: Reason
+    """What is wrong with it (type, shape, versions, tokens)."""
+
+
+class BatchRejects(Message):
+    """Trainer -> coordinator: units of step `step`'s batch that failed the trainer's checks. They are
+    taken out of the batch for good and dropped, each a strike against its submitter; asking for the
+    batch again tops it up with other units (`Ok` answers)."""
+
+    type: Literal["batch_rejects"] = "batch_rejects"
+    step: int = Field(ge=1, le=MAX_INT64)
+    """The trainer step whose batch held them."""
+    failures: list[UnitFailure] = Field(min_length=1, max_length=1024)
+    """The units and why."""
+
+
 class VerifyRequest(Message):
     """Validator: accepted work units that still need a verdict."""
 
@@ -436,7 +456,7 @@ AnyMessage = Annotated[
     Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseGrant,
           RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup,
           LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy,
-          RunEnd],
+          RunEnd, BatchRejects],
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
@@ -444,7 +464,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (RunSpec, Join, JoinAccepted, Heartbe
                                             LeaseGrant, RolloutSubmission, SubmissionReceipt,
                                             Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup, LeaseBatchRequest,
                                             LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch,
-                                            PublishPolicy, RunEnd)
+                                            PublishPolicy, RunEnd, BatchRejects)
 MAX_BODY_BYTES = max(t.max_body_bytes for t in MESSAGE_TYPES)
 
 

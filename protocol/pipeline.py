@@ -12,7 +12,10 @@ Invariants (on top of `protocol.coordinator`'s):
   unbatched), so inference nodes do not burn compute on rollouts that would only go stale, plus,
   with a `LeasePolicy`, the newcomers' budget (`newcomer_share` of it) whose leases never take room
   from identities with a record; one peer never holds more than `peer_lease_cap` (half of
-  `out_limit`) leases at once.
+  `out_limit`) leases at once;
+- a unit that needs a verdict never waits for one forever (`drop_unjudged`): once validators have
+  judged later units past it, or judged nothing for `JUDGE_LIMBO_S`, it is dropped as `unjudged`, so
+  units in limbo hold the pool's room for at most that long.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from protocol.coordinator import Coordinator
 from protocol.judging import STRIKES_TO_BAN, JudgingPolicy, record_verdicts  # noqa: F401  (the pipeline's verbs)
 from protocol.messages import LeaseGrant, StoredWork
+from protocol.work import holder_seed
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +118,36 @@ def stored(state: Coordinator, work_ids: list[int]) -> list[StoredWork]:
     for wid in work_ids:
         rec = state.store.accepted(wid)[0]
         task, seed = state.store.work_seed(wid)
-        out.append(StoredWork(work_id=wid, task_index=task, seed=seed, envelope=state.store.read_rollout(rec)))
+        out.append(StoredWork(work_id=wid, task_index=task, seed=holder_seed(seed, rec.submitter),
+                              envelope=state.store.read_rollout(rec)))
     return out
+
+
+JUDGE_LIMBO_S = 180.0
+"""How long a unit that needs a verdict may go without one while the validators skip it (they judged
+units accepted after it) or judge nothing at all. Three times the validator's own deadline for a unit
+it cannot judge (`node.roles.validator.UNJUDGEABLE_AFTER_S`), whose failing verdict, a strike against
+the submitter, normally comes first; this one strikes nobody (the coordinator cannot tell whose fault
+it was: a junk unit's, or a validator's that is down). Slow validators that judge in order are not
+skipping: their backlog waits."""
+
+
+def drop_unjudged(state: Coordinator, selector: Selector, now: float, limbo_s: float = JUDGE_LIMBO_S) -> list[int]:
+    """Drop, as `unjudged`, units accepted more than `limbo_s` ago that need a verdict and have none,
+    when validators judged a unit accepted after them or judged nothing in the last `limbo_s`."""
+    old = [(w, accepted_at) for w, _, probation, accepted_at in state.store.unjudged(accepted_before=now - limbo_s)
+           if probation or selector(w)]
+    if not old:  # the usual case (0.1 ms, read through the waiting units' index); the progress query below
+        return []  # scans the verdicts: 58-113 ms at 100,000 of them (cpu-2core, load 10-20), only while one is late
+    newest_judged, last_verdict = state.store.judging_progress()
+    idle = last_verdict is None or last_verdict < now - limbo_s
+    late = [w for w, accepted_at in old if idle or (newest_judged or 0) > accepted_at]
+    if late:
+        with state.store as db:
+            db.drop(late, "unjudged")
+        log.warning("%d units without a verdict after %.0f s while validators %s; dropped as unjudged: %s",
+                    len(late), limbo_s, "judged nothing" if idle else "judged later units", late[:16])
+    return late
 
 
 def to_verify(state: Coordinator, max_items: int, selector: Selector, validator: str | None = None) -> list[int]:
@@ -125,7 +157,7 @@ def to_verify(state: Coordinator, max_items: int, selector: Selector, validator:
     units waiting for a second opinion come first. Units that can no longer enter any batch are
     marked stale here instead (judging them is wasted work, and their policy version may already be
     gone from shardcast's retention)."""
-    rows = state.store.unjudged()
+    rows = [(w, v, probation) for w, v, probation, _ in state.store.unjudged()]
     stale = [w for w, v, _ in rows if not state.ledger.admissible(v)]
     if stale:
         with state.store as db:

@@ -308,11 +308,26 @@ class CoordinatorStore:
         return [(AcceptedRollout(r[0], r[1], r[2], r[3], r[4], r[5], self.segments.dir / r[6], *r[7:12], bool(r[12])),
                  None if r[13] is None else bool(r[13])) for r in rows]
 
-    def unjudged(self) -> list[tuple[int, int, bool]]:
-        """(work id, min version, on probation) of accepted, unbatched, undropped units without a verdict."""
-        return self._q("SELECT a.work_id, a.min_version, a.probation FROM accepted a INDEXED BY accepted_waiting "
-                       "LEFT JOIN verdicts v ON v.work_id = a.work_id "
-                       "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL ORDER BY a.work_id")
+    def unjudged(self, accepted_before: float | None = None) -> list[tuple[int, int, bool, float]]:
+        """(work id, min version, on probation, accepted at) of accepted, unbatched, undropped units
+        without a verdict (accepted before `accepted_before`, when given)."""
+        before = () if accepted_before is None else (accepted_before,)
+        return self._q("SELECT a.work_id, a.min_version, a.probation, a.accepted_at FROM accepted a "
+                       "INDEXED BY accepted_waiting LEFT JOIN verdicts v ON v.work_id = a.work_id "
+                       "WHERE v.work_id IS NULL AND a.dropped IS NULL AND a.batch_step IS NULL "
+                       + ("AND a.accepted_at < ? " if before else "") + "ORDER BY a.work_id", *before)
+
+    def judging_progress(self) -> tuple[float | None, float | None]:
+        """(acceptance time of the newest unit with a verdict, time of the last verdict), None when none."""
+        return tuple(self._q("SELECT MAX(a.accepted_at), MAX(v.at) FROM verdicts v JOIN accepted a "
+                             "ON a.work_id = v.work_id")[0])
+
+    def unbatch(self, work_ids: list[int], step: int, reason: str) -> list[int]:
+        """Take units out of step `step`'s batch and drop them (`reason`); returns those that were in it."""
+        inside = [w for w in work_ids if w in set(self.batch_of(step))]
+        self.db.executemany("UPDATE accepted SET batch_step=NULL, dropped=? WHERE work_id=? AND batch_step=?",
+                            [(reason, w, step) for w in inside])
+        return inside
 
     def drop(self, work_ids: list[int], reason: str) -> None:
         """Mark units that will never enter a batch (`stale`, `banned`, `invalid`); batched ones keep their batch."""

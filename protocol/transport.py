@@ -7,7 +7,16 @@ answer, and every inbound request or gossip message is handed to the asyncio loo
 bytes in, bytes out, peer ids as strings, and `TransportError`/`RequestTimeout` on failure.
 
 Invariants: a request always ends within its timeout; a frame over its size limit is refused
-before it is buffered; a handler's exception resets that one stream and nothing else.
+before it is buffered; a handler's exception resets that one stream and nothing else; an inbound
+connection holds a slot of `ConnectionGuard` (per address, per identity, in total) exactly while it
+is open, and attempts beyond its rates are closed at once.
+
+py-libp2p 0.8.1 caps inbound connections with a limiter whose slot each accepted connection holds
+until the whole host stops (`Swarm._do_handle_inbound_connection` waits for the swarm's end, not the
+connection's), so 250 connect/disconnect cycles of one peer left a coordinator deaf to everyone. We
+work around it here, without patching the library: the host's inbound handler is replaced by
+`_inbound`, which upgrades the connection with py-libp2p's own `upgrade_inbound_raw_conn` and
+returns, giving its slots back, when that connection closes.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import GossipSub
@@ -35,7 +45,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from protocol.errors import MessageTooLarge, RateLimited, RequestTimeout, TransportError
 from protocol.identity import NodeKey
-from protocol.limits import LimitConfig, PeerLimiter
+from protocol.limits import ConnectionGuard, ConnectionLimits, LimitConfig, PeerLimiter
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +95,13 @@ class PeerHost:
     """A libp2p peer on one TCP port; start() it inside a running asyncio loop."""
 
     def __init__(self, key: NodeKey, listen: str = "/ip4/127.0.0.1/tcp/0", gossip: GossipConfig | None = None,
-                 max_frame: int = DEFAULT_MAX_FRAME, limits: LimitConfig | None = None):
+                 max_frame: int = DEFAULT_MAX_FRAME, limits: LimitConfig | None = None,
+                 connection_limits: ConnectionLimits | None = None):
         self.key = key
         self.limits = PeerLimiter(limits or LimitConfig())
         """Per-peer bounds on inbound requests (rate, in flight, bytes in flight); used in the libp2p thread."""
+        self.connections = ConnectionGuard(connection_limits)
+        """Bounds on inbound connections (open and attempted, per address, per peer, in total); libp2p thread."""
         self.peer_id = key.peer_id
         self._listen = listen
         self._gossip_cfg = gossip or GossipConfig()
@@ -132,6 +145,8 @@ class PeerHost:
     async def _trio_main(self, ready: asyncio.Future) -> None:
         cfg = self._gossip_cfg
         self._host = new_host(key_pair=create_new_key_pair(self.key.private_bytes()))
+        # before run() starts the listeners, which call this attribute for every accepted connection
+        self._host.get_network()._handle_inbound_connection = self._inbound
         router = GossipSub([GOSSIPSUB], degree=cfg.degree, degree_low=cfg.degree_low, degree_high=cfg.degree_high,
                            heartbeat_interval=cfg.heartbeat_interval_s, eclipse_protection_enabled=cfg.ip_diversity,
                            max_messages_per_topic_per_second=cfg.max_messages_per_peer_per_s)
@@ -154,6 +169,39 @@ class PeerHost:
                 self._post(ready, result=None)
                 await self._stop.wait()
                 nursery.cancel_scope.cancel()
+
+    async def _inbound(self, stream: Any, maddr: multiaddr.Multiaddr) -> None:
+        """One accepted TCP connection, from accept to close (in place of py-libp2p's handler, see the
+        module docstring): refused at once over its address's or its identity's bounds, else upgraded
+        (security, muxer) by py-libp2p and held until it closes, then its slots are given back. TCP
+        only (no pre-multiplexed QUIC path), and py-libp2p's allow/deny gate, empty unless configured,
+        is not consulted: nothing here configures one."""
+        swarm = self._host.get_network()
+        remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
+        address = str(remote[0]) if remote else "?"
+        if not self.connections.open_address(address):
+            log.debug("inbound connection from %s refused: over its address's connection bounds", address)
+            await _close_quietly(stream)
+            return
+        try:
+            try:
+                muxed = await swarm.upgrade_inbound_raw_conn(RawConnection(stream, False), maddr)
+            except Exception as exc:  # a failed handshake, a timeout, py-libp2p's own limits
+                log.debug("inbound connection from %s not upgraded: %s: %s", address, type(exc).__name__, exc)
+                await _close_quietly(stream)
+                return
+            peer = str(muxed.peer_id)
+            conn = next((c for c in swarm.connections.get(muxed.peer_id, ()) if c.muxed_conn is muxed), muxed)
+            if not self.connections.open_peer(peer):
+                log.info("inbound connection of %s from %s closed: over its connection bounds", peer, address)
+                await _close_quietly(conn)
+                return
+            try:
+                await conn.event_closed.wait()
+            finally:
+                self.connections.close_peer(peer)
+        finally:
+            self.connections.close_address(address)
 
     # ---- crossing ----------------------------------------------------------------------------
     def _post(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -335,6 +383,14 @@ class PeerHost:
             raise
         except Exception as exc:
             raise TransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+async def _close_quietly(conn: Any) -> None:
+    with trio.move_on_after(2):
+        try:
+            await conn.close()
+        except Exception:
+            pass
 
 
 async def _read_exact(stream: Any, n: int) -> bytes:

@@ -6,11 +6,15 @@ publish version s through shardcast and have the coordinator announce it. Public
 gathering the batch for s+1 (with k >= 1 that batch may hold version s-1's rollouts); step s+1's
 optimizer step waits for it, so no version is ever published from weights that are changing.
 
-Invariants: every group trained on is re-checked here too (signature of its submitter, and
-`OffPolicyLedger.admissible(min_version, s)`; a violation is a coordinator bug and stops the
-trainer loudly); each step logs the work ids it trained on, so a simulation can prove that no
-accepted rollout was lost or used twice. After a crash the trainer resumes from its last
-checkpoint, and the step it had not finished gets the same batch again (the request is idempotent).
+Invariants: the trainer never dies on data. Every unit of a batch is re-checked here before it
+enters a step (`_open`: the signature of its submitter, the run's group shape, every token's
+version within `OffPolicyLedger.admissible(min_version, s)` and not newer than s-1, token ids
+inside the vocabulary, a sequence the model can hold, readable rollouts); a unit that fails is
+reported to the coordinator (`BatchRejects`), which takes it out of the batch for good and strikes its
+submitter, and the trainer asks for the batch again, topped up. Each step logs the work ids it
+trained on, so a simulation can prove that no accepted rollout was lost or used twice. After a crash
+the trainer resumes from its last checkpoint, and the step it had not finished gets the same batch
+again (the request is idempotent), less every unit rejected before.
 
 With `--dp/--ep/--cp` under torchrun, rank 0 is this networked trainer and the other ranks only
 compute: each step's batch goes to every rank and the step is taken by the distributed trainer
@@ -51,10 +55,11 @@ from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
-from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec
+from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec, UnitFailure
+from protocol.work import unit_group
 from node.roles.relay import other_sources
 from shardcast.publish import PublishOptions
 from shardcast.seeding import SeedOffer
@@ -78,8 +83,9 @@ def origin_server(store: Store, spec: RunSpec, host: str, port: int) -> ShardSer
     return ShardServer(store, seed=SeedOffer(copies) if copies else None)
 
 
-class OffPolicyViolation(RuntimeError):
-    """The coordinator handed the trainer a rollout outside the bound (must never happen)."""
+class UnitRejected(ProtocolError):
+    """A unit of a batch the trainer cannot train on (its type, shape, versions or tokens)."""
+
 
 
 class TrainerNode:
@@ -104,7 +110,9 @@ class TrainerNode:
         self.cfg = TrainerConfig(lr=self.recipe.lr, decay_steps=self.steps, temperature=self.recipe.temperature,
                                  updates_per_batch=self.recipe.updates_per_batch,
                                  minibatches=self.recipe.minibatches, router_replay=router_replay(spec))
-        self.routes = RouteShape.of(model_config(spec)) if self.cfg.router_replay else None
+        self._shape = model_config(spec)
+        """The run's model shape: a unit's tokens must fit its vocabulary and positions (`_open`)."""
+        self.routes = RouteShape.of(self._shape) if self.cfg.router_replay else None
         """The route shape submissions' routed experts are decoded with (None: not replayed)."""
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -238,17 +246,53 @@ class TrainerNode:
         while not stop.is_set():
             reply = await client.batch(step, want)
             if len(reply.items) >= want:
-                return [self._open(step, item) for item in reply.items[:want]]
+                units, failures = [], []
+                for item in reply.items[:want]:
+                    try:
+                        units.append(self._open(step, item))
+                    except UnitRejected as exc:
+                        log.warning("step %d: work %d rejected: %s", step, item.work_id, exc)
+                        failures.append(UnitFailure(work_id=item.work_id, reason=str(exc)[:500]))
+                if not failures:
+                    return units
+                try:
+                    await client.reject_units(step, failures)  # out of the batch for good; ask again
+                except Refused as exc:  # not trained on either way: ask again, never die of it
+                    log.error("step %d: the coordinator refused the report of %d rejected units: %s", step,
+                              len(failures), exc)
+                    await asyncio.sleep(1.0)
+                continue
             await asyncio.sleep(0.05)
         return None
 
     def _open(self, step: int, item) -> tuple[int, int, RolloutGroup]:
-        opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
-        group = opened.message
-        if not isinstance(group, RolloutGroup) or group.work_id != item.work_id:
-            raise OffPolicyViolation(f"batch item {item.work_id} is not its rollout group")
-        if not self.ledger.admissible(group.min_version, step):
-            raise OffPolicyViolation(f"work {item.work_id} (min version {group.min_version}) in batch {step}")
+        """The unit as the step will train on it, or `UnitRejected` (nothing a submitter signed gets further)."""
+        try:
+            opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
+            group = unit_group(opened.message, item.work_id, self.spec.group_size)
+        except ProtocolError as exc:
+            raise UnitRejected(f"work {item.work_id}: {type(exc).__name__}: {exc}") from None
+        newest = max(v for sub in group.rollouts for v, _ in sub.version_runs)
+        if not self.ledger.admissible(group.min_version, step) or newest > step - 1:
+            raise UnitRejected(f"work {item.work_id} (versions {group.min_version}..{newest}) in batch {step}")
+        vocab, longest = self._shape.vocab_size, self._shape.max_position_embeddings
+        try:
+            task = self.env.sample_task(item.task_index)
+            prompt = task.prompt_ids(self.tok)
+            for sub in group.rollouts:
+                if max(sub.token_ids) >= vocab:
+                    raise UnitRejected(f"work {item.work_id}: token id {max(sub.token_ids)} outside the "
+                                       f"vocabulary of {vocab}")
+                if len(prompt) + sub.n_tokens > longest:
+                    raise UnitRejected(f"work {item.work_id}: {len(prompt)} + {sub.n_tokens} tokens, the model "
+                                       f"holds {longest}")
+                Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt)))
+                if getattr(self.env, "cheap_reward", True):  # the step recomputes it (`_reward`)
+                    float(self.env.reward(task, self.tok.decode(sub.token_ids)))
+        except UnitRejected:
+            raise
+        except Exception as exc:  # whatever else a unit holds that the step could not read
+            raise UnitRejected(f"work {item.work_id}: unreadable: {type(exc).__name__}: {exc}") from None
         return item.work_id, item.task_index, group
 
     def train_batch(self, items: list[tuple[int, int, RolloutGroup]]) -> tuple[TrainBatch, torch.Tensor]:

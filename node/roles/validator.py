@@ -1,7 +1,9 @@
 """Validator role: judge accepted work units (the coordinator hands out those its selector picks,
 all of them at `verification_rate` 1.0), sign verdicts, send them back.
 
-Invariants: every unit handed out gets exactly one verdict; a group is valid only if every one of
+Invariants: every unit handed out gets exactly one verdict (one whose policy version cannot be
+fetched is offered again, and after `UNJUDGEABLE_AFTER_S` of that, while other versions were fetched,
+gets a borderline failing verdict: a strike, never a unit deferred forever); a group is valid only if every one of
 its rollouts passes `verification.validator.verify_claims` against the policy version(s) that
 produced it, each version held as its own model object (Engine/Reference loads are in place, so
 versions must not share one); nothing a submission holds can crash the validator (an unreadable
@@ -36,13 +38,20 @@ from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
-from protocol.messages import PolicyAnnounce, RolloutGroup, RunSpec, StoredWork, Verdict
-from protocol.work import sampling_seed
+from protocol.messages import PolicyAnnounce, RunSpec, StoredWork, Verdict
+from protocol.work import sampling_seed, unit_group
 from verification.checks import Severity
 from verification.claim import RolloutClaim, SamplingSpec
 from verification.validator import verify_claims
 
 log = logging.getLogger(__name__)
+
+UNJUDGEABLE_AFTER_S = 60.0
+"""How long a unit's policy version may stay unfetchable before the unit fails as unjudgeable (a
+borderline verdict: a strike against its submitter, `protocol.judging.STRIKES_TO_BAN`). Counted only
+while this validator fetched some other version meanwhile, so an origin that is down strikes nobody
+(the coordinator drops such units unstruck, `protocol.pipeline.JUDGE_LIMBO_S`). Admission already
+refuses versions nobody published; 60 s is 3 of `fetch_policy`'s tries with room for a slow relay."""
 
 
 class ValidatorNode:
@@ -61,6 +70,10 @@ class ValidatorNode:
         """Hooks told each judging round ({t0, t1, units, tokens, verify_s}: tokens recomputed, seconds spent
         recomputing them, without fetching versions); node/version_trace.py."""
         self._round_tokens, self._round_verify_s = 0, 0.0
+        self._deferred: dict[int, float] = {}
+        """Work id -> when its policy version was first found unfetchable (monotonic)."""
+        self._fetched_at = float("-inf")
+        """When a policy version was last fetched (monotonic)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
@@ -93,6 +106,7 @@ class ValidatorNode:
         if version in self.policies:
             return
         state = await fetch_policy(self.spec, self.workdir / "shardcast", version, self.hashes.get(version), tries=3)
+        self._fetched_at = time.monotonic()
         if version not in self.hashes:
             from shardcast.store import Store
             self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
@@ -113,20 +127,20 @@ class ValidatorNode:
         newest = max(self.hashes, default=-1)
         for old in [v for v in self.policies if v < newest - self.spec.max_off_policy_steps - 2]:
             del self.policies[old]
+        forget = time.monotonic() - 10 * UNJUDGEABLE_AFTER_S  # units the coordinator no longer offers
+        self._deferred = {w: t for w, t in self._deferred.items() if t > forget}
 
     async def _judge(self, items: list[StoredWork]) -> list[Verdict]:
         claims: dict[int, list[RolloutClaim]] = {}
         failed: dict[int, tuple[str, str]] = {}
         submitters: dict[int, str] = {}
         skipped: set[int] = set()
+        borderline: set[int] = set()
         for item in items:
             try:
                 opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
                 submitters[item.work_id] = opened.signer
-                group = opened.message
-                if not isinstance(group, RolloutGroup) or group.work_id != item.work_id \
-                        or len(group.rollouts) != self.spec.group_size:
-                    raise ProtocolError("not a rollout group of the run's size for this work unit")
+                group = unit_group(opened.message, item.work_id, self.spec.group_size)
                 claims[item.work_id] = [self._claim(item, j, sub) for j, sub in enumerate(group.rollouts)]
             except (ProtocolError, ValueError, KeyError) as exc:
                 failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
@@ -136,17 +150,23 @@ class ValidatorNode:
                 for v in sorted({v for c in claims[item.work_id] for v in c.versions}):
                     await self._policy(v)  # the coordinator refuses versions it has not announced
             except ProtocolError as exc:
-                # Not the submitter's fault: no verdict now (the unit is offered again, or goes stale).
-                log.warning("work %d: policy not available (%s); judged later", item.work_id, exc)
+                # Maybe not the submitter's fault: no verdict now (the unit is offered again, or goes
+                # stale), unless it stays unjudgeable while other versions could be fetched.
                 claims.pop(item.work_id, None)
-                skipped.add(item.work_id)
+                first = self._deferred.setdefault(item.work_id, time.monotonic())
+                if time.monotonic() - first < UNJUDGEABLE_AFTER_S or self._fetched_at <= first:
+                    log.warning("work %d: policy not available (%s); judged later", item.work_id, exc)
+                    skipped.add(item.work_id)
+                    continue
+                failed[item.work_id] = (submitters[item.work_id], f"unjudgeable: no policy for "
+                                        f"{time.monotonic() - first:.0f} s: {exc}"[:500])
+                borderline.add(item.work_id)
             except (ValueError, KeyError) as exc:
                 failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
         self._round_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for _, c in flat)
         self._round_verify_s = 0.0
-        borderline: set[int] = set()
         if flat:
             prompt_ids, reward = env_oracle(self.tok)
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
@@ -165,6 +185,7 @@ class ValidatorNode:
         for item in items:
             if item.work_id in skipped:
                 continue
+            self._deferred.pop(item.work_id, None)
             bad = failed.get(item.work_id)
             out.append(Verdict(work_id=item.work_id, submitter=submitters.get(item.work_id, bad[0] if bad else "?"),
                                valid=bad is None, reason="" if bad is None else bad[1],

@@ -52,3 +52,16 @@ def test_the_adversary_program_refuses_anything_but_an_inference_join(capsys):
         raise AssertionError("accepted a validator")
     except SystemExit as exc:
         assert exc.code == 2
+
+
+def test_each_junk_kind_is_the_junk_it_says():
+    from node.adversary import JUNK, junk
+    from protocol.messages import decode_message, encode_message
+
+    g = group(1)
+    assert junk(g, "future", 3).rollouts[0].token_versions == [3, 3, 3, 1003]  # real versions, then the future
+    assert junk(g, "vocab", 3).rollouts[0].token_ids[-1] == (1 << 31) - 1
+    assert decode_message(encode_message(junk(g, "bare", 3))) == g.rollouts[0]  # a bare rollout on the wire
+    assert len(junk(g, "short", 3).rollouts) == len(g.rollouts) - 1
+    out = Cheater("vocab", "peer")([group(w) for w in range(100)], newest=3)
+    assert 20 < sum(o != group(w) for w, o in enumerate(out)) < 80 and set(JUNK).isdisjoint(CHEATS)

@@ -79,10 +79,11 @@ def rollout(work_id: int) -> RolloutSubmission:
 
 @pytest.mark.slow
 def test_sigkilled_coordinator_restarts_without_losing_an_accepted_rollout(tmp_path):
-    # batch_groups: room for every lease this test takes (nothing is batched here)
+    # batch_groups: room for every lease this test takes (nothing is batched here); groups of one, so a
+    # bare rollout is a whole unit (protocol.work.unit_group)
     proc, addr = start_coordinator_process(tmp_path, "1", {"run_id": "crash-run", "max_off_policy_steps": 2,
                                                            "heartbeat_interval_s": 1.0, "lease_ttl_s": 120,
-                                                           "batch_groups": 4096})
+                                                           "batch_groups": 4096, "group_size": 1})
     spec = publish_version_zero(tmp_path, addr)
     acked: set[int] = set()
     held: list[int] = []

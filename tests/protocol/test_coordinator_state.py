@@ -12,7 +12,7 @@ from protocol.errors import (BannedPeer, DuplicateSubmission, LeaseExpired, NotL
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
 from protocol.messages import Heartbeat, Join, RolloutSubmission, RunSpec
-from protocol.work import derive_work
+from protocol.work import derive_work, holder_seed
 
 CK = NodeKey.from_seed(b"c" * 32)
 A = NodeKey.from_seed(b"a" * 32)
@@ -70,7 +70,8 @@ def test_late_submission_after_expiry_and_regrant_is_refused_with_a_reason(tmp_p
     dead, back = c.sweep(g.deadline + 1)
     assert dead == [] and back == [g.work_id]
     g2 = c.grant_lease(B.peer_id, g.deadline + 2)
-    assert (g2.work_id, g2.task_index, g2.seed) == (g.work_id, g.task_index, g.seed)  # same work, re-granted
+    assert (g2.work_id, g2.task_index) == (g.work_id, g.task_index)  # same work, re-granted,
+    assert g2.seed != g.seed  # with sampling seeds bound to the new holder (credit follows the work)
     with pytest.raises(NotLeaseHolder):
         submit(c, A, rollout(g.work_id, [(0, 3)]), g.deadline + 3)
     assert submit(c, B, rollout(g.work_id, [(0, 3)]), g.deadline + 3).accepted
@@ -141,7 +142,8 @@ def test_task_and_seed_follow_from_run_step_and_work_id(tmp_path):
     grants = [c.grant_lease(A.peer_id, 1) for _ in range(5)]
     assert [g.work_id for g in grants] == list(range(5))
     for g in grants:
-        assert (g.task_index, g.seed) == derive_work("r", 0, g.work_id, c.spec.tasks_per_step)
+        task, seed = derive_work("r", 0, g.work_id, c.spec.tasks_per_step)
+        assert (g.task_index, g.seed) == (task, holder_seed(seed, A.peer_id))
     assert len({g.seed for g in grants}) == 5
     assert derive_work("other-run", 0, 0, 1000) != derive_work("r", 0, 0, 1000)
 

@@ -46,7 +46,7 @@ def test_borderline_failures_are_strikes_and_a_proof_grade_one_bans_at_once(tmp_
         offenders = _verdict(c, w, A, False, severity="borderline")
         assert (offenders != []) == (i == pipeline.STRIKES_TO_BAN - 1)
         assert c.store.accepted(w)[0].dropped == "invalid"  # a borderline unit is never trained on either
-    assert "3 borderline" in offenders[0][1]
+    assert "3 strikes" in offenders[0][1] and "near a tolerance" in offenders[0][1]
     w = lease_and_submit(c, B, 0)
     assert [p for p, _ in _verdict(c, w, B, False, severity="proof")] == [B.peer_id]
 

@@ -31,7 +31,7 @@ def test_join_heartbeat_leave_and_death_regrants_the_dead_members_lease(tmp_path
             await eventually(lambda: members[1].key.peer_id not in coord.state.view.members, 5, "leave seen")
             await eventually(lambda: members[1].key.peer_id not in members[2].alive_peers(), 5, "leave gossiped")
             regrant = await lease_one(members[2])
-            assert regrant.work_id == grant_leaving.work_id and regrant.seed == grant_leaving.seed
+            assert regrant.work_id == grant_leaving.work_id and regrant.task_index == grant_leaving.task_index
 
             # Death: member 0 stops beating; after 3 missed beats it is ejected and its work re-granted.
             t0 = time.monotonic()
