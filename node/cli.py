@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("protocol.cli", "create an Ed25519 node key; prints the node id (libp2p PeerID)"),
     "shardcast": ("shardcast.cli", "publish, serve, relay and fetch signed policy versions"),
     "verify": ("node.validator_cli", "verify rollout claims against a checkpoint; print signed verdicts"),
-    "train-local": ("node.rl.train_local", "synchronous RL in one process (engine + trainer) on a built-in task"),
+    "train-local": ("node.train_local", "synchronous RL in one process (engine + trainer) on a built-in task"),
 }
 
 

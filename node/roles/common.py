@@ -38,8 +38,7 @@ def router_replay(spec: RunSpec) -> bool:
 
 def tiny_shape(spec: RunSpec) -> TinyMoE:
     """The tiny MoE's shape and seed from the run's recipe (used when the spec's model is tiny-moe)."""
-    r = Recipe.of(spec)
-    return TinyMoE(hidden=r.hidden, layers=r.layers, experts=r.experts, top_k=r.top_k, seed=r.seed)
+    return Recipe.of(spec).tiny_shape()
 
 
 def model_config(spec: RunSpec) -> ModelConfig:

@@ -46,7 +46,7 @@ from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
 from node.rl.parallel.publish import publish_trainer
-from node.rl.train_local import LocalRunConfig, warm_up
+from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from protocol.client import CoordinatorClient
@@ -101,9 +101,7 @@ class TrainerNode:
         self.steps = self.recipe.steps
         self.store = Store(workdir / "shardcast")
         self.ledger = OffPolicyLedger(spec.max_off_policy_steps)
-        self.cfg = TrainerConfig(lr=self.recipe.lr, decay_steps=self.steps, temperature=self.recipe.temperature,
-                                 updates_per_batch=self.recipe.updates_per_batch,
-                                 minibatches=self.recipe.minibatches, router_replay=router_replay(spec))
+        self.cfg = TrainerConfig.from_recipe(self.recipe, router_replay=router_replay(spec))
         self.routes = RouteShape.of(model_config(spec)) if self.cfg.router_replay else None
         """The route shape submissions' routed experts are decoded with (None: not replayed)."""
 
@@ -196,8 +194,7 @@ class TrainerNode:
         model = fresh_model(self.spec)
         engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=self.tok.eos_id, decode=self.tok.decode)
         warm = warm_up(model, engine, self.env, self.tok,
-                       LocalRunConfig(task=self.spec.environment, seed=self.recipe.seed,
-                                      warmup_target=self.recipe.warmup_target))
+                       WarmupConfig(target=self.recipe.warmup_target, seed=self.recipe.seed))
         log.info("warm-up done: %s", warm)
         (self.workdir / "warmup.json").write_text(json.dumps(warm))
         return Trainer(model, self.cfg)

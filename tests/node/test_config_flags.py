@@ -7,10 +7,11 @@ import argparse
 import pytest
 
 from node.cli import build_parser, main
-from node.config_flags import InvalidFlag, add_flags, config_from, flag_name
+from node.config_flags import InvalidFlag, add_flags, config_from, flag_name, flag_of
 from node.join_config import JoinConfig, LaunchConfig
+from node.train_local import LocalRunConfig, TrainLocalFlags
 
-CONFIGS = {("join",): JoinConfig, ("coordinator", "launch"): LaunchConfig}
+CONFIGS = {("join",): JoinConfig, ("coordinator", "launch"): LaunchConfig, ("train-local",): TrainLocalFlags}
 
 
 def _subparser(path: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -25,8 +26,12 @@ def _subparser(path: tuple[str, ...]) -> argparse.ArgumentParser:
 def test_every_flag_is_a_documented_field_whose_docstring_is_its_help(path):
     config, parser = CONFIGS[path], _subparser(path)
     by_dest = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
-    assert set(by_dest) == set(config.model_fields)
+    assert set(by_dest) == {n for n, f in config.model_fields.items() if flag_of(n, f).cli}
+    for name in set(config.model_fields) - set(by_dest):
+        assert name not in by_dest
     for name, field in config.model_fields.items():
+        if name not in by_dest:
+            continue
         assert field.description, f"{config.__name__}.{name} has no docstring"
         action = by_dest[name]
         assert action.option_strings == [flag_name(name, field)]
@@ -58,3 +63,20 @@ def test_a_field_no_flag_can_spell_is_refused_when_the_flags_are_made():
 
     with pytest.raises(TypeError, match="Flag\\(cli=False\\)"):
         add_flags(argparse.ArgumentParser(), Odd)
+
+
+def test_train_local_takes_the_tiny_defaults_from_the_recipe_and_a_pretrained_models_from_its_profile(tmp_path):
+    from node.recipe import DEFAULT
+    from node.run_config import RunConfig
+    from node.train_local import PRETRAINED_DEFAULTS
+
+    cfg = LocalRunConfig()
+    assert (cfg.lr, cfg.updates_per_batch, cfg.minibatches, cfg.warmup_target, cfg.steps) == \
+        (DEFAULT.lr, DEFAULT.updates_per_batch, DEFAULT.minibatches, DEFAULT.warmup_target, DEFAULT.steps)
+    assert (cfg.prompts, cfg.samples) == (RunConfig.model_fields["batch_groups"].default,
+                                          RunConfig.model_fields["group_size"].default)
+    assert cfg.tiny() == DEFAULT.tiny_shape() and cfg.trainer.decay_steps == cfg.steps
+    flags = TrainLocalFlags(out=tmp_path, model="smollm2-135m-instruct")
+    assert all(getattr(flags, name) is None for name in PRETRAINED_DEFAULTS)  # the command fills them by model
+    with pytest.raises(ValueError, match="hidden"):
+        LocalRunConfig(hidden=4)  # the tiny shape's bounds are TinyMoE's, as in a run's recipe

@@ -126,7 +126,7 @@ SEED = 3
 
 def _check_setup():
     from node.rl.parallel.launch import check_batch
-    from node.rl.train_local import tiny_moe_config
+    from node.train_local import tiny_moe_config
     from node.rl.trainer import TrainerConfig
 
     cfg = TrainerConfig(lr=1e-3, decay_steps=4)  # the schedule moves between the two steps
