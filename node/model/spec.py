@@ -14,11 +14,9 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import blake3
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.model_spec import TINY_MOE, ModelSpec
 

@@ -9,9 +9,11 @@ import pytest
 from node.cli import build_parser, main
 from node.config_flags import InvalidFlag, add_flags, config_from, flag_name, flag_of
 from node.join_config import JoinConfig, LaunchConfig
+from node.sim_config import SimConfig, SimFlags
 from node.train_local import LocalRunConfig, TrainLocalFlags
 
-CONFIGS = {("join",): JoinConfig, ("coordinator", "launch"): LaunchConfig, ("train-local",): TrainLocalFlags}
+CONFIGS = {("join",): JoinConfig, ("coordinator", "launch"): LaunchConfig, ("train-local",): TrainLocalFlags,
+           ("sim",): SimFlags}
 
 
 def _subparser(path: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -80,3 +82,17 @@ def test_train_local_takes_the_tiny_defaults_from_the_recipe_and_a_pretrained_mo
     assert all(getattr(flags, name) is None for name in PRETRAINED_DEFAULTS)  # the command fills them by model
     with pytest.raises(ValueError, match="hidden"):
         LocalRunConfig(hidden=4)  # the tiny shape's bounds are TinyMoE's, as in a run's recipe
+
+
+def test_the_sims_flags_are_run_sims_config_with_the_run_defaults_written_once():
+    from node.run_config import RunConfig
+
+    run = RunConfig.model_fields
+    cfg = SimConfig()
+    assert (cfg.batch_groups, cfg.group_size, cfg.max_off_policy_steps) == \
+        (run["batch_groups"].default, run["group_size"].default, run["max_off_policy_steps"].default)
+    assert set(SimConfig.model_fields) <= set(SimFlags.model_fields)
+    with pytest.raises(ValueError, match="inference_nodes"):
+        SimConfig(inference_nodes=0)
+    with pytest.raises(ValueError, match="fp8"):
+        SimConfig(fp8="half")
