@@ -136,10 +136,10 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
         node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8, ep=ep)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
-        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
+        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
-        node = ValidatorNode(key, spec, bootstrap, workdir)
+        node = ValidatorNode(key, spec, bootstrap, workdir, device=device)
     else:
         from node.roles.relay import RelayNode
         node = RelayNode(key, spec, bootstrap, workdir, shardcast_port, host=host)
@@ -264,9 +264,9 @@ def _join(args: argparse.Namespace) -> int:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     if cfg.role != "inference" and cfg.fp8 is not None:
         raise SystemExit("primerl-node join: --fp8 applies to --role inference only")
-    from node.roles.common import set_device
+    from node.roles.common import check_device
     try:
-        set_device(device)
+        check_device(device)
     except ValueError as exc:
         raise SystemExit(f"primerl-node join: {exc}") from None
     asyncio.run(join(cfg.role, cfg.spec, cfg.bootstrap, cfg.key, cfg.workdir, cfg.shardcast_port,

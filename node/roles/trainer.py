@@ -84,8 +84,10 @@ class OffPolicyViolation(RuntimeError):
 
 class TrainerNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
-                 parallel: dict | None = None, host: str = "127.0.0.1"):
+                 parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu"):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.device = device
+        """Where the trainer's model lives (`join --device`)."""
         self.host = host
         self.parallel = parallel or {}
         try:
@@ -120,7 +122,7 @@ class TrainerNode:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, log.info, "signal %s: waiting for rank 0's stop order", sig.name)
-            return await asyncio.to_thread(follow, self.dims, self.cfg, seed, fresh_model(self.spec))
+            return await asyncio.to_thread(follow, self.dims, self.cfg, seed, fresh_model(self.spec, self.device))
         leader = await asyncio.to_thread(Leader.connect, self.dims, self.cfg, seed)
         try:
             await self._serve(stop, leader)
@@ -191,7 +193,7 @@ class TrainerNode:
             trainer = Trainer.load(ckpt, self.cfg, run_model=model_config(self.spec))
             log.info("resumed from checkpoint at step %d", trainer.step)
             return trainer
-        model = fresh_model(self.spec)
+        model = fresh_model(self.spec, self.device)
         engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=self.tok.eos_id, decode=self.tok.decode)
         warm = warm_up(model, engine, self.env, self.tok,
                        WarmupConfig(target=self.recipe.warmup_target, seed=self.recipe.seed))
