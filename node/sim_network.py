@@ -23,7 +23,7 @@ def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
     """torchrun's arguments and the join flags for a trainer layout such as 'dp2-ep2' (None: one process)."""
     if not layout:
         return [], []
-    from node.rl.parallel.launch import parse_layout
+    from node.rl.parallel.dims import parse_layout
 
     dims = parse_layout(layout)
     return (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dims.world}"],

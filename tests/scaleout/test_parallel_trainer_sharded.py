@@ -22,7 +22,7 @@ import torch
 from node.model.checkpoint import state_dict_to_hf
 from node.model.qwen3_moe import CausalLM
 from node.rl.parallel.dims import LayoutError, ParallelDims
-from node.rl.parallel.launch import check_batch, check_model
+from benchmarks.parallel_parity import check_batch, check_model
 from node.rl.parallel.publish import publish_model
 from node.rl.parallel.trainer import minibatch_seed
 from node.rl.trainer import Trainer, TrainerConfig
@@ -112,7 +112,7 @@ def _setup():
 
 
 def world_main(argv: list[str]) -> None:
-    from node.rl.parallel.launch import parse_layout
+    from node.rl.parallel.dims import parse_layout
     from node.rl.parallel.state import global_shape, local_tensor as _local
     from node.rl.parallel.world import Leader, follow
 

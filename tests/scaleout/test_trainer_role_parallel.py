@@ -125,7 +125,7 @@ SEED = 3
 
 
 def _check_setup():
-    from node.rl.parallel.launch import check_batch
+    from benchmarks.parallel_parity import check_batch
     from node.train_local import tiny_moe_config
     from node.rl.trainer import TrainerConfig
 
@@ -140,7 +140,7 @@ def _check_setup():
 def world_main(argv: list[str]) -> None:
     """One rank of `--layout`: start from the model or `--resume` checkpoint, take step `--step`
     on its batch, then rank 0 saves the checkpoint to `--save`."""
-    from node.rl.parallel.launch import parse_layout
+    from node.rl.parallel.dims import parse_layout
     from node.rl.parallel.world import Leader, follow
 
     ap = argparse.ArgumentParser()

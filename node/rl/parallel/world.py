@@ -38,7 +38,7 @@ from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.parallel import checkpoint as dcp_checkpoint
 from node.rl.parallel.apply import init_local, materialize, parallelize
-from node.rl.parallel.control import (LeaderLost, ModelMismatch, KeepAlive, check_same,  # noqa: F401 (re-exported)
+from node.distributed.control import (LeaderLost, ModelMismatch, KeepAlive, check_same,  # noqa: F401 (re-exported)
                                       control_group, exchange)
 from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
 from node.rl.parallel.publish import PayloadBuffer, stream_publish
