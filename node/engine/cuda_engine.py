@@ -105,7 +105,7 @@ class CudaEngine(RequestQueue):
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._lock = threading.Lock()
         self.tokens_generated = 0
-        from node.engine.fp8.ops import grouped_backend
+        from node.fp8.ops import grouped_backend
 
         log.info("CudaEngine on %s: %s, graphs %s, grouped GEMM backend %s", self.device,
                  f"fp8 ({'experts' if fp8 == 'experts' else 'all projections'})" if fp8

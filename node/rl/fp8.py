@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.engine.fp8.ops import grouped_linear, quantize_activation, scaled_gemm
-from node.engine.fp8.quantize import quantize_weight
+from node.fp8.ops import grouped_linear, quantize_activation, scaled_gemm
+from node.fp8.quantize import quantize_weight
 from node.model.moe import GroupedExperts
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.engine.fp8.ops import fp8_linear, grouped_linear
-from node.engine.fp8.quantize import dequantize_weight, quantize_weight
+from node.fp8.ops import fp8_linear, grouped_linear
+from node.fp8.quantize import dequantize_weight, quantize_weight
 from node.model.moe import GroupedExperts, MoEBlock
 from protocol.model_spec import FP8_MODES, FP8Mode
 
