@@ -11,7 +11,7 @@ Tolerance against the CPU reference (`sampling.sample`) on the same logits: the 
 bit-identical (the integer hash is exact; the float64 logs may differ in the last float64 bit,
 far below the float32 rounding); log-probabilities agree within 2e-6 absolute (float32
 log-sum-exp summed in another order), and the token is the same wherever the reference's top-two
-perturbed scores differ by more than 1e-5. `tests/engine/test_device_sampling.py` pins both.
+perturbed scores differ by more than 1e-5. `tests/engine/test_cuda_engine_gpu.py` (`test_device_sampler_matches_cpu_rule`) pins both.
 Top-p rows take `sample_torch` (a sort over the vocabulary), outside the captured step.
 """
 

@@ -3,7 +3,7 @@
 `join --role inference --engine NAME` builds `ENGINES[NAME]`; the inference role sees only the
 `InferenceEngine` surface below, never an engine's module. Adding an engine is one entry:
 
-    "builtin-cuda": EngineEntry("node.engine.cuda:CudaEngine", claims="builtin", help="..."),
+    "builtin-cuda": EngineEntry("node.engine.cuda_engine:CudaEngine", claims="builtin", help="..."),
 
 An in-process entry (the default) names a class with the built-in `Engine`'s constructor
 (`cls(model, max_batch=, eos_id=, decode=, capture_hidden=, capture_experts=, version=)`); a

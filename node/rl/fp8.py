@@ -12,7 +12,7 @@ tokens per expert, so they are taken in the activations' dtype (bf16), through `
 on CUDA. Router gates, norms, embeddings and the LM head are left alone.
 
 Invariant: the gradients equal those of the high-precision layer up to FP8 rounding;
-`tests/fp8/test_train_fp8.py` bounds the difference and checks that training still learns.
+`tests/fp8/test_model_fp8.py` bounds the difference and checks that training still learns.
 """
 
 from __future__ import annotations
