@@ -75,8 +75,8 @@ def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pub, "gather_tensors", dies_after_two)
     store, done = Store(tmp_path / "s"), Future()
-    sink = dict(store=store, key=NodeKey.generate(), run_id="r", version=0, parent=None,
-                options=PublishOptions(shard_size=4096, threads=2), buffer=pub.PayloadBuffer(), done=done)
+    sink = pub.Publication(store=store, key=NodeKey.generate(), run_id="r", version=0, parent=None,
+                           options=PublishOptions(shard_size=4096, threads=2), buffer=pub.PayloadBuffer(), done=done)
     with pytest.raises(RuntimeError, match="rank lost"):
         pub.stream_publish(check_model(), None, None, sink)
     with pytest.raises(pub.PublicationAborted):
@@ -84,7 +84,7 @@ def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):
     assert store.manifest("r", 0) is None
     assert not store.payload_path("r", 0).exists() and not list(store.version_dir("r", 0).glob(".*tmp"))
     monkeypatch.setattr(pub, "gather_tensors", real)  # the same buffer then publishes a whole version
-    ok = pub.publish_model(check_model(), None, store, sink["key"], "r", 0, None, sink["options"], sink["buffer"])
+    ok = pub.publish_model(check_model(), None, store, sink.key, "r", 0, None, sink.options, sink.buffer)
     assert store.manifest("r", 0).manifest.manifest_hash() == ok.manifest.manifest_hash()
 
 
