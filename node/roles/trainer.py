@@ -210,7 +210,7 @@ class TrainerNode:
             signed = await asyncio.to_thread(  # streamed: a world's ranks never gather the model
                 publish_trainer, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
                 PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
-        await client.publish(v, signed.manifest.manifest_hash())
+        await client.announce(v, signed.manifest.manifest_hash())
         self.ledger.current_version = v
 
     async def _publish_and_log(self, client: CoordinatorClient, trainer: Trainer, row: dict, metrics) -> None:
