@@ -139,7 +139,7 @@ class TrainerNode:
             trainer = await asyncio.to_thread(self._resume_or_warm_up)
             if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
                 trainer = await asyncio.to_thread(leader.start, trainer)
-            await self._publish(client, trainer)
+            await self._send_weights(client, trainer)
             metrics = (self.workdir / "metrics.jsonl").open("a")
             while trainer.step < self.steps and not stop.is_set():
                 step = trainer.step + 1
@@ -158,7 +158,7 @@ class TrainerNode:
                 row = await asyncio.to_thread(self._train, trainer, step, items)
                 row.update(wait_s=t_wait, publish_wait_s=t_publish_wait, t_trained=time.time(),
                            tokens=sum(g.n_tokens for _, _, g in items), t_asked=t0)
-                publishing = asyncio.create_task(self._publish_and_log(client, trainer, row, metrics))
+                publishing = asyncio.create_task(self._send_weights_and_log(client, trainer, row, metrics))
                 if step % CHECKPOINT_EVERY == 0 or step == self.steps:
                     await publishing  # first: a world's ranks run one collective at a time
                     await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
@@ -201,7 +201,7 @@ class TrainerNode:
         (self.workdir / "warmup.json").write_text(json.dumps(warm))
         return Trainer(model, self.cfg)
 
-    async def _publish(self, client: CoordinatorClient, trainer: Trainer) -> None:
+    async def _send_weights(self, client: CoordinatorClient, trainer: Trainer) -> None:
         """Publish the trainer's current version through shardcast and have the coordinator announce it
         (the one publication path: a restart re-announces a version already in the store)."""
         v = trainer.step
@@ -213,11 +213,11 @@ class TrainerNode:
         await client.announce(v, signed.manifest.manifest_hash())
         self.ledger.current_version = v
 
-    async def _publish_and_log(self, client: CoordinatorClient, trainer: Trainer, row: dict, metrics) -> None:
+    async def _send_weights_and_log(self, client: CoordinatorClient, trainer: Trainer, row: dict, metrics) -> None:
         """Publish the version this step made, then write the step's metrics row (`t_asked`: batch asked
         for; `publish_s`: its publication; `step_s`: batch asked for -> published; `t`: published)."""
         t = time.time()
-        await self._publish(client, trainer)
+        await self._send_weights(client, trainer)
         now = time.time()
         row.update(publish_s=now - t, step_s=now - row["t_asked"], t=now)
         metrics.write(json.dumps(row) + "\n")

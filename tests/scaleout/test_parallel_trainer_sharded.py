@@ -156,7 +156,7 @@ def world_main(argv: list[str]) -> None:
             (args.out / "rank0.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             raise
         leader.train_step(batch)
-        signed = leader.publish(Store(args.out / "store"), NodeKey.generate(), "w", 1, None, PublishOptions(shard_size=8192))
+        signed = leader.send_weights(Store(args.out / "store"), NodeKey.generate(), "w", 1, None, PublishOptions(shard_size=8192))
         if args.save:
             leader.save(args.save)
         mine = leader.collectives.submit(lambda: holdings(leader.rank)).result()

@@ -192,8 +192,8 @@ def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: i
                     options: PublishOptions | None = None) -> SignedManifest:
     """What the trainer role calls to publish a version: a one-process `Trainer` streams its own
     weights; a `world.Leader` has every rank of its world stream theirs."""
-    if hasattr(trainer, "publish"):
-        return trainer.publish(store, key, run_id, version, parent, options)
+    if hasattr(trainer, "send_weights"):
+        return trainer.send_weights(store, key, run_id, version, parent, options)
     buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
     return publish_model(trainer.model, None, store, key, run_id, version, parent, options, buffer)
 

@@ -235,7 +235,7 @@ class Leader:
         self.step += 1
         return metrics
 
-    def publish_async(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+    def send_weights_async(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                       options: PublishOptions | None = None) -> Future:
         """Stream the weights into `store` as `version`. Returns once the world has gathered them
         (the next order, e.g. the next step, may run while rank 0 encodes); the Future gets the
@@ -266,9 +266,9 @@ class Leader:
         self.last_publish = timings
         return signed
 
-    def publish(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+    def send_weights(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                 options: PublishOptions | None = None) -> SignedManifest:
-        return self.publish_async(store, key, run_id, version, parent, options).result()
+        return self.send_weights_async(store, key, run_id, version, parent, options).result()
 
     def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
         """A distributed checkpoint: every rank writes its shards of the weights and AdamW state
