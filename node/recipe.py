@@ -42,8 +42,7 @@ class Recipe(BaseModel):
     """Sampling temperature of inference nodes; the trainer and validators use it too."""
     warmup_target: float = Field(0.25, ge=0, le=1)
     """Greedy reward the trainer's supervised warm-up reaches before version 0."""
-    seed: int = _TINY["seed"]
-    """Initialisation seed of the model (and the warm-up's tasks)."""
+    seed: int = _TINY["seed"]  # the model's initialisation seed; the warm-up's tasks derive from it too
     updates_per_batch: int = Field(2, ge=1, le=64)
     """Passes over each batch (each a trust-region-masked update)."""
     minibatches: int = Field(2, ge=1, le=4096)
