@@ -240,12 +240,12 @@ def tiny_moe_versions(args) -> list[dict]:
     from node.model.qwen3_moe import CausalLM
     from node.model.tokenizer import CharTokenizer
     from node.rl.warmup import warm_up
-    from node.train_local import LocalRunConfig, tiny_moe_config
+    from node.train_local import LocalRunConfig
 
     cfg = LocalRunConfig()
     torch.manual_seed(0)
     env, tok = get_env("reverse"), CharTokenizer()
-    model = CausalLM(tiny_moe_config(tok.vocab_size, cfg.hidden, cfg.layers, cfg.experts, cfg.top_k))
+    model = CausalLM(cfg.tiny().config(tok.vocab_size))
     engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=tok.eos_id, decode=tok.decode)
     log(f"tiny MoE: warm-up {warm_up(model, engine, env, tok, cfg.warmup())}; {args.real_steps} RL steps at lr {args.moe_lr:g}")
     return list(rl_versions(model, tok, args.moe_lr, args.real_steps, 16, 8))

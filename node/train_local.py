@@ -29,7 +29,6 @@ from node.envs import DEFAULT_TASK, get_env
 from node.envs.evaluate import evaluate
 from node.envs.rollout import run_episodes
 from node.model.checkpoint import state_dict_to_hf
-from node.model.config import ModelConfig
 from node.model.spec import TINY_MAX_SEQ, TINY_MOE, ModelSpec, TinyMoE, load_model
 from node.recipe import Recipe
 from node.rl.advantages import group_advantages
@@ -100,10 +99,6 @@ class LocalRunConfig(BaseModel):
     def warmup(self) -> WarmupConfig:
         return WarmupConfig(target=self.warmup_target, max_steps=self.warmup_max_steps, lr=self.warmup_lr,
                             seed=self.seed)
-
-
-def tiny_moe_config(vocab_size: int, hidden: int, layers: int, experts: int, top_k: int) -> ModelConfig:
-    return TinyMoE(hidden=hidden, layers=layers, experts=experts, top_k=top_k).config(vocab_size)
 
 
 def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:

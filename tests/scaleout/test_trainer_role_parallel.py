@@ -126,12 +126,12 @@ SEED = 3
 
 def _check_setup():
     from benchmarks.parallel_parity import check_batch
-    from node.train_local import tiny_moe_config
+    from node.model.tiny import TinyMoE
     from node.rl.trainer import TrainerConfig
 
     cfg = TrainerConfig(lr=1e-3, decay_steps=4)  # the schedule moves between the two steps
     torch.manual_seed(SEED)
-    model = CausalLM(tiny_moe_config(96, 32, 2, 4, 2))  # load-balancing loss on (coef 0.001)
+    model = CausalLM(TinyMoE(hidden=32, layers=2, experts=4, top_k=2).config(96))  # load-balancing loss on (coef 0.001)
     # 6 rows: minibatches of 3 are padded to 4 rows for dp=2
     batches = [check_batch(model, rows=6, length=20, seed=s) for s in (11, 12)]
     return model.eval(), cfg, batches

@@ -5,10 +5,7 @@ processes). Rank layout, outermost first: (dp // ep, ep, cp); world = dp * cp.
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
