@@ -92,11 +92,12 @@ def _argparse_kwargs(field: FieldInfo, flag: Flag) -> dict[str, Any]:
         default = field.default_factory()
     text = " ".join((field.description or "").split())
     kwargs: dict[str, Any] = {"help": text.replace("%", "%%")}
-    if flag.metavar:
-        kwargs["metavar"] = flag.metavar
+    if flag.metavar or flag.name:  # a flag spelt otherwise than its field shows its own name
+        kwargs["metavar"] = flag.metavar or flag.name.lstrip("-").upper().replace("-", "_")
     if field.is_required():
         kwargs["required"] = True
     if kind is bool:
+        kwargs.pop("metavar", None)
         kwargs["action"] = "store_false" if default is True else "store_true"
         return kwargs
     if typing.get_origin(kind) is Literal:
