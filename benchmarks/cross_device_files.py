@@ -84,13 +84,10 @@ def reference(fx: Fixture, device: str = "cpu"):
     from node.engine.fp8.model import apply_fp8_mode
     from node.model.checkpoint import load_hf_state_dict, read_weights
     from node.replay import TorchReference, env_oracle
-    from node.roles.common import blank_model, set_device, tokenizer
+    from node.roles.common import blank_model, check_device, tokenizer
 
-    set_device(device)
-    try:
-        model = blank_model(fx.spec)
-    finally:
-        set_device("cpu")  # the role's device is process-wide: leave it as found
+    check_device(device)
+    model = blank_model(fx.spec, device)
     load_hf_state_dict(model, read_weights(fx.directory))
     apply_fp8_mode(model, fx.spec.model.fp8)
     manifest = manifest_hash(fx.directory)

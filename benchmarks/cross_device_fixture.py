@@ -41,7 +41,7 @@ import torch
 from benchmarks.cross_device_files import drift, judge, read_fixture, reference, write_fixture, write_weights
 from node.envs.user import is_user_task, task_identity
 from node.model.checkpoint import read_weights
-from node.roles.common import blank_model, set_device
+from node.roles.common import blank_model, check_device
 from node.roles.inference import InferenceNode
 from node.roles.validator import ValidatorNode
 from protocol.envelope import seal
@@ -76,7 +76,7 @@ def fixture_spec(env: str, group: int) -> RunSpec:
 
 def random_weights(spec: RunSpec) -> torch.nn.Module:
     torch.manual_seed(SHAPE["seed"])
-    model = blank_model(spec)  # on the CPU: the role's device is set only after
+    model = blank_model(spec)  # on the CPU: the engine moves it to its device
     model.reset_parameters(std=WEIGHT_STD)
     return model
 
@@ -131,7 +131,7 @@ def generate(device: str, out: Path, engine: str | None = None) -> dict:
     model = random_weights(base)
     manifest = write_weights(out, model)
     state = read_weights(out)  # the HF-named tensors a fetched version hands the engine
-    set_device(device)
+    check_device(device)
     claims: list[RolloutClaim] = []
     cases: list[str] = []
     facts: dict = {}

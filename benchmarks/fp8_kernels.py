@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.fp8_common import cuda_time, log, machine_facts, write_result
-from node.engine.fp8.kernels import gemm_triton, grouped_gemm_triton, quantize_act_triton
-from node.engine.fp8.quantize import (
+from node.fp8.kernels import gemm_triton, grouped_gemm_triton, quantize_act_triton
+from node.fp8.quantize import (
     FP8_DTYPE, dequantize_act, dequantize_weight, quantize_act, quantize_weight,
 )
 

@@ -27,7 +27,7 @@ from benchmarks.fp8_common import copy_bandwidth, log, machine_facts, qwen3_30b_
 from benchmarks.fp8_engine import step_bytes, time_decode
 from node.engine import Request, SamplingParams
 from node.engine.cuda_engine import CudaEngine
-from node.engine.fp8.ops import grouped_backend
+from node.fp8.ops import grouped_backend
 from node.model.qwen3_moe import CausalLM
 
 PROMPT, NEW = 16, 64

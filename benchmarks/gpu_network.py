@@ -194,18 +194,18 @@ def engine_alone(args, model_run: dict, out: Path) -> dict:
     from node.engine import SamplingParams
     from node.engine import registry as engines
     from node.envs.rollout import run_episodes
-    from node.roles.common import blank_model, model_config, set_device, tokenizer
+    from node.roles.common import blank_model, check_device, model_config, tokenizer
     from protocol.messages import RunSpec
     from protocol.model_spec import ModelSpec
     from protocol.work import sampling_seed
 
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    set_device(device)
+    check_device(device)
     spec = RunSpec(run_id="engine-alone", coordinator="c", environment=args.task, group_size=args.group_size,
                    model=ModelSpec(**model_run["model"]) if model_run.get("model") else ModelSpec(), recipe={})
     tok, cfg = tokenizer(spec), model_config(spec)
     name = "builtin-cuda" if args.device == "cuda" else "builtin"
-    setup = engines.EngineSetup(model=lambda: blank_model(spec), hf_config=cfg.to_hf_dict(), max_batch=64 * args.group_size,
+    setup = engines.EngineSetup(model=lambda: blank_model(spec, device), hf_config=cfg.to_hf_dict(), max_batch=64 * args.group_size,
                                 max_seq_len=cfg.max_position_embeddings, eos_id=tok.eos_id, encode=tok.encode,
                                 decode=tok.decode, bos_id=tok.bos_id, capture_experts=True, workdir=out, salt="x",
                                 device=device, fp8=args.fp8, min_batch=args.group_size)
@@ -231,7 +231,7 @@ def _hf_state(spec) -> dict:
     from node.model.checkpoint import state_dict_to_hf
     from node.roles.common import fresh_model
 
-    return state_dict_to_hf(fresh_model(spec))
+    return state_dict_to_hf(fresh_model(spec, "cpu"))
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ def peak_memory_gib(device: torch.device) -> float | None:
 # ---- expert-parallel MoE layer ---------------------------------------------------------------
 def moe(args, device, dtype) -> dict:
     from node.model.moe import MoEBlock
-    from node.rl.parallel.expert import shard_experts
+    from node.distributed.experts import shard_experts
 
     cfg, n = shapes(args.tiny, 1), dist.get_world_size()
     torch.manual_seed(0)

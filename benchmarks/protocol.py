@@ -159,7 +159,7 @@ async def bench_gossip(peers: int, messages: int) -> dict:
     for v in range(messages):
         src = nets[rng.randrange(peers)]
         sent[v] = time.perf_counter()
-        await src.publish(PolicyAnnounce(version=v, manifest_hash="ab" * 32))
+        await src.gossip(PolicyAnnounce(version=v, manifest_hash="ab" * 32))
         await asyncio.sleep(0.05)
     deadline = time.monotonic() + 15
     while sum(seen.values()) < messages * (peers - 1) and time.monotonic() < deadline:

@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.verification_calibration import _harness
 from node.engine import Engine
+from protocol.model_spec import FP8_MODES
 from verification.calibration.perturb import perturb
 from verification.routing import FALSE_REJECT_RATE, HONEST_PAIR_RATE, ROUTER_TIE, evidence_needed, mismatched_pairs
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         from node.engine.fp8.model import apply_fp8_mode
 
         models = {f"fp8-{mode}-{dtype}": apply_fp8_mode(copy.deepcopy(m), mode)
-                  for dtype, m in models.items() for mode in ("experts", "all")}
+                  for dtype, m in models.items() for mode in FP8_MODES if mode != "off"}
         spread = {p: {f"threads{t}": router_logit_spread(m, t) for t in (1, 2)} for p, m in models.items()}
         log.info("router logit spread %s", spread)
     args.out = args.out or HERE / ("routing-fp8.json" if args.fp8 else "routing.json")

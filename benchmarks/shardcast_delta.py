@@ -115,7 +115,7 @@ def rl_versions(model, tok, lr: float, steps: int, prompts: int, samples: int, s
     from node.model.checkpoint import state_dict_to_hf
     from node.rl.advantages import group_advantages
     from node.rl.batch import build_batch
-    from node.rl.train_local import task_seed
+    from node.rl.warmup import task_seed
     from node.rl.trainer import Trainer, TrainerConfig
 
     env = get_env(task)
@@ -239,14 +239,15 @@ def tiny_moe_versions(args) -> list[dict]:
     from node.envs import get_env
     from node.model.qwen3_moe import CausalLM
     from node.model.tokenizer import CharTokenizer
-    from node.rl.train_local import LocalRunConfig, tiny_moe_config, warm_up
+    from node.rl.warmup import warm_up
+    from node.train_local import LocalRunConfig
 
     cfg = LocalRunConfig()
     torch.manual_seed(0)
     env, tok = get_env("reverse"), CharTokenizer()
-    model = CausalLM(tiny_moe_config(tok.vocab_size, cfg.hidden, cfg.layers, cfg.experts, cfg.top_k))
+    model = CausalLM(cfg.tiny().config(tok.vocab_size))
     engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=tok.eos_id, decode=tok.decode)
-    log(f"tiny MoE: warm-up {warm_up(model, engine, env, tok, cfg)}; {args.real_steps} RL steps at lr {args.moe_lr:g}")
+    log(f"tiny MoE: warm-up {warm_up(model, engine, env, tok, cfg.warmup())}; {args.real_steps} RL steps at lr {args.moe_lr:g}")
     return list(rl_versions(model, tok, args.moe_lr, args.real_steps, 16, 8))
 
 

@@ -160,7 +160,7 @@ async def honest_validator(client, stop: asyncio.Event) -> None:
 async def trainer(client, stop: asyncio.Event, steps: list[float], groups: int) -> None:
     from protocol.errors import ProtocolError
     step = 1
-    await client.publish(0, "00" * 32)
+    await client.announce(0, "00" * 32)
     while not stop.is_set():
         try:
             batch = await client.batch(step, groups)
@@ -169,7 +169,7 @@ async def trainer(client, stop: asyncio.Event, steps: list[float], groups: int) 
             continue
         if len(batch.items) >= groups:
             steps.append(time.monotonic())
-            await client.publish(step, f"{step:064x}")
+            await client.announce(step, f"{step:064x}")
             step += 1
         else:
             await asyncio.sleep(0.05)

@@ -2,7 +2,7 @@
 
 Times what `torchrun ... join --role trainer --dp/--ep/--cp` runs per step, through the same
 classes the role calls (`world.Leader` on rank 0 and `world.follow` on the others, the role's
-`publish_trainer` -> `Leader.publish`): batch intake (plan + scatter of each rank's share), loss,
+`publish_trainer` -> `Leader.send_weights`): batch intake (plan + scatter of each rank's share), loss,
 backward, clip, AdamW, then publication of the version into a shardcast store and its fetch by
 another process onto another GPU. Without the network: the device machine's Python has no libp2p,
 so the coordinator's batch is a synthetic `TrainBatch` and the announcement is left out.
@@ -213,7 +213,7 @@ def world_main(args) -> None:
                 if pending is not None:
                     pending.result()
                     rows_ov.append(dict(leader.last_publish))
-                pending = leader.publish_async(store, key, "ts", v, None, opts)
+                pending = leader.send_weights_async(store, key, "ts", v, None, opts)
             pending.result()
             rows_ov.append(dict(leader.last_publish))
             per = (time.perf_counter() - t) / args.iters

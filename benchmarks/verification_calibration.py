@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from protocol.model_spec import FP8_MODES
 from verification.calibration.measure import FIELDS, RolloutFigures, measure, summarize
 from verification.calibration.perturb import perturb
 from verification.checks import THRESHOLDS, Thresholds
@@ -72,7 +73,7 @@ def fp8_cases(R, seeds: list[int]) -> dict[str, list[RolloutFigures]]:
 
     cases: dict[str, list[RolloutFigures]] = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for mode in ("experts", "all"):
+        for mode in (m for m in FP8_MODES if m != "off"):
             base = R.tiny_model(dtype=dtype)
             ref = R.reference({0: apply_fp8_mode(copy.deepcopy(base), mode)})
             served = apply_fp8_mode(copy.deepcopy(base), mode)  # the engine's own copy, as a node loads it

@@ -37,6 +37,7 @@ import torch
 from node.engine import Engine
 from node.model.cache import KVCache
 from node.model.routing import RouteShape, encode_routes
+from protocol.model_spec import FP8_MODES
 from verification.calibration.measure import measure, summarize
 from verification.checks import THRESHOLDS, Severity
 from verification.validator import verify_claims
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="base dtypes to run, comma-separated")
     ap.add_argument("--sizes", default=",".join(f"{x:g}" for x in SIZES),
                     help="noise sizes (share of each tensor's std), comma-separated")
-    ap.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
+    ap.add_argument("--fp8", choices=FP8_MODES, default="off",
                     help="judge an FP8 run: engines and reference quantised this way (node/engine/fp8/model.py)")
     args = ap.parse_args(argv)
     from node.engine.fp8.model import apply_fp8_mode

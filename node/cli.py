@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("protocol.cli", "create an Ed25519 node key; prints the node id (libp2p PeerID)"),
     "shardcast": ("shardcast.cli", "publish, serve, relay and fetch signed policy versions"),
     "verify": ("node.validator_cli", "verify rollout claims against a checkpoint; print signed verdicts"),
-    "train-local": ("node.rl.train_local", "synchronous RL in one process (engine + trainer) on a built-in task"),
+    "train-local": ("node.train_local", "synchronous RL in one process (engine + trainer) on a built-in task"),
 }
 
 
@@ -96,6 +96,7 @@ def _stack_dumps_on_sigusr1() -> None:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from node.config_flags import InvalidFlag
     from node.envs import UnknownTask
     from node.envs.user import TaskMismatch
     from node.model import InvalidCheckpoint, InvalidModelConfig
@@ -107,7 +108,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from protocol.errors import ProtocolError
 
     return (UnknownTask, InvalidCheckpoint, InvalidModelConfig, ProtocolError, EngineUnavailable, InvalidRunConfig,
-            InvalidRecipe, ModelLoadError, LaunchError, TaskMismatch)
+            InvalidRecipe, ModelLoadError, LaunchError, TaskMismatch, InvalidFlag)
 
 
 if __name__ == "__main__":

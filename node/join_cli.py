@@ -137,10 +137,10 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
                              gpu_memory_share=gpu_memory_share)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
-        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host)
+        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
-        node = ValidatorNode(key, spec, bootstrap, workdir)
+        node = ValidatorNode(key, spec, bootstrap, workdir, device=device)
     else:
         from node.roles.relay import RelayNode
         node = RelayNode(key, spec, bootstrap, workdir, shardcast_port, host=host)
@@ -201,66 +201,30 @@ async def _run_role(role: str, node, key: NodeKey, stop: asyncio.Event, ep: int)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from node.config_flags import add_flags
+    from node.engine.registry import ENGINES
+    from node.join_config import JoinConfig, LaunchConfig
+
     c = sub.add_parser("coordinator", help="run a coordinator")
     csub = c.add_subparsers(dest="coordinator_command", metavar="ACTION")
     lp = csub.add_parser("launch", help="validate and sign run.toml, serve the run (bootstrap, status page, /metrics)")
-    lp.add_argument("--config", type=Path, required=True, help="run.toml (see node/run_config.py)")
-    lp.add_argument("--state", type=Path, default=Path("coordinator-state"), help="state directory (SQLite + rollouts)")
-    lp.add_argument("--key", type=Path, default=None, help="coordinator key (created if missing; default STATE/coordinator.key)")
-    lp.add_argument("--addr-file", type=Path, help="write the bootstrap multiaddr and status URL here")
-    lp.add_argument("--retain-versions", type=int, default=RETAIN_VERSIONS,
-                    help="keep finished work (trained on or dropped) of this many newest policy versions; older "
-                         "work leaves the store (its totals and reward curve stay on the status page)")
+    add_flags(lp, LaunchConfig)
     lp.set_defaults(func=_launch)
     j = sub.add_parser("join", help="join a run as inference | trainer | validator | relay")
-    j.add_argument("--role", required=True, choices=["inference", "trainer", "validator", "relay"])
-    j.add_argument("--bootstrap", required=True, help="coordinator multiaddr (/ip4/…/tcp/…/p2p/<id>)")
-    j.add_argument("--spec", type=Path, help="the run's spec.json (default: ask the bootstrap coordinator for it)")
-    j.add_argument("--key", type=Path, help="node key file (created if missing; default WORKDIR/node.key)")
-    j.add_argument("--workdir", type=Path, default=Path("node-state"), help="shards, checkpoints, metrics")
-    j.add_argument("--shardcast-port", type=int, default=8470, help="trainer/relay: HTTP port serving shards")
-    j.add_argument("--host", default="127.0.0.1",
-                   help="trainer/relay: address the shard server and libp2p listen on (0.0.0.0 to serve other "
-                        "machines; the run spec's shardcast_sources must name a reachable URL)")
-    from node.engine.registry import ENGINES
-    j.add_argument("--engine", choices=list(ENGINES), default=None,
-                   help="inference engine (default: builtin, or builtin-ep with --ep N > 1; node/engine/registry.py): "
-                        + "; ".join(f"{n}: {e.help}" for n, e in ENGINES.items()))
-    j.add_argument("--trace-versions", action="store_true",
-                   help="inference: append when each policy version was announced, fetched and queued to "
-                        "WORKDIR/versions.jsonl; inference and validator: each round's times and tokens to "
-                        "WORKDIR/rounds.jsonl (node/version_trace.py; benchmarks weight_latency and gpu_network)")
-    j.add_argument("--vllm", action="append", default=[], metavar="KEY=VALUE",
-                   help="with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, "
-                        "e.g. --vllm data_parallel=8 --vllm quantization=fp8")
-    j.add_argument("--device", default=None,
-                   help="where this role runs the run's model: cpu | cuda | cuda:I (default: cuda for --engine "
-                        "builtin-cuda, else cpu)")
-    j.add_argument("--fp8", choices=["off", "experts", "all"], default=None,
-                   help="block-scaled FP8 weights for the routed experts only, or for every projection (builtin-cuda on "
-                        "an H100/H200-class GPU; builtin on the CPU, slowly). Default: what the run spec's model.fp8 "
-                        "says; a value that differs from it is refused (validators recompute that way; docs/fp8.md)")
-    j.add_argument("--gpu-memory-share", type=float, default=0.9,
-                   help="inference on a GPU: share of the memory free after the weights that the engine's KV slots may "
-                        "take; the slots (sequences decoded at once) are sized from it and the plan printed at start "
-                        "(lower it where other roles share the GPU; node/engine/memory_plan.py)")
-    par = j.add_argument_group("parallelism (trainer: launch with torchrun, world = dp x cp; inference: --ep only)")
-    par.add_argument("--dp", type=int, default=1, help="data-parallel ranks (FSDP2)")
-    par.add_argument("--ep", type=int, default=1,
-                     help="trainer: expert-parallel ranks, taken from dp; inference: N processes of this host "
-                          "(engine builtin-ep; one GPU each with --device cuda), started by this command unless "
-                          "under torchrun --nproc-per-node N")
-    par.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    par.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="replicate instead of sharding")
-    par.add_argument("--activation-checkpointing", action="store_true",
-                     help="recompute each decoder layer's activations in the backward (long contexts, large batches)")
+    engine = add_flags(j, JoinConfig)["engine"]
+    engine.choices = list(ENGINES)
+    engine.help += ": " + "; ".join(f"{n}: {e.help}" for n, e in ENGINES.items())
     j.set_defaults(func=_join)
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from node.config_flags import config_from
+    from node.join_config import LaunchConfig
+
+    cfg = config_from(LaunchConfig, args)
     quiet_libp2p()
-    asyncio.run(launch_coordinator(args.config, args.state, args.key or args.state / "coordinator.key", args.addr_file,
-                                   args.retain_versions))
+    asyncio.run(launch_coordinator(cfg.config, cfg.state, cfg.key or cfg.state / "coordinator.key", cfg.addr_file,
+                                   cfg.retain_versions))
     return 0
 
 
@@ -277,35 +241,37 @@ def _customizer(args: argparse.Namespace):
 
 
 def _join(args: argparse.Namespace) -> int:
+    from node.config_flags import config_from
+    from node.join_config import JoinConfig
+
     quiet_libp2p()
-    args.customize = _customizer(args)
-    parallel = {"dp": args.dp, "ep": args.ep, "cp": args.cp, "fsdp": args.fsdp,
-                "activation_checkpointing": args.activation_checkpointing}
-    if args.role != "trainer" and ((args.dp, args.cp) != (1, 1) or args.activation_checkpointing):
+    customize = _customizer(args)
+    cfg = config_from(JoinConfig, args)
+    if cfg.role != "trainer" and ((cfg.dp, cfg.cp) != (1, 1) or cfg.activation_checkpointing):
         raise SystemExit("primerl-node join: --dp/--cp/--activation-checkpointing apply to --role trainer only")
-    if args.role not in ("trainer", "inference") and args.ep != 1:
+    if cfg.role not in ("trainer", "inference") and cfg.ep != 1:
         raise SystemExit("primerl-node join: --ep applies to --role trainer or inference only")
-    if args.role != "inference" and args.engine is not None:
+    if cfg.role != "inference" and cfg.engine is not None:
         raise SystemExit("primerl-node join: --engine applies to --role inference only")
-    engine = args.engine or ("builtin-ep" if args.role == "inference" and args.ep > 1 else "builtin")
-    if args.vllm and engine != "vllm":
+    engine = cfg.engine or ("builtin-ep" if cfg.role == "inference" and cfg.ep > 1 else "builtin")
+    if cfg.vllm and engine != "vllm":
         raise SystemExit("primerl-node join: --vllm applies to --engine vllm only")
-    device = args.device or ("cuda" if engine == "builtin-cuda" else "cpu")
-    ep = args.ep if args.role == "inference" else 1
+    device = cfg.device or ("cuda" if engine == "builtin-cuda" else "cpu")
+    ep = cfg.ep if cfg.role == "inference" else 1
     if ep > 1 and device.startswith("cuda"):
         if device != "cuda":
             raise SystemExit(f"primerl-node join: --ep {ep} serves on cuda:0..{ep - 1} (rank R on cuda:R; "
                              f"CUDA_VISIBLE_DEVICES picks which GPUs): pass --device cuda, not {device}")
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    if args.role != "inference" and args.fp8 is not None:
+    if cfg.role != "inference" and cfg.fp8 is not None:
         raise SystemExit("primerl-node join: --fp8 applies to --role inference only")
-    from node.roles.common import set_device
+    from node.roles.common import check_device
     try:
-        set_device(device)
+        check_device(device)
     except ValueError as exc:
         raise SystemExit(f"primerl-node join: {exc}") from None
-    asyncio.run(join(args.role, args.spec, args.bootstrap, args.key, args.workdir, args.shardcast_port,
-                     engine=engine, parallel=parallel, host=args.host, vllm=args.vllm,
-                     customize=getattr(args, "customize", None), device=device, fp8=args.fp8, ep=ep,
-                     gpu_memory_share=args.gpu_memory_share))
+    asyncio.run(join(cfg.role, cfg.spec, cfg.bootstrap, cfg.key, cfg.workdir, cfg.shardcast_port,
+                     engine=engine, parallel=cfg.parallel(), host=cfg.host, vllm=cfg.vllm,
+                     customize=customize, device=device, fp8=cfg.fp8, ep=ep,
+                     gpu_memory_share=cfg.gpu_memory_share))
     return 0

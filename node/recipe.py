@@ -7,7 +7,7 @@ it back with `Recipe.of(spec)`. Unknown keys and values out of bounds are refuse
 `coordinator launch` (a misspelt `lrr = 1e-3` is an error there, not a silent default), and by a
 node whose recipe does not know a key the coordinator's does (an older node).
 
-Defaults are the train-local recipe (node/rl/train_local.py) that reaches ~0.88 reward on reverse in
+Defaults are the train-local recipe (node/train_local.py) that reaches ~0.88 reward on reverse in
 ~500 steps.
 """
 
@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from node.model.tiny import TinyMoE
 from protocol.messages import RunSpec
+
+_TINY = TinyMoE.model_fields
+"""The tiny MoE's shape fields: default, bounds and docstring live on `TinyMoE` (node/model/tiny.py)."""
 
 
 class InvalidRecipe(ValueError):
@@ -25,15 +29,11 @@ class InvalidRecipe(ValueError):
 class Recipe(BaseModel):
     """What the trainer and inference nodes follow (unknown keys are refused)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    hidden: int = Field(64, ge=4, le=65_536)
-    """Model width of the tiny MoE (head_dim = hidden / 4; vLLM's CPU attention needs >= 128)."""
-    layers: int = Field(2, ge=1, le=256)
-    """Decoder layers."""
-    experts: int = Field(4, ge=1, le=256)
-    """Routed experts per MoE layer."""
-    top_k: int = Field(2, ge=1, le=256)
-    """Experts each token is routed to."""
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    hidden: int = _TINY["hidden"]
+    layers: int = _TINY["layers"]
+    experts: int = _TINY["experts"]
+    top_k: int = _TINY["top_k"]
     lr: float = Field(1e-3, gt=0, le=1.0)
     """AdamW learning rate (cosine-decayed over `steps`)."""
     steps: int = Field(500, ge=1, le=10_000_000)
@@ -42,8 +42,7 @@ class Recipe(BaseModel):
     """Sampling temperature of inference nodes; the trainer and validators use it too."""
     warmup_target: float = Field(0.25, ge=0, le=1)
     """Greedy reward the trainer's supervised warm-up reaches before version 0."""
-    seed: int = Field(0, ge=0, lt=1 << 63)
-    """Initialisation seed of the model (and the warm-up's tasks)."""
+    seed: int = _TINY["seed"]  # the model's initialisation seed; the warm-up's tasks derive from it too
     updates_per_batch: int = Field(2, ge=1, le=64)
     """Passes over each batch (each a trust-region-masked update)."""
     minibatches: int = Field(2, ge=1, le=4096)
@@ -65,6 +64,10 @@ class Recipe(BaseModel):
         if isinstance(value, str):  # "1", "true", "yes", "on" (as the dict recipe read them)
             return value.strip().lower() in ("1", "true", "yes", "on")
         return value
+
+    def tiny_shape(self) -> TinyMoE:
+        """The tiny MoE this recipe shapes and seeds (used when the run's model is tiny-moe)."""
+        return TinyMoE(**{k: getattr(self, k) for k in TinyMoE.model_fields})
 
     @classmethod
     def parse(cls, values: dict) -> "Recipe":

@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from node.envs import get_env
+from node.envs import DEFAULT_TASK, get_env
 from node.recipe import Recipe
 from protocol.messages import RunSpec
 from protocol.model_spec import ModelSpec
@@ -45,10 +45,10 @@ class InvalidRunConfig(ValueError):
 class RunConfig(BaseModel):
     """A run as its operator describes it (unknown keys are refused)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     """Names the run."""
-    task: str = "reverse"
+    task: str = DEFAULT_TASK
     """Environment: built-in reverse | addition | calculator | coding | reverse-text | arithmetic, a native
     `Environment` from your own module as `<python.module>:<attr>` (pinned in the spec by its source hash:
     node/envs/user.py), or a `verifiers` one as `verifiers:<id>` / `verifiers:<python.module>:<attr>`

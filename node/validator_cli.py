@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from protocol.model_spec import FP8_MODES
+
 log = logging.getLogger(__name__)
 
 
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engines", type=_engines, default=("builtin",),
                    help="engines whose rollouts the run accepts, comma-separated (its spec's `engines`; "
                         "default builtin): a claim naming another is rejected (engine_not_allowed)")
-    p.add_argument("--fp8", choices=["off", "experts", "all"], default="off",
+    p.add_argument("--fp8", choices=FP8_MODES, default="off",
                    help="the run's serving precision (its spec's model.fp8): recompute with the same block-scaled "
                         "e4m3 weights and judge with that precision's thresholds (docs/fp8.md)")
     p.set_defaults(func=run)

@@ -152,9 +152,9 @@ class CoordinatorClient:
         """Report verdicts (a failing one bans its submitter)."""
         await self._call(VerdictBatch(verdicts=verdicts), Ok, "verdicts", BULK_TIMEOUT_S)
 
-    async def publish(self, version: int, manifest_hash: str) -> None:
+    async def announce(self, version: int, manifest_hash: str) -> None:
         """Have the coordinator announce policy `version` (idempotent: a retry re-announces)."""
-        await self._call(PublishPolicy(version=version, manifest_hash=manifest_hash), Ok, f"publish v{version}")
+        await self._call(PublishPolicy(version=version, manifest_hash=manifest_hash), Ok, f"announce v{version}")
 
     async def end_run(self, step: int) -> None:
         """Trainer: the last step is done; the coordinator announces the end to every member."""

@@ -193,7 +193,7 @@ class CoordinatorService:
             with self.state.store as db:
                 db.set_meta("ended_at_step", str(o.message.step))
             log.info("run ended at trainer step %d; announcing it", o.message.step)
-            await self.publish(RunEnd(step=o.message.step))
+            await self.gossip(RunEnd(step=o.message.step))
 
             async def close_after_grace() -> None:
                 await asyncio.sleep(self.spec.heartbeat_interval_s * self.spec.dead_after_missed)
@@ -208,7 +208,7 @@ class CoordinatorService:
             stale = await self.announce_policy(msg.version, msg.manifest_hash)
             log.info("policy version %d announced (%d stale leases cancelled)", msg.version, len(stale))
         else:  # a retry after a lost reply, or a restarted trainer: re-announce so nobody misses it
-            await self.publish(PolicyAnnounce(version=msg.version, manifest_hash=msg.manifest_hash))
+            await self.gossip(PolicyAnnounce(version=msg.version, manifest_hash=msg.manifest_hash))
         return Ok()
 
     async def _on_submission(self, o: Opened) -> SubmissionReceipt:
@@ -273,10 +273,10 @@ class CoordinatorService:
         while True:
             self._seq += 1
             try:
-                await self.net.publish(Heartbeat(seq=self._seq, role="coordinator", addrs=self.host.addrs[:16]))
+                await self.net.gossip(Heartbeat(seq=self._seq, role="coordinator", addrs=self.host.addrs[:16]))
                 ended = self.state.store.get_meta("ended_at_step")
                 if ended is not None:  # late joiners and members that missed it hear it too
-                    await self.net.publish(RunEnd(step=int(ended)))
+                    await self.net.gossip(RunEnd(step=int(ended)))
             except ProtocolError as exc:
                 log.warning("coordinator heartbeat not sent: %s", exc)
             await asyncio.sleep(self.spec.heartbeat_interval_s)
@@ -285,14 +285,14 @@ class CoordinatorService:
     async def announce_policy(self, version: int, manifest_hash: str) -> list[int]:
         """Record and gossip a new policy version; cancel (and gossip) leases now too stale."""
         stale = self.state.advance_policy(version, manifest_hash, time.time())
-        await self.publish(PolicyAnnounce(version=version, manifest_hash=manifest_hash))
+        await self.gossip(PolicyAnnounce(version=version, manifest_hash=manifest_hash))
         if stale:
-            await self.publish(WorkCancel(work_ids=stale, policy_version=version))
+            await self.gossip(WorkCancel(work_ids=stale, policy_version=version))
         return stale
 
     async def ban(self, peer_id: str, reason: str, until: float | None = None) -> None:
         self.state.ban(peer_id, reason, time.time(), until)
-        await self.publish(Ban(peer_id=peer_id, reason=reason, until=until))
+        await self.gossip(Ban(peer_id=peer_id, reason=reason, until=until))
 
-    async def publish(self, message: Message) -> None:
-        await self.net.publish(message)
+    async def gossip(self, message: Message) -> None:
+        await self.net.gossip(message)

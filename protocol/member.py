@@ -85,7 +85,7 @@ class RunMember:
         """Graceful leave: the coordinator returns our leases to the pool at once."""
         await self._stop_tasks()
         try:
-            await self.net.publish(Leave(reason=reason))
+            await self.net.gossip(Leave(reason=reason))
         except ProtocolError as exc:
             log.warning("leave not announced: %s", exc)
         await self.net.close()
@@ -111,7 +111,7 @@ class RunMember:
         while True:
             self._seq += 1
             try:
-                await self.net.publish(Heartbeat(seq=self._seq, role=self.role, addrs=self._addrs()))
+                await self.net.gossip(Heartbeat(seq=self._seq, role=self.role, addrs=self._addrs()))
             except ProtocolError as exc:
                 log.warning("heartbeat not sent: %s", exc)
             dead = self.view.sweep(time.time())

@@ -4,12 +4,13 @@ says what the spec carries (protocol imports no ML code)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 TINY_MOE = "tiny-moe"
-FP8_MODES = ("off", "experts", "all")
+FP8Mode = Literal["off", "experts", "all"]
+FP8_MODES: tuple[str, ...] = get_args(FP8Mode)
 """How inference nodes serve the run's weights: `experts` quantises the routed experts to block-scaled
 e4m3, `all` every decoder projection too (node/engine/fp8/model.py); the validator recomputes the same way."""
 
@@ -32,7 +33,7 @@ class ModelSpec(BaseModel):
     max_seq_len: int = Field(512, ge=8, le=1 << 20)
     """Longest prompt + completion any role runs: sizes engine KV caches and the validator's prefill
     (not the model's own limit, which can be far larger)."""
-    fp8: Literal["off", "experts", "all"] = "off"
+    fp8: FP8Mode = "off"
     """Serving precision of inference nodes (docs/fp8.md): `off` serves `dtype`; `experts` or `all` serves
     block-scaled e4m3 weights (DeepSeek-V3 layout) for the routed experts or every decoder projection, on
     top of `dtype`. Validators recompute with the same quantisation and judge with that precision's

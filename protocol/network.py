@@ -134,7 +134,8 @@ class RunNetwork:
     def on_gossip(self, handler: GossipHandler) -> None:
         self._gossip_handlers.append(handler)
 
-    async def publish(self, message: Message) -> None:
+    async def gossip(self, message: Message) -> None:
+        """Sign `message` and gossip it to every member on the run's topic."""
         await self.host.publish(self.topic, self.seal(message))
 
     def _gossip_valid(self, data: bytes) -> bool:

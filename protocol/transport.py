@@ -38,7 +38,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
@@ -310,9 +310,6 @@ class PeerHost:
     async def publish(self, topic: str, data: bytes) -> None:
         await self._wrap(self._on_trio(self._pubsub.publish, topic, data), f"publish {topic}")
 
-    async def topic_peers(self, topic: str) -> list[str]:
-        return [str(p) for p in self._pubsub.peer_topics.get(topic, ())] if self._pubsub else []
-
     # ---- request / response -------------------------------------------------------------------
     def serve(self, protocol: str, handler: Handler, max_request: int | None = None) -> None:
         """Answer requests on `protocol` with `handler` (an asyncio coroutine function)."""
@@ -426,7 +423,3 @@ def _safe(validator: Callable[[bytes], bool], data: bytes) -> bool:
         return bool(validator(bytes(data)))
     except Exception:
         return False
-
-
-def peer_info(addr: str) -> PeerInfo:
-    return info_from_p2p_addr(multiaddr.Multiaddr(addr))

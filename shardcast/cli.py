@@ -18,6 +18,8 @@ import logging
 import sys
 from pathlib import Path
 
+from shardcast import DEFAULT_PORT
+
 log = logging.getLogger(__name__)
 
 
@@ -76,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, help="store directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8470, help="port (0: any free port; printed on start)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: any free port; printed on start)")
     p.add_argument("--max-concurrent", type=int, default=16, help="shard bodies sent at once; more get 503")
     p.add_argument("--uplink-mibps", type=float, default=None, help="pace all shard bodies to this many MiB/s (emulate a thin uplink)")
     p.add_argument("--super-seed", action="store_true", help="origin: hand each shard out --seed-copies times, then let peers spread it")

@@ -24,6 +24,20 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 
+NODE_LAYERS: dict[str, set[str]] = {
+    "model": set(),                                   # the bottom: the one model definition, plain modules
+    "fp8": set(),                                     # block-scaled FP8 ops, for serving and training alike
+    "distributed": {"model"},                         # a world of ranks: joining, order channel, EP all-to-alls
+    "engine": {"model", "fp8", "distributed", "plugins"},  # inference: never rl, never a role
+    "envs": {"model", "engine", "plugins"},           # tasks, and the rollout driver that runs them on an engine
+    "rl": {"model", "fp8", "distributed", "envs", "recipe"},  # training: never engine, never a role
+    "roles": {"model", "fp8", "distributed", "engine", "envs", "rl", "recipe", "replay", "stop_signals", "plugins"},
+}
+"""Inside `node`: which other parts of node each subpackage may import (docs/architecture.md). Model at
+the bottom, engine and rl above it (each blind to the other: what both need is in fp8 and distributed),
+roles above those; no subpackage imports a command (sim, train_local, join_cli, cli, ...)."""
+
+
 def imports_of(path: Path) -> list[tuple[int, str]]:
     """(line, top-level package) of every absolute import in the module."""
     out = []
@@ -49,10 +63,34 @@ def test_each_package_imports_only_what_it_may(package):
     assert violations(package) == []
 
 
+def node_imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, part of node) of every `node.X` import in the module, `X` a subpackage or a top-level module."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+            [n.module] if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module else []
+        out += [(n.lineno, name.split(".")[1]) for name in names if name.startswith("node.")]
+    return out
+
+
+@pytest.mark.parametrize("layer", NODE_LAYERS)
+def test_each_part_of_node_imports_only_the_layers_it_may(layer):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports node.{part}"
+           for path in sorted((ROOT / "node" / layer).rglob("*.py"))
+           for line, part in node_imports_of(path) if part != layer and part not in NODE_LAYERS[layer]]
+    assert bad == []
+
+
+def test_every_subpackage_of_node_has_its_layer_rule():
+    subpackages = {p.parent.name for p in (ROOT / "node").glob("*/*.py")}
+    assert subpackages == set(NODE_LAYERS)
+
+
 def test_the_checker_sees_lazy_imports_inside_functions(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from contrib.vllm import make_engine\n    import node.engine\n")
     assert imports_of(module) == [(2, "contrib"), (3, "node")]
+    assert node_imports_of(module) == [(3, "engine")]
 
 
 def test_every_registry_import_path_names_a_module_that_exists():

@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from shardcast import DEFAULT_PORT
+
 HERE = Path(__file__).parent
 
 
@@ -61,7 +63,7 @@ class ClusterLayout(BaseModel):
     """Node keys (created on first start, 0600); inference nodes' are named by index in the job."""
     log_dir: str = "."
     """Where Slurm writes each job's output."""
-    shardcast_port: int = Field(8470, ge=1, le=65535)
+    shardcast_port: int = Field(DEFAULT_PORT, ge=1, le=65535)
     """Trainer's shard server port (must be in the run spec's shardcast_sources)."""
     bind_host: str = "0.0.0.0"
     """Address the trainer's shard server and libp2p host listen on (inference nodes must reach it)."""

@@ -102,7 +102,7 @@ class CudaEngine(EngineCore):
         self._slot_buf = torch.full((max_batch,), self.scratch, dtype=torch.long, device=self.device)
         self._tok_out = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self._graphs = BucketGraphs(self.device, self._decode_body, lambda b: self._slot_buf[:b].fill_(self.scratch))
-        from node.engine.fp8.ops import grouped_backend
+        from node.fp8.ops import grouped_backend
 
         log.info("CudaEngine on %s: %s, graphs %s, grouped GEMM backend %s", self.device,
                  f"fp8 ({'experts' if fp8 == 'experts' else 'all projections'})" if fp8

@@ -3,7 +3,7 @@ layer's experts; token-slots travel to the experts' owner and back by all-to-all
 
 Attention, router and LM head are replicated and each process serves its own sequences (data-parallel
 attention, as in wide-EP serving), so the only traffic is the per-layer dispatch/combine. The
-all-to-alls are the trainer's (`node.rl.parallel.expert`), so engine and trainer route the same way.
+all-to-alls are the trainer's (`node.distributed.experts`), so engine and trainer route the same way.
 
 Invariant: every rank runs the same number of model forwards per `step()`, in the same order
 (prefill, then decode), because each MoE layer is a collective. A rank with nothing to prefill or
@@ -23,7 +23,7 @@ from node.engine.engine import Engine
 from node.engine.weights import check_weights
 from node.model.moe import MoEBlock
 from node.model.qwen3_moe import CausalLM
-from node.rl.parallel.expert import shard_experts
+from node.distributed.experts import shard_experts
 
 
 def shard_model_experts(model: CausalLM, group: dist.ProcessGroup) -> CausalLM:

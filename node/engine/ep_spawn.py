@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from node.sim_procs import free_port
+from node.distributed.ports import free_port
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ network node, every rank serves its own sequences and holds 1/N of every MoE lay
 Rank 0 alone talks to the network (leases, weight fetch through shardcast, proofs, submissions). Its
 engine, `EPLeader`, has the built-in engine's surface (`add_request`, `has_work`, `step`,
 `load_weights`, `generate`), so the role drives it as any engine. Each `step()` is one `EPOrder` per
-rank, scattered over the gloo control group (`node.rl.parallel.control`, the trainer's channel):
+rank, scattered over the gloo control group (`node.distributed.control`, the trainer's channel too):
 the requests newly given to that rank (attention is data-parallel: a request runs wholly on the rank
 it was given to, the least loaded), and the policy version to switch to, if one is pending. Every rank
 then (1) receives that version from rank 0 (`EPEngine.receive_version`: replicated tensors broadcast,
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from node.engine.core import Completion, Request, RequestQueue
 from node.engine.ep import EPEngine
 from node.engine.registry import EngineSetup, EngineUnavailable
-from node.rl.parallel.control import KeepAlive, check_same, control_group, exchange
-from node.rl.parallel.dims import shutdown_distributed
+from node.distributed.control import KeepAlive, check_same, control_group, exchange
+from node.distributed.world import shutdown_distributed
 
 log = logging.getLogger(__name__)
 

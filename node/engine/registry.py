@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from node.plugins import resolve
+from protocol.model_spec import FP8_MODES
 
 if TYPE_CHECKING:  # the registry stays light: `join --help` lists engines without importing torch
     import torch
@@ -159,8 +160,8 @@ def check(name: str, setup: EngineSetup) -> dict:
     if setup.ep > 1 and not e.expert_parallel:
         raise EngineUnavailable(f"engine {name} cannot serve expert-parallel (--ep {setup.ep}); use --engine builtin-ep"
                                 + ("; vLLM splits experts with --vllm data_parallel=N --vllm expert_parallel=true" if name == "vllm" else ""))
-    if setup.fp8 not in ("off", "experts", "all"):
-        raise EngineUnavailable(f"--fp8 must be off, experts or all, not {setup.fp8!r}")
+    if setup.fp8 not in FP8_MODES:
+        raise EngineUnavailable(f"--fp8 must be one of {', '.join(FP8_MODES)}, not {setup.fp8!r}")
     if setup.fp8 != "off" and not e.fp8:
         # the validator recomputes with the block-scaled layout of apply_fp8_mode: another FP8 scheme
         # (vLLM's quantization=fp8) would be judged against numbers it does not compute

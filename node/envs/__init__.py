@@ -13,6 +13,8 @@ TASKS: dict[str, type[Environment]] = {"reverse": Reverse, "addition": Addition,
                                      "reverse-text": ReverseText, "reverse-text-long": LongReverseText,
                                      "arithmetic": Arithmetic}
 """The built-in tasks (`reverse-text` and `arithmetic` are for pretrained models with real tokenizers)."""
+DEFAULT_TASK = "reverse"
+"""The task of a run, a sim and train-local that name none."""
 TASK_FAMILIES: dict[str, str] = {"verifiers": "contrib.verifiers:load_environment"}
 """`<family>:<id>` task names -> the import path of the family's loader `(id, **kwargs) -> Environment`,
 imported only when a run names such a task (`verifiers:<id>`: contrib/verifiers, `pip install -e '.[verifiers]'`)."""
@@ -38,4 +40,4 @@ def get_env(name: str, **kwargs) -> Environment:
     return cls(**kwargs)
 
 
-__all__ = ["Environment", "Task", "get_env", "UnknownTask", "TASKS", "TASK_FAMILIES"]
+__all__ = ["Environment", "Task", "get_env", "UnknownTask", "TASKS", "TASK_FAMILIES", "DEFAULT_TASK"]

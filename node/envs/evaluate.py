@@ -37,3 +37,10 @@ def evaluate(engine: Engine, env: Environment, tokenizer: Tokenizer, n: int = 64
     rewards = [r.reward for r in rollouts]
     samples = [(r.task.prompt, tokenizer.decode(r.completion_ids)) for r in rollouts[:keep]]
     return EvalResult(sum(rewards) / len(rewards), rewards, samples)
+
+
+def greedy_reward(engine: Engine, env: Environment, tokenizer: Tokenizer, seeds: list[int]) -> float:
+    """Greedy mean reward of the engine's current weights on the tasks of `seeds`."""
+    episodes = [(f"eval-{s}", env.sample_task(s), SamplingParams(temperature=0.0, seed=s)) for s in seeds]
+    rollouts = run_episodes(engine, env, tokenizer, episodes)
+    return sum(r.reward for r in rollouts) / len(rollouts)

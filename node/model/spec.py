@@ -14,11 +14,9 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import blake3
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.model_spec import TINY_MOE, ModelSpec
 
@@ -27,31 +25,11 @@ from node.model.config import ModelConfig
 from node.model.errors import ModelTooLarge, TokenizerMismatch, UnknownModelName, WeightsHashMismatch
 from node.model.hf_config import read_config
 from node.model.qwen3_moe import CausalLM
+from node.model.tiny import TINY_MAX_SEQ, TinyMoE  # noqa: F401 (callers import them from here)
 from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TINY_MAX_SEQ = 64
-"""Sequence limit of the tiny MoE (its tasks' prompts and answers are a few characters)."""
-
-
-class TinyMoE(BaseModel):
-    """The randomly initialised tiny MoE of tests and the default sim (character tokenizer)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    hidden: int = Field(64, ge=8)
-    """Residual width (head_dim = hidden / 4)."""
-    layers: int = Field(2, ge=1)
-    """Decoder layers."""
-    experts: int = Field(4, ge=1)
-    """Routed experts per layer."""
-    top_k: int = Field(2, ge=1)
-    """Experts per token."""
-    seed: int = 0
-    """torch seed of the random initialisation (every member draws the same weights)."""
-
-
 @dataclass
 class LoadedModel:
     model: CausalLM
@@ -81,11 +59,7 @@ def model_config(spec: ModelSpec, tiny: TinyMoE | None = None) -> ModelConfig:
     engines size their KV cache by when not told otherwise."""
     directory = resolve(spec.source)
     if directory is None:
-        t, vocab = tiny or TinyMoE(), CharTokenizer().vocab_size
-        return ModelConfig(vocab_size=vocab, hidden_size=t.hidden, intermediate_size=2 * t.hidden,
-                           moe_intermediate_size=t.hidden, num_hidden_layers=t.layers, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=t.hidden // 4, num_experts=t.experts,
-                           num_experts_per_tok=t.top_k, max_position_embeddings=TINY_MAX_SEQ)
+        return (tiny or TinyMoE()).config(CharTokenizer().vocab_size)
     cfg = read_config(directory)
     return cfg.model_copy(update={"max_position_embeddings": min(cfg.max_position_embeddings, spec.max_seq_len)})
 

@@ -12,7 +12,7 @@ tokens per expert, so they are taken in the activations' dtype (bf16), through `
 on CUDA. Router gates, norms, embeddings and the LM head are left alone.
 
 Invariant: the gradients equal those of the high-precision layer up to FP8 rounding;
-`tests/fp8/test_train_fp8.py` bounds the difference and checks that training still learns.
+`tests/fp8/test_model_fp8.py` bounds the difference and checks that training still learns.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.engine.fp8.ops import grouped_linear, quantize_activation, scaled_gemm
-from node.engine.fp8.quantize import quantize_weight
+from node.fp8.ops import grouped_linear, quantize_activation, scaled_gemm
+from node.fp8.quantize import quantize_weight
 from node.model.moe import GroupedExperts
 
 

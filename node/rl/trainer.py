@@ -20,30 +20,41 @@ from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_check
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
+from node.recipe import DEFAULT as DEFAULT_RECIPE
+from node.recipe import Recipe
 from node.rl.loss import LossConfig, policy_loss, token_logprobs
 
 
 @dataclass
 class TrainerConfig:
-    lr: float = 1e-3
+    """The optimizer's settings; those a run's recipe sets default to the recipe's (node/recipe.py)."""
+
+    lr: float = DEFAULT_RECIPE.lr
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip."""
-    updates_per_batch: int = 2
+    updates_per_batch: int = DEFAULT_RECIPE.updates_per_batch
     """Passes over each batch (each a trust-region-masked update)."""
-    minibatches: int = 2
+    minibatches: int = DEFAULT_RECIPE.minibatches
     """Optimizer steps per pass."""
-    temperature: float = 1.0
+    temperature: float = DEFAULT_RECIPE.temperature
     """Sampling temperature the engine used (logprobs are of logits / T)."""
-    router_replay: bool = True
+    router_replay: bool = DEFAULT_RECIPE.router_replay
     """Route trainer tokens to the experts the engine chose."""
     decay_steps: int = 0
     """Cosine-decay the learning rate to lr * min_lr_ratio over this many steps (0: constant)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a share of lr under cosine decay."""
     loss: LossConfig = field(default_factory=LossConfig)
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, **overrides) -> "TrainerConfig":
+        """The recipe's optimizer settings, its LR decayed over its steps; `overrides` on top."""
+        return cls(**{"lr": recipe.lr, "decay_steps": recipe.steps, "temperature": recipe.temperature,
+                      "updates_per_batch": recipe.updates_per_batch, "minibatches": recipe.minibatches,
+                      "router_replay": recipe.router_replay, **overrides})
 
 
 class Trainer:

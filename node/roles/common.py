@@ -38,8 +38,7 @@ def router_replay(spec: RunSpec) -> bool:
 
 def tiny_shape(spec: RunSpec) -> TinyMoE:
     """The tiny MoE's shape and seed from the run's recipe (used when the spec's model is tiny-moe)."""
-    r = Recipe.of(spec)
-    return TinyMoE(hidden=r.hidden, layers=r.layers, experts=r.experts, top_k=r.top_k, seed=r.seed)
+    return Recipe.of(spec).tiny_shape()
 
 
 def model_config(spec: RunSpec) -> ModelConfig:
@@ -47,13 +46,9 @@ def model_config(spec: RunSpec) -> ModelConfig:
     return spec_model_config(spec.model, tiny_shape(spec))
 
 
-_device = "cpu"
-"""Where this process's role runs its model (`join --device`); the run's spec does not say."""
-
-
-def set_device(device: str) -> None:
-    """`cpu`, `cuda` or `cuda:i` for this role's model (checked now, not at the first forward pass)."""
-    global _device
+def check_device(device: str) -> None:
+    """`cpu`, `cuda` or `cuda:i` for a role's model (`join --device`; checked before the role starts, not at
+    its first forward pass); `cuda:i` becomes the main thread's current device."""
     if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:<index>")
     if device != "cpu" and not torch.cuda.is_available():
@@ -63,22 +58,21 @@ def set_device(device: str) -> None:
         if index >= torch.cuda.device_count():
             raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         torch.cuda.set_device(index)  # the main thread's current device (engines set their worker threads')
-    _device = device
 
 
-def fresh_model(spec: RunSpec) -> CausalLM:
-    """Version 0 of the run's model on this role's device, its weights checked against the spec's hash."""
-    return load_model(spec.model, _device, tiny=tiny_shape(spec)).model.eval()
+def fresh_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
+    """Version 0 of the run's model on `device`, its weights checked against the spec's hash."""
+    return load_model(spec.model, device, tiny=tiny_shape(spec)).model.eval()
 
 
-def blank_model(spec: RunSpec) -> CausalLM:
-    """The run's architecture on this role's device with uninitialised weights, for a role that loads a
+def blank_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
+    """The run's architecture on `device` with uninitialised weights, for a role that loads a
     fetched version into it at once: no weights read from disk, nothing hashed (a 135M model costs
     seconds of CPU per version otherwise, enough to miss heartbeats)."""
     cfg = model_config(spec)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=_device).to(DTYPES[spec.model.dtype])
+    model = model.to_empty(device=device).to(DTYPES[spec.model.dtype])
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

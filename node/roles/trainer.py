@@ -50,7 +50,7 @@ from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
 from node.rl.parallel.publish import publish_trainer
-from node.rl.train_local import LocalRunConfig, warm_up
+from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from protocol.client import CoordinatorClient
@@ -90,8 +90,10 @@ class UnitRejected(ProtocolError):
 
 class TrainerNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
-                 parallel: dict | None = None, host: str = "127.0.0.1"):
+                 parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu"):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.device = device
+        """Where the trainer's model lives (`join --device`)."""
         self.host = host
         self.parallel = parallel or {}
         try:
@@ -107,9 +109,7 @@ class TrainerNode:
         self.steps = self.recipe.steps
         self.store = Store(workdir / "shardcast")
         self.ledger = OffPolicyLedger(spec.max_off_policy_steps)
-        self.cfg = TrainerConfig(lr=self.recipe.lr, decay_steps=self.steps, temperature=self.recipe.temperature,
-                                 updates_per_batch=self.recipe.updates_per_batch,
-                                 minibatches=self.recipe.minibatches, router_replay=router_replay(spec))
+        self.cfg = TrainerConfig.from_recipe(self.recipe, router_replay=router_replay(spec))
         self._shape = model_config(spec)
         """The run's model shape: a unit's tokens must fit its vocabulary and positions (`_open`)."""
         self.routes = RouteShape.of(self._shape) if self.cfg.router_replay else None
@@ -130,7 +130,7 @@ class TrainerNode:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, log.info, "signal %s: waiting for rank 0's stop order", sig.name)
-            return await asyncio.to_thread(follow, self.dims, self.cfg, seed, fresh_model(self.spec))
+            return await asyncio.to_thread(follow, self.dims, self.cfg, seed, fresh_model(self.spec, self.device))
         leader = await asyncio.to_thread(Leader.connect, self.dims, self.cfg, seed)
         try:
             await self._serve(stop, leader)
@@ -147,7 +147,7 @@ class TrainerNode:
             trainer = await asyncio.to_thread(self._resume_or_warm_up)
             if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
                 trainer = await asyncio.to_thread(leader.start, trainer)
-            await self._publish(client, trainer)
+            await self._send_weights(client, trainer)
             metrics = (self.workdir / "metrics.jsonl").open("a")
             while trainer.step < self.steps and not stop.is_set():
                 step = trainer.step + 1
@@ -166,7 +166,7 @@ class TrainerNode:
                 row = await asyncio.to_thread(self._train, trainer, step, items)
                 row.update(wait_s=t_wait, publish_wait_s=t_publish_wait, t_trained=time.time(),
                            tokens=sum(g.n_tokens for _, _, g in items), t_asked=t0)
-                publishing = asyncio.create_task(self._publish_and_log(client, trainer, row, metrics))
+                publishing = asyncio.create_task(self._send_weights_and_log(client, trainer, row, metrics))
                 if step % CHECKPOINT_EVERY == 0 or step == self.steps:
                     await publishing  # first: a world's ranks run one collective at a time
                     await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
@@ -201,7 +201,7 @@ class TrainerNode:
             trainer = Trainer.load(ckpt, self.cfg, run_model=model_config(self.spec))
             log.info("resumed from checkpoint at step %d", trainer.step)
             return trainer
-        model = fresh_model(self.spec)
+        model = fresh_model(self.spec, self.device)
         warm = {"warmup_steps": 0, "warmup_greedy_reward": None}
         if self.recipe.warmup_target > 0:  # random initialisation only (a pretrained model is not re-taught)
             # a few seconds of a small model, with the CPU engine it measures greedy reward with, so on
@@ -210,14 +210,13 @@ class TrainerNode:
             model = model.to("cpu")
             engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=self.tok.eos_id, decode=self.tok.decode)
             warm = warm_up(model, engine, self.env, self.tok,
-                           LocalRunConfig(task=self.spec.environment, seed=self.recipe.seed,
-                                          warmup_target=self.recipe.warmup_target))
+                           WarmupConfig(target=self.recipe.warmup_target, seed=self.recipe.seed))
             model = model.to(device)
         log.info("warm-up done: %s", warm)
         (self.workdir / "warmup.json").write_text(json.dumps(warm))
         return Trainer(model, self.cfg)
 
-    async def _publish(self, client: CoordinatorClient, trainer: Trainer) -> None:
+    async def _send_weights(self, client: CoordinatorClient, trainer: Trainer) -> None:
         """Publish the trainer's current version through shardcast and have the coordinator announce it
         (the one publication path: a restart re-announces a version already in the store)."""
         v = trainer.step
@@ -226,14 +225,14 @@ class TrainerNode:
             signed = await asyncio.to_thread(  # streamed: a world's ranks never gather the model
                 publish_trainer, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
                 PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
-        await client.publish(v, signed.manifest.manifest_hash())
+        await client.announce(v, signed.manifest.manifest_hash())
         self.ledger.current_version = v
 
-    async def _publish_and_log(self, client: CoordinatorClient, trainer: Trainer, row: dict, metrics) -> None:
+    async def _send_weights_and_log(self, client: CoordinatorClient, trainer: Trainer, row: dict, metrics) -> None:
         """Publish the version this step made, then write the step's metrics row (`t_asked`: batch asked
         for; `publish_s`: its publication; `step_s`: batch asked for -> published; `t`: published)."""
         t = time.time()
-        await self._publish(client, trainer)
+        await self._send_weights(client, trainer)
         now = time.time()
         row.update(publish_s=now - t, step_s=now - row["t_asked"], t=now)
         metrics.write(json.dumps(row) + "\n")

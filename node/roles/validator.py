@@ -55,8 +55,11 @@ refuses versions nobody published; 60 s is 3 of `fetch_policy`'s tries with room
 
 
 class ValidatorNode:
-    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, batch: int = 64):
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, batch: int = 64,
+                 device: str = "cpu"):
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.device = device
+        """Where the validator recomputes (`join --device`)."""
         # a round's logits stay bounded whatever its size: only completion rows, checked in groups under
         # verification.validator.PREFILL_LOGITS_BYTES and dropped group by group
         self.batch = batch
@@ -110,7 +113,7 @@ class ValidatorNode:
         if version not in self.hashes:
             from shardcast.store import Store
             self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
-        model = blank_model(self.spec)
+        model = blank_model(self.spec, self.device)
         load_hf_state_dict(model, state)
         if version == 0:
             check_version0(self.spec, model)  # the high-precision weights the trainer published

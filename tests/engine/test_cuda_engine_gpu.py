@@ -127,10 +127,10 @@ def test_fp8_graphs_agree_with_teacher_forced_prefill():
 
 
 def test_deepgemm_masked_matches_triton_grouped():
-    from node.engine.fp8.deepgemm import available, masked_grouped_gemm
-    from node.engine.fp8.kernels import grouped_gemm_triton
-    from node.engine.fp8.ops import deepgemm_shape, quantize_activation
-    from node.engine.fp8.quantize import quantize_weight
+    from node.fp8.deepgemm import available, masked_grouped_gemm
+    from node.fp8.kernels import grouped_gemm_triton
+    from node.fp8.ops import deepgemm_shape, quantize_activation
+    from node.fp8.quantize import quantize_weight
 
     if not available():
         pytest.skip("deep_gemm not importable here")

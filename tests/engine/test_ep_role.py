@@ -149,7 +149,7 @@ def test_join_refuses_an_ep_that_does_not_divide_the_experts_or_an_engine_that_c
 
 
 def test_rank_0_sends_keepalives_only_while_it_sends_no_orders():
-    from node.rl.parallel.control import KeepAlive
+    from node.distributed.control import KeepAlive
 
     sent: list[float] = []
     keep = KeepAlive(lambda: sent.append(time.monotonic()), every_s=0.2)

@@ -115,7 +115,7 @@ def test_tasks_never_hold_token_ids_prompts_go_through_the_tokenizer():
 
 def test_held_out_evaluation_is_greedy_and_repeatable():
     from node.envs.evaluate import EVAL_SEED_BASE, evaluate, held_out_seeds
-    from node.rl.train_local import task_seed
+    from node.rl.warmup import task_seed
 
     assert min(held_out_seeds(64)) == EVAL_SEED_BASE > task_seed(10, 10_000, 10_000)
     torch.manual_seed(0)

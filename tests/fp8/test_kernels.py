@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from node.engine.fp8.quantize import dequantize_act, dequantize_weight, quantize_act, quantize_weight
+from node.fp8.quantize import dequantize_act, dequantize_weight, quantize_act, quantize_weight
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -19,7 +19,7 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 def _cases(device: str):
     # Against the exact product of the quantised inputs: Hopper's FP8 tensor cores keep fewer
     # accumulator bits than fp32 within each 128-wide block (measured 1.2e-4 on an H200), hence 1e-3.
-    from node.engine.fp8.kernels import gemm_triton, grouped_gemm_triton
+    from node.fp8.kernels import gemm_triton, grouped_gemm_triton
 
     x, w = torch.randn(37, 300, device=device), torch.randn(150, 300, device=device) * 0.05
     xq, xs = quantize_act(x)
@@ -65,7 +65,7 @@ def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkey
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_match_float64_on_cuda():
-    from node.engine.fp8.kernels import quantize_act_triton
+    from node.fp8.kernels import quantize_act_triton
 
     _cases("cuda")
     x = torch.randn(64, 1000, device="cuda")

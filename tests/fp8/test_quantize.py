@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from node.engine.fp8.ops import fp8_linear, grouped_linear, scaled_gemm
-from node.engine.fp8.quantize import (
+from node.fp8.ops import fp8_linear, grouped_linear, scaled_gemm
+from node.fp8.quantize import (
     FP8_MAX, UnsupportedTensor, dequantize_act, dequantize_weight, quantize_act, quantize_weight,
 )
 

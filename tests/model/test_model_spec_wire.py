@@ -4,7 +4,7 @@ import pytest
 
 from node.model.errors import UnknownModelName, WeightsHashMismatch
 from node.model.spec import weights_hash
-from node.roles.common import fresh_model, model_config, set_device, tokenizer
+from node.roles.common import check_device, fresh_model, model_config, tokenizer
 from node.run_config import InvalidRunConfig, RunConfig, to_toml
 from protocol.messages import RunSpec, encode_message
 from protocol.model_spec import ModelSpec
@@ -65,7 +65,7 @@ def test_roles_build_the_specs_model_and_check_its_hash():
     with pytest.raises(UnknownModelName, match="no-such-model"):
         fresh_model(_spec(model=ModelSpec(source="no-such-model")))
     with pytest.raises(ValueError, match="cpu, cuda"):
-        set_device("tpu")
+        check_device("tpu")
 
 
 def test_a_fetched_version_loads_into_a_blank_model_and_version0_is_checked():

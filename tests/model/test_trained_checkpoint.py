@@ -80,7 +80,7 @@ def test_the_trainer_roles_checkpoint_opens_in_transformers_with_its_tokenizer(t
 
 @pytest.mark.slow
 def test_a_trained_smollm2_from_train_local_opens_in_transformers(tmp_path, smol_dir):
-    from node.rl.train_local import LocalRunConfig, run
+    from node.train_local import LocalRunConfig, run
     from node.rl.trainer import TrainerConfig
 
     cfg = LocalRunConfig(task="reverse-text", model="smollm2-135m-instruct", steps=1, prompts=1, samples=2,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.rl.parallel.launch import check_batch, check_model, reference
+from benchmarks.parallel_parity import check_batch, check_model, reference
 from node.rl.trainer import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ def test_replayed_routes_give_the_one_process_step_under_ep_fsdp_and_cp(tmp_path
     out = tmp_path / "r.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "node.rl.parallel.launch", "--layouts", "dp2-ep2,cp2", "--router-replay", "--out", str(out)]
+           "-m", "benchmarks.parallel_parity", "--layouts", "dp2-ep2,cp2", "--router-replay", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())

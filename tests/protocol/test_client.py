@@ -39,7 +39,7 @@ def test_client_leases_submits_and_a_trainer_gets_the_batch_and_publishes(tmp_pa
             coordinator = CoordinatorClient(trainer, boot)
             batch = await coordinator.batch(1, 2)
             assert sorted(i.work_id for i in batch.items) == sorted(g.work_id for g in grants)
-            await coordinator.publish(1, "cd" * 32)
+            await coordinator.announce(1, "cd" * 32)
             assert coord.state.ledger.current_version == 1
             # A refusal is an answer: raised at once, typed (not retried as an outage).
             more = await inference.lease(1, holds_version=1)

@@ -65,7 +65,7 @@ def publish_version_zero(tmp: Path, addr: str) -> RunSpec:
         await host.start()
         trainer = RunMember(host.key, host, spec, "trainer")
         await trainer.join(addr)
-        await CoordinatorClient(trainer, retry=ONCE).publish(0, "00" * 32)
+        await CoordinatorClient(trainer, retry=ONCE).announce(0, "00" * 32)
         await trainer.leave()
         await host.stop()
     run(go(), 60)

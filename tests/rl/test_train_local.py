@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from node.rl.train_local import LocalRunConfig, run
+from node.train_local import LocalRunConfig, run
 from node.rl.trainer import TrainerConfig
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _torchrun(nproc: int, layouts: str, out: Path, *extra: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "node.rl.parallel.launch", "--layouts", layouts, "--out", str(out), *extra]
+           "-m", "benchmarks.parallel_parity", "--layouts", layouts, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -68,7 +68,7 @@ def test_layouts_that_cannot_split_are_refused():
 
 
 def test_shard_batch_puts_every_token_on_exactly_one_rank():
-    from node.rl.parallel.launch import check_batch, check_model
+    from benchmarks.parallel_parity import check_batch, check_model
     from node.rl.parallel.trainer import shard_batch
 
     class FakeGroups:  # coordinates only; shard_batch does no communication

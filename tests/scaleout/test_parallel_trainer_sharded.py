@@ -22,7 +22,7 @@ import torch
 from node.model.checkpoint import state_dict_to_hf
 from node.model.qwen3_moe import CausalLM
 from node.rl.parallel.dims import LayoutError, ParallelDims
-from node.rl.parallel.launch import check_batch, check_model
+from benchmarks.parallel_parity import check_batch, check_model
 from node.rl.parallel.publish import publish_model
 from node.rl.parallel.trainer import minibatch_seed
 from node.rl.trainer import Trainer, TrainerConfig
@@ -75,8 +75,8 @@ def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pub, "gather_tensors", dies_after_two)
     store, done = Store(tmp_path / "s"), Future()
-    sink = dict(store=store, key=NodeKey.generate(), run_id="r", version=0, parent=None,
-                options=PublishOptions(shard_size=4096, threads=2), buffer=pub.PayloadBuffer(), done=done)
+    sink = pub.Publication(store=store, key=NodeKey.generate(), run_id="r", version=0, parent=None,
+                           options=PublishOptions(shard_size=4096, threads=2), buffer=pub.PayloadBuffer(), done=done)
     with pytest.raises(RuntimeError, match="rank lost"):
         pub.stream_publish(check_model(), None, None, sink)
     with pytest.raises(pub.PublicationAborted):
@@ -84,7 +84,7 @@ def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):
     assert store.manifest("r", 0) is None
     assert not store.payload_path("r", 0).exists() and not list(store.version_dir("r", 0).glob(".*tmp"))
     monkeypatch.setattr(pub, "gather_tensors", real)  # the same buffer then publishes a whole version
-    ok = pub.publish_model(check_model(), None, store, sink["key"], "r", 0, None, sink["options"], sink["buffer"])
+    ok = pub.publish_model(check_model(), None, store, sink.key, "r", 0, None, sink.options, sink.buffer)
     assert store.manifest("r", 0).manifest.manifest_hash() == ok.manifest.manifest_hash()
 
 
@@ -112,7 +112,7 @@ def _setup():
 
 
 def world_main(argv: list[str]) -> None:
-    from node.rl.parallel.launch import parse_layout
+    from node.rl.parallel.dims import parse_layout
     from node.rl.parallel.state import global_shape, local_tensor as _local
     from node.rl.parallel.world import Leader, follow
 
@@ -156,7 +156,7 @@ def world_main(argv: list[str]) -> None:
             (args.out / "rank0.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             raise
         leader.train_step(batch)
-        signed = leader.publish(Store(args.out / "store"), NodeKey.generate(), "w", 1, None, PublishOptions(shard_size=8192))
+        signed = leader.send_weights(Store(args.out / "store"), NodeKey.generate(), "w", 1, None, PublishOptions(shard_size=8192))
         if args.save:
             leader.save(args.save)
         mine = leader.collectives.submit(lambda: holdings(leader.rank)).result()

@@ -125,13 +125,13 @@ SEED = 3
 
 
 def _check_setup():
-    from node.rl.parallel.launch import check_batch
-    from node.rl.train_local import tiny_moe_config
+    from benchmarks.parallel_parity import check_batch
+    from node.model.tiny import TinyMoE
     from node.rl.trainer import TrainerConfig
 
     cfg = TrainerConfig(lr=1e-3, decay_steps=4)  # the schedule moves between the two steps
     torch.manual_seed(SEED)
-    model = CausalLM(tiny_moe_config(96, 32, 2, 4, 2))  # load-balancing loss on (coef 0.001)
+    model = CausalLM(TinyMoE(hidden=32, layers=2, experts=4, top_k=2).config(96))  # load-balancing loss on (coef 0.001)
     # 6 rows: minibatches of 3 are padded to 4 rows for dp=2
     batches = [check_batch(model, rows=6, length=20, seed=s) for s in (11, 12)]
     return model.eval(), cfg, batches
@@ -140,7 +140,7 @@ def _check_setup():
 def world_main(argv: list[str]) -> None:
     """One rank of `--layout`: start from the model or `--resume` checkpoint, take step `--step`
     on its batch, then rank 0 saves the checkpoint to `--save`."""
-    from node.rl.parallel.launch import parse_layout
+    from node.rl.parallel.dims import parse_layout
     from node.rl.parallel.world import Leader, follow
 
     ap = argparse.ArgumentParser()

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.engine.fp8.ops import fp8_linear, grouped_linear
-from node.engine.fp8.quantize import dequantize_weight, quantize_weight
+from node.fp8.ops import fp8_linear, grouped_linear
+from node.fp8.quantize import dequantize_weight, quantize_weight
 from node.model.moe import GroupedExperts, MoEBlock
+from protocol.model_spec import FP8_MODES, FP8Mode
 
 
 class _QuantizedWeights(nn.Module):
@@ -120,16 +121,14 @@ def quantize_model_fp8(model: nn.Module, dense: bool = True) -> nn.Module:
     return model
 
 
-FP8Mode = str
-"""'off' | 'experts' | 'all' (protocol.model_spec.FP8_MODES; `join --fp8`, `ModelSpec.fp8`)."""
 
 
 def apply_fp8_mode(model: nn.Module, mode: FP8Mode) -> nn.Module:
     """The run's serving precision applied to `model` in place: one rule for every engine and the
     validator (`experts`: routed experts only; `all`: every decoder projection and the experts; `off`:
     unchanged). Returns the model."""
-    if mode not in ("off", "experts", "all"):
-        raise ValueError(f"fp8 mode must be off, experts or all, not {mode!r}")
+    if mode not in FP8_MODES:
+        raise ValueError(f"fp8 mode must be one of {', '.join(FP8_MODES)}, not {mode!r}")
     return model if mode == "off" else quantize_model_fp8(model, dense=mode == "all")
 
 

@@ -8,7 +8,7 @@ rank's experts; CP swaps each attention's forward for ring attention; FSDP2 shar
 so N processes compute the same loss and gradients as one process on the whole batch, each on its
 own share of it (`plan_rank`). Nothing is gathered whole during training: `state` moves one tensor
 at a time, `publish` streams the weights into shardcast, `checkpoint` writes sharded DCP
-checkpoints resumable under any layout. Launched by torchrun (`python -m node.rl.parallel.launch`
+checkpoints resumable under any layout. Launched by torchrun (`python -m benchmarks.parallel_parity`
 for the self-check; `join --role trainer --dp/--ep/--cp` for the networked trainer, whose rank 0
 leads the others through `world`); gloo on CPU, NCCL on GPUs.
 """

@@ -25,7 +25,7 @@ from node.model.moe import MoEBlock
 from node.model.qwen3_moe import CausalLM
 from node.rl.parallel.context import shard_context
 from node.rl.parallel.dims import ParallelGroups
-from node.rl.parallel.expert import shard_experts
+from node.distributed.experts import shard_experts
 
 
 def _checkpointed(forward, *args):

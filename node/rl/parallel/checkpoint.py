@@ -98,11 +98,6 @@ def check_model(meta: dict, cfg: ModelConfig, where: str) -> None:
         raise CheckpointMismatch(f"checkpoint {where} is for another model: " + "; ".join(diff))
 
 
-def shards_path(directory: str | Path) -> Path:
-    """The shard directory a distributed checkpoint's `trainer.json` names."""
-    return Path(directory) / read_meta(directory)["distributed_checkpoint"]
-
-
 def load(trainer, directory: str | Path) -> None:
     """Fill this rank's shards of weights and AdamW state from a checkpoint written under any
     layout (collective); `trainer.step` becomes the checkpoint's."""

@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
 
 import torch
 
@@ -94,12 +95,29 @@ class PublicationAborted(RuntimeError):
     """The weights stopped arriving mid-version (a failed gather): the version is not signed."""
 
 
+@dataclass
+class Publication:
+    """One version on its way from rank 0's gathered weights into its shardcast store."""
+
+    store: Store
+    key: NodeKey
+    """The trainer's key, which signs the manifest."""
+    run_id: str
+    version: int
+    parent: int | None
+    """The version a delta may be encoded against (None: a keyframe)."""
+    options: PublishOptions | None
+    buffer: PayloadBuffer
+    """The pinned payload buffer the gathered tensors are copied into (reused across versions)."""
+    done: Future = field(default_factory=Future)
+    """Gets the SignedManifest once the version is listed (or the error that stopped it)."""
+
+
 def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None,
-                   sink: dict | None) -> float:
+                   sink: Publication | None) -> float:
     """Every rank: gather the weights tensor by tensor (collective when `groups` is given).
-    Rank 0 passes `sink` = {store, key, run_id, version, parent, options, buffer, done: Future},
-    and its encoding starts on a background thread; `done` gets the SignedManifest (or the error).
-    Returns the seconds spent gathering."""
+    Rank 0 passes where they go (`sink`), and its encoding starts on a background thread;
+    `sink.done` gets the SignedManifest (or the error). Returns the seconds spent gathering."""
     t0 = time.perf_counter()
     tied = model.config.tie_word_embeddings
     ready: queue.Queue = queue.Queue()
@@ -107,7 +125,7 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
         tensors = hf_layout(model, groups, dtype)
         total = tensors[-1].offset + tensors[-1].nbytes
         cuda = next(model.parameters()).is_cuda
-        buf = sink["buffer"].get(total, pinned=cuda)
+        buf = sink.buffer.get(total, pinned=cuda)
         payload = buf.numpy()
         offsets = {e.name: e for e in tensors}
 
@@ -121,18 +139,18 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
                 yield n
 
         def encode():
-            done: Future = sink["done"]
+            done = sink.done
             try:  # the waiter gets the version once it is listed; retention runs after
-                publish_stream(sink["store"], sink["key"], sink["run_id"], sink["version"], tensors, payload,
-                               filled(), sink["parent"], sink["options"], on_signed=done.set_result)
+                publish_stream(sink.store, sink.key, sink.run_id, sink.version, tensors, payload,
+                               filled(), sink.parent, sink.options, on_signed=done.set_result)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 if not done.done():
                     done.set_exception(exc)
                 else:
-                    log.warning("v%d: retention after publishing failed: %s", sink["version"], exc)
+                    log.warning("v%d: retention after publishing failed: %s", sink.version, exc)
 
-        sink["buffer"].busy = sink["done"]
-        threading.Thread(target=encode, name=f"publish-v{sink['version']}", daemon=True).start()
+        sink.buffer.busy = sink.done
+        threading.Thread(target=encode, name=f"publish-v{sink.version}", daemon=True).start()
     failed: BaseException | None = None
     try:
         for name, whole in gather_tensors(model, groups):
@@ -165,19 +183,17 @@ def publish_model(model: torch.nn.Module, groups: ParallelGroups | None, store: 
                   dtype: torch.dtype | None = None) -> SignedManifest:
     """One process (or rank 0 of a world whose other ranks call `stream_publish(..., None)`):
     publish `model` as `version` and wait for the signed manifest."""
-    done: Future = Future()
-    sink = dict(store=store, key=key, run_id=run_id, version=version, parent=parent, options=options,
-                buffer=buffer or PayloadBuffer(), done=done)
+    sink = Publication(store, key, run_id, version, parent, options, buffer or PayloadBuffer())
     stream_publish(model, groups, dtype, sink)
-    return done.result()
+    return sink.done.result()
 
 
 def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                     options: PublishOptions | None = None) -> SignedManifest:
     """What the trainer role calls to publish a version: a one-process `Trainer` streams its own
     weights; a `world.Leader` has every rank of its world stream theirs."""
-    if hasattr(trainer, "publish"):
-        return trainer.publish(store, key, run_id, version, parent, options)
+    if hasattr(trainer, "send_weights"):
+        return trainer.send_weights(store, key, run_id, version, parent, options)
     buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
     return publish_model(trainer.model, None, store, key, run_id, version, parent, options, buffer)
 

@@ -158,11 +158,6 @@ class DistributedTrainer:
 
     learning_rate = Trainer.learning_rate  # one schedule: it reads only cfg and step
 
-    def minibatch_generator(self) -> torch.Generator:
-        """The minibatch permutations of this step: the same on every rank, and the same again
-        when a resumed trainer repeats the step."""
-        return torch.Generator().manual_seed(minibatch_seed(self.seed, self.step))
-
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 

@@ -38,10 +38,10 @@ from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.parallel import checkpoint as dcp_checkpoint
 from node.rl.parallel.apply import init_local, materialize, parallelize
-from node.rl.parallel.control import (LeaderLost, ModelMismatch, KeepAlive, check_same,  # noqa: F401 (re-exported)
+from node.distributed.control import (LeaderLost, ModelMismatch, KeepAlive, check_same,  # noqa: F401 (re-exported)
                                       control_group, exchange)
 from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
-from node.rl.parallel.publish import PayloadBuffer, stream_publish
+from node.rl.parallel.publish import PayloadBuffer, Publication, stream_publish
 from node.rl.parallel.state import scatter_optimizer_state, scatter_weights
 from node.rl.parallel.trainer import DistributedTrainer, RankWork, minibatch_seed, plan_world
 from node.rl.trainer import Trainer, TrainerConfig
@@ -95,7 +95,7 @@ class TrainerRank:
         self.trainer: DistributedTrainer | None = None
         self.seen_rows: list[int] = []
         """Rows of each batch share this rank was sent (its part of the batch, then of each minibatch)."""
-        self.publish_sink: dict | None = None
+        self.publication: Publication | None = None
         """Rank 0, publish order: where the version goes (set by the `Leader` before the order)."""
 
     def exchange(self, order: Order | list[Order] | None) -> Order:
@@ -110,7 +110,7 @@ class TrainerRank:
             self.seen_rows += [len(order.work.before.batch)] + [len(mb.batch) for mb in order.work.minibatches]
             return self.trainer.train_work(order.work)
         if order.kind == "publish":
-            sink, self.publish_sink = self.publish_sink, None
+            sink, self.publication = self.publication, None
             return stream_publish(self.trainer.model, self.groups, self.publish_dtype(), sink)
         if order.kind == "save":
             return dcp_checkpoint.save(self.trainer, order.path)
@@ -235,7 +235,7 @@ class Leader:
         self.step += 1
         return metrics
 
-    def publish_async(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+    def send_weights_async(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                       options: PublishOptions | None = None) -> Future:
         """Stream the weights into `store` as `version`. Returns once the world has gathered them
         (the next order, e.g. the next step, may run while rank 0 encodes); the Future gets the
@@ -259,17 +259,16 @@ class Leader:
         done.add_done_callback(stamp)
 
         def send() -> float:
-            self.rank.publish_sink = dict(store=store, key=key, run_id=run_id, version=version, parent=parent,
-                                          options=options, buffer=self.buffer, done=done)
+            self.rank.publication = Publication(store, key, run_id, version, parent, options, self.buffer, done)
             return self._send(Order("publish"))
 
         timings["gather_s"] = self.collectives.submit(send).result()
         self.last_publish = timings
         return signed
 
-    def publish(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+    def send_weights(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                 options: PublishOptions | None = None) -> SignedManifest:
-        return self.publish_async(store, key, run_id, version, parent, options).result()
+        return self.send_weights_async(store, key, run_id, version, parent, options).result()
 
     def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
         """A distributed checkpoint: every rank writes its shards of the weights and AdamW state

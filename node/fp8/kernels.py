@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from node.engine.fp8.quantize import BLOCK, FP8_DTYPE, FP8_MAX
+from node.fp8.quantize import BLOCK, FP8_DTYPE, FP8_MAX
 
 
 @triton.jit

@@ -16,95 +16,89 @@ import copy
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from tqdm import tqdm
 
-from node.engine import Engine, Request, SamplingParams
-from node.envs import Environment, get_env
+from node.config_flags import Flag
+from node.engine import Engine, SamplingParams
+from node.envs import DEFAULT_TASK, get_env
 from node.envs.evaluate import evaluate
 from node.envs.rollout import run_episodes
 from node.model.checkpoint import state_dict_to_hf
-from node.model.config import ModelConfig
-from node.model.qwen3_moe import CausalLM
-from node.model.spec import TINY_MOE, ModelSpec, TinyMoE, load_model
-from node.model.tokenizer import Tokenizer
+from node.model.spec import TINY_MAX_SEQ, TINY_MOE, ModelSpec, TinyMoE, load_model
+from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import build_batch
 from node.rl.trainer import Trainer, TrainerConfig
-from node.rl.warmup import demonstration_batch, supervised_step
+from node.rl.warmup import WarmupConfig, task_seed, warm_up
+from node.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
+_RECIPE, _RUN = Recipe.model_fields, RunConfig.model_fields
+"""Defaults a network run has too live there (node/recipe.py, node/run_config.py); this run reads them."""
 
-@dataclass
-class LocalRunConfig:
-    task: str = "reverse"
+
+class LocalRunConfig(BaseModel):
+    """One train-local run; the defaults are the tiny MoE's recipe (README: reward 0.1 -> 0.9 on reverse in
+    500 steps)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, arbitrary_types_allowed=True)
+    task: str = DEFAULT_TASK
+    """reverse | addition | calculator | reverse-text | arithmetic"""
     model: str = TINY_MOE
-    """ModelSpec source: tiny-moe, smollm2-135m-instruct, or an HF-layout directory."""
-    max_seq_len: int = 64
-    """Engine sequence limit (prompt + completion)."""
-    eval_n: int = 0
-    """Held-out tasks scored greedily before, during and after RL (0: none)."""
-    eval_every: int = 0
-    """Score the held-out set every n steps (0: only before and after)."""
-    steps: int = 500
-    prompts: int = 64
-    samples: int = 8
-    seed: int = 0
-    warmup_max_steps: int = 400
-    warmup_target: float = 0.25
-    warmup_lr: float = 3e-3
-    hidden: int = 64
-    layers: int = 2
-    experts: int = 4
-    top_k: int = 2
-    adv_std: bool = True
-    sample_lag: int = 0
-    """Sample each step's rollouts from the policy this many versions behind the trainer (0: on-policy);
-    emulates a network run's off-policy lag (max_off_policy_steps) in one process."""
-    trainer: TrainerConfig = None  # type: ignore[assignment]
+    """ModelSpec source: tiny-moe, smollm2-135m-instruct, or an HF-layout directory"""
+    max_seq_len: int = Field(TINY_MAX_SEQ, ge=8)
+    """engine sequence limit (prompt + completion)"""
+    eval_n: int = Field(0, ge=0)
+    """held-out tasks scored greedily before, during and after RL (0: none)"""
+    eval_every: int = Field(0, ge=0)
+    """score the held-out set every n steps (0: only before and after)"""
+    steps: int = _RECIPE["steps"]
+    prompts: int = _RUN["batch_groups"]
+    samples: int = _RUN["group_size"]
+    seed: int = _RECIPE["seed"]
+    lr: float = _RECIPE["lr"]
+    temperature: float = _RECIPE["temperature"]
+    updates_per_batch: int = _RECIPE["updates_per_batch"]
+    minibatches: int = _RECIPE["minibatches"]
+    router_replay: bool = _RECIPE["router_replay"]
+    warmup_target: float = _RECIPE["warmup_target"]
+    warmup_max_steps: Annotated[int, Flag(cli=False), Field(ge=0)] = WarmupConfig.max_steps
+    """supervised warm-up steps at most"""
+    warmup_lr: Annotated[float, Flag(cli=False), Field(gt=0)] = WarmupConfig.lr
+    """learning rate of the supervised warm-up"""
+    hidden: int = _RECIPE["hidden"]
+    layers: int = _RECIPE["layers"]
+    experts: int = _RECIPE["experts"]
+    top_k: int = _RECIPE["top_k"]
+    adv_std: Annotated[bool, Flag(cli=False)] = True
+    """divide each group's advantages by its reward's standard deviation"""
+    sample_lag: int = Field(0, ge=0)
+    """sample each step's rollouts from the policy this many versions behind the trainer (0: on-policy);
+    emulates a network run's off-policy lag (max_off_policy_steps) in one process"""
+    trainer: Annotated[TrainerConfig | None, Flag(cli=False)] = None
+    """the optimizer's whole config (default: lr, temperature, updates_per_batch, minibatches and
+    router_replay above, the LR decayed over `steps`)"""
 
-    def __post_init__(self) -> None:
-        self.trainer = self.trainer or TrainerConfig(decay_steps=self.steps)
+    @model_validator(mode="after")
+    def _trainer(self) -> "LocalRunConfig":
+        if self.trainer is None:
+            self.trainer = TrainerConfig(lr=self.lr, decay_steps=self.steps, temperature=self.temperature,
+                                         updates_per_batch=self.updates_per_batch, minibatches=self.minibatches,
+                                         router_replay=self.router_replay)
+        return self
 
+    def tiny(self) -> TinyMoE:
+        return TinyMoE(hidden=self.hidden, layers=self.layers, experts=self.experts, top_k=self.top_k, seed=self.seed)
 
-def tiny_moe_config(vocab_size: int, hidden: int, layers: int, experts: int, top_k: int) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                       moe_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=hidden // 4, num_experts=experts,
-                       num_experts_per_tok=top_k, max_position_embeddings=64)
-
-
-def task_seed(run_seed: int, step: int, index: int) -> int:
-    return (run_seed * 1_000_003 + step) * 10_007 + index
-
-
-def greedy_reward(engine: Engine, env: Environment, tok: Tokenizer, seeds: list[int]) -> float:
-    episodes = [(f"eval-{s}", env.sample_task(s), SamplingParams(temperature=0.0, seed=s)) for s in seeds]
-    rollouts = run_episodes(engine, env, tok, episodes)
-    return sum(r.reward for r in rollouts) / len(rollouts)
-
-
-def warm_up(model: CausalLM, engine: Engine, env: Environment, tok: Tokenizer, cfg: LocalRunConfig) -> dict:
-    """Supervised steps until greedy reward on held-out tasks reaches cfg.warmup_target (0: none, as
-    for a pretrained model, which is not re-taught the task before RL)."""
-    if cfg.warmup_target <= 0:
-        return {"warmup_steps": 0, "warmup_greedy_reward": None}
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    held_out = [10**9 + i for i in range(64)]
-    reward, step = greedy_reward(engine, env, tok, held_out), 0
-    while reward < cfg.warmup_target and step < cfg.warmup_max_steps:
-        inputs, targets = demonstration_batch(env, tok, [task_seed(cfg.seed + 7, step, i) for i in range(64)])
-        supervised_step(model, opt, inputs, targets)
-        step += 1
-        if step % 5 == 0:
-            engine.load_weights(state_dict_to_hf(model), version=0)
-            reward = greedy_reward(engine, env, tok, held_out)
-    engine.load_weights(state_dict_to_hf(model), version=0)
-    return {"warmup_steps": step, "warmup_greedy_reward": reward}
+    def warmup(self) -> WarmupConfig:
+        return WarmupConfig(target=self.warmup_target, max_steps=self.warmup_max_steps, lr=self.warmup_lr,
+                            seed=self.seed)
 
 
 def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
@@ -112,14 +106,13 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
     torch.manual_seed(cfg.seed)
     env = get_env(cfg.task)
     spec = ModelSpec(source=cfg.model, max_seq_len=cfg.max_seq_len)
-    tiny = TinyMoE(hidden=cfg.hidden, layers=cfg.layers, experts=cfg.experts, top_k=cfg.top_k, seed=cfg.seed)
-    loaded = load_model(spec, copies=4, tiny=tiny)  # weights, gradients and AdamW's two moments
+    loaded = load_model(spec, copies=4, tiny=cfg.tiny())  # weights, gradients and AdamW's two moments
     model, tok = loaded.model, loaded.tokenizer
     engine = Engine(copy.deepcopy(model), max_batch=cfg.prompts * cfg.samples, max_seq_len=cfg.max_seq_len,
                     eos_id=tok.eos_id, decode=tok.decode, capture_experts=cfg.trainer.router_replay)
     t0 = time.time()
     if cfg.model == TINY_MOE:
-        warm = warm_up(model, engine, env, tok, cfg)
+        warm = warm_up(model, engine, env, tok, cfg.warmup())
         log.info("warm-up: %d supervised steps, greedy reward %s, %.1fs", warm["warmup_steps"],
                  warm["warmup_greedy_reward"], time.time() - t0)
     else:
@@ -207,17 +200,32 @@ def plot_rewards(metrics: list[dict], path: Path, task: str) -> None:
     plt.close(fig)
 
 
-TINY_DEFAULTS = {"prompts": 64, "samples": 8, "lr": 1e-3, "updates_per_batch": 2, "minibatches": 2,
-                 "warmup_target": 0.25, "max_seq_len": 64, "eval_n": 0}
-"""The tiny MoE's recipe (README: reward 0.1 -> 0.9 on reverse in 500 steps)."""
 PRETRAINED_DEFAULTS = {"prompts": 4, "samples": 4, "lr": 3e-5, "updates_per_batch": 1, "minibatches": 1,
                        "warmup_target": 0.0, "max_seq_len": 96, "eval_n": 32}
 """A pretrained model's recipe on a 2-core CPU (SmolLM2-135M on reverse-text: held-out 0.136 -> 0.264 in 10
 steps, 0.282 in 20; benchmarks/results/logs/train-local-smollm2-reverse-text-r2.log). 16 rollouts per
-step, one update: a 135M-parameter step costs ~40-130 s of CPU there."""
+step, one update: a 135M-parameter step costs ~40-130 s of CPU there. Any other key: LocalRunConfig's."""
+
+
+def _by_model(name: str) -> tuple[Any, Any]:
+    """A flag whose default depends on the model: the tiny MoE's (LocalRunConfig's) or a pretrained one's."""
+    field = LocalRunConfig.model_fields[name]
+    said = " ".join((field.description or "").split())
+    return (field.annotation | None, Field(None, description=f"{said} (default {field.default} tiny, "
+                                                             f"{PRETRAINED_DEFAULTS[name]} pretrained)"))
+
+
+TrainLocalFlags = create_model(
+    "TrainLocalFlags", __base__=LocalRunConfig,
+    __doc__="`primerl-node train-local`'s flags: LocalRunConfig's, those that differ for a pretrained model unset.",
+    out=(Path, Field(description="output directory")),
+    threads=(int, Field(0, ge=0, description="torch threads (0 = torch default)")),
+    **{name: _by_model(name) for name in PRETRAINED_DEFAULTS})
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from node.config_flags import add_flags
+
     p = sub.add_parser(
         "train-local",
         help="synchronous RL in one process (engine + trainer) on a built-in task",
@@ -226,43 +234,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "held-out tasks reaches --warmup-target (a few seconds), then GRPO-style RL. Writes "
                     "OUT/metrics.jsonl, OUT/reward.png, OUT/summary.json and OUT/checkpoint/.",
     )
-    p.add_argument("--task", default="reverse", help="reverse | addition | calculator | reverse-text | arithmetic")
-    p.add_argument("--model", default=TINY_MOE, help="tiny-moe | smollm2-135m-instruct | an HF-layout directory")
-    p.add_argument("--max-seq-len", type=int, default=None, help="engine sequence limit (default 64 tiny, 96 pretrained)")
-    p.add_argument("--eval-n", type=int, default=None, help="held-out tasks scored greedily (default 0 tiny, 32 pretrained)")
-    p.add_argument("--eval-every", type=int, default=0, help="score the held-out set every n steps")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--updates-per-batch", type=int, default=None, help="default 2 tiny, 1 pretrained")
-    p.add_argument("--minibatches", type=int, default=None, help="default 2 tiny, 1 pretrained")
-    p.add_argument("--steps", type=int, default=LocalRunConfig.steps, help="RL steps (the LR decays over them)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 64 tiny, 4 pretrained)")
-    p.add_argument("--samples", type=int, default=None, help="samples per prompt, the group (default 8 tiny, 4 pretrained)")
-    p.add_argument("--lr", type=float, default=None, help="default 1e-3 tiny, 3e-5 pretrained")
-    p.add_argument("--warmup-target", type=float, default=None,
-                   help="greedy reward that ends the supervised warm-up (default 0.25 tiny; 0 = none, pretrained)")
-    p.add_argument("--no-router-replay", action="store_true")
-    p.add_argument("--sample-lag", type=int, default=0,
-                   help="sample from the policy N versions behind the trainer (a network run's off-policy lag)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    add_flags(p, TrainLocalFlags)
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    get_env(args.task)  # unknown task names fail here, before any work
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tiny = args.model == TINY_MOE
-    d = TINY_DEFAULTS if tiny else PRETRAINED_DEFAULTS
-    pick = lambda name: d[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
-    cfg = LocalRunConfig(task=args.task, model=args.model, steps=args.steps, prompts=pick("prompts"),
-                         samples=pick("samples"), seed=args.seed, warmup_target=pick("warmup_target"),
-                         max_seq_len=pick("max_seq_len"), eval_n=pick("eval_n"), eval_every=args.eval_every,
-                         sample_lag=args.sample_lag,
-                         trainer=TrainerConfig(lr=pick("lr"), decay_steps=args.steps, temperature=args.temperature,
-                                               updates_per_batch=pick("updates_per_batch"),
-                                               minibatches=pick("minibatches"),
-                                               router_replay=not args.no_router_replay))
-    run(cfg, Path(args.out))
+    from node.config_flags import config_from
+
+    flags = config_from(TrainLocalFlags, args)
+    get_env(flags.task)  # unknown task names fail here, before any work
+    if flags.threads:
+        torch.set_num_threads(flags.threads)
+    profile = {} if flags.model == TINY_MOE else PRETRAINED_DEFAULTS
+    given = flags.model_dump(exclude={"out", "threads", "trainer"}, exclude_none=True)
+    run(LocalRunConfig(**{**profile, **given}), flags.out)
     return 0

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
 from node.model.moe import GroupedExperts, MoEBlock, Routing, expert_counts
-from node.rl.parallel.dims import LayoutError
+from node.distributed.world import LayoutError
 
 
 @dataclass

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from node.engine.fp8.quantize import BLOCK, UnsupportedTensor, quantize_act, reference_gemm
+from node.fp8.quantize import BLOCK, UnsupportedTensor, quantize_act, reference_gemm
 
 
 DEEPGEMM_MAX_TOKENS = 512
@@ -37,7 +37,7 @@ def grouped_backend(device: torch.device | str | None = None) -> str:
         return "torch"
     if choice not in ("auto", "deepgemm"):
         return "triton"
-    from node.engine.fp8.deepgemm import DeepGEMMUnavailable, available, usable
+    from node.fp8.deepgemm import DeepGEMMUnavailable, available, usable
 
     if available() and usable():
         return "deepgemm-masked+triton"
@@ -64,7 +64,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)])."""
     if _use_triton(x):
-        from node.engine.fp8.kernels import quantize_act_triton
+        from node.fp8.kernels import quantize_act_triton
 
         return quantize_act_triton(x.contiguous())
     return quantize_act(x)
@@ -78,7 +78,7 @@ def scaled_gemm(
     if a_q.shape[1] != b_q.shape[1]:
         raise UnsupportedTensor(f"contraction mismatch: {tuple(a_q.shape)} x {tuple(b_q.shape)}^T")
     if _use_triton(a_q):
-        from node.engine.fp8.kernels import gemm_triton
+        from node.fp8.kernels import gemm_triton
 
         return gemm_triton(a_q, b_q, a_s, b_s, b_group_n=b_group_n, out_dtype=out_dtype)
     return reference_gemm(a_q, a_s, b_q, b_s, b_group_n).to(out_dtype)
@@ -103,7 +103,7 @@ def grouped_linear(
     rows any expert can have: the token count) lets decode-sized batches take DeepGEMM.
     """
     if _use_triton(x):
-        from node.engine.fp8.kernels import grouped_gemm_triton
+        from node.fp8.kernels import grouped_gemm_triton
 
         x = x.contiguous()
         if w_s is None:
@@ -111,7 +111,7 @@ def grouped_linear(
         x_q, x_s = quantize_activation(x)
         if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.is_cuda and deepgemm_shape(w)
                 and grouped_backend(x.device) != "triton"):
-            from node.engine.fp8 import deepgemm
+            from node.fp8 import deepgemm
 
             try:
                 return deepgemm.masked_grouped_gemm(x_q, x_s, counts, w, w_s, capacity, out_dtype=x.dtype)

@@ -1,4 +1,4 @@
-"""torchrun entry: `torchrun --nproc-per-node N -m node.rl.parallel.launch --layouts dp2-ep2,cp2`.
+"""torchrun entry: `torchrun --nproc-per-node N -m benchmarks.parallel_parity --layouts dp2-ep2,cp2`.
 
 For each layout it builds the same tiny MoE model in every process, computes the one-process loss
 (policy loss plus the load-balancing loss), gradients and post-step parameters locally (no
@@ -24,17 +24,11 @@ from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.loss import policy_loss, token_logprobs
 from node.rl.parallel.apply import parallelize
-from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
+from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, parse_layout, shutdown_distributed
 from node.rl.parallel.trainer import DistributedTrainer, shard_batch
 from node.rl.trainer import TrainerConfig
 
 log = logging.getLogger("node.rl.parallel")
-
-
-def parse_layout(text: str, fsdp: bool = True, activation_checkpointing: bool = False) -> ParallelDims:
-    """'dp2-ep2-cp2' -> ParallelDims(dp=2, ep=2, cp=2); omitted dims are 1."""
-    sizes = {part[:2]: int(part[2:]) for part in text.split("-")}
-    return ParallelDims(**sizes, fsdp=fsdp, activation_checkpointing=activation_checkpointing)
 
 
 def check_model(seed: int = 0) -> CausalLM:

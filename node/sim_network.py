@@ -1,0 +1,144 @@
+"""The processes of one simulated run: run.toml on free ports of 127.0.0.1, the coordinator, then every
+member as `primerl-node join` (cheaters as node/adversary.py, a parallel trainer under torchrun), and
+their stop: members that end by themselves once the run is done are let go before any signal."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from node.adversary import CHEATS
+from node.run_config import to_toml
+from node.sim_config import SimConfig
+from node.sim_deadline import VLLM_START_S
+from node.sim_devices import place
+from node.sim_procs import Proc, free_port, wait_for
+from protocol.identity import NodeKey
+
+
+def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
+    """torchrun's arguments and the join flags for a trainer layout such as 'dp2-ep2' (None: one process)."""
+    if not layout:
+        return [], []
+    from node.rl.parallel.dims import parse_layout
+
+    dims = parse_layout(layout)
+    return (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dims.world}"],
+            ["--dp", str(dims.dp), "--ep", str(dims.ep), "--cp", str(dims.cp)])
+
+
+@dataclass
+class Network:
+    """The processes of one simulated run and what they were started with."""
+
+    out: Path
+    cfg: SimConfig
+    run_toml: dict
+    """run.toml's values, as the coordinator was launched with them."""
+    keys: dict[str, NodeKey]
+    coordinator: Proc
+    members: dict[str, Proc]
+    cheaters: list[str]
+    t0: float
+
+
+def write_run_toml(out: Path, cfg: SimConfig, keys: dict[str, NodeKey], origin: int, relay_port: int) -> dict:
+    """The run as its coordinator's operator would write it, on free ports of 127.0.0.1 (`origin`: the
+    trainer's shardcast port, `relay_port` the relay's)."""
+    run_id = re.sub(r"[^A-Za-z0-9._-]", "-", f"sim-{cfg.task}-{cfg.seed}")[:64]  # task names may hold ':'
+    run = {"run_id": run_id, "task": cfg.task, "batch_groups": cfg.batch_groups, "group_size": cfg.group_size,
+           "max_off_policy_steps": cfg.max_off_policy_steps, "verification_rate": 1.0, "heartbeat_interval_s": 2.0,
+           "dead_after_missed": 3, "lease_ttl_s": 60.0,
+           "shardcast_sources": [f"http://127.0.0.1:{origin}", f"http://127.0.0.1:{relay_port}"],
+           "trainer": keys["trainer"].peer_id, "validators": [keys["validator"].peer_id],
+           "listen": f"/ip4/127.0.0.1/tcp/{free_port()}", "status_port": free_port(),
+           "recipe": {"steps": cfg.steps, "seed": cfg.seed, **(cfg.recipe or {})}}
+    if cfg.vllm_nodes:
+        run["engines"] = ["builtin", "vllm"]
+    if cfg.model:  # a [model] table (protocol/model_spec.py); the default is the recipe-shaped tiny MoE
+        run["model"] = cfg.model
+    if cfg.fp8 != "off":  # the run serves FP8: nodes follow the spec (no --fp8 flag), the validator recomputes so
+        run["model"] = {**run.get("model", {}), "fp8": cfg.fp8}
+    run.update(cfg.run or {})
+    (out / "run.toml").write_text(to_toml(run))
+    return run
+
+
+def start_network(out: Path, cfg: SimConfig) -> Network:
+    """Keys, run.toml, the coordinator, then every member (vLLM nodes first: their start-up is long)."""
+    placement = cfg.placement or place("cpu", cfg.inference_nodes)
+    out.mkdir(parents=True, exist_ok=True)
+    keys = {name: NodeKey.generate() for name in ["coordinator", "trainer", "validator", "relay",
+                                                  *[f"inference-{i}" for i in range(cfg.inference_nodes)]]}
+    for name, key in keys.items():
+        (out / name).mkdir(exist_ok=True)
+        key.save(out / name / "node.key")
+    origin, relay_port = free_port(), free_port()
+    run = write_run_toml(out, cfg, keys, origin, relay_port)
+    addr_file = out / "coordinator" / "addr"
+    coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",
+                                 str(out / "coordinator"), "--key", str(out / "coordinator" / "node.key"),
+                                 "--addr-file", str(addr_file),
+                                 # the audit at the end reads every accepted unit: nothing may be pruned
+                                 "--retain-versions", str(cfg.steps + 1)], out / "coordinator" / "log.txt")
+    t0 = time.time()
+    coord.start()
+    bootstrap = wait_for(addr_file, coord, 60).splitlines()[0]
+    spec = str(out / "coordinator" / "spec.json")
+    n = cfg.inference_nodes
+    cheater_names = [f"inference-{i}" for i in range(n - cfg.cheaters, n)]
+    kinds = list(cfg.cheat_kinds)  # each cheater's kind, in turn (node/adversary.py: CHEATS, JUNK)
+
+    def member(name: str, role: str, extra: list[str] = (), launcher: list[str] = ()) -> Proc:
+        argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
+                str(out / name / "node.key"), "--workdir", str(out / name), *extra]
+        if name in cheater_names:  # the adversary's program: an inference node with its cheating hook
+            return Proc(name, ["--cheat", kinds[cheater_names.index(name) % len(kinds)], *argv],
+                        out / name / "log.txt", module="node.adversary")
+        return Proc(name, argv, out / name / "log.txt", launcher)
+    launcher, parallel_flags = trainer_launcher(cfg.trainer_parallel)
+    procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags,
+                                                      "--device", placement.trainer], launcher),
+             "validator": member("validator", "validator", ["--device", placement.validator, "--trace-versions"]),
+             "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
+    for i in range(n):
+        name = f"inference-{i}"
+        extra = ["--engine", "vllm"] if i < cfg.vllm_nodes else \
+            ["--engine", cfg.engine, "--device", placement.inference[i],
+             *(["--ep", str(cfg.inference_ep)] if cfg.inference_ep > 1 else []),
+             *(["--gpu-memory-share", str(placement.inference_memory_share(i))]
+               if placement.inference[i].startswith("cuda") else [])]
+        procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
+    vllm_procs = [procs[f"inference-{i}"] for i in range(cfg.vllm_nodes)]
+    for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
+        p.start()
+    try:
+        for p in vllm_procs:
+            wait_for(out / p.name / "engine.ready", p, VLLM_START_S)
+    except (RuntimeError, TimeoutError):
+        for p in [*vllm_procs, coord]:
+            p.stop()
+        raise
+    for p in procs.values():
+        if p not in vllm_procs:
+            p.start()
+    return Network(out, cfg, run, keys, coord, procs, cheater_names, t0)
+
+
+def stop_network(net: Network, status: str) -> None:
+    procs, coord = net.members, net.coordinator
+    if status == "done":  # the trainer exits by itself once done, and the coordinator then ends the run for
+        # every member (exit 0 each, the coordinator after its grace): a SIGTERM now would race their exits
+        end = time.time() + 30
+        for p in [procs["trainer"], *procs.values(), coord]:
+            try:
+                if p.p is not None:
+                    p.p.wait(max(0.1, end - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+    for p in procs.values():
+        p.stop()
+    coord.stop()

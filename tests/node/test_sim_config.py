@@ -1,0 +1,34 @@
+"""A sim's config becomes the run.toml its coordinator launches with: every key the sim sets, none lost."""
+
+from __future__ import annotations
+
+from node.run_config import RunConfig
+from node.sim_config import SimConfig
+from node.sim_network import write_run_toml
+from protocol.identity import NodeKey
+
+
+def _keys() -> dict[str, NodeKey]:
+    return {name: NodeKey.from_seed(name.encode().ljust(32, b".")) for name in ("trainer", "validator")}
+
+
+def test_the_sims_run_toml_loads_as_the_run_the_sim_describes(tmp_path):
+    cfg = SimConfig(task="addition", seed=3, batch_groups=4, group_size=2, max_off_policy_steps=0, steps=7,
+                    fp8="experts", vllm_nodes=1, recipe={"lr": 2e-3}, run={"dead_after_missed": 9})
+    keys = _keys()
+    write_run_toml(tmp_path, cfg, keys, origin=18470, relay_port=18471)
+    run = RunConfig.load(tmp_path / "run.toml")
+    assert (run.task, run.batch_groups, run.group_size, run.max_off_policy_steps) == ("addition", 4, 2, 0)
+    assert (run.recipe.steps, run.recipe.seed, run.recipe.lr) == (7, 3, 2e-3)
+    assert run.model.fp8 == "experts" and run.engines == ["builtin", "vllm"] and run.dead_after_missed == 9
+    assert run.shardcast_sources == ["http://127.0.0.1:18470", "http://127.0.0.1:18471"]
+    assert run.trainer == keys["trainer"].peer_id and run.validators == [keys["validator"].peer_id]
+    assert run.run_id == "sim-addition-3"
+
+
+def test_a_default_sim_runs_the_default_run(tmp_path):
+    write_run_toml(tmp_path, SimConfig(), _keys(), origin=1, relay_port=2)
+    run, default = RunConfig.load(tmp_path / "run.toml"), RunConfig.model_fields
+    assert (run.task, run.batch_groups, run.group_size) == \
+        (default["task"].default, default["batch_groups"].default, default["group_size"].default)
+    assert run.model.fp8 == "off" and run.engines == ["builtin"]
