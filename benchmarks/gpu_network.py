@@ -187,6 +187,15 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
     }
 
 
+def drop_stores(run_dir: Path) -> None:
+    """A finished run's shardcast stores and checkpoints (GBs per role: each keeps its versions) go before
+    the next run starts: on the H200 host's 64 GB disk the second run filled it (after its figures are read)."""
+    import shutil
+
+    for d in [*run_dir.glob("*/shardcast"), *run_dir.glob("*/checkpoint")]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def engine_alone(args, model_run: dict, out: Path) -> dict:
     """The inference role's engine alone, built as `join` builds it (registry, memory plan, graphs), on the
     network's workload (the same task, group size and sampling; as many groups as a step trains), with
@@ -271,6 +280,7 @@ def main() -> None:
     for k in [int(x) for x in args.ks.split(",")]:
         log.info("run k=%d: %s", k, place(args.device, args.inference_nodes).describe())
         runs.append(run_one(args, k, model_run, out / f"k{k}"))
+        drop_stores(out / f"k{k}")
         public = {key: v for key, v in runs[-1].items() if not key.startswith("_")}
         log.info("k=%d: %s", k, json.dumps(public))
         (out / f"k{k}.json").write_text(json.dumps(public, indent=2))  # kept if a later run is cut short
