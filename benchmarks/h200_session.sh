@@ -14,13 +14,15 @@ X=/tmp/extra; rm -rf $X; mkdir -p $X
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/verification/test_judging_on_device.py \
     tests/engine/test_cuda_engine_gpu.py tests/engine/test_memory_plan.py tests/verification/test_cross_device.py \
-    > $X/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $X/gpu_tests.log
+    ${GPU_TESTS:-} > $X/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $X/gpu_tests.log
+fi
+if [ "${FIXTURE:-1}" = 1 ]; then
   timeout 200 python3 -m benchmarks.cross_device_fixture --device cuda --out $X/fixture-h200 > $X/fixture.log 2>&1
   echo "fixture rc=$?"; tail -1 $X/fixture.log | cut -c1-600
   timeout 120 python3 -m benchmarks.cross_device_fixture --judge tests/fixtures/cross_device --device cuda \
     > $X/judge_cpu_fixture_on_gpu.log 2>&1; echo "judge rc=$?"; tail -1 $X/judge_cpu_fixture_on_gpu.log | cut -c1-600
-  (cd /tmp && tar czf $OUT/extra.tgz extra)
 fi
+(cd /tmp && tar czf $OUT/extra.tgz extra)
 [ "${NET:-1}" = 1 ] || exit 0
 timeout 150 python3 -m benchmarks.gpu_preflight > $OUT/preflight.log 2>&1; tail -1 $OUT/preflight.log | cut -c1-600
 NET=/tmp/net; rm -rf $NET
