@@ -97,8 +97,9 @@ class Trainer:
         single = self.cfg.updates_per_batch == 1 and self.cfg.minibatches == 1
         metrics: dict[str, float] = {"lr": self.learning_rate()}
         if not single:
-            with torch.no_grad():
-                logp, _ = self.logprobs(batch)
+            with torch.no_grad():  # in the minibatches' rows: a whole batch's logits at once can exceed the GPU
+                logp = torch.cat([self.logprobs(batch.select(rows))[0]
+                                  for rows in torch.arange(len(batch)).chunk(self.cfg.minibatches)])
                 before = policy_loss(logp, batch.inference_logprobs, batch.advantages, batch.loss_mask, self.cfg.loss)
             metrics["mismatch_kl"] = before.mismatch_kl
         aux_coef = self.model.config.router_aux_loss_coef

@@ -45,3 +45,20 @@ def test_group_advantages_are_relative_and_zero_for_uniform_groups():
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.5, 0.5], [0.3, 0.3, 0.3, 0.3]]))
     assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
     assert torch.equal(adv[1], torch.zeros(4))
+
+
+def test_token_logprobs_in_chunks_equal_the_whole_batch_form_in_value_and_gradient(monkeypatch):
+    import node.rl.loss as loss_mod
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, 33, dtype=torch.float64).float().requires_grad_()
+    targets = torch.randint(0, 33, (5, 7))
+    whole = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (g_whole,) = torch.autograd.grad(whole.sum(), logits)
+    monkeypatch.setattr(loss_mod, "LOGPROB_CHUNK_BYTES", 4 * 7 * 33 * 2)  # two rows a chunk: three chunks
+    chunked = loss_mod.token_logprobs(logits, targets, 0.7)
+    (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+    assert chunked.shape == (5, 7)
+    assert torch.allclose(chunked, whole, atol=1e-5) and torch.allclose(g_chunked, g_whole, atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(loss_mod.token_logprobs(logits, targets, 0.7), whole, atol=1e-5)
