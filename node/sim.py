@@ -232,6 +232,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    # each process's starts, SIGKILLs and stops (Unix seconds): benchmarks.step_time times restarts with them
+    (out / "events.json").write_text(json.dumps({"t0": t0, **{p.name: p.events for p in [coord, *procs.values()]}}))
     plot_report(out / "report.png", rows, {p.name: p.events for p in [coord, *procs.values()]}, t0, summary)
     return summary
 

@@ -23,7 +23,7 @@ from protocol.envelope import open_envelope
 from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollout, LeaseExpired, MalformedMessage,
                              NotLeaseHolder, NotMember, Refused, ReplayedMessage, SpecMismatch, UnknownLease)
 from protocol.ledger import OffPolicyLedger
-from protocol.membership import MembershipConfig, MembershipView
+from protocol.membership import FIRST_BEAT_GRACE, MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutGroup, RolloutSubmission,
                                RunSpec, SubmissionReceipt)
 from protocol.store import AcceptedRollout, CoordinatorStore, Pruned
@@ -122,15 +122,23 @@ class Coordinator:
 
     def sweep(self, now: float) -> tuple[list[str], list[int]]:
         """Eject dead members and return (dead peer ids, work ids put back in the pool)."""
-        dead = self.view.sweep(now)
+        dead = self.view.sweep_members(now)
+        interval = self.spec.heartbeat_interval_s
         with self.store as db:
             released: list[int] = []
-            for peer_id in dead:
-                log.info("member %s missed %d heartbeats: dead, ejected", peer_id, self.spec.dead_after_missed)
-                db.delete_member(peer_id)
-                released += db.release_leases_of(peer_id)
+            for m in dead:
+                if m.beats == 0:  # the first beat's deadline counts from the join (MembershipView, FIRST_BEAT_GRACE)
+                    log.info("member %s (%s) sent no heartbeat in the %.0f s since it joined (or since this "
+                             "coordinator started), %d intervals of %.1f s allowed: dead, ejected", m.peer_id,
+                             m.role, now - m.joined_at, self.spec.dead_after_missed * FIRST_BEAT_GRACE, interval)
+                else:
+                    log.info("member %s (%s) missed %d heartbeats (last %.0f s ago, %d beats since it joined %.0f s "
+                             "ago): dead, ejected", m.peer_id, m.role, self.spec.dead_after_missed, now - m.last_seen,
+                             m.beats, now - m.joined_at)
+                db.delete_member(m.peer_id)
+                released += db.release_leases_of(m.peer_id)
             expired = db.release_expired(now)
-        return dead, released + expired
+        return [m.peer_id for m in dead], released + expired
 
     # ---- policy versions ---------------------------------------------------------------------
     def advance_policy(self, version: int, manifest_hash: str, now: float) -> list[int]:

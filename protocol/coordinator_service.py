@@ -19,7 +19,8 @@ from protocol.envelope import Opened
 from protocol.errors import NotAuthorized, NotMember, ProtocolError
 from protocol import pipeline
 from protocol.identity import NodeKey
-from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrants,
+from protocol.messages import (Ban, BatchRequest, Heartbeat, Join, JoinAccepted, JoinAgain, LeaseBatchRequest,
+                               LeaseGrants,
                                Leave, Message, Ok, PolicyAnnounce, PublishPolicy,
                                RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch, SubmissionReceipt,
                                VerdictBatch, VerifyRequest, WorkCancel, RunEnd)
@@ -50,6 +51,8 @@ class CoordinatorService:
         self._seq = 0
         self._pending: list[tuple[Opened, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self._refused_beats: dict[str, float] = {}
+        """Peer -> when its last refused heartbeat was logged and answered (`_tell_to_join_again`)."""
         self.selector = selector
         """work id -> whether it needs a validator's verdict before it may enter a batch."""
         self.on_verdicts: list = []
@@ -92,8 +95,12 @@ class CoordinatorService:
         self._flush_guard()
 
     def _member_alive(self, handler):
-        """A member's request keeps it alive like a heartbeat does (MembershipView.touch)."""
+        """A member's request keeps it alive like a heartbeat does (MembershipView.touch). A request from a
+        peer that is not a member (ejected as dead, or unknown to this coordinator) is refused with
+        `NotMember`: its client joins again and retries, so a live member never stays out of the view."""
         async def serve(o: Opened):
+            if o.signer != self.key.peer_id and o.signer not in self.state.view.members:
+                raise NotMember(f"{o.signer} is not a member (ejected as dead, or never joined); join again")
             self.state.view.touch(o.signer, time.time())
             return await handler(o)
         return serve
@@ -215,10 +222,29 @@ class CoordinatorService:
     async def _on_gossip(self, o: Opened) -> None:
         msg = o.message
         if isinstance(msg, Heartbeat):
-            self.state.heartbeat(o.signer, msg, time.time())
+            try:
+                self.state.heartbeat(o.signer, msg, time.time())
+            except NotMember as exc:
+                await self._tell_to_join_again(o.signer, msg, exc)
         elif isinstance(msg, Leave):
             released = self.state.leave(o.signer, time.time(), stamp_ms=o.timestamp_ms)
             log.info("member %s left (%s); %d leases back in the pool", o.signer, msg.reason, len(released))
+
+    async def _tell_to_join_again(self, peer_id: str, beat: Heartbeat, exc: NotMember) -> None:
+        """A heartbeat from a non-member: gossip a signed `JoinAgain` naming it (the member joins again), and
+        log it, each at most once per peer per heartbeat interval (not once per heartbeat)."""
+        now = time.monotonic()
+        if now - self._refused_beats.get(peer_id, float("-inf")) < self.spec.heartbeat_interval_s:
+            return
+        self._refused_beats[peer_id] = now
+        if len(self._refused_beats) > 4096:  # bounded: forget the oldest
+            for p in sorted(self._refused_beats, key=self._refused_beats.get)[:1024]:
+                del self._refused_beats[p]
+        log.info("heartbeat %d from %s (%s) refused: %s; told to join again", beat.seq, peer_id, beat.role, exc)
+        try:
+            await self.publish(JoinAgain(peer_id=peer_id, heartbeat_seq=beat.seq, reason=str(exc)[:500]))
+        except ProtocolError as send_exc:
+            log.warning("join-again notice to %s not sent: %s", peer_id, send_exc)
 
     async def _sweeper(self) -> None:
         while True:

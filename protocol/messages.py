@@ -429,6 +429,19 @@ class Ok(Message):
     type: Literal["ok"] = "ok"
 
 
+class JoinAgain(Message):
+    """Coordinator -> everyone (gossip): a heartbeat of `peer_id` was refused because it is not a member
+    (ejected as dead, or never joined this coordinator's state); that member joins again."""
+
+    type: Literal["join_again"] = "join_again"
+    peer_id: PeerIdStr
+    """The member whose heartbeat was refused."""
+    heartbeat_seq: int = Field(ge=0, le=MAX_INT64)
+    """The refused heartbeat's seq: a member that has joined since (after beating that seq) ignores it."""
+    reason: Reason = ""
+    """Why it is not a member (for logs)."""
+
+
 VerdictBatch.model_rebuild()
 
 
@@ -436,7 +449,7 @@ AnyMessage = Annotated[
     Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseGrant,
           RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup,
           LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy,
-          RunEnd],
+          RunEnd, JoinAgain],
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
@@ -444,7 +457,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (RunSpec, Join, JoinAccepted, Heartbe
                                             LeaseGrant, RolloutSubmission, SubmissionReceipt,
                                             Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup, LeaseBatchRequest,
                                             LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch,
-                                            PublishPolicy, RunEnd)
+                                            PublishPolicy, RunEnd, JoinAgain)
 MAX_BODY_BYTES = max(t.max_body_bytes for t in MESSAGE_TYPES)
 
 

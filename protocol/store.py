@@ -400,6 +400,10 @@ class CoordinatorStore:
     def verdicts(self) -> dict[int, bool]:
         return {r[0]: bool(r[1]) for r in self._q("SELECT work_id, valid FROM verdicts")}
 
+    def verdict_times(self) -> dict[int, float]:
+        """Work id -> when its verdict was recorded (benchmarks.step_time's timeline)."""
+        return dict(self._q("SELECT work_id, at FROM verdicts"))
+
     def batch_of(self, step: int) -> list[int]:
         return [r[0] for r in self._q("SELECT work_id FROM accepted INDEXED BY accepted_batch WHERE batch_step=? "
                                       "ORDER BY work_id", step)]

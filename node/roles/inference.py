@@ -215,6 +215,7 @@ class InferenceNode:
         return self.leases_per_request * self.spec.group_size
 
     async def _one_round(self, client: CoordinatorClient) -> None:
+        t_lease = time.time()
         try:
             grants = await client.lease(self.leases_per_request, holds_version=self._newest_loaded)
         except Refused as exc:
@@ -226,12 +227,7 @@ class InferenceNode:
             return
         t0 = time.time()
         groups = await asyncio.to_thread(self._roll_out, grants)
-        if self.on_round:
-            subs = [sub for group in groups for sub in group.rollouts]
-            row = {"t0": t0, "t1": time.time(), "groups": len(groups), "tokens": sum(s.n_tokens for s in subs),
-                   "versions": sorted({v for s in subs for v in s.token_versions})}
-            for hook in self.on_round:
-                hook(row)
+        t1 = time.time()
         wait = self.recipe.tool_wait_s
         for grant, group in zip(grants, groups):
             if wait <= 0:
@@ -240,6 +236,14 @@ class InferenceNode:
                 task = asyncio.create_task(self._finish(client, grant, group, tool_wait(grant.seed, wait)))
                 self._waiting.add(task)
                 task.add_done_callback(self._waiting.discard)
+        if self.on_round:  # t_lease: lease asked; t0-t1: the engine's round; t_submitted: its groups answered
+            subs = [sub for group in groups for sub in group.rollouts]
+            row = {"t_lease": t_lease, "t0": t0, "t1": t1, "t_submitted": time.time() if wait <= 0 else None,
+                   "groups": len(groups), "tokens": sum(s.n_tokens for s in subs),
+                   "versions": sorted({v for s in subs for v in s.token_versions}),
+                   "lease_versions": sorted({g.policy_version for g in grants})}
+            for hook in self.on_round:
+                hook(row)
         while len(self._waiting) >= MAX_WAITING_GROUPS:
             await asyncio.wait(set(self._waiting), return_when=asyncio.FIRST_COMPLETED)
 

@@ -14,7 +14,7 @@ from protocol.envelope import MAX_ENVELOPE_BYTES, ReplayGuard, open_envelope, se
 from protocol.errors import (ExpiredMessage, InvalidSignature, MalformedMessage, MessageTooLarge, ProtocolError,
                              ReplayedMessage, WrongRun)
 from protocol.identity import NodeKey
-from protocol.messages import (MESSAGE_TYPES, BatchRequest, LeaseBatchRequest, LeaseGrants, PublishPolicy, RolloutGroup,
+from protocol.messages import (MESSAGE_TYPES, BatchRequest, JoinAgain, LeaseBatchRequest, LeaseGrants, PublishPolicy, RolloutGroup,
                                StoredWork, StoredWorkBatch, VerdictBatch, VerifyRequest, Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, Ok,
                                PeerAddress, PolicyAnnounce, Refusal, RolloutSubmission, RunEnd, RunSpec, SubmissionReceipt,
                                Verdict, WorkCancel, decode_message, encode_message)
@@ -52,6 +52,7 @@ SAMPLES = {
     StoredWorkBatch: StoredWorkBatch(step=5, items=[StoredWork(work_id=9, task_index=1, seed=2, envelope=b"x" * 40)]),
     VerdictBatch: VerdictBatch(verdicts=[Verdict(work_id=9, submitter=OTHER.peer_id, valid=True)]),
     PublishPolicy: PublishPolicy(version=5, manifest_hash="cd" * 32),
+    JoinAgain: JoinAgain(peer_id=OTHER.peer_id, heartbeat_seq=12, reason="ejected as dead"),
 }
 FUZZ_CASES = 10_000
 
