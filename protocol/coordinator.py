@@ -159,19 +159,24 @@ class Coordinator:
         return pruned
 
     # ---- leases ------------------------------------------------------------------------------
-    def grant_lease(self, peer_id: str, now: float, ttl_s: float | None = None) -> LeaseGrant:
-        """`ttl_s`: this lease's lifetime (default the spec's; shorter for new identities)."""
+    def grant_lease(self, peer_id: str, now: float, ttl_s: float | None = None,
+                    holds_version: int | None = None) -> LeaseGrant:
+        """`ttl_s`: this lease's lifetime (default the spec's; shorter for new identities). `holds_version`:
+        the newest policy the holder has loaded; the lease is recorded at the older of it and the newest
+        announced (the rollout's oldest token is at best that version: the lease budget and the
+        cancellation of leases that cannot finish count from it)."""
         self.check_member(peer_id, now)
         version = self.ledger.current_version
+        rolls_with = version if holds_version is None else max(0, min(version, holds_version))
         deadline = now + (self.spec.lease_ttl_s if ttl_s is None else ttl_s)
         with self.store as db:
             pending = db.first_pending()
             if pending is None:
                 task, seed = derive_work(self.spec.run_id, version, db.next_work_id(), self.spec.tasks_per_step)
-                work_id = db.mint_work(version, task, seed, peer_id, deadline)
+                work_id = db.mint_work(version, task, seed, peer_id, deadline, lease_version=rolls_with)
             else:
                 work_id, task, seed = pending
-                db.lease(work_id, peer_id, version, deadline)
+                db.lease(work_id, peer_id, rolls_with, deadline)
         return LeaseGrant(work_id=work_id, holder=peer_id, policy_version=version, task_index=task, seed=seed,
                           deadline=deadline)
 
