@@ -155,6 +155,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     coordinator_restarted, next_churn, status = False, time.time() + churn_every[0], "timeout"
     reached_at, reported, checked, done_steps = None, 0, 0, 0
     interrupted = []
+    view_at: tuple[float, dict[str, str]] = (0.0, {})  # when, and the coordinator's view (peer id -> state)
     # Ctrl-C / SIGTERM end the run early but still stop every child (they run in their own sessions).
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, lambda *_: interrupted.append(1)) for sig in (signal.SIGTERM, signal.SIGINT)} \
@@ -195,6 +196,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             if reached_at is not None and done_steps >= reached_at + stop_after_target:
                 status = "target reached"
                 break
+        if time.time() - view_at[0] >= VIEW_EVERY_S:
+            view_at = (time.time(), _membership_view(cfg["status_port"]) or view_at[1])
         if done_steps >= reported + PROGRESS_EVERY:
             reported = done_steps
             rate = (time.time() - t0) / done_steps
@@ -228,6 +231,7 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     summary["coordinator_restarts"] = int(coordinator_restarted)
     summary["inference_kills"] = sum(what == "kill" for p in procs.values() for _, what in p.events)
     summary["exit_codes"] = exit_codes
+    summary.update(membership_at_end(out, keys, cheater_names, view_at, procs))
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
@@ -243,6 +247,36 @@ def check_vllm_nodes(inference_nodes: int, cheaters: int, vllm_nodes: int) -> No
         raise ValueError("--vllm-nodes counts honest inference nodes: at most --inference-nodes minus --cheaters")
     if not os.environ.get("PRIMERL_VLLM_PYTHON"):
         raise ValueError("--vllm-nodes needs PRIMERL_VLLM_PYTHON (the python of vLLM's own environment)")
+
+
+VIEW_EVERY_S = 5.0
+"""How often the sim reads the coordinator's membership view (its status page) for `membership_at_end`."""
+
+
+def _membership_view(port: int) -> dict[str, str] | None:
+    """Peer id -> state ("alive", "unhealthy", "dead") in the coordinator's view now, or None if unreachable."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=2) as r:
+            return {m["peer_id"]: m["state"] for m in json.loads(r.read())["members"]}
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: tuple[float, dict[str, str]],
+                      procs: dict[str, Proc]) -> dict:
+    """Honest members the coordinator did not count alive in its last view before the end (an inference node
+    SIGKILLed in the 15 s before that view is excused: it is restarting), and the ejections its log names."""
+    at, view = view_at
+    killed = {name for name, p in procs.items() if any(w == "kill" and at - 15 <= t <= at for t, w in p.events)}
+    honest = [n for n in keys if n != "coordinator" and n not in cheater_names]
+    missing = sorted(n for n in honest if view.get(keys[n].peer_id) != "alive" and n not in killed)
+    log_text = (out / "coordinator" / "log.txt").read_text(errors="replace") if view else ""
+    ejected = {n: c for n in honest if (c := sum("ejected" in line and keys[n].peer_id in line
+                                                   for line in log_text.splitlines()))}
+    return {"honest_not_alive_at_end": missing, "honest_ejections": ejected, "view_read_s_before_end": round(
+        time.time() - at, 1) if at else None}
 
 
 VLLM_MIN_HIDDEN = 128

@@ -37,6 +37,12 @@ then (their signed stamps are stored with the membership change itself)."""
 MAX_GROUP = 256
 """Most submissions stored by one fsync + commit (bounds the latency of the last one in a group)."""
 
+HOLD_S = 3.0
+"""How long a request that would be answered "nothing yet" (a batch not complete, no lease room, nothing to
+verify) is held, answered as soon as the pipeline moves (a submission stored, a verdict, a version, leases
+back in the pool), instead of being polled for: a trainer asked for its batch every 50 ms and every ask
+carried the whole partial batch's bytes (issue 28). Well under the clients' request timeouts (10 s, 30 s)."""
+
 
 class CoordinatorService:
     def __init__(self, key: NodeKey, coordinator: Coordinator, host: PeerHost,
@@ -51,6 +57,11 @@ class CoordinatorService:
         self._seq = 0
         self._pending: list[tuple[Opened, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self.hold_s = min(HOLD_S, coordinator.spec.heartbeat_interval_s)
+        """How long an empty answer is held (`HOLD_S`, at most a heartbeat interval: a member waiting on
+        its answer is touched as alive when it comes; 0: answered at once)."""
+        self._moved = asyncio.Event()
+        """Set (and replaced) whenever the pipeline moves: held requests look again (`_hold`)."""
         self._refused_beats: dict[str, float] = {}
         """Peer -> when its last refused heartbeat was logged and answered (`_tell_to_join_again`)."""
         self.selector = selector
@@ -102,7 +113,9 @@ class CoordinatorService:
             if o.signer != self.key.peer_id and o.signer not in self.state.view.members:
                 raise NotMember(f"{o.signer} is not a member (ejected as dead, or never joined); join again")
             self.state.view.touch(o.signer, time.time())
-            return await handler(o)
+            reply = await handler(o)
+            self.state.view.touch(o.signer, time.time())  # it waited on a held answer (`_hold`): alive all along
+            return reply
         return serve
 
     def _flush_guard(self) -> None:
@@ -117,6 +130,25 @@ class CoordinatorService:
             except Exception:
                 log.exception("persisting the replay guard failed")
 
+    def _pipeline_moved(self) -> None:
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+    async def _hold(self, answer, ready):
+        """`answer()` once `ready(it)`, or after `hold_s`; looked at again each time the pipeline moves."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.hold_s
+        while True:
+            moved = self._moved
+            result = answer()
+            left = end - loop.time()
+            if ready(result) or left <= 0:
+                return result
+            try:
+                await asyncio.wait_for(moved.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
     # ---- requests ------------------------------------------------------------------------------
     async def _on_join(self, o: Opened) -> JoinAccepted:
         reply = self.state.join(o.signer, o.message, time.time(), stamp_ms=o.timestamp_ms)
@@ -125,9 +157,11 @@ class CoordinatorService:
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
         cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
-        return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
-                                                        policy=self.lease_policy,
-                                                        holds_version=o.message.policy_version))
+        grants = await self._hold(
+            lambda: pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
+                                          policy=self.lease_policy, holds_version=o.message.policy_version),
+            lambda granted: bool(granted) or o.message.count == 0)
+        return LeaseGrants(grants=grants)
 
     def _require(self, peer_id: str, role: str, allowed: list[str]) -> None:
         """Only the spec's named peers (or, if it names none, members of `role`) may do this."""
@@ -149,17 +183,22 @@ class CoordinatorService:
 
     async def _on_batch_request(self, o: Opened) -> StoredWorkBatch:
         self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
-        ids = pipeline.assign_batch(self.state, o.message.step, o.message.groups, self.selector)
-        return StoredWorkBatch(step=o.message.step, items=pipeline.stored(self.state, ids))
+        step, groups = o.message.step, o.message.groups
+        ids = await self._hold(lambda: pipeline.assign_batch(self.state, step, groups, self.selector),
+                               lambda assigned: len(assigned) >= groups)
+        # an incomplete batch goes back without its units' bytes: the trainer asks again for all of it
+        return StoredWorkBatch(step=step, items=pipeline.stored(self.state, ids) if len(ids) >= groups else [])
 
     async def _on_verify_request(self, o: Opened) -> StoredWorkBatch:
         self._require_validator(o.signer)
-        ids = pipeline.to_verify(self.state, o.message.max_items, self.selector, o.signer)
+        ids = await self._hold(lambda: pipeline.to_verify(self.state, o.message.max_items, self.selector, o.signer),
+                               bool)
         return StoredWorkBatch(items=pipeline.stored(self.state, ids))
 
     async def _on_verdicts(self, o: Opened) -> Ok:
         self._require_validator(o.signer)
         offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time(), self.judging)
+        self._pipeline_moved()
         for cb in self.on_verdicts:
             cb(o.signer, o.message.verdicts)
         for peer_id, reason in dict(offenders).items():
@@ -214,6 +253,7 @@ class CoordinatorService:
             except Exception as exc:  # e.g. disk full: nobody in this group is acknowledged
                 log.exception("storing %d submissions failed", len(batch))
                 results = [exc] * len(batch)
+            self._pipeline_moved()
             for (_, fut), result in zip(batch, results):
                 if not fut.done():
                     fut.set_exception(result) if isinstance(result, Exception) else fut.set_result(result)
@@ -228,6 +268,7 @@ class CoordinatorService:
                 await self._tell_to_join_again(o.signer, msg, exc)
         elif isinstance(msg, Leave):
             released = self.state.leave(o.signer, time.time(), stamp_ms=o.timestamp_ms)
+            self._pipeline_moved()
             log.info("member %s left (%s); %d leases back in the pool", o.signer, msg.reason, len(released))
 
     async def _tell_to_join_again(self, peer_id: str, beat: Heartbeat, exc: NotMember) -> None:
@@ -252,6 +293,7 @@ class CoordinatorService:
             try:
                 dead, released = self.state.sweep(time.time())
                 if dead or released:
+                    self._pipeline_moved()
                     log.info("sweep: dead %s; work back in the pool %s", dead, released)
             except Exception:
                 log.exception("sweep failed")
@@ -272,6 +314,7 @@ class CoordinatorService:
     async def announce_policy(self, version: int, manifest_hash: str) -> list[int]:
         """Record and gossip a new policy version; cancel (and gossip) leases now too stale."""
         stale = self.state.advance_policy(version, manifest_hash, time.time())
+        self._pipeline_moved()
         await self.publish(PolicyAnnounce(version=version, manifest_hash=manifest_hash))
         if stale:
             await self.publish(WorkCancel(work_ids=stale, policy_version=version))
@@ -279,6 +322,7 @@ class CoordinatorService:
 
     async def ban(self, peer_id: str, reason: str, until: float | None = None) -> None:
         self.state.ban(peer_id, reason, time.time(), until)
+        self._pipeline_moved()
         await self.publish(Ban(peer_id=peer_id, reason=reason, until=until))
 
     async def publish(self, message: Message) -> None:

@@ -229,10 +229,10 @@ class InferenceNode:
         groups = await asyncio.to_thread(self._roll_out, grants)
         t1 = time.time()
         wait = self.recipe.tool_wait_s
-        for grant, group in zip(grants, groups):
-            if wait <= 0:
-                await self._finish(client, grant, group, 0.0)
-            else:  # episodes wait on their tools concurrently while the engine starts the next round
+        if wait <= 0:  # the round's groups at once: one group commit at the coordinator, not one round trip each
+            await asyncio.gather(*(self._finish(client, grant, group, 0.0) for grant, group in zip(grants, groups)))
+        else:  # episodes wait on their tools concurrently while the engine starts the next round
+            for grant, group in zip(grants, groups):
                 task = asyncio.create_task(self._finish(client, grant, group, tool_wait(grant.seed, wait)))
                 self._waiting.add(task)
                 task.add_done_callback(self._waiting.discard)
