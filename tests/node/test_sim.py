@@ -22,6 +22,7 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert s["max_off_policy_seen"] <= s["max_off_policy_steps"] == 1
     assert s["honest_banned"] == 0 and s["rollouts_rejected"] == 0  # honest work passes verification
     assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]  # clean SIGTERM shutdown
+    assert s["honest_not_alive_at_end"] == [] and s["honest_ejections"] == {}  # every member alive throughout
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # publication of version s overlaps gathering batch s+1 (k = 1), and step s+1 trains only after it is out
@@ -81,6 +82,7 @@ def test_churn_and_a_cheater_lose_nothing_and_ban_only_the_cheater(tmp_path):
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
     assert s["cheaters"] == 1 and s["cheaters_banned"] == 1 and s["honest_banned"] == 0
     assert s["rollouts_rejected"] > 0
+    assert s["honest_not_alive_at_end"] == []  # a member ejected while alive joins again (issue 28)
     assert s["max_off_policy_seen"] <= s["max_off_policy_steps"]
 
 
