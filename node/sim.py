@@ -30,8 +30,8 @@ from pathlib import Path
 from node.adversary import CHEATS
 from node.sim_procs import Proc, count_lines, free_port, wait_for
 from node.recipe import DEFAULT as DEFAULT_RECIPE
-from node.sim_deadline import (COORDINATOR_KILL_STEP, PROGRESS_EVERY, STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S,
-                               STOP_AFTER_TARGET, VLLM_START_S, Deadline, plan, timeout_for)
+from node.sim_deadline import (COORDINATOR_KILL_STEP, MEASURED, PROGRESS_EVERY, STALL_S, START_ALLOWANCE_S,
+                               STEP_ALLOWANCE_S, STOP_AFTER_TARGET, VLLM_START_S, Deadline, plan, timeout_for)
 from node.sim_devices import Placement, place
 from node.sim_report import REWARD_TARGET, plot_report, summarize
 from node.run_config import RunConfig, to_toml
@@ -200,10 +200,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             view_at = (time.time(), _membership_view(cfg["status_port"]) or view_at[1])
         if done_steps >= reported + PROGRESS_EVERY:
             reported = done_steps
-            rate = (time.time() - t0) / done_steps
-            log.info("step %d of at most %d: %.1f s/step so far; %s", done_steps, steps, rate,
-                     "reward target reached" if reached_at else
-                     f"at most {(steps - done_steps) * rate / 60:.0f} min to go")
+            log.info("%s", progress_line(done_steps, steps, time.time() - t0, reached_at is not None,
+                                         stop_after_target, os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0))
         if churn and not coordinator_restarted and done_steps >= max(2, min(steps // 3, COORDINATOR_KILL_STEP)):
             log.info("churn: SIGKILL coordinator at step %d", done_steps)
             coord.kill()
@@ -247,6 +245,21 @@ def check_vllm_nodes(inference_nodes: int, cheaters: int, vllm_nodes: int) -> No
         raise ValueError("--vllm-nodes counts honest inference nodes: at most --inference-nodes minus --cheaters")
     if not os.environ.get("PRIMERL_VLLM_PYTHON"):
         raise ValueError("--vllm-nodes needs PRIMERL_VLLM_PYTHON (the python of vLLM's own environment)")
+
+
+def progress_line(done: int, steps: int, elapsed: float, reached: bool, stop_after: int | None, load: float) -> str:
+    """How the run goes, from its own pace so far (it follows a machine that slows down): the time to the
+    step limit, and to the target if it comes at the step the committed run reached it."""
+    rate = elapsed / done
+    line = f"step {done} of at most {steps}: {rate:.1f} s/step so far (load average {load:.0f})"
+    if reached:
+        return line + "; reward target reached"
+    left = f"~{(steps - done) * rate / 60:.0f} min to step {steps} at this pace"
+    at = MEASURED["target_step"] + (stop_after or 0)
+    if stop_after is not None and done < at:
+        left = f"~{(at - done) * rate / 60:.0f} min to the end if the target comes at step ~{MEASURED['target_step']} " \
+               f"as measured, {left}"
+    return f"{line}; {left}"
 
 
 VIEW_EVERY_S = 5.0

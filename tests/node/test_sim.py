@@ -50,6 +50,16 @@ def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting
     assert "busy (load average 30 on 2 cores)" in plan(500, 10, timeout_for(500), load=(30.0, 2))
 
 
+def test_progress_lines_follow_the_pace_measured_so_far_and_name_the_load():
+    from node.sim import progress_line
+
+    quick, slow = progress_line(25, 500, 100.0, False, None, 1.0), progress_line(25, 500, 400.0, False, None, 20.0)
+    assert "4.0 s/step" in quick and "~32 min to step 500" in quick  # 475 steps left at 4 s
+    assert "16.0 s/step" in slow and "~127 min to step 500" in slow and "load average 20" in slow
+    assert "the target comes at step" in progress_line(25, 500, 100.0, False, 10, 1.0)
+    assert progress_line(300, 500, 600.0, True, 10, 1.0).endswith("reward target reached")
+
+
 def test_a_slow_run_that_progresses_goes_on_and_a_stalled_one_ends():
     d = Deadline(steps=100, limit=timeout_for(100))  # 780 s
     assert d.check(0, 100) is None
