@@ -281,6 +281,10 @@ class CoordinatorService:
         if len(self._refused_beats) > 4096:  # bounded: forget the oldest
             for p in sorted(self._refused_beats, key=self._refused_beats.get)[:1024]:
                 del self._refused_beats[p]
+        ban = self.state.store.ban_of(peer_id)
+        if ban and (ban[1] is None or ban[1] > time.time()):  # a banned peer is not asked back
+            log.info("heartbeat %d from %s (%s) refused: banned (%s)", beat.seq, peer_id, beat.role, ban[0])
+            return
         log.info("heartbeat %d from %s (%s) refused: %s; told to join again", beat.seq, peer_id, beat.role, exc)
         try:
             await self.publish(JoinAgain(peer_id=peer_id, heartbeat_seq=beat.seq, reason=str(exc)[:500]))

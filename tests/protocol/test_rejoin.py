@@ -135,3 +135,26 @@ def test_the_first_heartbeat_is_due_from_the_join_with_a_grace_and_the_log_says_
         assert len(said) == 1 and "since it joined" in said[0] and "no heartbeat" in said[0]
     finally:
         state.close()
+
+
+def test_a_banned_peer_that_keeps_beating_is_not_asked_back(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck, heartbeat_interval_s=INTERVAL, dead_after_missed=DEAD_AFTER)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        member = await start_member(spec, coord.host.addrs[0])
+        member.on_end.clear()
+        peer = member.key.peer_id
+        try:
+            coord.state.ban(peer, "forged proofs", time.time())  # banned in the store, its gossip not sent
+            await eventually(lambda: any("banned" in r.getMessage() and peer in r.getMessage()
+                                         and "heartbeat" in r.getMessage() for r in caplog.records), 10,
+                             "a refused heartbeat of the banned peer")
+            await asyncio.sleep(3 * INTERVAL)
+            assert member.rejoins == 0 and peer not in coord.state.view.members
+            assert not any("told to join again" in r.getMessage() and peer in r.getMessage() for r in caplog.records)
+        finally:
+            await stop_all(coord, [member])
+    run(body(), 60)
