@@ -43,7 +43,7 @@ def _med(xs: list[float]) -> float | None:
 
 
 def _share(part: float, whole: float) -> float | None:
-    return round(part / whole, 3) if whole > 0 else None
+    return round(part / whole, 4) if whole > 0 else None
 
 
 def trainer_stages(rows: list[dict]) -> dict:

@@ -279,17 +279,17 @@ def _membership_view(port: int) -> dict[str, str] | None:
 
 def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: tuple[float, dict[str, str]],
                       procs: dict[str, Proc]) -> dict:
-    """Honest members the coordinator did not count alive in its last view before the end (an inference node
-    SIGKILLed in the 15 s before that view is excused: it is restarting), and the ejections its log names."""
+    """Honest members the coordinator did not count alive in its last view (read every `VIEW_EVERY_S` until the
+    run ended; an inference node SIGKILLed in the 15 s before that view is excused: it is restarting), and how
+    often its log ejected each as dead (churn's SIGKILLs eject inference nodes, as they should)."""
     at, view = view_at
     killed = {name for name, p in procs.items() if any(w == "kill" and at - 15 <= t <= at for t, w in p.events)}
     honest = [n for n in keys if n != "coordinator" and n not in cheater_names]
     missing = sorted(n for n in honest if view.get(keys[n].peer_id) != "alive" and n not in killed)
     log_text = (out / "coordinator" / "log.txt").read_text(errors="replace") if view else ""
-    ejected = {n: c for n in honest if (c := sum("ejected" in line and keys[n].peer_id in line
+    ejected = {n: c for n in honest if (c := sum("dead, ejected" in line and keys[n].peer_id in line
                                                    for line in log_text.splitlines()))}
-    return {"honest_not_alive_at_end": missing, "honest_ejections": ejected, "view_read_s_before_end": round(
-        time.time() - at, 1) if at else None}
+    return {"honest_not_alive_at_end": missing, "honest_ejections": ejected}
 
 
 VLLM_MIN_HIDDEN = 128
