@@ -60,7 +60,8 @@ class RunMember:
         """Our heartbeat seq when our last join was sent: a `JoinAgain` about a beat up to it is about an
         earlier incarnation of our membership, and is ignored."""
         self.rejoins = 0
-        """Joins after the first (told by the coordinator, or by a `NotMember` answer to a request)."""
+        """Join attempts after the first (told by the coordinator, a `NotMember` answer to a request, or a
+        first join retried)."""
 
     @property
     def coordinator(self) -> str:
