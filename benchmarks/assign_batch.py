@@ -42,7 +42,7 @@ def assign_batch_full_scan(state: Coordinator, step: int, size: int, selector) -
     banned = state.store.banned_peers()
     valid = state.store.verdicts()
     with state.store as db:
-        for rec in state.store.accepted():
+        for rec in sorted(state.store.accepted(), key=lambda r: (r.min_version, r.work_id)):  # oldest version first
             if len(assigned) >= size:
                 break
             if rec.batch_step is not None or rec.dropped is not None:
@@ -57,7 +57,7 @@ def assign_batch_full_scan(state: Coordinator, step: int, size: int, selector) -
             db.assign(rec.work_id, step)
             db.credit(rec.submitter)
             assigned.append(rec.work_id)
-    return assigned
+    return sorted(assigned)
 
 
 def build(directory: Path, total: int, waiting: int) -> tuple[RunSpec, int]:

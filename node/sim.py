@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from node.sim_config import SimConfig, SimFlags
-from node.sim_deadline import COORDINATOR_KILL_STEP, PROGRESS_EVERY, Deadline, plan, timeout_for
+from node.sim_deadline import COORDINATOR_KILL_STEP, MEASURED, PROGRESS_EVERY, Deadline, plan, timeout_for
 from node.sim_devices import place
 from node.sim_network import Network, start_network, stop_network
-from node.sim_procs import count_lines
+from node.sim_procs import Proc, count_lines
 from node.sim_report import REWARD_TARGET, plot_report, summarize
 
 log = logging.getLogger(__name__)
@@ -107,12 +107,12 @@ def watch(net: Network) -> tuple[str, bool]:
             if reached_at is not None and done_steps >= reached_at + cfg.stop_after_target:
                 status = "target reached"
                 break
+        if time.time() - net.view_at[0] >= VIEW_EVERY_S:
+            net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
         if done_steps >= reported + PROGRESS_EVERY:
             reported = done_steps
-            rate = (time.time() - t0) / done_steps
-            log.info("step %d of at most %d: %.1f s/step so far; %s", done_steps, steps, rate,
-                     "reward target reached" if reached_at else
-                     f"at most {(steps - done_steps) * rate / 60:.0f} min to go")
+            log.info("%s", progress_line(done_steps, steps, time.time() - t0, reached_at is not None,
+                                         cfg.stop_after_target, os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0))
         if cfg.churn and not coordinator_restarted and done_steps >= max(2, min(steps // 3, COORDINATOR_KILL_STEP)):
             log.info("churn: SIGKILL coordinator at step %d", done_steps)
             coord.kill()
@@ -136,10 +136,13 @@ def report(net: Network, status: str, coordinator_restarted: bool) -> dict:
     summary["coordinator_restarts"] = int(coordinator_restarted)
     summary["inference_kills"] = sum(what == "kill" for p in procs.values() for _, what in p.events)
     summary["exit_codes"] = exit_codes
+    summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs))
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    # each process's starts, SIGKILLs and stops (Unix seconds): benchmarks.step_time times restarts with them
+    (out / "events.json").write_text(json.dumps({"t0": t0, **{p.name: p.events for p in [coord, *procs.values()]}}))
     plot_report(out / "report.png", rows, {p.name: p.events for p in [coord, *procs.values()]}, t0, summary)
     return summary
 
@@ -149,6 +152,51 @@ def check_vllm_nodes(inference_nodes: int, cheaters: int, vllm_nodes: int) -> No
         raise ValueError("--vllm-nodes counts honest inference nodes: at most --inference-nodes minus --cheaters")
     if not os.environ.get("PRIMERL_VLLM_PYTHON"):
         raise ValueError("--vllm-nodes needs PRIMERL_VLLM_PYTHON (the python of vLLM's own environment)")
+
+
+def progress_line(done: int, steps: int, elapsed: float, reached: bool, stop_after: int | None, load: float) -> str:
+    """How the run goes, from its own pace so far (it follows a machine that slows down): the time to the
+    step limit, and to the target if it comes at the step the committed run reached it."""
+    rate = elapsed / done
+    line = f"step {done} of at most {steps}: {rate:.1f} s/step so far (load average {load:.0f})"
+    if reached:
+        return line + "; reward target reached"
+    left = f"~{(steps - done) * rate / 60:.0f} min to step {steps} at this pace"
+    at = MEASURED["target_step"] + (stop_after or 0)
+    if stop_after is not None and done < at:
+        left = f"~{(at - done) * rate / 60:.0f} min to the end if the target comes at step ~{MEASURED['target_step']} " \
+               f"as measured, {left}"
+    return f"{line}; {left}"
+
+
+VIEW_EVERY_S = 5.0
+"""How often the sim reads the coordinator's membership view (its status page) for `membership_at_end`."""
+
+
+def _membership_view(port: int) -> dict[str, str] | None:
+    """Peer id -> state ("alive", "unhealthy", "dead") in the coordinator's view now, or None if unreachable."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=2) as r:
+            return {m["peer_id"]: m["state"] for m in json.loads(r.read())["members"]}
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: tuple[float, dict[str, str]],
+                      procs: dict[str, Proc]) -> dict:
+    """Honest members the coordinator did not count alive in its last view (read every `VIEW_EVERY_S` until the
+    run ended; an inference node SIGKILLed in the 15 s before that view is excused: it is restarting), and how
+    often its log ejected each as dead (churn's SIGKILLs eject inference nodes, as they should)."""
+    at, view = view_at
+    killed = {name for name, p in procs.items() if any(w == "kill" and at - 15 <= t <= at for t, w in p.events)}
+    honest = [n for n in keys if n != "coordinator" and n not in cheater_names]
+    missing = sorted(n for n in honest if view.get(keys[n].peer_id) != "alive" and n not in killed)
+    log_text = (out / "coordinator" / "log.txt").read_text(errors="replace") if view else ""
+    ejected = {n: c for n in honest if (c := sum("dead, ejected" in line and keys[n].peer_id in line
+                                                   for line in log_text.splitlines()))}
+    return {"honest_not_alive_at_end": missing, "honest_ejections": ejected}
 
 
 VLLM_MIN_HIDDEN = 128

@@ -43,6 +43,8 @@ class Network:
     members: dict[str, Proc]
     cheaters: list[str]
     t0: float
+    view_at: tuple[float, dict[str, str]] = (0.0, {})
+    """When the sim last read the coordinator's membership view, and that view (peer id -> state)."""
 
 
 def write_run_toml(out: Path, cfg: SimConfig, keys: dict[str, NodeKey], origin: int, relay_port: int) -> dict:

@@ -186,6 +186,7 @@ class CoordinatorClient:
         delay = self.retry.first_delay_s
         for attempt in range(1, self.retry.tries + 1):
             last = attempt == self.retry.tries
+            joins = self.member.rejoins
             try:
                 reply = await self.member.net.request(self.member.coordinator, message,
                                                       timeout or self.member.request_timeout)
@@ -198,11 +199,12 @@ class CoordinatorClient:
             except NotMember:
                 if last or self.bootstrap is None:
                     raise
-                log.info("%s: not a member (coordinator restarted or ejected us); joining again", what)
-                try:
-                    await self.member.join(self.bootstrap)
-                except ProtocolError as exc:
-                    log.warning("re-join failed: %s", exc)
+                if self.member.rejoins == joins:  # else a concurrent call (or a JoinAgain) joined meanwhile
+                    log.info("%s: not a member (coordinator restarted or ejected us); joining again", what)
+                    try:
+                        await self.member.join(self.bootstrap)
+                    except ProtocolError as exc:
+                        log.warning("re-join failed: %s", exc)
             except Refused as exc:
                 if exc.reason != "InternalError" or last:
                     raise

@@ -29,7 +29,7 @@ from protocol.errors import (BannedPeer, DuplicateSubmission, InconsistentRollou
                              MalformedWork, NotLeaseHolder, NotMember, Refused, ReplayedMessage, SpecMismatch,
                              StaleRollout, UnknownLease, UnpublishedVersion)
 from protocol.ledger import OffPolicyLedger
-from protocol.membership import MembershipConfig, MembershipView
+from protocol.membership import FIRST_BEAT_GRACE, MembershipConfig, MembershipView
 from protocol.messages import (Heartbeat, Join, JoinAccepted, LeaseGrant, PeerAddress, RolloutGroup, RolloutSubmission,
                                RunSpec, SubmissionReceipt)
 from protocol.store import AcceptedRollout, CoordinatorStore, Pruned
@@ -128,15 +128,23 @@ class Coordinator:
 
     def sweep(self, now: float) -> tuple[list[str], list[int]]:
         """Eject dead members and return (dead peer ids, work ids put back in the pool)."""
-        dead = self.view.sweep(now)
+        dead = self.view.sweep_members(now)
+        interval = self.spec.heartbeat_interval_s
         with self.store as db:
             released: list[int] = []
-            for peer_id in dead:
-                log.info("member %s missed %d heartbeats: dead, ejected", peer_id, self.spec.dead_after_missed)
-                db.delete_member(peer_id)
-                released += db.release_leases_of(peer_id)
+            for m in dead:
+                if m.beats == 0:  # the first beat's deadline counts from the join (MembershipView, FIRST_BEAT_GRACE)
+                    log.info("member %s (%s) sent no heartbeat in the %.0f s since it joined (or since this "
+                             "coordinator started), %d intervals of %.1f s allowed: dead, ejected", m.peer_id,
+                             m.role, now - m.joined_at, self.spec.dead_after_missed * FIRST_BEAT_GRACE, interval)
+                else:
+                    log.info("member %s (%s) missed %d heartbeats (last %.0f s ago, %d beats since it joined %.0f s "
+                             "ago): dead, ejected", m.peer_id, m.role, self.spec.dead_after_missed, now - m.last_seen,
+                             m.beats, now - m.joined_at)
+                db.delete_member(m.peer_id)
+                released += db.release_leases_of(m.peer_id)
             expired = db.release_expired(now)
-        return dead, released + expired
+        return [m.peer_id for m in dead], released + expired
 
     # ---- policy versions ---------------------------------------------------------------------
     def advance_policy(self, version: int, manifest_hash: str, now: float) -> list[int]:
@@ -157,19 +165,24 @@ class Coordinator:
         return pruned
 
     # ---- leases ------------------------------------------------------------------------------
-    def grant_lease(self, peer_id: str, now: float, ttl_s: float | None = None) -> LeaseGrant:
-        """`ttl_s`: this lease's lifetime (default the spec's; shorter for new identities)."""
+    def grant_lease(self, peer_id: str, now: float, ttl_s: float | None = None,
+                    holds_version: int | None = None) -> LeaseGrant:
+        """`ttl_s`: this lease's lifetime (default the spec's; shorter for new identities). `holds_version`:
+        the newest policy the holder has loaded; the lease is recorded at the older of it and the newest
+        announced (the rollout's oldest token is at best that version: the lease budget and the
+        cancellation of leases that cannot finish count from it)."""
         self.check_member(peer_id, now)
         version = self.ledger.current_version
+        rolls_with = version if holds_version is None else max(0, min(version, holds_version))
         deadline = now + (self.spec.lease_ttl_s if ttl_s is None else ttl_s)
         with self.store as db:
             pending = db.first_pending()
             if pending is None:
                 task, seed = derive_work(self.spec.run_id, version, db.next_work_id(), self.spec.tasks_per_step)
-                work_id = db.mint_work(version, task, seed, peer_id, deadline)
+                work_id = db.mint_work(version, task, seed, peer_id, deadline, lease_version=rolls_with)
             else:
                 work_id, task, seed = pending
-                db.lease(work_id, peer_id, version, deadline)
+                db.lease(work_id, peer_id, rolls_with, deadline)
         return LeaseGrant(work_id=work_id, holder=peer_id, policy_version=version, task_index=task,
                           seed=holder_seed(seed, peer_id), deadline=deadline)
 

@@ -19,7 +19,7 @@ from protocol.envelope import Opened
 from protocol.errors import NotAuthorized, NotMember, ProtocolError, UnknownWork
 from protocol import judging, pipeline
 from protocol.identity import NodeKey
-from protocol.messages import (Ban, BatchRejects, BatchRequest, Heartbeat, Join, JoinAccepted, LeaseBatchRequest, LeaseGrants,
+from protocol.messages import (Ban, BatchRejects, BatchRequest, Heartbeat, Join, JoinAccepted, JoinAgain, LeaseBatchRequest, LeaseGrants,
                                Leave, Message, Ok, PolicyAnnounce, PublishPolicy,
                                RolloutGroup, RolloutSubmission, RunSpec, StoredWorkBatch, SubmissionReceipt,
                                VerdictBatch, VerifyRequest, WorkCancel, RunEnd)
@@ -36,6 +36,12 @@ then (their signed stamps are stored with the membership change itself)."""
 MAX_GROUP = 256
 """Most submissions stored by one fsync + commit (bounds the latency of the last one in a group)."""
 
+HOLD_S = 3.0
+"""How long a request that would be answered "nothing yet" (a batch not complete, no lease room, nothing to
+verify) is held, answered as soon as the pipeline moves (a submission stored, a verdict, a version, leases
+back in the pool), instead of being polled for: a trainer asked for its batch every 50 ms and every ask
+carried the whole partial batch's bytes (issue 28). Well under the clients' request timeouts (10 s, 30 s)."""
+
 
 class CoordinatorService:
     def __init__(self, key: NodeKey, coordinator: Coordinator, host: PeerHost,
@@ -50,6 +56,13 @@ class CoordinatorService:
         self._seq = 0
         self._pending: list[tuple[Opened, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self.hold_s = min(HOLD_S, coordinator.spec.heartbeat_interval_s)
+        """How long an empty answer is held (`HOLD_S`, at most a heartbeat interval: a member waiting on
+        its answer is touched as alive when it comes; 0: answered at once)."""
+        self._moved = asyncio.Event()
+        """Set (and replaced) whenever the pipeline moves: held requests look again (`_hold`)."""
+        self._refused_beats: dict[str, float] = {}
+        """Peer -> when its last refused heartbeat was logged and answered (`_tell_to_join_again`)."""
         self.selector = selector
         """work id -> whether it needs a validator's verdict before it may enter a batch."""
         self.on_verdicts: list = []
@@ -95,10 +108,16 @@ class CoordinatorService:
         self._flush_guard()
 
     def _member_alive(self, handler):
-        """A member's request keeps it alive like a heartbeat does (MembershipView.touch)."""
+        """A member's request keeps it alive like a heartbeat does (MembershipView.touch). A request from a
+        peer that is not a member (ejected as dead, or unknown to this coordinator) is refused with
+        `NotMember`: its client joins again and retries, so a live member never stays out of the view."""
         async def serve(o: Opened):
+            if o.signer != self.key.peer_id and o.signer not in self.state.view.members:
+                raise NotMember(f"{o.signer} is not a member (ejected as dead, or never joined); join again")
             self.state.view.touch(o.signer, time.time())
-            return await handler(o)
+            reply = await handler(o)
+            self.state.view.touch(o.signer, time.time())  # it waited on a held answer (`_hold`): alive all along
+            return reply
         return serve
 
     def _flush_guard(self) -> None:
@@ -113,6 +132,25 @@ class CoordinatorService:
             except Exception:
                 log.exception("persisting the replay guard failed")
 
+    def _pipeline_moved(self) -> None:
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+    async def _hold(self, answer, ready):
+        """`answer()` once `ready(it)`, or after `hold_s`; looked at again each time the pipeline moves."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.hold_s
+        while True:
+            moved = self._moved
+            result = answer()
+            left = end - loop.time()
+            if ready(result) or left <= 0:
+                return result
+            try:
+                await asyncio.wait_for(moved.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
     # ---- requests ------------------------------------------------------------------------------
     async def _on_join(self, o: Opened) -> JoinAccepted:
         reply = self.state.join(o.signer, o.message, time.time(), stamp_ms=o.timestamp_ms)
@@ -121,9 +159,11 @@ class CoordinatorService:
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
         cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
-        return LeaseGrants(grants=pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
-                                                        policy=self.lease_policy,
-                                                        holds_version=o.message.policy_version))
+        grants = await self._hold(
+            lambda: pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
+                                          policy=self.lease_policy, holds_version=o.message.policy_version),
+            lambda granted: bool(granted) or o.message.count == 0)
+        return LeaseGrants(grants=grants)
 
     def _require(self, peer_id: str, role: str, allowed: list[str]) -> None:
         """Only the spec's named peers (or, if it names none, members of `role`) may do this."""
@@ -145,8 +185,11 @@ class CoordinatorService:
 
     async def _on_batch_request(self, o: Opened) -> StoredWorkBatch:
         self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
-        ids = pipeline.assign_batch(self.state, o.message.step, o.message.groups, self.selector)
-        return StoredWorkBatch(step=o.message.step, items=pipeline.stored(self.state, ids))
+        step, groups = o.message.step, o.message.groups
+        ids = await self._hold(lambda: pipeline.assign_batch(self.state, step, groups, self.selector),
+                               lambda assigned: len(assigned) >= groups)
+        # an incomplete batch goes back without its units' bytes: the trainer asks again for all of it
+        return StoredWorkBatch(step=step, items=pipeline.stored(self.state, ids) if len(ids) >= groups else [])
 
     async def _on_batch_rejects(self, o: Opened) -> Ok:
         """The trainer could not train on these units of its batch: out of the batch for good (a restarted
@@ -174,12 +217,14 @@ class CoordinatorService:
 
     async def _on_verify_request(self, o: Opened) -> StoredWorkBatch:
         self._require_validator(o.signer)
-        ids = pipeline.to_verify(self.state, o.message.max_items, self.selector, o.signer)
+        ids = await self._hold(lambda: pipeline.to_verify(self.state, o.message.max_items, self.selector, o.signer),
+                               bool)
         return StoredWorkBatch(items=pipeline.stored(self.state, ids))
 
     async def _on_verdicts(self, o: Opened) -> Ok:
         self._require_validator(o.signer)
         offenders = pipeline.record_verdicts(self.state, o.signer, o.message.verdicts, time.time(), self.judging)
+        self._pipeline_moved()
         for cb in self.on_verdicts:
             cb(o.signer, o.message.verdicts)
         await self._ban_all(offenders)
@@ -232,6 +277,7 @@ class CoordinatorService:
             except Exception as exc:  # e.g. disk full: nobody in this group is acknowledged
                 log.exception("storing %d submissions failed", len(batch))
                 results = [exc] * len(batch)
+            self._pipeline_moved()
             for (_, fut), result in zip(batch, results):
                 if not fut.done():
                     fut.set_exception(result) if isinstance(result, Exception) else fut.set_result(result)
@@ -253,10 +299,34 @@ class CoordinatorService:
     async def _on_gossip(self, o: Opened) -> None:
         msg = o.message
         if isinstance(msg, Heartbeat):
-            self.state.heartbeat(o.signer, msg, time.time())
+            try:
+                self.state.heartbeat(o.signer, msg, time.time())
+            except NotMember as exc:
+                await self._tell_to_join_again(o.signer, msg, exc)
         elif isinstance(msg, Leave):
             released = self.state.leave(o.signer, time.time(), stamp_ms=o.timestamp_ms)
+            self._pipeline_moved()
             log.info("member %s left (%s); %d leases back in the pool", o.signer, msg.reason, len(released))
+
+    async def _tell_to_join_again(self, peer_id: str, beat: Heartbeat, exc: NotMember) -> None:
+        """A heartbeat from a non-member: gossip a signed `JoinAgain` naming it (the member joins again), and
+        log it, each at most once per peer per heartbeat interval (not once per heartbeat)."""
+        now = time.monotonic()
+        if now - self._refused_beats.get(peer_id, float("-inf")) < self.spec.heartbeat_interval_s:
+            return
+        self._refused_beats[peer_id] = now
+        if len(self._refused_beats) > 4096:  # bounded: forget the oldest
+            for p in sorted(self._refused_beats, key=self._refused_beats.get)[:1024]:
+                del self._refused_beats[p]
+        ban = self.state.store.ban_of(peer_id)
+        if ban and (ban[1] is None or ban[1] > time.time()):  # a banned peer is not asked back
+            log.info("heartbeat %d from %s (%s) refused: banned (%s)", beat.seq, peer_id, beat.role, ban[0])
+            return
+        log.info("heartbeat %d from %s (%s) refused: %s; told to join again", beat.seq, peer_id, beat.role, exc)
+        try:
+            await self.gossip(JoinAgain(peer_id=peer_id, heartbeat_seq=beat.seq, reason=str(exc)[:500]))
+        except ProtocolError as send_exc:
+            log.warning("join-again notice to %s not sent: %s", peer_id, send_exc)
 
     async def _sweeper(self) -> None:
         while True:
@@ -264,6 +334,7 @@ class CoordinatorService:
             try:
                 dead, released = self.state.sweep(time.time())
                 if dead or released:
+                    self._pipeline_moved()
                     log.info("sweep: dead %s; work back in the pool %s", dead, released)
                 pipeline.drop_unjudged(self.state, self.selector, time.time(), self.limbo_s)
             except Exception:
@@ -285,6 +356,7 @@ class CoordinatorService:
     async def announce_policy(self, version: int, manifest_hash: str) -> list[int]:
         """Record and gossip a new policy version; cancel (and gossip) leases now too stale."""
         stale = self.state.advance_policy(version, manifest_hash, time.time())
+        self._pipeline_moved()
         await self.gossip(PolicyAnnounce(version=version, manifest_hash=manifest_hash))
         if stale:
             await self.gossip(WorkCancel(work_ids=stale, policy_version=version))
@@ -292,6 +364,7 @@ class CoordinatorService:
 
     async def ban(self, peer_id: str, reason: str, until: float | None = None) -> None:
         self.state.ban(peer_id, reason, time.time(), until)
+        self._pipeline_moved()
         await self.gossip(Ban(peer_id=peer_id, reason=reason, until=until))
 
     async def gossip(self, message: Message) -> None:

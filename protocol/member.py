@@ -17,8 +17,8 @@ from protocol.envelope import Opened
 from protocol.errors import ProtocolError, UnexpectedReply
 from protocol.identity import NodeKey
 from protocol.membership import MembershipConfig, MembershipView
-from protocol.messages import (Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, PolicyAnnounce, Role, RunEnd,
-                               RunSpec, WorkCancel)
+from protocol.messages import (Ban, Heartbeat, Join, JoinAccepted, JoinAgain, LeaseGrant, Leave, PolicyAnnounce, Role,
+                               RunEnd, RunSpec, WorkCancel)
 from protocol.network import RunNetwork
 from protocol.transport import PeerHost
 
@@ -54,6 +54,14 @@ class RunMember:
         self._dialing: set[str] = set()
         self._beating: asyncio.Task | None = None
         self._listening = False
+        self._bootstrap: str | None = None
+        self._joining = asyncio.Lock()  # one join at a time: a second would release the leases the first got
+        self._joined_after_seq = -1
+        """Our heartbeat seq when our last join was sent: a `JoinAgain` about a beat up to it is about an
+        earlier incarnation of our membership, and is ignored."""
+        self.rejoins = 0
+        """Join attempts after the first (told by the coordinator, a `NotMember` answer to a request, or a
+        first join retried)."""
 
     @property
     def coordinator(self) -> str:
@@ -61,11 +69,19 @@ class RunMember:
 
     async def join(self, bootstrap: str) -> JoinAccepted:
         """Dial the bootstrap multiaddr, join the run, dial the members it lists, start beating."""
+        async with self._joining:
+            return await self._join(bootstrap)
+
+    async def _join(self, bootstrap: str) -> JoinAccepted:
+        if self._bootstrap is not None:
+            self.rejoins += 1
+        self._bootstrap = bootstrap
         await self.host.connect(bootstrap)
         if not self._listening:  # a re-join (after a coordinator restart) must not double the handlers
             self.net.on_gossip(self._on_gossip)
             self._listening = True
         await self.net.start_gossip()
+        self._joined_after_seq = self._seq
         reply = await self.net.request(self.coordinator, Join(spec_hash=self.spec.spec_hash(), role=self.role,
                                                               addrs=self._addrs()), self.request_timeout)
         _expect(reply, JoinAccepted)
@@ -143,6 +159,23 @@ class RunMember:
                 self._end(EXIT_BANNED, f"banned by the coordinator: {msg.reason}")
         elif isinstance(msg, RunEnd):
             self._end(0, f"the run ended at trainer step {msg.step}")
+        elif isinstance(msg, JoinAgain):
+            if msg.peer_id == self.key.peer_id and msg.heartbeat_seq > self._joined_after_seq:
+                self._tasks.append(asyncio.create_task(self._join_again(msg), name="join-again"))
+
+    async def _join_again(self, notice: JoinAgain) -> None:
+        """The coordinator refused our heartbeat `notice.heartbeat_seq` (we are not a member): join again,
+        unless a join sent after that beat happened meanwhile. A failed attempt is retried when the
+        next refused beat brings the next notice."""
+        async with self._joining:
+            if self._bootstrap is None or notice.heartbeat_seq <= self._joined_after_seq:
+                return
+            log.warning("the coordinator refused our heartbeat %d (%s): joining again", notice.heartbeat_seq,
+                        notice.reason)
+            try:
+                await self._join(self._bootstrap)
+            except ProtocolError as exc:
+                log.warning("join again failed (%s: %s); the next refused heartbeat retries", type(exc).__name__, exc)
 
     def _end(self, code: int, why: str) -> None:
         for cb in self.on_end:

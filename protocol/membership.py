@@ -3,7 +3,9 @@
 Invariant: a member that has missed `dead_after_missed` heartbeats is reported dead exactly once
 by `sweep` and leaves the view (ejected); a later heartbeat from it is a fresh sighting (it must
 re-join at the coordinator to get work again). A beat is "missed" once half an interval of slack
-has passed after it was due, so scheduling jitter does not count as a miss.
+has passed after it was due, so scheduling jitter does not count as a miss. A member's first beat
+is due from when it joined (or, after a restart, from when the view was rebuilt), with
+`FIRST_BEAT_GRACE` times the usual allowance: a slow start (loading a model, compiling) is not death.
 Two views fed the same gossip converge: the state of a peer depends only on its last beat time.
 """
 
@@ -24,6 +26,12 @@ class MembershipConfig:
     """Missed beats until dead and ejected (3, as in that protocol)."""
 
 
+FIRST_BEAT_GRACE = 2
+"""A member that has not beaten since it joined is dead after this many times `dead_after_missed`
+intervals from its join (the sim's validator, ejected 33 s after joining while it loaded its first
+policy under load 6-10 on 2 cores, issue 28)."""
+
+
 @dataclass
 class Member:
     peer_id: str
@@ -31,6 +39,10 @@ class Member:
     addrs: list[str] = field(default_factory=list)
     last_seen: float = 0.0
     last_seq: int = -1
+    joined_at: float = 0.0
+    """When this view first saw it (its join, or the view's rebuild after a restart)."""
+    beats: int = 0
+    """Heartbeats seen since then."""
 
 
 class MembershipView:
@@ -42,11 +54,16 @@ class MembershipView:
         m = self.members[peer_id]
         return max(0, math.floor((now - m.last_seen) / self.config.heartbeat_interval_s - 0.5))
 
+    def allowed_missed(self, peer_id: str) -> int:
+        """Missed beats after which the member is dead: more before its first beat (`FIRST_BEAT_GRACE`)."""
+        first = self.members[peer_id].beats == 0
+        return self.config.dead_after_missed * (FIRST_BEAT_GRACE if first else 1)
+
     def state(self, peer_id: str, now: float) -> MemberState:
         if peer_id not in self.members:
             return "dead"
         missed = self.missed(peer_id, now)
-        if missed >= self.config.dead_after_missed:
+        if missed >= self.allowed_missed(peer_id):
             return "dead"
         return "unhealthy" if missed >= 1 else "alive"
 
@@ -54,11 +71,12 @@ class MembershipView:
         """Record a join or heartbeat; returns True when the peer is new to this view."""
         m = self.members.get(peer_id)
         if m is None:
-            self.members[peer_id] = Member(peer_id, role, list(addrs), now, seq)
+            self.members[peer_id] = Member(peer_id, role, list(addrs), now, seq, joined_at=now)
             return True
         if seq < m.last_seq:  # reordered gossip: an older beat says nothing new
             return False
         m.role, m.addrs, m.last_seen, m.last_seq = role, list(addrs), now, seq
+        m.beats += 1
         return False
 
     def touch(self, peer_id: str, now: float) -> None:
@@ -74,9 +92,13 @@ class MembershipView:
 
     def sweep(self, now: float) -> list[str]:
         """Eject and return the members that are dead now."""
-        dead = [p for p in self.members if self.state(p, now) == "dead"]
-        for p in dead:
-            del self.members[p]
+        return [m.peer_id for m in self.sweep_members(now)]
+
+    def sweep_members(self, now: float) -> list[Member]:
+        """Eject and return the members that are dead now, as they were last seen."""
+        dead = [m for p, m in self.members.items() if self.state(p, now) == "dead"]
+        for m in dead:
+            del self.members[m.peer_id]
         return dead
 
     def alive(self, now: float) -> list[Member]:

@@ -449,6 +449,19 @@ class Ok(Message):
     type: Literal["ok"] = "ok"
 
 
+class JoinAgain(Message):
+    """Coordinator -> everyone (gossip): a heartbeat of `peer_id` was refused because it is not a member
+    (ejected as dead, or never joined this coordinator's state); that member joins again."""
+
+    type: Literal["join_again"] = "join_again"
+    peer_id: PeerIdStr
+    """The member whose heartbeat was refused."""
+    heartbeat_seq: int = Field(ge=0, le=MAX_INT64)
+    """The refused heartbeat's seq: a member that has joined since (after beating that seq) ignores it."""
+    reason: Reason = ""
+    """Why it is not a member (for logs)."""
+
+
 VerdictBatch.model_rebuild()
 
 
@@ -456,7 +469,7 @@ AnyMessage = Annotated[
     Union[RunSpec, Join, JoinAccepted, Heartbeat, Leave, PolicyAnnounce, LeaseGrant,
           RolloutSubmission, SubmissionReceipt, Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup,
           LeaseBatchRequest, LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch, PublishPolicy,
-          RunEnd, BatchRejects],
+          RunEnd, BatchRejects, JoinAgain],
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(AnyMessage)
@@ -464,7 +477,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (RunSpec, Join, JoinAccepted, Heartbe
                                             LeaseGrant, RolloutSubmission, SubmissionReceipt,
                                             Refusal, WorkCancel, Verdict, Ban, Ok, RolloutGroup, LeaseBatchRequest,
                                             LeaseGrants, BatchRequest, VerifyRequest, StoredWorkBatch, VerdictBatch,
-                                            PublishPolicy, RunEnd, BatchRejects)
+                                            PublishPolicy, RunEnd, BatchRejects, JoinAgain)
 MAX_BODY_BYTES = max(t.max_body_bytes for t in MESSAGE_TYPES)
 
 

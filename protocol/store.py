@@ -203,12 +203,14 @@ class CoordinatorStore:
         row = self._q("SELECT work_id, task_index, seed FROM work WHERE state='pending' ORDER BY work_id LIMIT 1")
         return (row[0][0], row[0][1], int(row[0][2])) if row else None
 
-    def mint_work(self, version: int, task: int, seed: int, holder: str, deadline: float) -> int:
-        """A new work unit, leased to `holder`; work ids count up and are never reused."""
+    def mint_work(self, version: int, task: int, seed: int, holder: str, deadline: float,
+                  lease_version: int | None = None) -> int:
+        """A new work unit, leased to `holder`; work ids count up and are never reused. `lease_version`:
+        the policy the holder rolls out with (default `version`, the one the work is minted at)."""
         work_id = int(self.get_meta("next_work_id", "0"))
         self.set_meta("next_work_id", str(work_id + 1))
         self._x("INSERT INTO work VALUES(?,?,?,?,'leased',?,?,?,1)", work_id, version, task, str(seed), holder,
-                version, deadline)
+                version if lease_version is None else lease_version, deadline)
         return work_id
 
     def next_work_id(self) -> int:
@@ -414,6 +416,23 @@ class CoordinatorStore:
 
     def verdicts(self) -> dict[int, bool]:
         return {r[0]: bool(r[1]) for r in self._q("SELECT work_id, valid FROM verdicts")}
+
+    def out_by_version(self) -> tuple[dict[int, int], dict[int, int]]:
+        """({lease version: leases out}, {min version: accepted units waiting for a batch}), for the
+        lease budget (`protocol.pipeline.reachable_room`)."""
+        leased = dict(self._q("SELECT lease_version, COUNT(*) FROM work WHERE state='leased' GROUP BY lease_version"))
+        waiting = dict(self._q("SELECT min_version, COUNT(*) FROM accepted INDEXED BY accepted_waiting WHERE "
+                               "batch_step IS NULL AND dropped IS NULL GROUP BY min_version"))
+        return leased, waiting
+
+    def batch_sizes(self, after_step: int) -> dict[int, int]:
+        """Step -> units assigned to its batch, for steps after `after_step` (batches still open or in training)."""
+        return dict(self._q("SELECT batch_step, COUNT(*) FROM accepted INDEXED BY accepted_batch WHERE batch_step > ? "
+                            "GROUP BY batch_step", after_step))
+
+    def verdict_times(self) -> dict[int, float]:
+        """Work id -> when its verdict was recorded (benchmarks.step_time's timeline)."""
+        return dict(self._q("SELECT work_id, at FROM verdicts"))
 
     def batch_of(self, step: int) -> list[int]:
         return [r[0] for r in self._q("SELECT work_id FROM accepted INDEXED BY accepted_batch WHERE batch_step=? "

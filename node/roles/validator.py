@@ -113,16 +113,22 @@ class ValidatorNode:
         if version not in self.hashes:
             from shardcast.store import Store
             self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
+        # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
+        # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
+        model = await asyncio.to_thread(self._model_of, version, state)
+        if self.spec.model.fp8 != "off":
+            log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
+                     self.spec.model.fp8)
+        self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
+
+    def _model_of(self, version: int, state: dict) -> CausalLM:
         model = blank_model(self.spec, self.device)
         load_hf_state_dict(model, state)
         if version == 0:
             check_version0(self.spec, model)  # the high-precision weights the trainer published
         # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
         apply_fp8_mode(model, self.spec.model.fp8)
-        if self.spec.model.fp8 != "off":
-            log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
-                     self.spec.model.fp8)
-        self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
+        return model
 
     def _prune(self) -> None:
         """Drop models of versions no rollout can still be admitted with (after a judging round,

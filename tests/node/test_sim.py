@@ -22,6 +22,7 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert s["max_off_policy_seen"] <= s["max_off_policy_steps"] == 1
     assert s["honest_banned"] == 0 and s["rollouts_rejected"] == 0  # honest work passes verification
     assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]  # clean SIGTERM shutdown
+    assert s["honest_not_alive_at_end"] == [] and s["honest_ejections"] == {}  # every member alive throughout
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # publication of version s overlaps gathering batch s+1 (k = 1), and step s+1 trains only after it is out
@@ -44,9 +45,19 @@ def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting
     said = plan(500, 10, timeout_for(500), load=(1.0, 2))
     assert "10 steps after" in said and "at most 500 steps" in said and "gives up after 53 min" in said
     assert "measured pace" in said and "no step finishes for 10 min" in said
-    assert "expect about 9 min" in said  # measured: target at step 261 after 532 s; + 10 steps
+    assert "expect about 39 min" in said  # measured: target at step 183 after 2,224 s; + 10 steps at 12 s
     assert "for 20 steps" in plan(20, None, timeout_for(20), load=(1.0, 2)) and "busy" not in said
     assert "busy (load average 30 on 2 cores)" in plan(500, 10, timeout_for(500), load=(30.0, 2))
+
+
+def test_progress_lines_follow_the_pace_measured_so_far_and_name_the_load():
+    from node.sim import progress_line
+
+    quick, slow = progress_line(25, 500, 100.0, False, None, 1.0), progress_line(25, 500, 400.0, False, None, 20.0)
+    assert "4.0 s/step" in quick and "~32 min to step 500" in quick  # 475 steps left at 4 s
+    assert "16.0 s/step" in slow and "~127 min to step 500" in slow and "load average 20" in slow
+    assert "the target comes at step" in progress_line(25, 500, 100.0, False, 10, 1.0)
+    assert progress_line(300, 500, 600.0, True, 10, 1.0).endswith("reward target reached")
 
 
 def test_a_slow_run_that_progresses_goes_on_and_a_stalled_one_ends():
@@ -81,6 +92,7 @@ def test_churn_and_a_cheater_lose_nothing_and_ban_only_the_cheater(tmp_path):
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
     assert s["cheaters"] == 1 and s["cheaters_banned"] == 1 and s["honest_banned"] == 0
     assert s["rollouts_rejected"] > 0
+    assert s["honest_not_alive_at_end"] == []  # a member ejected while alive joins again (issue 28)
     assert s["max_off_policy_seen"] <= s["max_off_policy_steps"]
 
 

@@ -14,7 +14,7 @@ from protocol.envelope import MAX_ENVELOPE_BYTES, ReplayGuard, open_envelope, se
 from protocol.errors import (ExpiredMessage, InvalidSignature, MalformedMessage, MessageTooLarge, ProtocolError,
                              ReplayedMessage, WrongRun)
 from protocol.identity import NodeKey
-from protocol.messages import (MESSAGE_TYPES, BatchRejects, BatchRequest, LeaseBatchRequest, LeaseGrants, PublishPolicy, RolloutGroup,
+from protocol.messages import (MESSAGE_TYPES, BatchRejects, BatchRequest, JoinAgain, LeaseBatchRequest, LeaseGrants, PublishPolicy, RolloutGroup,
                                StoredWork, StoredWorkBatch, VerdictBatch, VerifyRequest, Ban, Heartbeat, Join, JoinAccepted, LeaseGrant, Leave, Ok,
                                PeerAddress, PolicyAnnounce, Refusal, RolloutSubmission, RunEnd, RunSpec, SubmissionReceipt,
                                UnitFailure, Verdict, WorkCancel, decode_message, encode_message)
@@ -53,6 +53,7 @@ SAMPLES = {
     VerdictBatch: VerdictBatch(verdicts=[Verdict(work_id=9, submitter=OTHER.peer_id, valid=True)]),
     PublishPolicy: PublishPolicy(version=5, manifest_hash="cd" * 32),
     BatchRejects: BatchRejects(step=5, failures=[UnitFailure(work_id=9, reason="a group of 1 rollouts, the run's have 2")]),
+    JoinAgain: JoinAgain(peer_id=OTHER.peer_id, heartbeat_seq=12, reason="ejected as dead"),
 }
 FUZZ_CASES = 10_000
 
