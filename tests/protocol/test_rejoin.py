@@ -81,7 +81,7 @@ def test_refused_heartbeats_of_a_member_that_cannot_rejoin_are_logged_once_per_i
 
             t0 = time.monotonic()
             for seq in range(100, 130):  # 30 beats in ~1.5 s: ten times the run's pace
-                await member.net.publish(Heartbeat(seq=seq, role="relay", addrs=[]))
+                await member.net.gossip(Heartbeat(seq=seq, role="relay", addrs=[]))
                 await asyncio.sleep(0.05)
             await asyncio.sleep(INTERVAL)
             elapsed = time.monotonic() - t0
