@@ -99,8 +99,8 @@ MIN_MEAN_TOKENS = 32
 """The per-segment mean logprob check applies to segments of at least this many tokens (one proof
 chunk): honest per-token errors are heavy-tailed (bf16: one token up to 0.17 nats while rollout means
 stay under 0.007), so one such token in a segment of fewer than 0.17 / 0.01 = 17 tokens failed the
-mean bound then in force (0.01) although every token passed; a short segment (the tail of a mixed-version rollout) is judged
-per token."""
+mean bound then in force (0.01) although every token passed; a short segment (the tail of a
+mixed-version rollout) is judged per token."""
 
 
 def graded(excess: float) -> Severity:
