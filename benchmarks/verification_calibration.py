@@ -15,7 +15,9 @@ maxima.
 tampers: 1% weight noise and int8 rounding before quantisation, and an unquantised engine claiming the
 FP8 run (`plain_engine`). It writes `data-fp8.json` and merges its precisions into `thresholds.json`.
 GPU FP8 kernels (Triton, DeepGEMM) against this CPU reference are not part of it (no GPU measured).
-`--rescore` recomputes the summary from the data file with the thresholds in force (after editing them). It lives here, not in `verification`, because it drives the node's engine through the test
+`--rescore` recomputes the summary from the data file (`data.json`, or `data-fp8.json` with `--fp8`) with the
+thresholds in force (after editing them), keeping what other paths recorded per precision (`cross_device`).
+It lives here, not in `verification`, because it drives the node's engine through the test
 harness (`verification` imports nothing from `node`).
 """
 
@@ -106,6 +108,13 @@ def scored(cases: dict[str, list[RolloutFigures]], precisions) -> dict:
     return out
 
 
+def merge(result: dict, records: dict) -> None:
+    """Each precision's scored fields into `result`, keeping the fields other paths recorded there
+    (`cross_device`, `bound_set_by`: the honest maxima of other devices the bounds also cover)."""
+    for precision, rec in records.items():
+        result["precisions"].setdefault(precision, {}).update(rec)
+
+
 def main_fp8(args) -> int:
     data_path, thr_path = args.out / "data-fp8.json", args.out / "thresholds.json"
     if args.rescore:
@@ -119,7 +128,7 @@ def main_fp8(args) -> int:
                                          "cases": {k: [r.row() for r in rows] for k, rows in cases.items()}}) + "\n")
     precisions = sorted({k.split("/")[1] for k in cases})
     result = json.loads(thr_path.read_text())
-    result["precisions"].update(scored(cases, precisions))
+    merge(result, scored(cases, precisions))
     rollouts = len(next(iter(cases.values())))
     result["fp8_command"] = f"python -m benchmarks.verification_calibration --fp8 --rollouts {rollouts}"
     thr_path.write_text(json.dumps(result, indent=1) + "\n")
@@ -132,11 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollouts", type=int, default=64, help="rollouts per variation")
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--fp8", action="store_true", help="calibrate the FP8 precisions (merged into thresholds.json)")
-    ap.add_argument("--rescore", action="store_true", help="with --fp8: re-score data-fp8.json, generate nothing")
+    ap.add_argument("--rescore", action="store_true",
+                    help="re-score data.json (with --fp8: data-fp8.json) at the thresholds in force, generate nothing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.fp8:
         return main_fp8(args)
+    thr_path = args.out / "thresholds.json"
+    result = json.loads(thr_path.read_text()) if thr_path.exists() else {"precisions": {}}
+    if args.rescore:
+        data = json.loads((args.out / "data.json").read_text())
+        cases = {k: [RolloutFigures(*row) for row in rows] for k, rows in data["cases"].items()}
+        merge(result, scored(cases, ("float32", "bfloat16")))
+        thr_path.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({p: result["precisions"][p] for p in ("float32", "bfloat16")}))
+        return 0
     R = _harness()
     models = {"float32": R.tiny_model(), "bfloat16": R.tiny_model(dtype=torch.bfloat16)}
     refs = {k: R.reference({0: m}) for k, m in models.items()}
@@ -157,22 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     cases["tamper/float32/bf16_engine"] = run_case(R, models["bfloat16"], refs["float32"], seeds, 32, 2)
     log.info("%-36s %s", "tamper/float32/bf16_engine", summarize(cases["tamper/float32/bf16_engine"]))
 
-    result = {"command": f"python -m benchmarks.verification_calibration --rollouts {args.rollouts}",
-              "torch": torch.__version__, "precisions": {}}
-    for precision in models:
-        honest = [r for k, rows in cases.items() if k.startswith(f"honest/{precision}/") for r in rows]
-        t = THRESHOLDS[precision]
-        result["precisions"][precision] = {
-            "honest_max": summarize(honest),
-            "in_force": asdict(t),
-            "honest_rejected": sum(rejected_by(r, t) for r in honest),
-            "tamper_rejected_share": {k.split("/")[-1]: round(sum(rejected_by(r, t) for r in rows) / len(rows), 4)
-                                      for k, rows in cases.items() if k.startswith(f"tamper/{precision}/")},
-        }
+    result.update(command=f"python -m benchmarks.verification_calibration --rollouts {args.rollouts}",
+                  torch=torch.__version__)
+    merge(result, scored(cases, models))
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"fields": FIELDS, "cases": {k: [r.row() for r in rows] for k, rows in cases.items()}}
     (args.out / "data.json").write_text(json.dumps(data) + "\n")
-    (args.out / "thresholds.json").write_text(json.dumps(result, indent=1) + "\n")
+    thr_path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["precisions"]))
     return 0
 

@@ -41,9 +41,15 @@ THRESHOLDS = {
     # these leave room for other kernels (GPU) that the CPU calibration could not measure.
     "float32": Thresholds(max_exp_mismatches=8, max_mant_err_mean=1.0, max_mant_err_median=1.0,
                           max_logprob_err=0.01, max_logprob_err_mean=0.002, margin_noise=0.01),
-    # bf16 honest maxima: exp 6, mantissa mean 2.73 / median 1, logprob 0.17 / mean 0.0070, flip margin 0.014.
-    "bfloat16": Thresholds(max_exp_mismatches=12, max_mant_err_mean=3.5, max_mant_err_median=2.0,
-                           max_logprob_err=0.25, max_logprob_err_mean=0.01, margin_noise=0.05),
+    # bf16, two honest paths (verification/calibration/thresholds.json: `honest_max`, `cross_device`, `bound_set_by`):
+    # CPU decode vs CPU prefill (calibration): exp 6, mantissa mean 2.73 / median 1, logprob 0.17 / mean 0.0070,
+    # flip margin 0.014; H200 CudaEngine (graphs on, torch 2.11 cu130) vs the CPU validator (the committed
+    # tests/fixtures/cross_device, 336 rollouts): exp 13, mantissa mean 1.88 / median 1, logprob 0.11 / checked
+    # (trimmed) mean 0.0134, flip margin 0.053, which rejected 21 of 336 at the CPU-only bounds (12, 0.01,
+    # 0.05). Exponent mismatches, the mean and the margin are set by the GPU->CPU path at ~1.5x its maxima
+    # (20 = 1.54x, 0.02 = 1.49x, 0.08 = 1.50x); the others by the CPU calibration, as before.
+    "bfloat16": Thresholds(max_exp_mismatches=20, max_mant_err_mean=3.5, max_mant_err_median=2.0,
+                           max_logprob_err=0.25, max_logprob_err_mean=0.02, margin_noise=0.08),
     # FP8 runs (RunSpec.model.fp8, docs/fp8.md): "fp8-<experts|all>-<base dtype>", engine and validator both
     # quantised by node.engine.fp8.model.apply_fp8_mode. Honest maxima from `python -m
     # benchmarks.verification_calibration --fp8 --rollouts 50` (300 rollouts per precision: engine batch
@@ -92,9 +98,9 @@ minutes. Fabricated logprobs move every token (or a token far off) and still fai
 MIN_MEAN_TOKENS = 32
 """The per-segment mean logprob check applies to segments of at least this many tokens (one proof
 chunk): honest per-token errors are heavy-tailed (bf16: one token up to 0.17 nats while rollout means
-stay under 0.007), so one such token in a segment of fewer than 0.17 / 0.01 = 17 tokens fails the
-mean although every token passes; a short segment (the tail of a mixed-version rollout) is judged
-per token."""
+stay under 0.007), so one such token in a segment of fewer than 0.17 / 0.01 = 17 tokens failed the
+mean bound then in force (0.01) although every token passed; a short segment (the tail of a
+mixed-version rollout) is judged per token."""
 
 
 def graded(excess: float) -> Severity:

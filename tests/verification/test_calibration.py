@@ -24,15 +24,35 @@ def test_thresholds_bound_the_committed_honest_maxima_and_match_the_calibration_
         assert h["logprob_err_mean_max"] <= t.max_logprob_err_mean
         assert h["flip_margin_max_max"] <= t.margin_noise
         # and they still catch weight tampering in the calibration data (FP8 runs: also an unquantised engine),
-        # as often as docs/verification.md says: on a bf16 base, FP8 experts' honest noise hides part of it
+        # as often as docs/verification.md says: on a bf16 base, FP8 experts' honest noise hides part of it,
+        # and plain bf16's bounds widened for GPU->CPU drift (issue 26) let 2 of 64 1%-noise rollouts through
         tamper = rec["tamper_rejected_share"]
         for kind in ("noise1pct", "fp8" if not precision.startswith("fp8-") else "plain_engine"):
-            assert tamper[kind] >= FP8_BF16_SHARES.get(precision, {}).get(kind, 1.0), (precision, kind, tamper[kind])
+            assert tamper[kind] >= SHARES_BELOW_ONE.get(precision, {}).get(kind, 1.0), (precision, kind, tamper[kind])
 
 
-FP8_BF16_SHARES = {"fp8-experts-bfloat16": {"noise1pct": 0.5, "plain_engine": 0.06},
-                   "fp8-all-bfloat16": {"plain_engine": 0.98}}
-"""Per-submission detection below 1.0 in the committed FP8 calibration (docs/verification.md "FP8 runs")."""
+def test_thresholds_bound_the_recorded_honest_maxima_of_other_devices():
+    """`cross_device` records (another device's honest rollouts judged by this validator path) are
+    covered too, with the mean the check applies (trimmed, rollouts of >= MIN_MEAN_TOKENS)."""
+    result = json.loads((CAL / "thresholds.json").read_text())
+    recorded = [(p, rec) for p, r in result["precisions"].items() for rec in r.get("cross_device", [])]
+    assert recorded, "no cross-device record (issue 26)"
+    for precision, rec in recorded:
+        t, h = THRESHOLDS[precision], rec["honest_max"]
+        assert h["rollouts"] >= 300 and rec["rejected_at_bounds_in_force"]["rejected"] == 0, rec["path"]
+        assert h["exp_mismatches_max"] <= t.max_exp_mismatches
+        assert h["mant_err_mean_max"] <= t.max_mant_err_mean
+        assert h["mant_err_median_max"] <= t.max_mant_err_median
+        assert h["logprob_err_max_max"] <= t.max_logprob_err
+        assert h["logprob_err_checked_mean_max"] <= t.max_logprob_err_mean
+        assert h["flip_margin_max_max"] <= t.margin_noise
+        assert set(result["precisions"][precision]["bound_set_by"]) == set(asdict(t)), precision
+
+
+SHARES_BELOW_ONE = {"fp8-experts-bfloat16": {"noise1pct": 0.5, "plain_engine": 0.06},
+                   "fp8-all-bfloat16": {"plain_engine": 0.98}, "bfloat16": {"noise1pct": 0.9688}}
+"""Per-submission detection below 1.0 in the committed calibration (docs/verification.md "FP8 runs",
+"Cross-device fixture")."""
 
 
 def test_committed_calibration_data_has_every_variation():

@@ -87,6 +87,13 @@ def test_the_fixture_covers_the_engine_paths_it_claims(fx, ref):
     assert max(len(c.token_ids) for c in fx.claims) > 32  # rollouts of two proof chunks
 
 
+def test_the_committed_fixture_was_generated_on_a_gpu_with_cuda_graphs(fx):
+    # issue 26 item 2: CI judges GPU-generated rollouts on its CPU (regenerate with benchmarks/cross_device_device.sh)
+    p = fx.provenance
+    assert p["device"] == "cuda" and p["graphs"], fx.generated_on
+    assert p["engine"] == "node.engine.cuda_engine.CudaEngine", fx.generated_on
+
+
 def test_every_honest_rollout_from_the_other_device_is_accepted_on_the_cpu(fx, judged):
     honest, _ = judged
     rejected = [(case, v.reason.value, v.detail) for case, v in zip(fx.cases, honest) if not v.accepted]
