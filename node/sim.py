@@ -25,6 +25,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from node.adversary import CHEATS
@@ -61,7 +62,8 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
             group_size: int = _RUN["group_size"].default, timeout_s: float | None = None, recipe: dict | None = None,
             vllm_nodes: int = 0, trainer_parallel: str | None = None, stop_after_target: int | None = None,
             model: dict | None = None, run: dict | None = None, placement: Placement | None = None,
-            engine: str = "builtin", fp8: str = "off", inference_ep: int = 1) -> dict:
+            engine: str = "builtin", fp8: str = "off", inference_ep: int = 1,
+            stop_when: Callable[[int], bool] | None = None) -> dict:
     """Run the network. `timeout_s`: a hard limit; None: the limit follows the work (`timeout_for`, raised to
     the measured pace with a margin, and the run ends early only if no step finishes for `STALL_S`).
     `stop_after_target`: end the run this many steps after the reward target (None: train all `steps`).
@@ -70,7 +72,9 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
     (node/sim_devices.py; None: all on the CPU); `engine`: the honest inference nodes' `--engine` (vLLM nodes
     excepted); `fp8`: the run spec's `model.fp8` (every inference node serves it, the validator recomputes in it;
     docs/fp8.md); `inference_ep`: each honest built-in inference node serves over this many
-    expert-parallel processes (`join --ep`, engine builtin-ep; CPU only here)."""
+    expert-parallel processes (`join --ep`, engine builtin-ep; CPU only here). `stop_when`: called with the
+    steps done at each poll; True ends the run there, every role stopped as at a timeout (status "stopped";
+    tests stop on progress, not after a fixed time)."""
     placement = placement or place("cpu", inference_nodes)
     if inference_ep > 1:
         if any(d != "cpu" for d in placement.inference):
@@ -172,6 +176,9 @@ def run_sim(out: Path, inference_nodes: int = 4, steps: int = DEFAULT_RECIPE.ste
         if failed:  # an honest role that fails (an engine that cannot start, a bad device) is not waited out
             status = f"{failed[0].name} exited with code {failed[0].p.returncode}"
             log.error("%s; see %s", status, failed[0].log_path)
+            break
+        if stop_when is not None and stop_when(done_steps):
+            status = "stopped"
             break
         ended = deadline.check(done_steps, time.time() - t0)
         if ended:

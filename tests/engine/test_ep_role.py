@@ -113,7 +113,7 @@ def test_sim_with_an_ep2_inference_node_trains_on_rollouts_the_validator_accepte
     starts rank 1 itself); its rollouts are verified (100%) as the built-in engine's and trained on."""
     from node.sim import run_sim
 
-    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=4, group_size=4, timeout_s=150, inference_ep=2)
+    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=4, group_size=4, inference_ep=2)
     assert s["status"] == "done" and s["steps"] == 3, s
     assert s["rollouts_trained"] == 3 * 4 * 4 and s["rollouts_rejected"] == 0 and s["honest_banned"] == 0, s
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0

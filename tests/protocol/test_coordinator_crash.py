@@ -68,7 +68,7 @@ def publish_version_zero(tmp: Path, addr: str) -> RunSpec:
         await CoordinatorClient(trainer, retry=ONCE).publish(0, "00" * 32)
         await trainer.leave()
         await host.stop()
-    run(go(), 60)
+    run(go())
     return spec
 
 
@@ -149,7 +149,7 @@ def test_sigkilled_coordinator_restarts_without_losing_an_accepted_rollout(tmp_p
             await host.stop()
 
     try:
-        run(body(), 150)
+        run(body())
     finally:
         if proc.poll() is None:
             proc.kill()
