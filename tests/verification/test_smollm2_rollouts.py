@@ -1,6 +1,7 @@
-"""Verification on the real SmolLM2-135M-Instruct (49,152-token vocabulary, Llama): >= 200 honest
-rollouts of the reverse-text task at batch sizes 1..32 are all accepted, and the tamper classes of
-test_tamper.py are caught on it."""
+"""Verification on the real SmolLM2-135M-Instruct (49,152-token vocabulary, Llama): honest rollouts of
+the reverse-text task at batch sizes 1..32 (more requests than slots) are all accepted, and the tamper
+classes of test_tamper.py are caught on it. A false-rejection rate is a statistical claim, measured by
+`python -m benchmarks.false_bans` (docs), not here."""
 
 import hashlib
 
@@ -17,8 +18,9 @@ ENV = "reverse-text"
 MAX_SEQ = 96
 MANIFEST = hashlib.sha256(b"smollm2-v0").digest()
 RECOMPUTED = {Reason.HIDDEN_MISMATCH, Reason.LOGPROB_MISMATCH, Reason.SAMPLING_MISMATCH}
-# (slots, rollouts): more requests than slots (continuous batching) except at batch 1
-SETTINGS = [(1, 6), (2, 12), (4, 24), (8, 40), (16, 56), (32, 72)]
+# (slots, rollouts): more requests than slots (continuous batching: a finished row's slot is refilled)
+# at every batch size; 200 rollouts (6, 12, 24, 40, 56, 72) ran 100-200 s in CI for the same property
+SETTINGS = [(1, 3), (2, 5), (4, 9), (8, 13), (16, 21), (32, 37)]
 SAMPLING = [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0), (1.0, 0.8)]
 
 
@@ -73,7 +75,7 @@ def _verify(claims, ref, chunk=32):
     return [v for i in range(0, len(claims), chunk) for v in verify_claims(claims[i:i + chunk], ref)]
 
 
-def test_200_honest_smollm2_rollouts_across_batch_sizes_are_all_accepted(smol):
+def test_honest_smollm2_rollouts_at_batch_sizes_1_to_32_are_all_accepted(smol):
     model, tok = smol
     ref = _reference(tok, {0: model})
     assert ref.batch_tokens * tok.vocab_size * 4 <= 300 << 20  # prefill logits stay bounded
@@ -82,8 +84,8 @@ def test_200_honest_smollm2_rollouts_across_batch_sizes_are_all_accepted(smol):
         work = _work(range(seed, seed + n))
         seed += n
         claims += _claims(model, tok, work, slots)
-    assert len(claims) >= 200 and sum(len(c.token_ids) for c in claims) > 1_500
-    assert sum(c.finish_reason == "eos" for c in claims) > 10
+    assert len(claims) == sum(n for _, n in SETTINGS) and sum(len(c.token_ids) for c in claims) > 600  # 780 here
+    assert sum(c.finish_reason == "eos" for c in claims) > 10  # rows that end early free their slot (34 here)
     assert len(claims[0].proof) <= 2 + 258 * 2 + 64  # proofs stay bounded whatever the vocabulary
     verdicts = _verify(claims, ref)
     rejected = [(c.work_id, v.reason, v.detail) for c, v in zip(claims, verdicts) if not v.accepted]
