@@ -25,15 +25,8 @@ SAMPLING = [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0), (1.0, 0.8)]
 
 
 @pytest.fixture(scope="module")
-def smol():
-    pretrained = pytest.importorskip("node.model.pretrained")
-    from node.model.spec import ModelSpec, load_model
-
-    try:
-        loaded = load_model(ModelSpec(source="smollm2-135m-instruct"))
-    except pretrained.PretrainedUnavailable as exc:
-        pytest.skip(str(exc))
-    return loaded.model, loaded.tokenizer
+def smol(smollm2):
+    return smollm2.model, smollm2.tokenizer
 
 
 def _reference(tok, policies):
@@ -97,7 +90,7 @@ def test_tampering_is_caught_on_smollm2(smol):
 
     model, tok = smol
     ref = _reference(tok, {0: model})
-    work = _work(range(100, 116), temperature=1.0, top_p=1.0)
+    work = _work(range(100, 110), temperature=1.0, top_p=1.0)  # 10 rollouts per tamper class (16 took ~90 s in CI)
     honest = _claims(model, tok, work)
     assert all(v.accepted for v in _verify(honest, ref))
 
@@ -121,10 +114,10 @@ def test_tampering_is_caught_on_smollm2(smol):
         ids[i] = 1000 + (ids[i] + 1) % 40000  # another ordinary token
         edited.append(c.model_copy(update={"token_ids": ids}))
     rejected(edited, RECOMPUTED | {Reason.TERMINATION, Reason.REWARD_MISMATCH})
-    hot = _work(range(100, 116), temperature=1.5, top_p=1.0)
+    hot = _work(range(100, 110), temperature=1.5, top_p=1.0)
     cheat = [c.model_copy(update={"sampling": h.sampling}) for c, h in zip(_claims(model, tok, hot), honest)
              if c.token_ids != h.token_ids]
-    assert len(cheat) >= 8
+    assert len(cheat) >= len(work) // 2
     rejected(cheat, RECOMPUTED)
     rejected([c.model_copy(update={"reward": 1.0}) for c in honest if c.reward < 1.0], {Reason.REWARD_MISMATCH})
     stopped = [c for c in honest if c.finish_reason == "eos"]
