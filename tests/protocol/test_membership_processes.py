@@ -63,7 +63,7 @@ def test_members_in_other_processes_die_or_leave_and_their_work_is_regranted(tmp
                 killed.send_signal(signal.SIGKILL)  # silent death: detected after 3 missed beats
                 await eventually(lambda: k_info["peer_id"] not in me.alive_peers(), WAIT_S, "death in our view")
                 regranted = []
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + WAIT_S
                 while len(regranted) < 2 and time.monotonic() < deadline:
                     g = (await coordinator.lease(1) or [None])[0]
                     if g is not None and g.work_id in k_info["work_ids"]:
