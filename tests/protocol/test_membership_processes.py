@@ -25,7 +25,7 @@ def start_member_process(tmp, addr: str, tag: str, leases: int) -> tuple[subproc
     proc = subprocess.Popen([sys.executable, "-m", "protocol.member", "--spec", str(tmp / "state" / "spec.json"),
                              "--bootstrap", addr, "--leases", str(leases), "--report", str(report)],
                             cwd=REPO, stdout=open(tmp / f"member-{tag}.log", "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a hang guard: an exit ends the wait at once
     while not report.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
