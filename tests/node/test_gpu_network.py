@@ -65,6 +65,7 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     assert (tmp_path / "report.png").stat().st_size > 10_000 and (tmp_path / "k0.json").exists()
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_a_role_that_cannot_start_ends_the_sim_at_once_instead_of_at_its_timeout(tmp_path):
     import time
 

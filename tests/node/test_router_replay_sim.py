@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from node.model.checkpoint import load_hf_state_dict
@@ -17,6 +18,7 @@ from shardcast.codec import unflatten
 from shardcast.store import Store
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_every_trained_batch_replays_the_routes_the_inference_node_sent(tmp_path):
     s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=8, group_size=4)
     assert s["status"] == "done" and s["steps"] == 3

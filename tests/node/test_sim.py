@@ -14,6 +14,7 @@ from node.sim import run_sim
 from node.sim_deadline import STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S, Deadline, plan, timeout_for
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     s = run_sim(tmp_path, inference_nodes=1, steps=4, batch_groups=8, group_size=4)
     assert s["status"] == "done" and s["steps"] == 4
@@ -84,6 +85,7 @@ def test_churn_and_a_cheater_lose_nothing_and_ban_only_the_cheater(tmp_path):
     assert s["max_off_policy_seen"] <= s["max_off_policy_steps"]
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_synchronous_run_trains_only_on_the_newest_policy(tmp_path):
     s = run_sim(tmp_path, inference_nodes=2, steps=4, batch_groups=4, group_size=4, max_off_policy_steps=0,
                 seed=2)

@@ -69,6 +69,7 @@ def _get_json(url: str) -> dict:
     return json.loads(_get(url))
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_status_json_and_prometheus_metrics_describe_the_run(running_sim):
     _, snapshot = running_sim
     assert snapshot, "the run never showed every role and three steps on its status page"
@@ -86,6 +87,7 @@ def test_status_json_and_prometheus_metrics_describe_the_run(running_sim):
     assert "# TYPE primerl_rollout_groups_accepted_total counter" in metrics
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_status_page_in_headless_chromium_shows_members_versions_and_reward_curve(running_sim):
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:

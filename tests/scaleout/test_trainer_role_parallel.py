@@ -81,6 +81,7 @@ def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     return {n: float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-12)) for n in want}
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_path):
     s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=8, group_size=4,
                 trainer_parallel="dp2-ep2")
