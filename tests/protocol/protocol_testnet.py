@@ -18,11 +18,12 @@ from protocol.transport import PeerHost
 
 HANG_S = 300.0
 """A test body that has not ended after this long is stuck (every test process stops by itself).
-Not a measure of speed: the 8-host gossip test's body takes ~4 s alone and took 35-68 s at load 9-12
-on 2 cores (cpu-2core, measured), so a minute was not enough."""
+Not a measure of speed: the 8-host gossip test's body took ~4 s alone and 27-60+ s at load 9-12 on
+2 cores (cpu-2core, measured; once past the minute it had then), so a minute was not enough."""
 WAIT_S = 30.0
 """How long `eventually` waits by default: a condition that holds ends the wait at once, so this
-bounds only a failing test (waits of ~1 s alone took ~12 s at load 12 on 2 cores)."""
+bounds only a failing test (the gossip test's mesh and announce waits, ~1 s each alone, took 11-12 s
+at load 12 on 2 cores)."""
 
 
 def run(coro: Awaitable, timeout: float = HANG_S):
