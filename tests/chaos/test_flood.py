@@ -77,7 +77,7 @@ def test_flooding_libp2p_peer_is_bounded_while_an_honest_peer_is_served():
         for h in (server, flooder, honest):
             await h.stop()
         return honest_ok, flood_ok, peak, server.limits.refused, flooder.peer_id, honest.peer_id
-    honest_ok, flood_ok, peak, refused, fid, hid = run(body(), 90)
+    honest_ok, flood_ok, peak, refused, fid, hid = run(body())
     assert all(honest_ok)
     assert peak[fid] <= 4 and peak[hid] >= 1
     assert refused >= 1 and flood_ok.count(False) >= 1
@@ -111,7 +111,7 @@ def test_one_http_client_cannot_take_every_shard_slot(tmp_path):
             flood_status = await asyncio.gather(*flood_tasks)
         await server.stop()
         return honest_status, flood_status
-    honest_status, flood_status = run(body(), 90)
+    honest_status, flood_status = run(body())
     assert honest_status == 200
     assert flood_status.count(503) >= 6 and flood_status.count(200) >= 1  # 2 of 4 slots per client
 
@@ -133,7 +133,7 @@ def test_http_request_flood_gets_429_and_others_are_still_answered(tmp_path):
                 ok = r.status, await r.json()
         await server.stop()
         return codes, ok
-    codes, ok = run(body(), 60)
+    codes, ok = run(body())
     assert codes[:10] == [200] * 10 and codes.count(429) >= 20
     assert ok == (200, {"runs": ["r"]})
 
@@ -156,7 +156,7 @@ def test_greedy_peer_cannot_take_the_whole_lease_pool(tmp_path):
         out = pipeline.work_out(coord.state)
         await stop_all(coord, [greedy, honest])
         return greedy_grants, r.grants, out
-    greedy_grants, honest_grants, out = run(body(), 90)
+    greedy_grants, honest_grants, out = run(body())
     # out_limit 12; a new identity may hold LeasePolicy.new_allowance (4) of them (slow start), and
     # newcomers together a quarter of the pool (3): the greedy one filled that budget, so the honest
     # newcomer waits for one of its short leases to expire, and 9 of 12 stay for identities with a record
@@ -193,6 +193,6 @@ def test_junk_connection_flood_from_one_ip_is_capped_and_others_still_connect(tm
         refused = server.connections.refused
         await server.stop()
         return held, refused, ok
-    held, refused, ok = run(body(), 60)
+    held, refused, ok = run(body())
     assert held.get("127.0.0.2") == 20 and refused >= 40
     assert ok == (200, {"runs": ["r"]})

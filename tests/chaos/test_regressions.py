@@ -36,7 +36,7 @@ def test_two_fetches_of_one_version_in_one_process_both_succeed(tmp_path):
         got = await asyncio.gather(*[fetch_version(Store(tmp_path / "node"), src, trusted, "r", 0) for _ in range(4)])
         await server.stop()
         return [np.asarray(g.payload).tobytes() for g in got]
-    payloads = run(body(), 60)
+    payloads = run(body())
     assert len(set(payloads)) == 1
     assert payloads[0] == np.asarray(origin.payload("r", 0)).tobytes()
     leftovers = [p.name for p in (tmp_path / "node" / "r" / "00000000").iterdir() if p.name.startswith(".")]
@@ -142,7 +142,7 @@ def test_relay_on_a_full_disk_keeps_running_and_catches_up_when_space_returns(tm
                 await asyncio.wait_for(task, 10)
             await server.stop()
             return alive_while_full, held_while_full, relay_store.complete_versions("r")
-        alive, held_full, held_after = run(body(), 60)
+        alive, held_full, held_after = run(body())
         assert alive and held_full == []
         assert held_after == [0, 1, 2]
     finally:

@@ -4,7 +4,6 @@ logits equal to transformers', its own tokenizer with chat template and EOS."""
 import pytest
 import torch
 
-from node.model.spec import ModelSpec, load_model
 from node.model.tokenizer import HFTokenizer, Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -12,13 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def smol():
-    pretrained = pytest.importorskip("node.model.pretrained")
-    try:
-        pretrained.smollm2_dir()
-    except pretrained.PretrainedUnavailable as exc:
-        pytest.skip(str(exc))
-    return load_model(ModelSpec(source="smollm2-135m-instruct"))
+def smol(smollm2):
+    return smollm2
 
 
 def test_smollm2_directory_is_a_complete_hf_checkpoint(smol):

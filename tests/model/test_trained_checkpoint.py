@@ -70,7 +70,7 @@ def test_the_trainer_roles_checkpoint_opens_in_transformers_with_its_tokenizer(t
 
     source = tiny_llama_with_smollm2_tokenizer(tmp_path / "src", smol_dir)
     s = run_sim(tmp_path / "run", inference_nodes=1, steps=2, task="reverse-text", batch_groups=2, group_size=2,
-                timeout_s=240, **pretrained_run(str(source)))
+                **pretrained_run(str(source)))
     assert s["status"] == "done" and s["steps"] == 2, s
     ckpt = tmp_path / "run" / "trainer" / "checkpoint"
     assert json.loads((ckpt / "trainer.json").read_text())["step"] == 2  # the last step is saved

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from node.model.checkpoint import load_hf_state_dict
@@ -17,8 +18,9 @@ from shardcast.codec import unflatten
 from shardcast.store import Store
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_every_trained_batch_replays_the_routes_the_inference_node_sent(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=8, group_size=4, timeout_s=150)
+    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=8, group_size=4)
     assert s["status"] == "done" and s["steps"] == 3
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
     assert s["rollouts_rejected"] == 0 and s["honest_banned"] == 0  # honest routes pass the routing check

@@ -14,8 +14,9 @@ from node.sim import run_sim
 from node.sim_deadline import STALL_S, START_ALLOWANCE_S, STEP_ALLOWANCE_S, Deadline, plan, timeout_for
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=1, steps=4, batch_groups=8, group_size=4, timeout_s=150)
+    s = run_sim(tmp_path, inference_nodes=1, steps=4, batch_groups=8, group_size=4)
     assert s["status"] == "done" and s["steps"] == 4
     assert s["rollouts_trained"] == 4 * 8 * 4
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
@@ -74,7 +75,7 @@ def test_a_slow_run_that_progresses_goes_on_and_a_stalled_one_ends():
 @pytest.mark.slow
 def test_a_run_that_reaches_the_reward_target_stops_a_few_steps_later(tmp_path):
     # a warm-up to greedy reward 0.9, near-greedy sampling and a tiny lr reach the 0.8 target at once
-    s = run_sim(tmp_path, inference_nodes=1, steps=40, batch_groups=4, group_size=2, timeout_s=400,
+    s = run_sim(tmp_path, inference_nodes=1, steps=40, batch_groups=4, group_size=2,
                 recipe={"warmup_target": 0.9, "temperature": 0.05, "lr": 1e-7}, stop_after_target=2)
     assert s["status"] == "target reached", s
     # the trainer runs on while the sim notices and stops it: up to the step in flight and one more
@@ -86,7 +87,7 @@ def test_a_run_that_reaches_the_reward_target_stops_a_few_steps_later(tmp_path):
 @pytest.mark.slow
 def test_churn_and_a_cheater_lose_nothing_and_ban_only_the_cheater(tmp_path):
     s = run_sim(tmp_path, inference_nodes=3, steps=12, batch_groups=8, group_size=4, churn=True, cheaters=1,
-                timeout_s=240, seed=1)
+                seed=1)
     assert s["status"] == "done" and s["steps"] == 12
     assert s["coordinator_restarts"] == 1 and s["inference_kills"] >= 1
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
@@ -96,9 +97,10 @@ def test_churn_and_a_cheater_lose_nothing_and_ban_only_the_cheater(tmp_path):
     assert s["max_off_policy_seen"] <= s["max_off_policy_steps"]
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_synchronous_run_trains_only_on_the_newest_policy(tmp_path):
     s = run_sim(tmp_path, inference_nodes=2, steps=4, batch_groups=4, group_size=4, max_off_policy_steps=0,
-                timeout_s=150, seed=2)
+                seed=2)
     assert s["status"] == "done" and s["steps"] == 4
     assert s["max_off_policy_seen"] == 0
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
@@ -106,7 +108,7 @@ def test_synchronous_run_trains_only_on_the_newest_policy(tmp_path):
 
 @pytest.mark.slow
 def test_an_fp8_run_serves_and_verifies_in_fp8_and_trains(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=2, steps=3, batch_groups=4, group_size=4, timeout_s=240, fp8="experts")
+    s = run_sim(tmp_path, inference_nodes=2, steps=3, batch_groups=4, group_size=4, fp8="experts")
     assert s["status"] == "done" and s["steps"] == 3
     assert json.loads((tmp_path / "coordinator" / "spec.json").read_text())["model"]["fp8"] == "experts"
     assert "model.fp8 = " not in (tmp_path / "run.toml").read_text() and 'fp8 = "experts"' in (tmp_path / "run.toml").read_text()

@@ -16,17 +16,49 @@ from protocol.messages import LeaseGrant, RunSpec
 from protocol.transport import PeerHost
 
 
-def run(coro: Awaitable, timeout: float = 60.0):
-    """Run one async test body with a hard timeout (every test process stops by itself)."""
+HANG_S = 300.0
+"""A test body that has not ended after this long is stuck (every test process stops by itself).
+Not a measure of speed: the 8-host gossip test's body took ~4 s alone and 27-60+ s at load 9-12 on
+2 cores (cpu-2core, measured; once past the minute it had then), so a minute was not enough."""
+WAIT_S = 30.0
+"""How long `eventually` waits by default: a condition that holds ends the wait at once, so this
+bounds only a failing test (the gossip test's mesh and announce waits, ~1 s each alone, took 11-12 s
+at load 12 on 2 cores)."""
+
+
+def run(coro: Awaitable, timeout: float = HANG_S):
+    """Run one async test body, failing it if it hangs (see HANG_S)."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+async def eventually(cond: Callable[[], bool], timeout: float = WAIT_S, what: str = "condition",
+                     progress: Callable[[], object] | None = None) -> None:
+    """Wait until `cond()`. It fails after `timeout` s; with `progress`, after `timeout` s in which
+    `progress()` did not change (a loaded machine is slow, not stuck, while the thing waited for moves)."""
     deadline = time.monotonic() + timeout
+    seen = progress() if progress else None
     while not cond():
+        if progress is not None and (now := progress()) != seen:
+            seen, deadline = now, time.monotonic() + timeout
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s{' without progress' if progress else ''} "
+                                 f"waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+def heard(member: RunMember, peer_ids: set[str]) -> set[str]:
+    """The peers among `peer_ids` whose gossiped heartbeat reached `member` (a join reply's member
+    list is in the view too, with no beat: it does not count)."""
+    return {p for p in peer_ids if p in member.view.members and member.view.members[p].last_seq >= 0}
+
+
+async def mesh_formed(coordinator: CoordinatorService, members: list[RunMember], quiet_s: float = 30.0) -> None:
+    """Wait until the gossip mesh carries every member's and the coordinator's heartbeats to every
+    member, for as long as more of them arrive: only then does an announcement reach all."""
+    ids = {m.key.peer_id for m in members} | {coordinator.key.peer_id}
+    await eventually(lambda: all(heard(m, ids - {m.key.peer_id}) == ids - {m.key.peer_id} for m in members),
+                     quiet_s, "the gossip mesh to carry every heartbeat to every member",
+                     progress=lambda: sum(len(heard(m, ids)) for m in members))
 
 
 def make_spec(coordinator: NodeKey, **kw) -> RunSpec:

@@ -48,7 +48,7 @@ def test_client_leases_submits_and_a_trainer_gets_the_batch_and_publishes(tmp_pa
             assert inference.status().policy_version >= 0
         finally:
             await stop_all(coord, [worker, trainer])
-    run(body(), 90)
+    run(body())
 
 
 def test_a_reply_of_the_wrong_type_is_a_typed_error_and_not_retried(tmp_path):
@@ -69,7 +69,7 @@ def test_a_reply_of_the_wrong_type_is_a_typed_error_and_not_retried(tmp_path):
             assert len(calls) == 1
         finally:
             await stop_all(coord, [member])
-    run(body(), 60)
+    run(body())
 
 
 def test_a_member_the_coordinator_forgot_joins_again_and_its_request_succeeds(tmp_path):
@@ -87,7 +87,7 @@ def test_a_member_the_coordinator_forgot_joins_again_and_its_request_succeeds(tm
             assert len(grants) == 1 and member.key.peer_id in coord.state.view.members
         finally:
             await stop_all(coord, [member])
-    run(body(), 60)
+    run(body())
 
 
 def test_a_coordinator_that_fails_to_answer_is_retried_not_fatal(tmp_path):
@@ -120,4 +120,4 @@ def test_a_coordinator_that_fails_to_answer_is_retried_not_fatal(tmp_path):
             assert len(calls) == 2
         finally:
             await stop_all(coord, [member])
-    run(body(), 60)
+    run(body())

@@ -63,7 +63,7 @@ def test_requests_during_a_coordinator_shutdown_never_meet_a_closed_state(tmp_pa
                 await h.stop()
 
     try:
-        run(body(), 90)
+        run(body())
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import struct
 
-from protocol_testnet import client, eventually, make_spec, run, start_coordinator, start_member, stop_all
+from protocol_testnet import (WAIT_S, client, eventually, make_spec, run, start_coordinator, start_member,
+                              stop_all)
 
 from protocol.envelope import open_envelope, seal
 from protocol.errors import DuplicateSubmission, MessageTooLarge, LeaseExpired, StaleRollout, TransportError
@@ -87,7 +88,7 @@ def test_bad_requests_are_refused_with_reasons_and_the_coordinator_keeps_serving
             g2, = await coordinator.lease(1, holds_version=0)
             await coord.announce_policy(1, "bb" * 32)
             await coord.announce_policy(2, "cc" * 32)  # g2 (minted at 0) can no longer finish: cancelled
-            await eventually(lambda: g2.work_id in honest.cancelled, 5, "cancel gossiped")
+            await eventually(lambda: g2.work_id in honest.cancelled, WAIT_S, "cancel gossiped")
             try:
                 await coordinator.submit(rollout(g2.work_id, 0))
                 raise AssertionError("cancelled lease accepted")
@@ -108,13 +109,13 @@ def test_bad_requests_are_refused_with_reasons_and_the_coordinator_keeps_serving
             for junk in (b"junk", forged, seal(evil_key, "another-run", LeaseBatchRequest(policy_version=0, count=1))):
                 await evil.publish(coord.net.topic, junk)
             await coord.announce_policy(3, "dd" * 32)
-            await eventually(lambda: honest.policy_version == 3, 5, "honest announce after junk")
+            await eventually(lambda: honest.policy_version == 3, WAIT_S, "honest announce after junk")
             assert sorted(r.work_id for r in coord.state.accepted_rollouts()) == [g.work_id, g2.work_id]
             assert sum(coord.net.refused.values()) >= 9
         finally:
             await evil.stop()
             await stop_all(coord, [honest])
-    run(body(), 90)
+    run(body())
 
 
 def test_unreachable_peer_times_out_with_a_typed_error():
@@ -135,4 +136,4 @@ def test_unreachable_peer_times_out_with_a_typed_error():
                 pass
         finally:
             await a.stop()
-    run(body(), 30)
+    run(body())

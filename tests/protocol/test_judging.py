@@ -70,7 +70,7 @@ def test_only_the_spec_validators_or_the_coordinator_may_pull_work_or_judge_over
             assert coord.state.store.banned_peers() == set()
         finally:
             await stop_all(coord, [honest, forger, validator])
-    run(body(), 60)
+    run(body())
 
 
 def test_without_named_validators_no_member_may_judge(tmp_path):
@@ -84,7 +84,7 @@ def test_without_named_validators_no_member_may_judge(tmp_path):
                 await forger.net.request(ck.peer_id, VerifyRequest(max_items=8))
         finally:
             await stop_all(coord, [forger])
-    run(body(), 60)
+    run(body())
 
 
 def test_the_trainer_recomputes_a_cheap_reward_instead_of_trusting_the_submitter():

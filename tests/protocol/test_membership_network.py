@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from protocol_testnet import eventually, lease_one, make_spec, run, start_coordinator, start_member, stop_all
+from protocol_testnet import (WAIT_S, eventually, lease_one, make_spec, mesh_formed, run, start_coordinator,
+                              start_member, stop_all)
 
 from protocol.identity import NodeKey
 from protocol.errors import LeaseExpired, NotMember
@@ -21,25 +22,25 @@ def test_join_heartbeat_leave_and_death_regrants_the_dead_members_lease(tmp_path
         try:
             ids = {m.key.peer_id for m in members}
             # Every member's view converges on the others through gossip heartbeats alone.
-            await eventually(lambda: all(ids - {m.key.peer_id} <= m.alive_peers() for m in members), 10, "views converge")
-            await eventually(lambda: ids <= set(coord.state.view.members), 5, "coordinator sees all")
+            await eventually(lambda: all(ids - {m.key.peer_id} <= m.alive_peers() for m in members), WAIT_S, "views converge")
+            await eventually(lambda: ids <= set(coord.state.view.members), WAIT_S, "coordinator sees all")
 
             grant_dying = await lease_one(members[0])
             grant_leaving = await lease_one(members[1])
             # Graceful leave: the lease is back in the pool at once and the others drop the member.
             await members[1].leave()
-            await eventually(lambda: members[1].key.peer_id not in coord.state.view.members, 5, "leave seen")
-            await eventually(lambda: members[1].key.peer_id not in members[2].alive_peers(), 5, "leave gossiped")
+            await eventually(lambda: members[1].key.peer_id not in coord.state.view.members, WAIT_S, "leave seen")
+            await eventually(lambda: members[1].key.peer_id not in members[2].alive_peers(), WAIT_S, "leave gossiped")
             regrant = await lease_one(members[2])
             assert regrant.work_id == grant_leaving.work_id and regrant.task_index == grant_leaving.task_index
 
             # Death: member 0 stops beating; after 3 missed beats it is ejected and its work re-granted.
             t0 = time.monotonic()
             await members[0].crash()
-            await eventually(lambda: members[0].key.peer_id not in coord.state.view.members, 10, "death detected")
+            await eventually(lambda: members[0].key.peer_id not in coord.state.view.members, WAIT_S, "death detected")
             detected = time.monotonic() - t0
             assert detected >= spec.heartbeat_interval_s * 2, detected  # not before beats were really missed
-            await eventually(lambda: members[0].key.peer_id not in members[2].alive_peers(), 10, "death in peer view")
+            await eventually(lambda: members[0].key.peer_id not in members[2].alive_peers(), WAIT_S, "death in peer view")
             again = await lease_one(members[2])
             assert again.work_id == grant_dying.work_id and again.task_index == grant_dying.task_index
             # The dead member may not take new work until it joins again.
@@ -52,7 +53,7 @@ def test_join_heartbeat_leave_and_death_regrants_the_dead_members_lease(tmp_path
             assert members[2].key.peer_id in coord.state.view.members
         finally:
             await stop_all(coord, members)
-    run(body(), 60)
+    run(body())
 
 
 def test_gossip_reaches_every_peer_of_eight(tmp_path):
@@ -67,11 +68,12 @@ def test_gossip_reaches_every_peer_of_eight(tmp_path):
                 async def on_policy(msg, pid=m.key.peer_id):
                     got[pid].append(msg.version)
                 m.on_policy.append(on_policy)
-            await asyncio.sleep(1.5)  # let the gossipsub mesh form
+            await mesh_formed(coord, members)
             await coord.announce_policy(0, "ab" * 32)
-            await eventually(lambda: all(v == [0] for v in got.values()), 10, "announce reaches all 7 members")
+            await eventually(lambda: all(v == [0] for v in got.values()), 30, "announce reaches all 7 members",
+                             progress=lambda: sum(map(len, got.values())))
             # Peers found each other through the network, not only through the bootstrap.
             assert any(len(m.host.connected_peers()) > 1 for m in members)
         finally:
             await stop_all(coord, members)
-    run(body(), 60)
+    run(body())

@@ -9,7 +9,7 @@ import asyncio
 import time
 
 import pytest
-from protocol_testnet import eventually, make_spec, run, start_coordinator
+from protocol_testnet import WAIT_S, eventually, make_spec, run, start_coordinator
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import open_envelope, seal
@@ -79,7 +79,7 @@ def test_a_replayed_leave_over_gossip_and_a_replayed_join_are_refused_after_a_re
             await third.subscribe(coord.net.topic)
             await asyncio.sleep(2)  # mesh forms
             await third.publish(coord.net.topic, leave1)
-            await eventually(lambda: coord.net.refused.get("ReplayedMessage", 0) >= 1, 10, "the replay refused")
+            await eventually(lambda: coord.net.refused.get("ReplayedMessage", 0) >= 1, WAIT_S, "the replay refused")
             assert M.peer_id in coord.state.view.members
             # any request captured before the restart: the persisted guard refuses it
             reply = await join_raw(coord, lease_req)
@@ -96,4 +96,4 @@ def test_a_replayed_leave_over_gossip_and_a_replayed_join_are_refused_after_a_re
             await coord.host.stop()
             await member.stop()
             await third.stop()
-    run(body(), 90)
+    run(body())

@@ -76,7 +76,7 @@ def test_members_reach_a_restarted_coordinator_within_10s_and_take_its_gossip(tm
             await host.stop()
 
     try:
-        run(body(), 120)
+        run(body())
     finally:
         logging.getLogger("libp2p.pubsub.gossipsub").removeHandler(count)
         if proc.poll() is None:

@@ -122,7 +122,7 @@ def test_a_validator_that_lost_its_seat_is_refused_over_the_wire(tmp_path):
             assert isinstance(await m_honest.net.request(ck.peer_id, VerifyRequest(max_items=8)), StoredWorkBatch)
         finally:
             await stop_all(coord, [m_liar, m_honest])
-    run(body(), 60)
+    run(body())
 
 
 def test_a_unit_waiting_on_a_liars_opinion_is_judged_on_without_it(tmp_path):

@@ -81,8 +81,9 @@ def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     return {n: float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-12)) for n in want}
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=8, group_size=4, timeout_s=200,
+    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=8, group_size=4,
                 trainer_parallel="dp2-ep2")
     assert s["status"] == "done" and s["steps"] == 3, s
     assert s["rollouts_trained"] == 3 * 8 * 4
@@ -107,9 +108,10 @@ def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_pat
 def test_sigterm_mid_run_stops_every_rank_cleanly(tmp_path):
     """The sim's stop (SIGTERM to every rank while the trainer is mid-run): rank 0 finishes its step,
     sends the stop order, and every rank and torchrun exit 0 within the sim's 20 s grace."""
-    s = run_sim(tmp_path, inference_nodes=1, steps=500, batch_groups=8, group_size=4, timeout_s=45,
-                trainer_parallel="dp2-ep2")
-    assert s["status"] == "timeout" and 0 < s["steps"] < 500, s
+    # stopped once a step is done (a fixed time may pass before the first step on a loaded machine)
+    s = run_sim(tmp_path, inference_nodes=1, steps=500, batch_groups=8, group_size=4, trainer_parallel="dp2-ep2",
+                stop_when=lambda steps: steps >= 1)
+    assert s["status"] == "stopped" and 0 < s["steps"] < 500, s
     assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
     log = (tmp_path / "trainer" / "log.txt").read_text()

@@ -17,13 +17,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
 
 
 @pytest.fixture(scope="module")
-def smol():
-    pretrained = pytest.importorskip("node.model.pretrained")
-    try:
-        model, tok, _ = pretrained.load_smollm2()
-    except pretrained.PretrainedUnavailable as exc:
-        pytest.skip(str(exc))
-    return model, tok
+def smol(smollm2):
+    return smollm2.model, smollm2.tokenizer.hf  # transformers' tokenizer: encode/decode, eos_token_id
 
 
 def _reference(model, tok):

@@ -1,6 +1,7 @@
-"""Verification on the real SmolLM2-135M-Instruct (49,152-token vocabulary, Llama): >= 200 honest
-rollouts of the reverse-text task at batch sizes 1..32 are all accepted, and the tamper classes of
-test_tamper.py are caught on it."""
+"""Verification on the real SmolLM2-135M-Instruct (49,152-token vocabulary, Llama): honest rollouts of
+the reverse-text task at batch sizes 1..32 (more requests than slots) are all accepted, and the tamper
+classes of test_tamper.py are caught on it. A false-rejection rate is a statistical claim, measured by
+`python -m benchmarks.false_bans` (docs), not here."""
 
 import hashlib
 
@@ -17,21 +18,15 @@ ENV = "reverse-text"
 MAX_SEQ = 96
 MANIFEST = hashlib.sha256(b"smollm2-v0").digest()
 RECOMPUTED = {Reason.HIDDEN_MISMATCH, Reason.LOGPROB_MISMATCH, Reason.SAMPLING_MISMATCH}
-# (slots, rollouts): more requests than slots (continuous batching) except at batch 1
-SETTINGS = [(1, 6), (2, 12), (4, 24), (8, 40), (16, 56), (32, 72)]
+# (slots, rollouts): more requests than slots (continuous batching: a finished row's slot is refilled)
+# at every batch size; 200 rollouts (6, 12, 24, 40, 56, 72) ran 100-200 s in CI for the same property
+SETTINGS = [(1, 3), (2, 5), (4, 9), (8, 13), (16, 21), (32, 37)]
 SAMPLING = [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0), (1.0, 0.8)]
 
 
 @pytest.fixture(scope="module")
-def smol():
-    pretrained = pytest.importorskip("node.model.pretrained")
-    from node.model.spec import ModelSpec, load_model
-
-    try:
-        loaded = load_model(ModelSpec(source="smollm2-135m-instruct"))
-    except pretrained.PretrainedUnavailable as exc:
-        pytest.skip(str(exc))
-    return loaded.model, loaded.tokenizer
+def smol(smollm2):
+    return smollm2.model, smollm2.tokenizer
 
 
 def _reference(tok, policies):
@@ -73,7 +68,7 @@ def _verify(claims, ref, chunk=32):
     return [v for i in range(0, len(claims), chunk) for v in verify_claims(claims[i:i + chunk], ref)]
 
 
-def test_200_honest_smollm2_rollouts_across_batch_sizes_are_all_accepted(smol):
+def test_honest_smollm2_rollouts_at_batch_sizes_1_to_32_are_all_accepted(smol):
     model, tok = smol
     ref = _reference(tok, {0: model})
     assert ref.batch_tokens * tok.vocab_size * 4 <= 300 << 20  # prefill logits stay bounded
@@ -82,8 +77,8 @@ def test_200_honest_smollm2_rollouts_across_batch_sizes_are_all_accepted(smol):
         work = _work(range(seed, seed + n))
         seed += n
         claims += _claims(model, tok, work, slots)
-    assert len(claims) >= 200 and sum(len(c.token_ids) for c in claims) > 1_500
-    assert sum(c.finish_reason == "eos" for c in claims) > 10
+    assert len(claims) == sum(n for _, n in SETTINGS) and sum(len(c.token_ids) for c in claims) > 600  # 780 here
+    assert sum(c.finish_reason == "eos" for c in claims) > 10  # rows that end early free their slot (34 here)
     assert len(claims[0].proof) <= 2 + 258 * 2 + 64  # proofs stay bounded whatever the vocabulary
     verdicts = _verify(claims, ref)
     rejected = [(c.work_id, v.reason, v.detail) for c, v in zip(claims, verdicts) if not v.accepted]
@@ -95,7 +90,7 @@ def test_tampering_is_caught_on_smollm2(smol):
 
     model, tok = smol
     ref = _reference(tok, {0: model})
-    work = _work(range(100, 116), temperature=1.0, top_p=1.0)
+    work = _work(range(100, 110), temperature=1.0, top_p=1.0)  # 10 rollouts per tamper class (16 took ~90 s in CI)
     honest = _claims(model, tok, work)
     assert all(v.accepted for v in _verify(honest, ref))
 
@@ -119,10 +114,10 @@ def test_tampering_is_caught_on_smollm2(smol):
         ids[i] = 1000 + (ids[i] + 1) % 40000  # another ordinary token
         edited.append(c.model_copy(update={"token_ids": ids}))
     rejected(edited, RECOMPUTED | {Reason.TERMINATION, Reason.REWARD_MISMATCH})
-    hot = _work(range(100, 116), temperature=1.5, top_p=1.0)
+    hot = _work(range(100, 110), temperature=1.5, top_p=1.0)
     cheat = [c.model_copy(update={"sampling": h.sampling}) for c, h in zip(_claims(model, tok, hot), honest)
              if c.token_ids != h.token_ids]
-    assert len(cheat) >= 8
+    assert len(cheat) >= len(work) // 2
     rejected(cheat, RECOMPUTED)
     rejected([c.model_copy(update={"reward": 1.0}) for c in honest if c.reward < 1.0], {Reason.REWARD_MISMATCH})
     stopped = [c for c in honest if c.finish_reason == "eos"]

@@ -12,9 +12,10 @@ pytest.importorskip("verifiers.v1", reason="verifiers is not installed: pip inst
 from node.sim import run_sim  # noqa: E402
 
 
+@pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_a_multi_turn_verifiers_env_trains_through_every_role_with_nothing_lost_or_rejected(tmp_path):
     s = run_sim(tmp_path, inference_nodes=1, steps=3, task="verifiers:digit-reverse-feedback", batch_groups=8,
-                group_size=4, timeout_s=300, seed=3)
+                group_size=4, seed=3)
     assert s["status"] == "done" and s["steps"] == 3 and s["task"] == "verifiers:digit-reverse-feedback", \
         _log_tails(tmp_path)
     assert s["rollouts_trained"] == 3 * 8 * 4

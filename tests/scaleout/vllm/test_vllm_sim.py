@@ -31,7 +31,7 @@ def test_builtin_and_vllm_nodes_train_one_run_and_both_engines_work_is_accepted(
     # (docs/scale-out.md), so its work lags the built-in node's.
     steps = 8
     s = run_sim(tmp_path, inference_nodes=2, vllm_nodes=1, steps=steps, batch_groups=4, group_size=4,
-                max_off_policy_steps=2, timeout_s=420)
+                max_off_policy_steps=2)
     assert s["status"] == "done" and s["steps"] == steps, s
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
     assert s["honest_banned"] == 0 and s["rollouts_rejected"] == 0, s  # honest work of both engines passes
