@@ -423,3 +423,8 @@ def _safe(validator: Callable[[bytes], bool], data: bytes) -> bool:
         return bool(validator(bytes(data)))
     except Exception:
         return False
+
+
+def peer_info(addr: str):  # noqa: ANN201 (libp2p's PeerInfo)
+    """The libp2p peer info of a `/ip4/.../p2p/<id>` multiaddr (the test peers that dial a coordinator)."""
+    return info_from_p2p_addr(multiaddr.Multiaddr(addr))
