@@ -168,7 +168,7 @@ def world_main(argv: list[str]) -> None:
 
 def _world(layout: str, out: Path, *extra: str) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=_pythonpath())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--layout", layout, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
@@ -214,7 +214,7 @@ def test_ranks_given_different_models_all_refuse_to_start_naming_the_field(tmp_p
     """E.g. rank 0 resumed a checkpoint of another model than the run's: no rank builds anything."""
     out = tmp_path / "w"
     out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=_pythonpath())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--layout", "dp2-ep2", "--out", str(out), "--other-layers", "3"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
@@ -238,3 +238,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path):
 
 if __name__ == "__main__":
     world_main(sys.argv[1:])
+
+
+def _pythonpath() -> str:
+    """The repository first: a worker run as a script has its own folder as sys.path[0], not the root
+    (benchmarks.parallel_parity, which the workers import, is not an installed package)."""
+    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])

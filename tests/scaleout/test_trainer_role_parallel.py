@@ -169,7 +169,7 @@ def world_main(argv: list[str]) -> None:
 
 
 def _world(*args: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=_pythonpath())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -204,7 +204,7 @@ def test_a_dead_rank_0_never_leaves_a_rank_waiting(tmp_path):
     raises `LeaderLost` instead of waiting for an order forever."""
     from node.sim_procs import free_port
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=_pythonpath(), MASTER_PORT=str(free_port()),
                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     cmd = [sys.executable, __file__, "--layout", "dp2-ep2", "--step", "1", "--leader-dies"]
     t0 = time.time()
@@ -222,3 +222,9 @@ def test_a_dead_rank_0_never_leaves_a_rank_waiting(tmp_path):
 
 if __name__ == "__main__":
     world_main(sys.argv[1:])
+
+
+def _pythonpath() -> str:
+    """The repository first: a worker run as a script has its own folder as sys.path[0], not the root
+    (benchmarks.parallel_parity, which the workers import, is not an installed package)."""
+    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
