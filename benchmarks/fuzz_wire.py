@@ -177,8 +177,10 @@ async def client(bootstrap: str, spec_hash: str, surfaces: list[str], cases: int
                                                         addrs=net.host.addrs[:4]), timeout=10)
                 except Refused as exc:
                     # the fuzzer's own seed Join, signed later, may have landed first: it is a member
-                    # already, and refusing the older Join is the replay rule working
-                    if net is not fnet or "ReplayedMessage" not in str(exc):
+                    # already, and refusing the older Join is the replay rule working; and its junk units
+                    # (unpublished versions, malformed groups) are struck until it is banned: the defence
+                    # working too. Only the honest probe must always be served.
+                    if net is not fnet or not any(r in str(exc) for r in ("ReplayedMessage", "BannedPeer")):
                         raise
             reply = await pnet.request(coordinator, LeaseBatchRequest(policy_version=0, count=1), timeout=10)
             if not isinstance(reply, LeaseGrants):
