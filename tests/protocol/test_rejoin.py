@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import pytest
 import time
 
 from protocol_testnet import eventually, make_spec, run, start_coordinator, start_member, stop_all
@@ -23,6 +25,17 @@ from protocol.messages import Join
 
 INTERVAL = 0.3
 DEAD_AFTER = 3
+
+
+@pytest.fixture(autouse=True)
+def _protocol_logs_reach_caplog():
+    """These tests count log lines: a test earlier in the run may have disabled or detached the protocol's
+    loggers (logging.config, a CLI's quieting); they pass alone and failed after the whole suite."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith(("protocol", "node")) and isinstance(logger, logging.Logger):
+            logger.disabled, logger.propagate = False, True
+            logger.setLevel(logging.NOTSET)
+    yield
 
 
 def _refusal_lines(caplog, peer_id: str, records=None) -> int:
