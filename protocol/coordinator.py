@@ -90,7 +90,7 @@ class Coordinator:
 
     def join(self, peer_id: str, msg: Join, now: float, stamp_ms: int | None = None) -> JoinAccepted:
         """`stamp_ms`: the Join envelope's signed timestamp (see `_check_fresh`)."""
-        self._check_not_banned(peer_id, now)
+        self.check_not_banned(peer_id, now)
         if msg.spec_hash != self.spec_hash:
             raise SpecMismatch(f"joiner agrees to spec {msg.spec_hash[:12]}, the run is {self.spec_hash[:12]}")
         self._check_fresh(peer_id, stamp_ms, "join")
@@ -233,7 +233,7 @@ class Coordinator:
             if done[0].submitter == peer_id and done[0].body_sha256 == body_sha:
                 return SubmissionReceipt(work_id=sub.work_id, accepted=True, duplicate=True)
             raise DuplicateSubmission(f"work {sub.work_id} was already accepted from {done[0].submitter}")
-        self._check_not_banned(peer_id, now)
+        self.check_not_banned(peer_id, now)
         lease = self.store.lease_of(sub.work_id)
         if lease is None:
             raise UnknownLease(f"work {sub.work_id} was never granted (or was finished long ago and pruned)")
@@ -286,14 +286,14 @@ class Coordinator:
             db.delete_member(peer_id)
             return db.release_leases_of(peer_id)
 
-    def _check_not_banned(self, peer_id: str, now: float) -> None:
+    def check_not_banned(self, peer_id: str, now: float) -> None:
         ban = self.store.ban_of(peer_id)
         if ban and (ban[1] is None or ban[1] > now):
             raise BannedPeer(f"{peer_id} is banned: {ban[0]}")
 
     def check_member(self, peer_id: str, now: float) -> None:
         """Raise `BannedPeer` or `NotMember` unless `peer_id` is a live member in good standing."""
-        self._check_not_banned(peer_id, now)
+        self.check_not_banned(peer_id, now)
         if self.view.state(peer_id, now) == "dead":
             raise NotMember(f"{peer_id} has not joined, left, or was ejected as dead; join again")
 

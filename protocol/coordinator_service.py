@@ -113,7 +113,7 @@ class CoordinatorService:
         `NotMember`: its client joins again and retries, so a live member never stays out of the view."""
         async def serve(o: Opened):
             if o.signer != self.key.peer_id and o.signer not in self.state.view.members:
-                self.state._check_not_banned(o.signer, time.time())  # a banned peer is told so, not to rejoin
+                self.state.check_not_banned(o.signer, time.time())  # a banned peer is told so, not to rejoin
                 raise NotMember(f"{o.signer} is not a member (ejected as dead, or never joined); join again")
             self.state.view.touch(o.signer, time.time())
             reply = await handler(o)
