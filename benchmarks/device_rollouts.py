@@ -178,3 +178,46 @@ def provenance(device: str) -> dict:
                         "fp8_grouped_gemm": grouped_backend(device), "fp8_dense_gemm": "triton" if cuda else "torch reference",
                         "prefill_attention": "torch sdpa"},
             "numerics": numerics(device), "threads": torch.get_num_threads()}
+
+
+class ServedEngines:
+    """Engines that serve a whole run, one per (precision, weights): built on first use at `max_batch`
+    slots, each round's requests decoded at their own number (a bucket of the captured graphs), and a
+    round of another policy version preceded by `load_weights` (the version lands between two steps)."""
+
+    def __init__(self, engine: str, device: str, max_batch: int):
+        self.engine, self.device, self.max_batch = engine, device, max_batch
+        self._engines: dict[tuple[str, str], object] = {}
+        self._weights: dict[tuple[str, str, int], dict] = {}
+
+    def serving(self, precision: str, weights: str, version: int, model: CausalLM):
+        """The engine of (`precision`, `weights`), serving `version` (`model`: that version's base weights)."""
+        key = (precision, weights)
+        eng = self._engines.get(key)
+        if eng is None:
+            eng = self._engines[key] = build_engine(model, PRECISIONS[precision][1], self.device, self.max_batch,
+                                                    self.engine, version=version)
+        if eng.version != version:
+            w = self._weights.get((precision, weights, version))
+            if w is None:
+                w = self._weights[(precision, weights, version)] = hf_weights(model)
+            eng.load_weights(w, version)
+        return eng
+
+    def close(self) -> None:
+        for eng in self._engines.values():
+            eng.close()
+        self._engines.clear()
+
+
+def relabel(claims: list, version: int, hidden_size: int) -> list:
+    """A stale node's cheat: the same tokens and proofs, every token claimed as `version` (one proof run
+    under that version's manifest; tests/verification/rollouts.py's `relabel` at any hidden size)."""
+    from verification.proof import VersionRun, decode_rollout_proof, encode_rollout_proof
+
+    out = []
+    for c in claims:
+        chunks = [b for r in decode_rollout_proof(c.proof, hidden_size) for b in r.chunks]
+        proof = encode_rollout_proof([VersionRun(version, R.manifest(version), len(c.token_ids), chunks)])
+        out.append(c.model_copy(update={"versions": [version] * len(c.token_ids), "proof": proof}))
+    return out
