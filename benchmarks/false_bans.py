@@ -35,8 +35,9 @@ Each precision (`--precisions`, default bf16, FP8 experts and FP8 all on a bf16 
 the whole run; a round submits `batch` requests to it (the decode batch), and a round of the other version
 first copies that version in with `load_weights`, as a fetched version lands between two steps. The
 verdicts come from the validator role's GPU path (`TorchReference` with its models on the GPU, every check
-there). `--shape` (device_rollouts.SHAPES, default `qwen3-moe-tiny` on CUDA: the cross-device fixture's)
-picks the random model. The JSON adds the device, torch, CUDA, Triton, kernels and matmul settings.
+there). `--shape` (device_rollouts.SHAPES) picks the random model: default on CUDA `qwen3-moe-small` (the
+0.5B network run's widths: hidden 1024, 8 layers, 32 experts top-4, 424M parameters with the 88-token
+vocabulary; at hidden 128 the proofs' top-128 would cover every entry of a hidden state). The JSON adds the device, torch, CUDA, Triton, kernels and matmul settings.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", default=None, help="precisions drawn per round (device_rollouts.PRECISIONS; "
                     "default float32,bfloat16 on the CPU, bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16 on CUDA)")
     ap.add_argument("--shape", default=None, help="random model of this shape (device_rollouts.SHAPES; default: "
-                    "the test harness's tiny model on the CPU, qwen3-moe-tiny on CUDA)")
+                    "the test harness's tiny model on the CPU, qwen3-moe-small on CUDA)")
     ap.add_argument("--round-rollouts", type=int, default=64, help="an honest round's rollouts: max(this, batch)")
     ap.add_argument("--cheat-every", type=int, default=20, help="one round in this many is a cheater's")
     ap.add_argument("--seed", type=int, default=0)
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     args.hogs = args.hogs if args.hogs is not None else (0 if cuda else 2)
     args.precisions = args.precisions or ("bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16" if cuda else "float32,bfloat16")
-    args.shape = args.shape or ("qwen3-moe-tiny" if cuda else None)
+    args.shape = args.shape or ("qwen3-moe-small" if cuda else None)
     args.engine = args.engine or D.default_engine(args.device)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("protocol").setLevel(logging.ERROR)

@@ -1,0 +1,136 @@
+"""Detection per submission on a device: tampered engines judged by the validator role's path, beside the
+honest engine that must pass (issue 26, item 4).
+
+    python -m benchmarks.detection_device --device cuda [--rollouts 256] [--out ...-h200.json]
+    python -m benchmarks.detection_device --device cpu --shape tiny --rollouts 16   # a tiny run
+
+Per run precision (`--precisions`: bf16, FP8 experts and FP8 all on a bf16 base), the engine is the
+inference role's (benchmarks/device_rollouts.py: `CudaEngine` with graphs on CUDA) and the judge the
+validator's (`TorchReference` on `--device`, `verify_claims`), which knows versions 0 and 1 (1 = 0 plus
+1% of each tensor's std, a policy step). Cases, each `--rollouts` rollouts (one submission each) at
+engine batch `--batch`:
+- `honest`: version 0 served as the run prescribes (must pass);
+- `noise1pct/all`, `noise1pct/layer0`, `noise0.1pct/all`, `noise0.1pct/layer0`: Gaussian noise of 1% /
+  0.1% of each tensor's std on every layer / on layer 0 (norms untouched), then served as prescribed;
+- `int8`: weights rounded to int8 per row, then served as prescribed;
+- `fp8_engine` (bf16 runs): the node's block-scaled FP8 engine (all projections) claiming the bf16 run;
+- `plain_engine` (FP8 runs): the unquantised bf16 engine claiming the FP8 run;
+- `stale_version`: version 0's rollouts claimed as version 1 (proofs relabelled).
+`benchmarks.weak_tamper` is the CPU sweep over noise sizes; `verification_calibration` scores tampers
+by the figures alone. Prints progress, then one JSON line: the rejected share per case (proof-grade and
+borderline apart) and the reasons; the peer is the honest case of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from benchmarks import device_rollouts as D
+from verification.checks import THRESHOLDS, Severity
+from verification.validator import verify_claims
+
+log = logging.getLogger("bench.detection_device")
+
+VERSION_STEP = 1e-2
+"""Version 1 is version 0 plus noise of this share of each tensor's std."""
+NOISE = {"noise1pct": 1e-2, "noise0.1pct": 1e-3}
+
+
+def cases_for(precision: str) -> list[str]:
+    fp8 = D.PRECISIONS[precision][1]
+    noise = [f"{k}/{scope}" for k in NOISE for scope in ("all", "layer0")]
+    return ["honest", *noise, "int8", "plain_engine" if fp8 != "off" else "fp8_engine", "stale_version"]
+
+
+def engine_for(case: str, base, fp8: str, args):
+    """The engine a node running `case` serves (version 0), and the FP8 mode it serves in."""
+    kind, _, scope = case.partition("/")
+    if kind in NOISE:
+        return D.build_engine(D.noisy(base, NOISE[kind], scope), fp8, args.device, args.batch, args.engine)
+    if kind == "int8":
+        return D.build_engine(D.rounded(base, "int8"), fp8, args.device, args.batch, args.engine)
+    if kind == "fp8_engine":
+        return D.build_engine(base, "all", args.device, args.batch, args.engine)
+    if kind == "plain_engine":
+        return D.build_engine(base, "off", args.device, args.batch, args.engine)
+    return D.build_engine(base, fp8, args.device, args.batch, args.engine)  # honest, stale_version
+
+
+def judged(claims, ref) -> dict:
+    verdicts = verify_claims(claims, ref)
+    n = len(verdicts)
+    return {"rollouts": n, "rejected": round(sum(not v.accepted for v in verdicts) / n, 4),
+            "proof": round(sum(v.severity == Severity.PROOF for v in verdicts) / n, 4),
+            "borderline": round(sum(v.severity == Severity.BORDERLINE for v in verdicts) / n, 4),
+            "reasons": dict(Counter(v.reason.value for v in verdicts if not v.accepted)),
+            "details": [v.detail[:200] for v in verdicts if not v.accepted][:3]}
+
+
+def run(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    out: dict[str, dict] = {}
+    for precision in [p for p in args.precisions.split(",") if p]:
+        dtype, fp8 = D.PRECISIONS[precision]
+        base = D.random_model(args.shape, dtype, args.device)
+        ref = D.judge_reference({0: base, 1: D.noisy(base, VERSION_STEP, "all", seed=7)}, fp8, args.device)
+        assert ref.precision == precision, ref.precision
+        out[precision] = {}
+        for case in cases_for(precision):
+            if time.perf_counter() - t0 > args.seconds:
+                out[precision][case] = {"skipped": "out of time (--seconds)"}
+                continue
+            t = time.perf_counter()
+            work = [(s, D.R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
+            eng = engine_for(case, base, fp8, args)
+            claims = D.claims_of(eng, work, base.config)
+            eng.close()
+            if case == "stale_version":
+                claims = D.relabel(claims, 1, ref.hidden_size)
+            out[precision][case] = {**judged(claims, ref), "seconds": round(time.perf_counter() - t, 1)}
+            log.info("%-22s %-20s %s", precision, case, {k: v for k, v in out[precision][case].items() if k != "details"})
+        del base, ref
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    rate = {p: {c: r.get("rejected") for c, r in cases.items()} for p, cases in out.items()}
+    return {"bench": "detection_device", "command": "python -m benchmarks.detection_device " + " ".join(sys.argv[1:]),
+            "device": args.device, "engine": args.engine, "shape": D.shape_facts(args.shape),
+            "provenance": D.provenance(args.device), "rollouts_per_case": args.rollouts, "engine_batch": args.batch,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "honest_rejected": {p: r.get("honest") for p, r in rate.items()},
+            "detection": {p: {c: v for c, v in r.items() if c != "honest"} for p, r in rate.items()},
+            "thresholds": {p: asdict(THRESHOLDS[p]) for p in out}, "cases": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where engines serve and the validator judges")
+    ap.add_argument("--engine", choices=["builtin", "builtin-cuda"], default=None,
+                    help="the inference role's engine (default: builtin-cuda on CUDA, builtin on the CPU)")
+    ap.add_argument("--shape", default=None, help="device_rollouts.SHAPES (default: qwen3-moe-small on CUDA, tiny on the CPU)")
+    ap.add_argument("--precisions", default="bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16")
+    ap.add_argument("--rollouts", type=int, default=256, help="rollouts (submissions) per case")
+    ap.add_argument("--batch", type=int, default=64, help="engine batch (slots)")
+    ap.add_argument("--seconds", type=float, default=170.0, help="start no case after this long (the rest: skipped)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    args.engine = args.engine or D.default_engine(args.device)
+    args.shape = args.shape or ("qwen3-moe-small" if args.device.startswith("cuda") else "tiny")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    result = run(args)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
