@@ -12,8 +12,8 @@ decode batch: 1, 8, 64, 256), prompts of the reverse task, completions capped at
 temperature 1.0 or 0.7 (by seed). The claims (routes attached) are judged by `verify_claims` and
 measured along the validator's path (`cross_device_files.drift`: forced routes, sampled tokens, the
 checked trimmed mean) by `TorchReference` on the device (`cuda`: every check on the GPU; float32 with TF32
-off, `node.replay.exact_float32`) and on the CPU (`cpu`: at most `--cpu-rollouts` of them for models
-over 1B parameters); a float32 run is also judged on the GPU with TF32 on (`cuda_tf32`: what TF32 would
+off, `node.replay.exact_float32`) and on the CPU (`cpu`: a spread of `--cpu-rollouts` of them, or
+`--cpu-rollouts-big` for models over 1B parameters); a float32 run is also judged on the GPU with TF32 on (`cuda_tf32`: what TF32 would
 cost). Candidates per precision: each bound max(in force, 1.5 x the worst honest figure over the exact
 paths and shapes), with the path and shape that set it. Nothing here writes
 verification/calibration/thresholds.json: the lead moves candidates there. A case that would start after
@@ -99,7 +99,7 @@ def calibrate_case(shape: str, precision: str, args) -> dict:
                 torch.backends.cuda.matmul.allow_tf32 = saved
         del ref
         torch.cuda.empty_cache()
-    cap = args.cpu_rollouts if D.shape_facts(shape)["params"] > 1e9 else len(claims)
+    cap = min(len(claims), args.cpu_rollouts if D.shape_facts(shape)["params"] < 1e9 else args.cpu_rollouts_big)
     step = max(1, len(claims) // cap)  # every batch's rollouts among those the CPU judges
     ref = D.judge_reference({0: base.to("cpu") if cuda else base}, fp8, "cpu")
     out["paths"]["cpu"] = judged_by(claims[::step][:cap], ref)
@@ -134,12 +134,19 @@ def candidates(cases: list[dict]) -> dict:
     return out
 
 
+def plan_of(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(shape, precision) in order: each shape's precisions, float32 right after the TF32 shape's."""
+    plan = []
+    for s in args.shapes:
+        plan += [(s, p) for p in args.precisions] + ([(s, "float32")] if s == args.tf32_shape else [])
+    if args.tf32_shape and args.tf32_shape not in args.shapes:
+        plan.append((args.tf32_shape, "float32"))
+    return plan
+
+
 def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
-    plan = [(s, p) for s in args.shapes for p in args.precisions]
-    if args.tf32_shape:
-        plan.append((args.tf32_shape, "float32"))
-    cases = []
+    plan, cases = plan_of(args), []
     for shape, precision in plan:
         if time.perf_counter() - t0 > args.seconds:
             cases.append({"shape": shape, "precision": precision, "skipped": "out of time (--seconds)"})
@@ -147,6 +154,13 @@ def run(args: argparse.Namespace) -> dict:
         cases.append(calibrate_case(shape, precision, args))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if args.results:  # what a run cut by an outer timeout measured
+            with open(args.results, "w") as f:
+                f.write(json.dumps(report(args, plan, cases, t0), indent=1) + "\n")
+    return report(args, plan, cases, t0)
+
+
+def report(args: argparse.Namespace, plan: list, cases: list[dict], t0: float) -> dict:
     return {"bench": "calibration_device", "command": "python -m benchmarks.verification_calibration "
             + " ".join(sys.argv[1:]), "provenance": D.provenance(args.device),
             "shapes": {s: D.shape_facts(s) for s in dict.fromkeys(s for s, _ in plan)},
@@ -167,10 +181,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="with --device: the engine (default: builtin-cuda on CUDA, builtin on the CPU)")
     ap.add_argument("--shapes", default="qwen3-moe-small,qwen3-30b-a3b-48l-e16,qwen3-moe-tiny",
                     help="with --device: device_rollouts.SHAPES, in order")
-    ap.add_argument("--precisions", default="bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16")
+    ap.add_argument("--precisions", default="bfloat16,fp8-all-bfloat16,fp8-experts-bfloat16")
     ap.add_argument("--tf32-shape", default="qwen3-moe-small", help="shape of the float32 case (TF32 on/off); '' skips it")
     ap.add_argument("--rounds", default="1:8,8:4,64:1,256:1", help="batch:rounds, comma-separated")
-    ap.add_argument("--cpu-rollouts", type=int, default=16, help="rollouts the CPU path judges for models over 1B")
+    ap.add_argument("--cpu-rollouts", type=int, default=64, help="rollouts the CPU path judges per case (a spread)")
+    ap.add_argument("--cpu-rollouts-big", type=int, default=12, help="the same for models of over 1B parameters")
     ap.add_argument("--seconds", type=float, default=170.0, help="start no case after this long (the rest: skipped)")
     ap.add_argument("--results", default=None, help="with --device: write the JSON here")
 

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
     models, fp8 = {}, {}
     for p in precisions:
         dtype, fp8[p] = D.PRECISIONS[p]
-        v0 = R.tiny_model(dtype=dtype) if args.shape is None else D.random_model(args.shape, dtype)
+        v0 = R.tiny_model(dtype=dtype) if args.shape is None else D.random_model(args.shape, dtype, args.device)
         models[p] = {0: v0, 1: D.noisy(v0, VERSION_STEP, "all", seed=7)}
     refs = {p: D.judge_reference(m, fp8[p], args.device) for p, m in models.items()}
     noisy = {p: D.noisy(m[0], CHEAT_NOISE, "all") for p, m in models.items()}
