@@ -109,9 +109,9 @@ def calibrate_case(shape: str, precision: str, args) -> dict:
     return out
 
 
-def candidates(cases: list[dict]) -> dict:
-    """Per precision: each bound max(in force, MARGIN x the honest worst over the exact paths), and which
-    path and shape set it."""
+def candidates(cases: list[dict], provenance: dict | None = None) -> dict:
+    """Per precision: each bound max(in force, MARGIN x the honest worst over the exact paths), which path
+    and shape set it, and where it was measured (a record to paste beside the bounds in thresholds.json)."""
     out: dict[str, dict] = {}
     for precision in sorted({c["precision"] for c in cases if "paths" in c}):
         in_force = asdict(THRESHOLDS[precision])
@@ -126,7 +126,16 @@ def candidates(cases: list[dict]) -> dict:
             cand[bound] = max(in_force[bound], want)
             set_by[bound] = (f"{path} judging at {shape}: {worst[fig]} x {MARGIN}" if want > in_force[bound]
                              else f"in force ({in_force[bound]}) covers {worst[fig]} x {MARGIN} ({path}, {shape})")
+        prov = provenance or {}
+        measured = {"device": prov.get("device_name"), "torch": prov.get("torch"), "cuda": prov.get("cuda"),
+                    "triton": prov.get("triton"), "kernels": prov.get("kernels"),
+                    "engines": sorted({f"{c['engine']} (graphs {'on' if c['graphs'] else 'off'})" for c in cases
+                                       if c.get("precision") == precision and "engine" in c}),
+                    "shapes": sorted({c["shape"] for c in cases if c.get("precision") == precision and "paths" in c}),
+                    "paths": sorted({p for _, p, _ in rows}),
+                    "rollouts": sum(c["rollouts"] for c in cases if c.get("precision") == precision and "paths" in c)}
         out[precision] = {"in_force": in_force, "needed": needed, "candidate": cand, "set_by": set_by,
+                          "measured": measured,
                           "widened": sorted(b for b in BOUND_OF if cand[b] != in_force[b]),
                           "honest_rejected_in_force": {f"{s}/{p}": c["paths"][p]["rejected"] for c in cases
                                                        if c.get("precision") == precision for p in c.get("paths", {})
@@ -165,7 +174,7 @@ def report(args: argparse.Namespace, plan: list, cases: list[dict], t0: float) -
             + " ".join(sys.argv[1:]), "provenance": D.provenance(args.device),
             "shapes": {s: D.shape_facts(s) for s in dict.fromkeys(s for s, _ in plan)},
             "seconds": round(time.perf_counter() - t0, 1), "margin": MARGIN,
-            "candidates": candidates(cases), "cases": cases,
+            "candidates": candidates(cases, D.provenance(args.device)), "cases": cases,
             "note": "candidates only: verification/calibration/thresholds.json is not written by this run"}
 
 

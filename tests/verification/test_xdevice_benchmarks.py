@@ -89,6 +89,8 @@ def test_device_calibration_writes_candidates_not_thresholds(tmp_path, capsys):
         c = r["candidates"][precision]
         assert set(c["candidate"]) == set(c["in_force"]) == set(c["set_by"])
         assert all(c["candidate"][b] >= c["in_force"][b] for b in c["in_force"])
+        assert c["measured"]["shapes"] == ["tiny"] and c["measured"]["paths"] == ["cpu"]
+        assert c["measured"]["rollouts"] == 9 and c["measured"]["torch"] == torch.__version__
     assert r["shapes"]["tiny"]["params"] > 0 and r["provenance"]["torch"] == torch.__version__
 
 
