@@ -13,11 +13,11 @@ temperature 1.0 or 0.7 (by seed). The claims (routes attached) are judged by `ve
 measured along the validator's path (`cross_device_files.drift`: forced routes, sampled tokens, the
 checked trimmed mean) by `TorchReference` on the device (`cuda`: every check on the GPU; float32 with TF32
 off, `node.replay.exact_float32`) and on the CPU (`cpu`: a spread of `--cpu-rollouts` of them, or
-`--cpu-rollouts-big` for models over 1B parameters); a float32 run is also judged on the GPU with TF32 on (`cuda_tf32`: what TF32 would
-cost). Candidates per precision: each bound max(in force, 1.5 x the worst honest figure over the exact
-paths and shapes), with the path and shape that set it. Nothing here writes
-verification/calibration/thresholds.json: the lead moves candidates there. A case that would start after
-`--seconds` is recorded as skipped.
+`--cpu-rollouts-big` for models over 1B parameters); a float32 run is also judged on the GPU with TF32
+on (`cuda_tf32`: what TF32 would cost). Candidates per precision: each bound max(in force, 1.5 x the
+worst honest figure over the exact paths and shapes), with the path and shape that set it, and where they
+were measured. Nothing here writes verification/calibration/thresholds.json: a person moves candidates
+there. A case that would start after `--seconds` is recorded as skipped.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def work_for(first: int, n: int) -> list:
 
 def honest_claims(base, fp8: str, args) -> tuple[list, dict]:
     eng = D.build_engine(base, fp8, args.device, max(b for b, _ in args.rounds), args.engine)
-    facts = {"engine": f"{type(eng).__module__}.{type(eng).__name__}", "graphs": bool(getattr(eng, "use_graphs", False))}
+    facts = {"engine": f"{type(eng).__module__}.{type(eng).__name__}",
+             "graphs": bool(getattr(eng, "use_graphs", False))}
     claims, seed, t = [], 1000, time.perf_counter()
     for batch, rounds in args.rounds:
         for _ in range(rounds):
@@ -191,7 +192,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default="qwen3-moe-small,qwen3-30b-a3b-48l-e16,qwen3-moe-tiny",
                     help="with --device: device_rollouts.SHAPES, in order")
     ap.add_argument("--precisions", default="bfloat16,fp8-all-bfloat16,fp8-experts-bfloat16")
-    ap.add_argument("--tf32-shape", default="qwen3-moe-small", help="shape of the float32 case (TF32 on/off); '' skips it")
+    ap.add_argument("--tf32-shape", default="qwen3-moe-small",
+                    help="shape of the float32 case (TF32 on/off); '' skips it")
     ap.add_argument("--rounds", default="1:8,8:4,64:1,256:1", help="batch:rounds, comma-separated")
     ap.add_argument("--cpu-rollouts", type=int, default=64, help="rollouts the CPU path judges per case (a spread)")
     ap.add_argument("--cpu-rollouts-big", type=int, default=12, help="the same for models of over 1B parameters")

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> dict:
             if case == "stale_version":
                 claims = D.relabel(claims, 1, ref.hidden_size)
             out[precision][case] = {**judged(claims, ref), "seconds": round(time.perf_counter() - t, 1)}
-            log.info("%-22s %-20s %s", precision, case, {k: v for k, v in out[precision][case].items() if k != "details"})
+            log.info("%-22s %-20s %s", precision, case,
+                     {k: v for k, v in out[precision][case].items() if k != "details"})
             if args.out:  # what a run cut by an outer timeout measured
                 args.out.write_text(json.dumps(report(args, out, t0), indent=1) + "\n")
     return report(args, out, t0)
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where engines serve and the validator judges")
     ap.add_argument("--engine", choices=["builtin", "builtin-cuda"], default=None,
                     help="the inference role's engine (default: builtin-cuda on CUDA, builtin on the CPU)")
-    ap.add_argument("--shape", default=None, help="device_rollouts.SHAPES (default: qwen3-moe-small on CUDA, tiny on the CPU)")
+    ap.add_argument("--shape", default=None,
+                    help="device_rollouts.SHAPES (default: qwen3-moe-small on CUDA, tiny on the CPU)")
     ap.add_argument("--precisions", default="bfloat16,fp8-all-bfloat16,fp8-experts-bfloat16")
     ap.add_argument("--rollouts", type=int, default=256, help="rollouts (submissions) per case")
     ap.add_argument("--batch", type=int, default=64, help="engine batch (slots)")

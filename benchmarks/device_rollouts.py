@@ -175,7 +175,8 @@ def provenance(device: str) -> dict:
     return {"device": device, "device_name": device_name(device), "torch": torch.__version__,
             "cuda": torch.version.cuda if cuda else None, "triton": triton_version() if cuda else None,
             "kernels": {"decode_attention": "triton" if cuda else "torch reference",
-                        "fp8_grouped_gemm": grouped_backend(device), "fp8_dense_gemm": "triton" if cuda else "torch reference",
+                        "fp8_grouped_gemm": grouped_backend(device),
+                        "fp8_dense_gemm": "triton" if cuda else "torch reference",
                         "prefill_attention": "torch sdpa",
                         "prefill_experts": "torch._grouped_mm (bf16)" if cuda else "padded bmm"},
             "numerics": numerics(device), "threads": torch.get_num_threads()}

@@ -37,7 +37,8 @@ first copies that version in with `load_weights`, as a fetched version lands bet
 verdicts come from the validator role's GPU path (`TorchReference` with its models on the GPU, every check
 there). `--shape` (device_rollouts.SHAPES) picks the random model: default on CUDA `qwen3-moe-small` (the
 0.5B network run's widths: hidden 1024, 8 layers, 32 experts top-4, 424M parameters with the 88-token
-vocabulary; at hidden 128 the proofs' top-128 would cover every entry of a hidden state). The JSON adds the device, torch, CUDA, Triton, kernels and matmul settings.
+vocabulary; at hidden 128 the proofs' top-128 would cover every entry of a hidden state). The JSON adds
+the device, torch, CUDA, Triton, kernels and matmul settings (`provenance`) and the rollouts per version.
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     "default float32,bfloat16 on the CPU, bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16 on CUDA)")
     ap.add_argument("--shape", default=None, help="random model of this shape (device_rollouts.SHAPES; default: "
                     "the test harness's tiny model on the CPU, qwen3-moe-small on CUDA)")
-    ap.add_argument("--round-rollouts", type=int, default=64, help="an honest round's rollouts: max(this, batch)")
+    ap.add_argument("--round-rollouts", type=int, default=64,
+                    help="an honest round's rollouts with the CPU engine: max(this, batch) (served engines: batch)")
     ap.add_argument("--cheat-every", type=int, default=20, help="one round in this many is a cheater's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", type=Path, help="append every round here (JSONL)")
@@ -193,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.hogs = args.hogs if args.hogs is not None else (0 if cuda else 2)
-    args.precisions = args.precisions or ("bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16" if cuda else "float32,bfloat16")
+    args.precisions = args.precisions or ("bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16" if cuda
+                                          else "float32,bfloat16")
     args.shape = args.shape or ("qwen3-moe-small" if cuda else None)
     args.engine = args.engine or D.default_engine(args.device)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -289,7 +292,8 @@ def run(args: argparse.Namespace) -> dict:
                     claims = roll(precision, "noise", 0, work, batch, threads)
                 elif kind == "relabel":  # an old version's work, claimed as the newest
                     version = 1
-                    claims = D.relabel(roll(precision, "honest", 0, work, batch, threads), 1, refs[precision].hidden_size)
+                    claims = D.relabel(roll(precision, "honest", 0, work, batch, threads), 1,
+                                       refs[precision].hidden_size)
                 else:
                     claims = roll(precision, "honest", version, work, batch, threads)
                 torch.set_num_threads(VERIFY_THREADS)
