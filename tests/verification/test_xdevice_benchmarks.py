@@ -37,7 +37,7 @@ def test_exact_float32_turns_tf32_off_and_restores_it():
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.mark.slow  # 13-19 s on the shared 2 cores (load 7-10)
+@pytest.mark.slow  # 13-19 s on the shared 2 cores (load 11-14)
 def test_false_bans_on_served_engines_passes_honest_and_bans_cheaters(capsys):
     # builtin-cuda: the CUDA path's engines (one per precision for the whole run, versions by load_weights)
     assert false_bans.main(["--rollouts", "96", "--minutes", "4", "--hogs", "0", "--cheat-every", "2",
@@ -57,7 +57,7 @@ def test_false_bans_on_served_engines_passes_honest_and_bans_cheaters(capsys):
     assert {"device_name", "torch", "kernels", "numerics"} <= set(r["provenance"])
 
 
-@pytest.mark.slow  # 10-32 s on the shared 2 cores (load 7-10): 16 engines
+@pytest.mark.slow  # 10-32 s on the shared 2 cores (load 11-14): 16 engines
 def test_detection_device_passes_honest_and_catches_engine_swaps(tmp_path, capsys):
     out = tmp_path / "det.json"
     assert detection_device.main(["--shape", "tiny", "--rollouts", "8", "--batch", "8", "--out", str(out),
@@ -95,7 +95,7 @@ def test_device_calibration_writes_candidates_not_thresholds(tmp_path, capsys):
     assert r["shapes"]["tiny"]["params"] > 0 and r["provenance"]["torch"] == torch.__version__
 
 
-@pytest.mark.slow  # 41-133 s on the shared 2 cores (load 7-10): the device script's three steps, tiny, on the CPU
+@pytest.mark.slow  # 41-133 s on the shared 2 cores (load 11-14): the device script's three steps, tiny, on the CPU
 def test_xdevice_script_runs_every_step_on_the_cpu(tmp_path):
     env = {**os.environ, "DEVICE": "cpu", "TINY": "1", "OUT": str(tmp_path), "PY": sys.executable}
     subprocess.run(["bash", "benchmarks/xdevice_h200.sh"], cwd=ROOT, env=env, check=True, timeout=600,
