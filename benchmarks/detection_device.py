@@ -66,6 +66,14 @@ def engine_for(case: str, base, fp8: str, args):
     return D.build_engine(base, fp8, args.device, args.batch, args.engine)  # honest, stale_version
 
 
+def case_claims(case: str, precision: str, base, ref, args) -> list:
+    work = [(s, D.R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
+    eng = engine_for(case, base, D.PRECISIONS[precision][1], args)
+    claims = D.claims_of(eng, work, base.config)
+    eng.close()
+    return D.relabel(claims, 1, ref.hidden_size) if case == "stale_version" else claims
+
+
 def judged(claims, ref) -> dict:
     verdicts = verify_claims(claims, ref)
     n = len(verdicts)
@@ -93,13 +101,12 @@ def run(args: argparse.Namespace) -> dict:
                 out[precision][case] = {"skipped": "out of time (--seconds)"}
                 continue
             t = time.perf_counter()
-            work = [(s, D.R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
-            eng = engine_for(case, base, D.PRECISIONS[precision][1], args)
-            claims = D.claims_of(eng, work, base.config)
-            eng.close()
-            if case == "stale_version":
-                claims = D.relabel(claims, 1, ref.hidden_size)
-            out[precision][case] = {**judged(claims, ref), "seconds": round(time.perf_counter() - t, 1)}
+            try:
+                out[precision][case] = {**judged(case_claims(case, precision, base, ref, args), ref),
+                                        "seconds": round(time.perf_counter() - t, 1)}
+            except Exception as exc:  # one device run measures what it can: a failing case is recorded
+                log.exception("%s %s failed", precision, case)
+                out[precision][case] = {"error": repr(exc)[:500]}
             log.info("%-22s %-20s %s", precision, case,
                      {k: v for k, v in out[precision][case].items() if k != "details"})
             if args.out:  # what a run cut by an outer timeout measured
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where engines serve and the validator judges")
     ap.add_argument("--engine", choices=["builtin", "builtin-cuda"], default=None,
                     help="the inference role's engine (default: builtin-cuda on CUDA, builtin on the CPU)")
-    ap.add_argument("--shape", default=None,
+    ap.add_argument("--shape", default=None, choices=list(D.SHAPES),
                     help="device_rollouts.SHAPES (default: qwen3-moe-small on CUDA, tiny on the CPU)")
     ap.add_argument("--precisions", default="bfloat16,fp8-all-bfloat16,fp8-experts-bfloat16")
     ap.add_argument("--rollouts", type=int, default=256, help="rollouts (submissions) per case")
@@ -131,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=170.0, help="start no case after this long (the rest: skipped)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if unknown := [p for p in args.precisions.split(",") if p and p not in D.PRECISIONS]:
+        ap.error(f"unknown precisions {unknown}; known: {', '.join(D.PRECISIONS)}")
     args.engine = args.engine or D.default_engine(args.device)
     args.shape = args.shape or ("qwen3-moe-small" if args.device.startswith("cuda") else "tiny")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the inference role's engine (default: builtin-cuda on CUDA, builtin on the CPU)")
     ap.add_argument("--precisions", default=None, help="precisions drawn per round (device_rollouts.PRECISIONS; "
                     "default float32,bfloat16 on the CPU, bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16 on CUDA)")
-    ap.add_argument("--shape", default=None, help="random model of this shape (device_rollouts.SHAPES; default: "
+    ap.add_argument("--shape", default=None, choices=list(D.SHAPES), help="random model of this shape (device_rollouts.SHAPES; default: "
                     "the test harness's tiny model on the CPU, qwen3-moe-small on CUDA)")
     ap.add_argument("--round-rollouts", type=int, default=64,
                     help="an honest round's rollouts with the CPU engine: max(this, batch) (served engines: batch)")
@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                                           else "float32,bfloat16")
     args.shape = args.shape or ("qwen3-moe-small" if cuda else None)
     args.engine = args.engine or D.default_engine(args.device)
+    if unknown := [p for p in args.precisions.split(",") if p and p not in D.PRECISIONS]:
+        ap.error(f"unknown precisions {unknown}; known: {', '.join(D.PRECISIONS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("protocol").setLevel(logging.ERROR)
     if args.report:
