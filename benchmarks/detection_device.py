@@ -53,7 +53,7 @@ def cases_for(precision: str) -> list[str]:
 
 
 def engine_for(case: str, base, fp8: str, args):
-    """The engine a node running `case` serves (version 0), and the FP8 mode it serves in."""
+    """The engine (policy version 0) of a node running `case` in a run of FP8 mode `fp8`."""
     kind, _, scope = case.partition("/")
     if kind in NOISE:
         return D.build_engine(D.noisy(base, NOISE[kind], scope), fp8, args.device, args.batch, args.engine)
@@ -122,7 +122,18 @@ def report(args: argparse.Namespace, out: dict, t0: float) -> dict:
             "seconds": round(time.perf_counter() - t0, 1),
             "honest_rejected": {p: r.get("honest") for p, r in rate.items()},
             "detection": {p: {c: v for c, v in r.items() if c != "honest"} for p, r in rate.items()},
-            "thresholds": {p: asdict(THRESHOLDS[p]) for p in out}, "cases": out}
+            "aims": aims(rate), "thresholds": {p: asdict(THRESHOLDS[p]) for p in out}, "cases": out}
+
+
+def aims(rate: dict) -> dict:
+    """Issue 26's detection aims, per submission, where this run measured them (None: not measured)."""
+    def at_least(precision: str, case: str, share: float) -> bool | None:
+        got = rate.get(precision, {}).get(case)
+        return None if got is None else got >= share
+
+    return {"noise1pct/all >= 0.99, bfloat16": at_least("bfloat16", "noise1pct/all", 0.99),
+            "noise1pct/all >= 0.99, fp8-all-bfloat16": at_least("fp8-all-bfloat16", "noise1pct/all", 0.99),
+            **{f"plain_engine >= 0.90, {p}": at_least(p, "plain_engine", 0.90) for p in rate if p.startswith("fp8-")}}
 
 
 def main(argv: list[str] | None = None) -> int:

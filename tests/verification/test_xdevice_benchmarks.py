@@ -72,6 +72,8 @@ def test_detection_device_passes_honest_and_catches_engine_swaps(tmp_path, capsy
     assert r["detection"]["fp8-all-bfloat16"]["plain_engine"] >= 0.5
     assert r["detection"]["fp8-all-bfloat16"]["noise1pct/all"] >= 0.5
     assert r["provenance"]["device"] == "cpu" and r["shape"]["layers"] == 2
+    plain = r["detection"]["fp8-all-bfloat16"]["plain_engine"]
+    assert r["aims"]["plain_engine >= 0.90, fp8-all-bfloat16"] is (plain >= 0.9)
 
 
 def test_device_calibration_writes_candidates_not_thresholds(tmp_path, capsys):
