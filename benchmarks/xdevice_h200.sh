@@ -6,7 +6,7 @@
 # checkpoint, the others rewrite their file after every case), <step>.log (progress).
 #   carried, git-ignored: .whl (make_wheels.sh: pydantic, zstandard, blake3, cryptography, libp2p's closure),
 #   as for benchmarks/h200_session.sh. No DeepGEMM: FP8 expert GEMMs are the Triton kernels (the default).
-#   STEPS="false_bans detection calibration" FB_S=270 DET_S=90 CAL_S=170 bash benchmarks/xdevice_h200.sh
+#   STEPS="false_bans detection calibration" FB_S=260 DET_S=90 CAL_S=170 bash benchmarks/xdevice_h200.sh
 #   (two calls with more room: STEPS=false_bans FB_S=540, then STEPS="detection calibration" DET_S=180 CAL_S=380)
 #   On the CPU (a tiny run of every step, for a test): DEVICE=cpu TINY=1 OUT=/tmp/x bash benchmarks/xdevice_h200.sh
 set -u
@@ -36,7 +36,7 @@ else
   DET="--rollouts ${DET_ROLLOUTS:-128}"
   CAL=""
 fi
-FB_S=${FB_S:-270} DET_S=${DET_S:-90} CAL_S=${CAL_S:-170}
+FB_S=${FB_S:-260} DET_S=${DET_S:-90} CAL_S=${CAL_S:-170}
 # each benchmark stops starting work ~25 s before its step's timeout, so it ends and writes its JSON itself
 lead() { echo $(( $1 > 60 ? $1 - 25 : $1 * 2 / 3 )); }
 
