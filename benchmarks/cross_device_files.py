@@ -128,8 +128,8 @@ def drift(fx, ref) -> dict:
         cs = [fx.claims[i] for i in members]
         got = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1] for c in cs], logits_from=[len(c.prompt_ids) - 1 for c in cs],
                           replay=[ref.decode_routes(c.routed_experts, route_positions(c)) for c in cs] if routed else None)
-        for i, o in zip(members, got):
-            outs[i] = o
+        for i, o in zip(members, got):  # on the host: a GPU reference hands back device tensors
+            outs[i] = (o[0].cpu(), o[1].cpu())
     rows, means = [], []
     for c, (logits, hidden) in zip(fx.claims, outs):
         start, idx = len(c.prompt_ids) - 1, [i for i, s in enumerate(c.sampled_mask) if s]

@@ -27,6 +27,18 @@ processes run beside it the whole time (CPU contention). Every round is appended
 of `benchmarks.chaos` (kills, partitions): a verdict depends on the rollout's numbers, which chaos
 does not change, and on the engine settings and thread scheduling, which this varies. Prints
 progress, then one JSON line; the peer in the same run is the cheaters' detection rate.
+
+`--device cuda` (issue 26; `bash benchmarks/xdevice_h200.sh` on an H200): the node's GPU path on both sides.
+Each precision (`--precisions`, default bf16, FP8 experts and FP8 all on a bf16 base) has one `CudaEngine`
+(`builtin-cuda`, benchmarks/device_rollouts.py: a CUDA graph per batch bucket up to the largest
+`--batches`, captured before the first round; FP8 quantised on the GPU as the node serves it) that serves
+the whole run; a round submits `batch` requests to it (the decode batch), and a round of the other version
+first copies that version in with `load_weights`, as a fetched version lands between two steps. The
+verdicts come from the validator role's GPU path (`TorchReference` with its models on the GPU, every check
+there). `--shape` (device_rollouts.SHAPES) picks the random model: default on CUDA `qwen3-moe-small` (the
+0.5B network run's widths: hidden 1024, 8 layers, 32 experts top-4, 424M parameters with the 88-token
+vocabulary; at hidden 128 the proofs' top-128 would cover every entry of a hidden state). The JSON adds
+the device, torch, CUDA, Triton, kernels and matmul settings (`provenance`) and the rollouts per version.
 """
 
 from __future__ import annotations
@@ -47,7 +59,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.weak_tamper import R, claims_of, perturbed
+from benchmarks import device_rollouts as D
+from benchmarks.weak_tamper import R
 from protocol import judging
 from protocol.coordinator import Coordinator
 from protocol.envelope import seal
@@ -113,6 +126,7 @@ def summarize(rounds: list[dict], honest_ids: int = HONEST_IDENTITIES) -> dict:
     c: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     settings: Counter[str] = Counter()
+    versions: Counter[str] = Counter()
     banned_honest: set[str] = set()
     cheaters: dict[str, set[str]] = {"noise": set(), "relabel": set()}
     banned_cheaters: dict[str, set[str]] = {"noise": set(), "relabel": set()}
@@ -125,6 +139,7 @@ def summarize(rounds: list[dict], honest_ids: int = HONEST_IDENTITIES) -> dict:
             reasons[f"{who}/{k}"] += v
         if who == "honest":
             settings[f"{r['precision']}/batch{r['batch']}/threads{r['threads']}"] += r["n"] - r.get("after_ban", 0)
+            versions[f"v{r.get('version', 0)}"] += r["n"] - r.get("after_ban", 0)
             banned_honest |= set(r["banned"])
         else:
             c[f"{who}_{r['kind']}_rollouts"] += r["n"]
@@ -151,6 +166,7 @@ def summarize(rounds: list[dict], honest_ids: int = HONEST_IDENTITIES) -> dict:
         "load_avg_1m": {"mean": round(sum(loads) / len(loads), 2), "min": min(loads), "max": max(loads)}
         if loads else None,
         "rejections_by_reason": dict(reasons), "honest_rollouts_by_setting": dict(sorted(settings.items())),
+        "honest_rollouts_by_version": dict(sorted(versions.items())),
     }
 
 
@@ -158,15 +174,33 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=100_000, help="stop after this many honest rollouts judged")
     ap.add_argument("--minutes", type=float, default=55.0, help="stop after this long in any case")
-    ap.add_argument("--hogs", type=int, default=2, help="busy-looping processes beside the run")
+    ap.add_argument("--hogs", type=int, default=None, help="busy-looping processes beside the run (default: 2 on "
+                    "the CPU, 0 with --device cuda)")
     ap.add_argument("--batches", default="16,64,128,256", help="engine batch sizes drawn per round")
-    ap.add_argument("--round-rollouts", type=int, default=64, help="an honest round's rollouts: max(this, batch)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where the engines serve and the validator "
+                    "judges")
+    ap.add_argument("--engine", choices=["builtin", "builtin-cuda"], default=None,
+                    help="the inference role's engine (default: builtin-cuda on CUDA, builtin on the CPU)")
+    ap.add_argument("--precisions", default=None, help="precisions drawn per round (device_rollouts.PRECISIONS; "
+                    "default float32,bfloat16 on the CPU, bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16 on CUDA)")
+    ap.add_argument("--shape", default=None, choices=list(D.SHAPES), help="random model of this shape (device_rollouts.SHAPES; default: "
+                    "the test harness's tiny model on the CPU, qwen3-moe-small on CUDA)")
+    ap.add_argument("--round-rollouts", type=int, default=64,
+                    help="an honest round's rollouts with the CPU engine: max(this, batch) (served engines: batch)")
     ap.add_argument("--cheat-every", type=int, default=20, help="one round in this many is a cheater's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", type=Path, help="append every round here (JSONL)")
     ap.add_argument("--report", type=Path, help="only summarize this checkpoint file")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.hogs = args.hogs if args.hogs is not None else (0 if cuda else 2)
+    args.precisions = args.precisions or ("bfloat16,fp8-experts-bfloat16,fp8-all-bfloat16" if cuda
+                                          else "float32,bfloat16")
+    args.shape = args.shape or ("qwen3-moe-small" if cuda else None)
+    args.engine = args.engine or D.default_engine(args.device)
+    if unknown := [p for p in args.precisions.split(",") if p and p not in D.PRECISIONS]:
+        ap.error(f"unknown precisions {unknown}; known: {', '.join(D.PRECISIONS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("protocol").setLevel(logging.ERROR)
     if args.report:
@@ -184,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     batches = [int(b) for b in args.batches.split(",")]
+    precisions = [p for p in args.precisions.split(",") if p]
     t0 = time.time()
     hogs = [multiprocessing.Process(target=_hog, args=(t0 + args.minutes * 60 + 30,), daemon=True)
             for _ in range(args.hogs)]
@@ -192,17 +227,34 @@ def run(args: argparse.Namespace) -> dict:
     head = {"bench": "false_bans", "machine": platform.node(), "torch": torch.__version__,
             "command": "python -m benchmarks.false_bans " + " ".join(sys.argv[1:]), "cpu_hogs": args.hogs,
             "cpus": os.cpu_count(), "verify_threads": VERIFY_THREADS, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                              time.gmtime(t0))}
+                                                                                              time.gmtime(t0)),
+            "device": args.device, "engine": args.engine, "precisions": precisions,
+            "shape": D.shape_facts(args.shape or "tiny"), "provenance": D.provenance(args.device)}
     ckpt = args.checkpoint.open("w") if args.checkpoint else None
     if ckpt:
         ckpt.write(json.dumps(head) + "\n")
         ckpt.flush()
-    models = {}
-    for p, d in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        v0 = R.tiny_model(dtype=d)
-        models[p] = {0: v0, 1: perturbed(v0, VERSION_STEP, "all", seed=7)}
-    refs = {p: R.reference(m) for p, m in models.items()}
-    noisy = {p: perturbed(m[0], CHEAT_NOISE, "all") for p, m in models.items()}
+    models, fp8 = {}, {}
+    for p in precisions:
+        dtype, fp8[p] = D.PRECISIONS[p]
+        v0 = R.tiny_model(dtype=dtype) if args.shape is None else D.random_model(args.shape, dtype, args.device)
+        models[p] = {0: v0, 1: D.noisy(v0, VERSION_STEP, "all", seed=7)}
+    refs = {p: D.judge_reference(m, fp8[p], args.device) for p, m in models.items()}
+    noisy = {p: D.noisy(m[0], CHEAT_NOISE, "all") for p, m in models.items()}
+    fresh = args.engine == "builtin"
+    """The CPU engine is built per round at the round's batch and thread count; the others serve the run."""
+    served = None if fresh else D.ServedEngines(args.engine, args.device, max(batches))
+
+    def roll(precision: str, weights: str, version: int, work: list, batch: int, threads: int) -> list:
+        model = noisy[precision] if weights == "noise" else models[precision][version]
+        if fresh:
+            eng = D.build_engine(model, fp8[precision], args.device, batch, args.engine, version, threads)
+        else:
+            eng = served.serving(precision, weights, version, model)
+        claims = D.claims_of(eng, work, model.config)
+        torch.set_num_threads(2)
+        return claims
+
     ck = NodeKey.generate()
     honest = [NodeKey.generate() for _ in range(HONEST_IDENTITIES)]
     rounds: list[dict] = []
@@ -217,11 +269,12 @@ def run(args: argparse.Namespace) -> dict:
         c.advance_policy(1, "11" * 32, t0)
         seed, rnd, judged = 10_000, 0, 0
         while judged < args.rollouts and time.time() - t0 < args.minutes * 60:
-            precision = rng.choice(("float32", "bfloat16"))
+            precision = rng.choice(precisions)
             batch, threads, version = rng.choice(batches), rng.choice((1, 2)), rng.choice((0, 1))
+            threads = threads if fresh else torch.get_num_threads()
             cheat = rnd % args.cheat_every == args.cheat_every - 1
             kind = ("noise", "relabel")[(rnd // args.cheat_every) % 2] if cheat else None
-            n = CHEAT_ROLLOUTS if cheat else max(batch, args.round_rollouts)
+            n = CHEAT_ROLLOUTS if cheat else max(batch, args.round_rollouts) if fresh else batch
             work = [(s, R.spec(s)) for s in range(seed, seed + n)]
             seed += n
             if cheat:
@@ -238,13 +291,13 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 if kind == "noise":
                     version = 0
-                    claims = claims_of(noisy[precision], models[precision][0], work, batch, threads)
+                    claims = roll(precision, "noise", 0, work, batch, threads)
                 elif kind == "relabel":  # an old version's work, claimed as the newest
                     version = 1
-                    claims = R.relabel(claims_of(models[precision][0], models[precision][0], work, batch, threads), 1)
+                    claims = D.relabel(roll(precision, "honest", 0, work, batch, threads), 1,
+                                       refs[precision].hidden_size)
                 else:
-                    claims = claims_of(models[precision][version], models[precision][version],
-                                       [(s, sp) for s, sp in work], batch, threads, version=version)
+                    claims = roll(precision, "honest", version, work, batch, threads)
                 torch.set_num_threads(VERIFY_THREADS)
                 verdicts = verify_claims(claims, refs[precision])
                 now = time.time()
@@ -280,6 +333,8 @@ def run(args: argparse.Namespace) -> dict:
                          s["cheater_rollouts_judged"], s["cheaters_banned"], s["cheater_identities"],
                          os.getloadavg()[0])
         c.close()
+    if served is not None:
+        served.close()
     for h in hogs:
         h.terminate()
     if ckpt:

@@ -17,6 +17,9 @@ FP8 run (`plain_engine`). It writes `data-fp8.json` and merges its precisions in
 GPU FP8 kernels (Triton, DeepGEMM) against this CPU reference are not part of it (no GPU measured).
 `--rescore` recomputes the summary from the data file (`data.json`, or `data-fp8.json` with `--fp8`) with the
 thresholds in force (after editing them), keeping what other paths recorded per precision (`cross_device`).
+`--device cuda|cpu` is the device path instead (benchmarks/calibration_device.py): the CUDA engine's honest
+rollouts (bf16, FP8 experts, FP8 all; graphs on; batches 1 to 256; several shapes) judged by the validator's
+GPU path and its CPU path, candidates with provenance written to `--results`, never to thresholds.json.
 It lives here, not in `verification`, because it drives the node's engine through the test
 harness (`verification` imports nothing from `node`).
 """
@@ -143,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true", help="calibrate the FP8 precisions (merged into thresholds.json)")
     ap.add_argument("--rescore", action="store_true",
                     help="re-score data.json (with --fp8: data-fp8.json) at the thresholds in force, generate nothing")
+    from benchmarks.calibration_device import add_arguments, main_device
+
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.device is not None:  # the device path: candidates to --results, thresholds.json untouched
+        return main_device(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.fp8:
         return main_fp8(args)

@@ -17,6 +17,9 @@ must all pass; their raw figures (`verification.calibration.measure`) and the ro
 quantised by `apply_fp8_mode` (the CPU reference GEMM); a tampered engine perturbs the high-precision
 weights, then quantises them as an honest node would, so the detection figures are at the FP8
 thresholds (`fp8-<mode>-<dtype>` in verification/checks.py).
+
+On a GPU (the node's CUDA engine and the validator's GPU path), per submission, with the engine swaps
+(an FP8 engine in a bf16 run, an unquantised one in an FP8 run) and a stale version: `benchmarks.detection_device`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Kept here (not in `verification/`) because `verification` may import only `proto
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -47,6 +48,10 @@ class TorchReference(Reference):
         self.on_device = device.type == "cuda"
         """Outputs stay on the model's GPU and every check runs there (only verdict-sized data comes back);
         on the CPU they are host tensors anyway."""
+        self.exact_float32 = self.on_device and dtype == "float32"
+        """A float32 run judged on a GPU recomputes its float32 matmuls without TF32 (`exact_float32`),
+        whatever the process set: TF32 rounds inputs to 10 mantissa bits, which the float32 tolerances
+        (calibrated on exact CPU float32) do not cover. bf16 / FP8 runs are left as they are."""
         budget = logits_budget(device)
         # a prefill batch holds [tokens, vocab] logits three times over (model dtype, float32 copy, the
         # checks' log_softmax): bound them by the budget (CPU: 256 MiB, 65,536 tokens of the tiny model's
@@ -71,6 +76,11 @@ class TorchReference(Reference):
     def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False,
                 with_router_logits: bool = False, logits_from: list[int] | None = None,
                 replay: list[torch.Tensor] | None = None) -> list[tuple]:
+        with exact_float32(self.exact_float32):
+            return self._prefill(version, sequences, with_routes, with_router_logits, logits_from, replay)
+
+    def _prefill(self, version: int, sequences: list[list[int]], with_routes: bool, with_router_logits: bool,
+                 logits_from: list[int] | None, replay: list[torch.Tensor] | None) -> list[tuple]:
         model = self.policies[version][0]
         device = next(model.parameters()).device
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
@@ -107,6 +117,11 @@ class TorchReference(Reference):
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
                       with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0,
                       replay: torch.Tensor | None = None) -> tuple:
+        with exact_float32(self.exact_float32):
+            return self._prefill_mixed(sequence, segments, with_routes, with_router_logits, logits_from, replay)
+
+    def _prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]], with_routes: bool,
+                       with_router_logits: bool, logits_from: int, replay: torch.Tensor | None) -> tuple:
         model = self.policies[segments[0][0]][0]
         cfg, param = model.config, next(model.parameters())
         cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
@@ -147,6 +162,21 @@ class TorchReference(Reference):
         if self._reward is None:
             raise KeyError("this reference has no environments")
         return self._reward(env, task_seed, completion_ids)
+
+
+@contextmanager
+def exact_float32(on: bool) -> Iterator[None]:
+    """float32 matmuls (cuBLAS, cuDNN) in full float32 while it lasts, the process's settings restored after.
+    The settings are process-wide: a float32 engine in the same process decoding meanwhile runs exact too."""
+    if not on:
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 CPU_LOGITS_BYTES = 256 << 20

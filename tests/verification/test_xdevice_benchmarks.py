@@ -1,0 +1,108 @@
+"""The issue-26 GPU benchmarks at a tiny size on the CPU: the same code the H200 runs (`CudaEngine` eagerly,
+served across rounds and versions; the validator's path; the device calibration), with the output fields
+the device run is read by; and the TF32 guard of a float32 judge."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import detection_device, false_bans, verification_calibration
+from node.replay import exact_float32
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_exact_float32_turns_tf32_off_and_restores_it():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        with exact_float32(True):
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cuda.matmul.allow_tf32
+        with exact_float32(False):  # bf16 / FP8 runs, CPU judges: left as they are
+            assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.slow  # 13-19 s on the shared 2 cores (load 11-14)
+def test_false_bans_on_served_engines_passes_honest_and_bans_cheaters(capsys):
+    # builtin-cuda: the CUDA path's engines (one per precision for the whole run, versions by load_weights)
+    assert false_bans.main(["--rollouts", "96", "--minutes", "4", "--hogs", "0", "--cheat-every", "2",
+                            "--batches", "8,16", "--engine", "builtin-cuda", "--shape", "tiny",
+                            "--precisions", "bfloat16,fp8-experts-bfloat16"]) == 0
+    # not fp8-all-bfloat16: its mantissa-mean bound (4.3) rejects about 1% of honest CPU rollouts at the
+    # device calibration's lengths (2 of 228 at 4.59, cpu-2core, 2026-12-02; docs/verification.md)
+    r = _last_json(capsys)
+    assert r["honest_rollouts_judged"] >= 96 and r["honest_rollouts_rejected"] == 0, r["rejections_by_reason"]
+    assert r["honest_identities_banned"] == 0 and r["false_rejection_rate_upper_95"] < 0.06
+    assert set(r["honest_rollouts_by_version"]) == {"v0", "v1"}  # both versions served by the same engines
+    assert {s.split("/")[0] for s in r["honest_rollouts_by_setting"]} == {"bfloat16", "fp8-experts-bfloat16"}
+    # at this 2-layer shape bf16 / FP8-experts cheaters are caught weakly (cpu-2core: 17 of 64 rejected, 3 of
+    # 8 identities banned); the GPU run's shape is the 8-layer one
+    assert sum(r["cheaters_banned"].values()) >= 1 and sum(r["cheater_rollouts_rejected"].values()) >= 8
+    assert r["device"] == "cpu" and r["engine"] == "builtin-cuda" and r["shape"]["name"] == "tiny"
+    assert {"device_name", "torch", "kernels", "numerics"} <= set(r["provenance"])
+
+
+@pytest.mark.slow  # 10-32 s on the shared 2 cores (load 11-14): 16 engines
+def test_detection_device_passes_honest_and_catches_engine_swaps(tmp_path, capsys):
+    out = tmp_path / "det.json"
+    assert detection_device.main(["--shape", "tiny", "--rollouts", "8", "--batch", "8", "--out", str(out),
+                                  "--precisions", "bfloat16,fp8-all-bfloat16"]) == 0
+    r = _last_json(capsys)
+    assert json.loads(out.read_text())["detection"] == r["detection"]
+    assert r["honest_rejected"] == {"bfloat16": 0.0, "fp8-all-bfloat16": 0.0}
+    assert set(r["detection"]["bfloat16"]) == set(detection_device.cases_for("bfloat16")) - {"honest"}
+    assert "plain_engine" in r["detection"]["fp8-all-bfloat16"] and "fp8_engine" in r["detection"]["bfloat16"]
+    # the FP8 engine in a bf16 run, the plain engine in an FP8-all run, 1% noise in FP8-all: caught (cpu-2core: all 1.0)
+    assert r["detection"]["bfloat16"]["fp8_engine"] >= 0.5
+    assert r["detection"]["fp8-all-bfloat16"]["plain_engine"] >= 0.5
+    assert r["detection"]["fp8-all-bfloat16"]["noise1pct/all"] >= 0.5
+    assert r["provenance"]["device"] == "cpu" and r["shape"]["layers"] == 2
+    plain = r["detection"]["fp8-all-bfloat16"]["plain_engine"]
+    assert r["aims"]["plain_engine >= 0.90, fp8-all-bfloat16"] is (plain >= 0.9)
+
+
+def test_device_calibration_writes_candidates_not_thresholds(tmp_path, capsys):
+    thresholds = ROOT / "verification" / "calibration" / "thresholds.json"
+    before = thresholds.read_bytes()
+    out = tmp_path / "cal.json"
+    assert verification_calibration.main(["--device", "cpu", "--shapes", "tiny", "--precisions", "bfloat16",
+                                          "--tf32-shape", "tiny", "--rounds", "1:1,8:1", "--results", str(out)]) == 0
+    r = _last_json(capsys)
+    assert thresholds.read_bytes() == before and json.loads(out.read_text())["candidates"] == r["candidates"]
+    assert [(c["shape"], c["precision"]) for c in r["cases"]] == [("tiny", "bfloat16"), ("tiny", "float32")]
+    for case in r["cases"]:
+        assert case["rollouts"] == 9 and case["paths"]["cpu"]["rollouts"] == 9
+        assert case["paths"]["cpu"]["rejected"] == 0, case["paths"]["cpu"]["details"]
+    for precision in ("bfloat16", "float32"):
+        c = r["candidates"][precision]
+        assert set(c["candidate"]) == set(c["in_force"]) == set(c["set_by"])
+        assert all(c["candidate"][b] >= c["in_force"][b] for b in c["in_force"])
+        assert c["measured"]["shapes"] == ["tiny"] and c["measured"]["paths"] == ["cpu"]
+        assert c["measured"]["rollouts"] == 9 and c["measured"]["torch"] == torch.__version__
+    assert r["shapes"]["tiny"]["params"] > 0 and r["provenance"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow  # 41-133 s on the shared 2 cores (load 11-14): the device script's three steps, tiny, on the CPU
+def test_xdevice_script_runs_every_step_on_the_cpu(tmp_path):
+    env = {**os.environ, "DEVICE": "cpu", "TINY": "1", "OUT": str(tmp_path), "PY": sys.executable}
+    subprocess.run(["bash", "benchmarks/xdevice_h200.sh"], cwd=ROOT, env=env, check=True, timeout=600,
+                   capture_output=True)
+    log = (tmp_path / "xdevice.log").read_text()
+    for step in ("false_bans", "detection", "calibration"):
+        assert f"{step} rc=0" in log, log
+        assert json.loads((tmp_path / f"{step}.json").read_text())["provenance"]["device"] == "cpu"
