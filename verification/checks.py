@@ -48,8 +48,11 @@ THRESHOLDS = {
     # (trimmed) mean 0.0134, flip margin 0.053, which rejected 21 of 336 at the CPU-only bounds (12, 0.01,
     # 0.05). Exponent mismatches, the mean and the margin are set by the GPU->CPU path at ~1.5x its maxima
     # (20 = 1.54x, 0.02 = 1.49x, 0.08 = 1.50x); the others by the CPU calibration, as before.
-    "bfloat16": Thresholds(max_exp_mismatches=20, max_mant_err_mean=3.5, max_mant_err_median=2.0,
-                           max_logprob_err=0.25, max_logprob_err_mean=0.02, margin_noise=0.08),
+    # Then the H200 GPU path at a 48-layer shape (benchmarks/results/calibration_device-h200.json: CudaEngine,
+    # graphs on, judged by the validator's GPU path, Qwen3-30B-A3B widths with 16 experts, 360 rollouts,
+    # batches 1-256): exp 16, checked mean 0.0151, flip margin 0.062, each x1.5 -> 24, 0.023, 0.094.
+    "bfloat16": Thresholds(max_exp_mismatches=24, max_mant_err_mean=3.5, max_mant_err_median=2.0,
+                           max_logprob_err=0.25, max_logprob_err_mean=0.023, margin_noise=0.094),
     # FP8 runs (RunSpec.model.fp8, docs/fp8.md): "fp8-<experts|all>-<base dtype>", engine and validator both
     # quantised by node.engine.fp8.model.apply_fp8_mode. Honest maxima from `python -m
     # benchmarks.verification_calibration --fp8 --rollouts 50` (300 rollouts per precision: engine batch
@@ -72,9 +75,12 @@ THRESHOLDS = {
     # margin 0.25. Bounds cover both sets (margin x2, not x3.5: it would bind almost no choice).
     "fp8-experts-bfloat16": Thresholds(max_exp_mismatches=22, max_mant_err_mean=6.2, max_mant_err_median=8.0,
                                        max_logprob_err=1.0, max_logprob_err_mean=0.064, margin_noise=0.5),
-    # bf16 base, all: exp 15, mantissa mean 3.25 / median 2, logprob 0.31 / mean 0.028, flip margin 0.085.
-    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=30, max_mant_err_mean=4.3, max_mant_err_median=4.0,
-                                   max_logprob_err=0.46, max_logprob_err_mean=0.042, margin_noise=0.3),
+    # bf16 base, all: exp 15, mantissa mean 3.25 / median 2, logprob 0.31 / mean 0.028, flip margin 0.085 (CPU).
+    # The H200 GPU path at the 48-layer shape (as for bfloat16; Triton FP8 GEMMs) went much further and the
+    # CPU-set bounds rejected 33 of 360 honest rollouts: exp 30, mantissa mean 4.48 / median 4, checked mean
+    # 0.066, flip margin 0.298; each x1.5 -> 45, 6.8, 6, 0.099, 0.45 (logprob max 0.286 stays inside 0.46).
+    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=45, max_mant_err_mean=6.8, max_mant_err_median=6.0,
+                                   max_logprob_err=0.46, max_logprob_err_mean=0.099, margin_noise=0.45),
 }
 REWARD_TOL = 1e-6
 """Rewards are exact functions of the transcript; only float formatting may differ."""

@@ -19,8 +19,8 @@ def test_honest_rollouts_pass_and_both_cheaters_are_banned(tmp_path, capsys):
     ckpt = tmp_path / "fb.jsonl"
     # 96, not 48: at the bf16 bounds widened for GPU->CPU drift (issue 26), 48 gave the noise cheater 8 bf16
     # submissions, 2 rejected (borderline: 2 strikes, not banned); one run of 96 gave it 24, 12 rejected,
-    # banned (cpu-2core)
-    assert false_bans.main(["--rollouts", "96", "--minutes", "3", "--hogs", "0", "--cheat-every", "2",
+    # banned (cpu-2core). --minutes only catches a hang: 3 cut the run at 80 rollouts at load 15
+    assert false_bans.main(["--rollouts", "96", "--minutes", "20", "--hogs", "0", "--cheat-every", "2",
                             "--batches", "16", "--round-rollouts", "16", "--checkpoint", str(ckpt)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["honest_rollouts_judged"] >= 96 and result["honest_rollouts_rejected"] == 0

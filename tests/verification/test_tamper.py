@@ -231,8 +231,8 @@ def test_a_short_segment_is_judged_per_token_not_by_a_mean_of_few_tokens():
     t = THRESHOLDS["bfloat16"]
     honest_tail = 0.17  # the largest honest bf16 per-token error calibration measured
     assert honest_tail < t.max_logprob_err and honest_tail > t.max_logprob_err_mean
-    # one honest token fails a mean of 8 tokens at the bound in force (0.02; of 16 at the CPU-only 0.01)
-    assert honest_tail / 8 > t.max_logprob_err_mean
+    # one honest token fails a mean of 7 tokens at the bound in force (0.023; of 16 at the CPU-only 0.01)
+    assert honest_tail / 7 > t.max_logprob_err_mean
     assert honest_tail / MIN_MEAN_TOKENS < t.max_logprob_err_mean  # it no longer can alone
 
 
