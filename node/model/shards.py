@@ -12,17 +12,22 @@ weight comes back dequantised (node/model/quantization.py), anything else cast.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from node.model.errors import InvalidCheckpoint, MissingModelFile
+from protocol.model_spec import FP8Mode
 from node.model.hf_config import read_quantization
 from node.model.quantization import SCALE_SUFFIX, BlockFP8, check_scales, dequantize
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_DENSE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+"""The weights `fp8 = "experts"` quantises, and the decoder projections `"all"` adds (node/engine/fp8/model.py)."""
 
 
 class CheckpointShards:
@@ -107,6 +112,15 @@ class CheckpointShards:
             return self._handles[self._file_of[name]].get_slice(name)
         except KeyError:
             raise InvalidCheckpoint(f"{self.directory}: tensor {name} is missing") from None
+
+    def fp8_mode(self) -> FP8Mode:
+        """The serving precision the checkpoint is stored in: `all` when every expert and decoder projection
+        is block-scaled e4m3, `experts` when the routed experts are, else `off` (served as dequantised)."""
+        experts = [n for n in self.names() if _EXPERT.match(n)]
+        dense = [n for n in self.names() if _DENSE.match(n)]
+        if experts + dense and all(self.is_fp8(n) for n in experts + dense):
+            return "all"
+        return "experts" if experts and all(self.is_fp8(n) for n in experts) else "off"
 
     # ---- reading -----------------------------------------------------------------------
     def raw(self, name: str) -> torch.Tensor:

@@ -18,7 +18,8 @@ from node.envs import get_env
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.errors import WeightsHashMismatch
-from node.model.fill import allocate, meta_model
+from node.model.fill import allocate, check_against, checkpoint_shapes, meta_model
+from node.model.shards import CheckpointShards
 from node.model.spec import DTYPES, TinyMoE, load_model, resolve, weights_hash
 from node.model.spec import model_config as spec_model_config
 from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
@@ -77,6 +78,18 @@ def blank_model(spec: RunSpec, device: str = "cpu", fp8: FP8Mode = "off") -> Cau
 
     model = apply_fp8_mode(meta_model(model_config(spec), DTYPES[spec.model.dtype]), fp8)
     return allocate(model, device).eval()
+
+
+def check_checkpoint(spec: RunSpec) -> None:
+    """The run's checkpoint, checked from its files' headers before a role allocates anything: config.json
+    (a quantisation we do not load is refused), every shard the index lists, every tensor's name and shape
+    against the architecture, FP8 scales against their weights (typed ModelLoadError: `join` exits 2)."""
+    directory = resolve(spec.model.source)
+    if directory is None:
+        return
+    cfg = model_config(spec)
+    check_against(CheckpointShards(directory), checkpoint_shapes(meta_model(cfg, DTYPES[spec.model.dtype])),
+                  cfg.tie_word_embeddings)
 
 
 def check_version0(spec: RunSpec, model: CausalLM) -> None:
