@@ -230,9 +230,11 @@ class Leader:
         self.step = self.rank.trainer.step
         return self
 
-    def start_from_checkpoint(self, directory: str | Path) -> "Leader":
+    def start_from_checkpoint(self, directory: str | Path, model: CausalLM | None = None) -> "Leader":
         """Every rank reads its own shards of the HF-layout checkpoint `directory` (version 0 of a
-        pretrained run; the model given to `connect` gives the shape)."""
+        pretrained run); `model` (meta is enough) or the one given to `connect` gives the shape."""
+        if model is not None:
+            self.rank.model = model
         self._order(Order("start", checkpoint=str(directory)))
         self.step = self.rank.trainer.step
         return self
