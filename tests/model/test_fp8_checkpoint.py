@@ -80,6 +80,13 @@ def test_a_bf16_checkpoint_served_in_fp8_is_quantised_per_tensor_as_the_full_mod
                            b.view(torch.uint8) if b.dtype.itemsize == 1 else b), name
     plain, plain_digest = build_from_shards(CFG, shards, torch.bfloat16, "cpu")
     assert plain_digest == digest  # hashed as read (bf16), before quantisation
+    from node.model.spec import weights_hash
+    from node.rl.parallel.load import checkpoint_digest
+
+    # one hash, however it is taken: of a built model, while filling, or by the trainer's rank 0 from the files
+    assert weights_hash(plain) == plain_digest == checkpoint_digest(shards, CFG, torch.bfloat16)
+    assert checkpoint_digest(CheckpointShards(ckpts["all"]), CFG, torch.bfloat16) == weights_hash(
+        build_from_shards(CFG, CheckpointShards(ckpts["all"]), torch.bfloat16, "cpu")[0])
 
 
 def _rewrite(directory, name, tensor):
