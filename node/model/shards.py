@@ -145,14 +145,3 @@ class CheckpointShards:
         if self.is_fp8(name):  # scales are per 128 rows: read the whole weight, then cut (rare: trainer on FP8)
             return self.value(name, dtype)[start:stop].contiguous()
         return self._slice(name)[start:stop].to(dtype)
-
-    def total_bytes(self) -> int:
-        """Bytes of every tensor as stored."""
-        return sum(self.raw_nbytes(n) for n in self._file_of)
-
-    def raw_nbytes(self, name: str) -> int:
-        itemsize = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8}.get(self._dtype(name), 4)
-        n = 1
-        for d in self.shape(name):
-            n *= d
-        return n * itemsize
