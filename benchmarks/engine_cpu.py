@@ -89,7 +89,7 @@ def main() -> None:
             hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         name = "qwen3_moe hidden128 L4 E8 top2 (float32)"
     else:
-        loaded = load_model(ModelSpec(source=args.model))
+        loaded = load_model(ModelSpec(source=args.model, dtype="float32"))
         model, cfg, name = loaded.model, loaded.model.config, f"{args.model} (float32)"
         hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.directory, dtype=torch.float32).eval()
     vocab = cfg.vocab_size

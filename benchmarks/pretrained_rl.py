@@ -91,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(1)
     t0 = time.time()
     load0 = os.getloadavg()[0]
-    loaded = load_model(ModelSpec(source=args.model, max_seq_len=PRETRAINED_MAX_SEQ))
+    loaded = load_model(ModelSpec(source=args.model, dtype="float32", max_seq_len=PRETRAINED_MAX_SEQ))
     before, before_samples = held_out(loaded.model, loaded.tokenizer, args.task, args.eval_n)
     log.info("eval before RL: %.4f on %d held-out tasks; e.g. %s", before, args.eval_n, before_samples[:3])
     run = pretrained_run(args.model)

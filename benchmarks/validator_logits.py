@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=128)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    loaded = load_model(ModelSpec(source=args.model, max_seq_len=args.max_seq_len))
+    loaded = load_model(ModelSpec(source=args.model, dtype="float32", max_seq_len=args.max_seq_len))
     model, tok = loaded.model, loaded.tokenizer
     prompt_ids, reward = env_oracle(tok)
     work = [(s, SamplingSpec(temperature=1.0, max_new_tokens=32, seed=s)) for s in range(args.rollouts)]

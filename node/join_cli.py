@@ -119,9 +119,11 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
-    from node.roles.common import stop_on_signals
+    from node.roles.common import check_checkpoint, stop_on_signals
 
     spec = read_spec(spec_path, bootstrap) if spec_path else await fetch_spec(bootstrap)
+    if role != "relay":
+        check_checkpoint(spec)  # a broken or foreign checkpoint is one line and exit 2, before anything is allocated
     workdir.mkdir(parents=True, exist_ok=True)
     key_path = key_path or workdir / "node.key"
     world = role == "trainer" or (role == "inference" and ep > 1)

@@ -30,6 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from node.envs import DEFAULT_TASK, get_env
+from node.model.errors import ModelLoadError
 from node.recipe import Recipe
 from protocol.messages import RunSpec
 from protocol.model_spec import ModelSpec
@@ -115,12 +116,30 @@ class RunConfig(BaseModel):
             raise InvalidRunConfig(f"{path}: {exc}") from None
         return cfg
 
+    def _model_as_stored(self) -> ModelSpec:
+        """The `[model]` table, its `fp8` taken from the checkpoint when the table does not name it: a
+        block-scaled FP8 checkpoint (here, where the run is launched) is served as it is stored."""
+        if "fp8" in self.model.model_fields_set:
+            return self.model
+        from node.model.spec import resolve
+        from node.model.shards import CheckpointShards
+
+        try:
+            directory = resolve(self.model.source)
+        except ModelLoadError:
+            return self.model  # not on this machine: the members check it
+        if directory is None or not (directory / "config.json").exists():
+            return self.model
+        shards = CheckpointShards(directory)
+        return self.model if shards.quantization is None else self.model.model_copy(update={"fp8": shards.fp8_mode()})
+
     def run_spec(self, coordinator_peer_id: str) -> RunSpec:
         from node.envs.user import is_user_task, task_identity
 
         # a user task travels pinned to its source: every node checks it runs the same code
         environment = task_identity(self.task) if is_user_task(self.task) else self.task
-        return RunSpec(run_id=self.run_id, coordinator=coordinator_peer_id, model=self.model, environment=environment,
+        return RunSpec(run_id=self.run_id, coordinator=coordinator_peer_id, model=self._model_as_stored(),
+                       environment=environment,
                        max_off_policy_steps=self.max_off_policy_steps, heartbeat_interval_s=self.heartbeat_interval_s,
                        dead_after_missed=self.dead_after_missed, lease_ttl_s=self.lease_ttl_s,
                        group_size=self.group_size, batch_groups=self.batch_groups,

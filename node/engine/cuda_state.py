@@ -24,9 +24,11 @@ def prepare_model(model: CausalLM, device: str | torch.device | None, dtype: tor
                   fp8: bool | str) -> CausalLM:
     """Move the model to `device` (CUDA: bf16 unless `dtype` is given) and swap in FP8 modules."""
     if device is not None:
+        from node.engine.fp8.model import place
+
         device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else None)
-        model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
+        model = place(model, device, dtype)  # a model made in FP8 keeps its e4m3 weights and scales
     if fp8:
         if fp8 not in (True, "all", "experts"):
             raise ValueError(f"fp8 must be False, True/'all' or 'experts', not {fp8!r}")

@@ -19,8 +19,11 @@ class WeightsMismatch(InvalidCheckpoint):
 
 
 def expected_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
-    """Internal tensor names and shapes of the model as built (before any quantisation)."""
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    """Internal tensor names and shapes of the model as built (before any quantisation), read from a
+    meta twin: an FP8 model's state_dict() would dequantise every weight."""
+    with torch.device("meta"):
+        twin = CausalLM(model.config)
+    return {name: tuple(t.shape) for name, t in twin.state_dict().items()}
 
 
 def check_weights(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,

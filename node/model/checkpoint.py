@@ -14,25 +14,19 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from node.model.config import ModelConfig
-from node.model.errors import MissingModelFile, ModelLoadError
+from node.model.errors import InvalidCheckpoint, MissingModelFile  # noqa: F401 (callers import it from here)
 from node.model.qwen3_moe import CausalLM
+from node.model.shards import INDEX, WEIGHTS, CheckpointShards
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 """Files that travel with the weights so a saved checkpoint opens in transformers/vLLM with its tokenizer."""
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-class InvalidCheckpoint(ModelLoadError):
-    """A checkpoint that is missing, unreadable, or does not fit the model it claims."""
 
 
 def state_dict_to_hf(model: CausalLM) -> dict[str, torch.Tensor]:
@@ -163,44 +157,20 @@ def copy_companions(source: str | Path, directory: str | Path) -> None:
 
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF-layout directory: model.safetensors, or the shards its index lists."""
-    directory = Path(directory)
-    index = directory / INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InvalidCheckpoint(f"{index}: not a safetensors index ({exc})") from exc
-        files = sorted(set(weight_map.values()))
-    elif (directory / WEIGHTS).exists():
-        weight_map, files = None, [WEIGHTS]
-    else:
-        raise MissingModelFile(f"{directory}: neither {WEIGHTS} nor {INDEX} is there; a model directory needs its "
-                               "weights as safetensors (convert .bin/.pt checkpoints with transformers' save_pretrained)")
-    out: dict[str, torch.Tensor] = {}
-    for fname in files:
-        path = directory / fname
-        if not path.exists():
-            raise MissingModelFile(f"{path} is missing (listed in {INDEX}); copy the complete checkpoint")
-        try:
-            part = load_file(str(path))
-        except (OSError, SafetensorError) as exc:
-            raise InvalidCheckpoint(f"cannot read weights {path}: {exc}") from exc
-        if weight_map is not None:
-            stray = [n for n in part if weight_map.get(n) != fname]
-            if stray:
-                raise InvalidCheckpoint(f"{path}: tensors {stray[:3]} are not listed for this file in {INDEX}")
-        out.update(part)
-    if weight_map is not None and set(weight_map) - set(out):
-        raise InvalidCheckpoint(f"{INDEX} lists tensors no shard holds: {sorted(set(weight_map) - set(out))[:3]}")
-    return out
+    """All tensors of an HF-layout directory (model.safetensors, or the shards its index lists) as one
+    dict, for callers that hand a whole version on (tests, fixtures): models load through
+    `load_checkpoint` / `node.model.spec.load_model`, tensor by tensor. FP8 weights come dequantised
+    to bfloat16, other tensors as stored."""
+    shards = CheckpointShards(directory)
+    return {name: shards.value(name, torch.bfloat16) if shards.is_fp8(name) else shards.raw(name)
+            for name in shards.names()}
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """The model in an HF-layout directory; every config field used or refused, every tensor present."""
+    """The model in an HF-layout directory, filled tensor by tensor in `dtype` on the CPU; every config
+    field used or refused, every tensor present."""
+    from node.model.fill import build_from_shards
+
     directory = Path(directory)
-    cfg = ModelConfig.from_file(directory / CONFIG)
-    sd = read_weights(directory)
-    model = CausalLM(cfg)
-    load_hf_state_dict(model, sd)
-    return model.to(dtype)
+    model, _ = build_from_shards(ModelConfig.from_file(directory / CONFIG), CheckpointShards(directory), dtype, "cpu")
+    return model

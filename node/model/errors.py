@@ -37,3 +37,16 @@ class ModelTooLarge(ModelLoadError):
 
 class UnknownModelName(ModelLoadError):
     """A model name that is neither a directory nor in the registry."""
+
+
+class InvalidCheckpoint(ModelLoadError):
+    """A checkpoint that is missing, unreadable, or does not fit the model it claims."""
+
+
+class UnsupportedQuantization(UnsupportedModelField):
+    """config.json's `quantization_config` names a scheme we do not load (only block-scaled FP8 e4m3 in
+    128 x 128 blocks, the Hugging Face / DeepSeek layout)."""
+
+
+class MismatchedScales(InvalidCheckpoint):
+    """An FP8 checkpoint whose `weight_scale_inv` tensors do not fit their weights (shape, dtype, or absent)."""

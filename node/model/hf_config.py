@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from node.model.config import InvalidModelConfig, ModelConfig, RopeScaling
 from node.model.errors import MissingModelFile, UnsupportedModelField, UnsupportedModelType
+from node.model.quantization import BlockFP8, block_fp8_of
 
 _INERT = {
     "architectures", "transformers_version", "_name_or_path", "name_or_path", "_model_name_or_path", "dtype",
@@ -65,8 +66,8 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
                 raise UnsupportedModelField(f"{where}: {name}={value!r} is not supported (only {_FIXED[name]!r})")
             continue
         if name == "quantization_config":
-            raise UnsupportedModelField(f"{where}: quantization_config: quantized checkpoints are not loaded; "
-                                        "save a dequantized copy (float32/bfloat16 safetensors) first")
+            block_fp8_of(value, where)  # block-scaled FP8 loads (node/model/quantization.py); others are refused
+            continue
         raise UnsupportedModelField(f"{where}: field {name!r} is not implemented for model_type {kind}; "
                                     "remove it only if it does not change the model")
     missing = [f for f in _REQUIRED if f not in raw]
@@ -132,6 +133,19 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
 
 def read_config(path: Path) -> ModelConfig:
     """ModelConfig from a config.json file (or a directory holding one)."""
+    raw, where = _raw_config(path)
+    return config_from_hf(raw, where)
+
+
+def read_quantization(path: Path) -> BlockFP8 | None:
+    """How a checkpoint's weights are stored: block-scaled FP8 (its `quantization_config`) or None (plain
+    floating point); other schemes raise `UnsupportedQuantization`."""
+    raw, where = _raw_config(path)
+    qc = raw.get("quantization_config")
+    return None if qc is None else block_fp8_of(qc, where)
+
+
+def _raw_config(path: Path) -> tuple[dict, str]:
     path = path / "config.json" if path.is_dir() else path
     if not path.exists():
         raise MissingModelFile(f"{path} is missing: a model directory needs config.json (HF layout)")
@@ -141,4 +155,4 @@ def read_config(path: Path) -> ModelConfig:
         raise InvalidModelConfig(f"cannot read model config {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise InvalidModelConfig(f"{path}: not a JSON object")
-    return config_from_hf(raw, str(path))
+    return raw, str(path)

@@ -1,10 +1,12 @@
 """The run's model, as every member must build it: where the weights come from, their dtype, and the
 hash of the initial weights.
 
-Invariant: version 0 is the same tensors on every node. `load_model` hashes the weights it built
-(after the dtype cast) and refuses with `WeightsHashMismatch` when they differ from the spec's pin.
-Loading is all-or-nothing: the directory's config, tokenizer and weights are checked, and the memory
-the model needs is estimated against what this node has, before a model object is handed out.
+Invariant: version 0 is the same tensors on every node. `load_model` hashes the weights as it fills
+them (after the dtype cast; node/model/weights_digest.py) and refuses with `WeightsHashMismatch` when
+they differ from the spec's pin. Loading is all-or-nothing: the directory's config, tokenizer and
+weights (from the shards' headers) are checked, and the memory the model needs is estimated against
+what this node has, before anything is allocated; the model is then made on the meta device and
+filled tensor by tensor in the spec's dtype on the target device (node/model/fill.py).
 The device (`cpu`, `cuda:i`) is the role's choice, not the run's.
 """
 
@@ -12,21 +14,24 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
 import torch
 
 from protocol.model_spec import TINY_MOE, ModelSpec
 
-from node.model.checkpoint import load_hf_state_dict, read_weights, state_dict_to_hf
+from node.model.checkpoint import state_dict_to_hf
 from node.model.config import ModelConfig
 from node.model.errors import ModelTooLarge, TokenizerMismatch, UnknownModelName, WeightsHashMismatch
+from node.model.fill import build_from_shards
 from node.model.hf_config import read_config
 from node.model.qwen3_moe import CausalLM
+from node.model.shards import CheckpointShards
 from node.model.tiny import TINY_MAX_SEQ, TinyMoE  # noqa: F401 (callers import them from here)
 from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from node.model.weights_digest import WeightsDigest
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -65,13 +70,11 @@ def model_config(spec: ModelSpec, tiny: TinyMoE | None = None) -> ModelConfig:
 
 
 def weights_hash(model: CausalLM) -> str:
-    """blake3 over every HF-named tensor in name order: name, dtype, shape, then the raw bytes."""
-    h = blake3.blake3()
-    for name, t in sorted(state_dict_to_hf(model).items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
-    return "blake3:" + h.hexdigest()
+    """The hash of every HF-named tensor of `model` (node/model/weights_digest.py), as `load_model` gives it."""
+    digest = WeightsDigest()
+    for name, t in state_dict_to_hf(model).items():
+        digest.add(name, t)
+    return digest.hexdigest()
 
 
 def available_memory(device: str) -> int:
@@ -100,9 +103,11 @@ def check_fits(cfg: ModelConfig, dtype: str, device: str, copies: float, availab
     return need
 
 
-def load_model(spec: ModelSpec, device: str = "cpu", copies: float = 1.0, tiny: TinyMoE | None = None) -> LoadedModel:
+def load_model(spec: ModelSpec, device: str = "cpu", copies: float = 1.0, tiny: TinyMoE | None = None,
+               prepare: Callable[[CausalLM], CausalLM] | None = None) -> LoadedModel:
     """Build the spec's model and tokenizer on `device`, weights checked against the spec's hash;
-    `tiny`: the tiny MoE's shape and seed (the run's recipe), when the source is tiny-moe."""
+    `tiny`: the tiny MoE's shape and seed (the run's recipe), when the source is tiny-moe; `prepare`:
+    module swaps made on the meta model before allocation (FP8 serving: `apply_fp8_mode`)."""
     directory = resolve(spec.source)
     cfg = model_config(spec, tiny)
     if directory is None:
@@ -116,20 +121,13 @@ def load_model(spec: ModelSpec, device: str = "cpu", copies: float = 1.0, tiny: 
     check_fits(cfg, spec.dtype, device, copies)
     if directory is None:
         torch.manual_seed((tiny or TinyMoE()).seed)
-        model = CausalLM(cfg)
+        model = CausalLM(cfg).to(DTYPES[spec.dtype])  # tiny: drawn in float32 on every member, then cast
+        digest = weights_hash(model)
+        model = (prepare(model) if prepare is not None else model).to(device)
     else:
-        tensors = read_weights(directory)
-        with torch.device("meta"):
-            model = CausalLM(cfg)
-        model = model.to_empty(device="cpu")
-        load_hf_state_dict(model, tensors)
-        del tensors
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(DTYPES[spec.dtype]).eval()
-    digest = weights_hash(model)
+        model, digest = build_from_shards(cfg, CheckpointShards(directory), DTYPES[spec.dtype], device, prepare)
     if spec.weights_hash is not None and digest != spec.weights_hash:
         raise WeightsHashMismatch(f"{spec.source}: initial weights hash to {digest}, the run's spec pins "
                                   f"{spec.weights_hash}; fetch the exact checkpoint the run names (or the "
                                   "package version that carries it)")
-    return LoadedModel(model.to(device), tokenizer, directory, digest)
+    return LoadedModel(model.eval(), tokenizer, directory, digest)

@@ -18,12 +18,15 @@ from node.envs import get_env
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.errors import WeightsHashMismatch
+from node.model.fill import allocate, check_against, checkpoint_shapes, meta_model
+from node.model.shards import CheckpointShards
 from node.model.spec import DTYPES, TinyMoE, load_model, resolve, weights_hash
 from node.model.spec import model_config as spec_model_config
 from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from node.recipe import Recipe
 from protocol.errors import ProtocolError
 from protocol.messages import RunSpec
+from protocol.model_spec import FP8Mode
 from shardcast.fetch import fetch_version
 from shardcast.manifest import TrustedPublishers
 from shardcast.store import Store
@@ -65,17 +68,28 @@ def fresh_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
     return load_model(spec.model, device, tiny=tiny_shape(spec)).model.eval()
 
 
-def blank_model(spec: RunSpec, device: str = "cpu") -> CausalLM:
+def blank_model(spec: RunSpec, device: str = "cpu", fp8: FP8Mode = "off") -> CausalLM:
     """The run's architecture on `device` with uninitialised weights, for a role that loads a
     fetched version into it at once: no weights read from disk, nothing hashed (a 135M model costs
-    seconds of CPU per version otherwise, enough to miss heartbeats)."""
+    seconds of CPU per version otherwise, enough to miss heartbeats). Made on the meta device and
+    allocated once in the spec's dtype; with `fp8` the FP8 modules are swapped in before allocation,
+    so no high-precision copy of what they hold is ever made."""
+    from node.engine.fp8.model import apply_fp8_mode
+
+    model = apply_fp8_mode(meta_model(model_config(spec), DTYPES[spec.model.dtype]), fp8)
+    return allocate(model, device).eval()
+
+
+def check_checkpoint(spec: RunSpec) -> None:
+    """The run's checkpoint, checked from its files' headers before a role allocates anything: config.json
+    (a quantisation we do not load is refused), every shard the index lists, every tensor's name and shape
+    against the architecture, FP8 scales against their weights (typed ModelLoadError: `join` exits 2)."""
+    directory = resolve(spec.model.source)
+    if directory is None:
+        return
     cfg = model_config(spec)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(DTYPES[spec.model.dtype])
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    check_against(CheckpointShards(directory), checkpoint_shapes(meta_model(cfg, DTYPES[spec.model.dtype])),
+                  cfg.tie_word_embeddings)
 
 
 def check_version0(spec: RunSpec, model: CausalLM) -> None:

@@ -92,8 +92,9 @@ class InferenceNode:
                                     f"\"{self.engine_claims}\" in engines")
         fp8 = engines.serving_fp8(spec.model.fp8, fp8)
         cfg = model_config(spec)
+        # made in FP8 where the engine serves FP8 itself (not --ep): no high-precision twin of the weights
         self.engine_setup = EngineSetup(
-            model=lambda: blank_model(spec, device), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,
+            model=lambda: blank_model(spec, device, fp8 if ep == 1 else "off"), hf_config=cfg.to_hf_dict(), max_batch=self._max_batch,
             max_seq_len=cfg.max_position_embeddings, eos_id=self.tok.eos_id, encode=self.tok.encode,
             decode=self.tok.decode, bos_id=self.tok.bos_id, capture_experts=self.routes is not None,
             workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8, ep=ep,

@@ -43,8 +43,11 @@ import torch
 
 from node.engine import Engine
 from node.envs.rollout import Rollout
+from node.model.errors import WeightsHashMismatch
+from node.model.fill import meta_model
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
-from node.model.spec import resolve
+from node.model.shards import CheckpointShards
+from node.model.spec import DTYPES, resolve
 from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
@@ -130,7 +133,8 @@ class TrainerNode:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, log.info, "signal %s: waiting for rank 0's stop order", sig.name)
-            return await asyncio.to_thread(follow, self.dims, self.cfg, seed, fresh_model(self.spec, self.device))
+            # only the shape: rank 0's orders say where the weights come from (its own rows of the checkpoint)
+            return await asyncio.to_thread(follow, self.dims, self.cfg, seed, meta_model(model_config(self.spec), torch.float32))
         leader = await asyncio.to_thread(Leader.connect, self.dims, self.cfg, seed)
         try:
             await self._serve(stop, leader)
@@ -144,9 +148,13 @@ class TrainerNode:
                                                  listen=f"/ip4/{self.host}/tcp/0")
         publishing: asyncio.Task | None = None
         try:
-            trainer = await asyncio.to_thread(self._resume_or_warm_up)
-            if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
-                trainer = await asyncio.to_thread(leader.start, trainer)
+            directory = self._pretrained_start()
+            if leader is not None and directory is not None:  # every rank reads its own rows of the checkpoint
+                trainer = await asyncio.to_thread(self._start_from_checkpoint, leader, directory)
+            else:
+                trainer = await asyncio.to_thread(self._resume_or_warm_up)
+                if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
+                    trainer = await asyncio.to_thread(leader.start, trainer)
             await self._send_weights(client, trainer)
             metrics = (self.workdir / "metrics.jsonl").open("a")
             while trainer.step < self.steps and not stop.is_set():
@@ -185,6 +193,27 @@ class TrainerNode:
                 publishing.cancel()
             await client.close("trainer stopping")
             await server.stop()
+
+    def _pretrained_start(self) -> Path | None:
+        """The run's checkpoint directory when a world starts from it as it is: no trainer checkpoint
+        to resume, and no warm-up asked (`warmup_target` 0: a pretrained model is not re-taught)."""
+        if (self.workdir / "checkpoint" / "trainer.json").exists() or self.recipe.warmup_target > 0:
+            return None
+        return resolve(self.spec.model.source)
+
+    def _start_from_checkpoint(self, leader, directory: Path):  # noqa: ANN001, ANN202 (world.Leader)
+        """Version 0 checked against the spec's pin (read tensor by tensor, no model built), then every
+        rank fills its shards from the files: no process holds the whole model."""
+        from node.rl.parallel.load import checkpoint_digest
+
+        cfg = model_config(self.spec)
+        pinned = self.spec.model.weights_hash
+        if pinned is not None:
+            got = checkpoint_digest(CheckpointShards(directory), cfg, DTYPES[self.spec.model.dtype])
+            if got != pinned:
+                raise WeightsHashMismatch(f"{directory}: version 0 hashes to {got}, the run's spec pins {pinned}")
+        (self.workdir / "warmup.json").write_text(json.dumps({"warmup_steps": 0, "warmup_greedy_reward": None}))
+        return leader.start_from_checkpoint(directory, meta_model(cfg, torch.float32))
 
     def _resume_or_warm_up(self) -> Trainer:
         trainer = self._resumed_or_warmed_up()

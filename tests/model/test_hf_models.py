@@ -142,7 +142,7 @@ def test_spec_checks_hash_tokenizer_and_memory(tmp_path, monkeypatch):
         raise AssertionError("weights read before the memory check")
 
     monkeypatch.setattr(spec_module, "available_memory", lambda device: 1000)
-    monkeypatch.setattr(spec_module, "read_weights", no_weights)
+    monkeypatch.setattr(spec_module, "CheckpointShards", no_weights)
     with pytest.raises(ModelTooLarge):
         load_model(ModelSpec())
     monkeypatch.undo()

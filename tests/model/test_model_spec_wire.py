@@ -80,3 +80,11 @@ def test_a_fetched_version_loads_into_a_blank_model_and_version0_is_checked():
     check_version0(_spec(model=ModelSpec(weights_hash=weights_hash(v0))), blank)
     with pytest.raises(WeightsHashMismatch, match="version 0"):
         check_version0(_spec(model=ModelSpec(weights_hash="blake3:" + "1" * 64)), blank)
+
+
+def test_a_real_checkpoint_defaults_to_bfloat16_and_the_tiny_model_to_float32():
+    assert ModelSpec().dtype == "float32"
+    assert ModelSpec(source="/models/qwen3-30b-a3b").dtype == "bfloat16"
+    assert ModelSpec.model_validate({"source": "smollm2-135m-instruct"}).dtype == "bfloat16"
+    assert ModelSpec(source="/models/qwen3-30b-a3b", dtype="float32").dtype == "float32"
+    assert ModelSpec.model_validate(ModelSpec(source="x").model_dump()) == ModelSpec(source="x")

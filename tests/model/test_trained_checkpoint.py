@@ -48,7 +48,7 @@ def assert_opens_in_transformers_as_ours(ckpt, source) -> None:
     assert list(ids) == HFTokenizer(source).encode_prompt(MESSAGES)
     assert tok.eos_token_id == HFTokenizer(source).eos_id
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    again = load_model(ModelSpec(source=str(ckpt)))  # a trained checkpoint is a model source of its own
+    again = load_model(ModelSpec(source=str(ckpt), dtype="float32"))  # a trained checkpoint is a model source of its own
     assert again.tokenizer.encode_prompt(MESSAGES) == list(ids)
     ours = again.model
     x = torch.tensor([ids])

@@ -4,6 +4,11 @@ Swaps every projection `nn.Linear` of the decoder layers for `FP8Linear` and eve
 `GroupedExperts` for `FP8GroupedExperts`. The embedding, the router gates, the norms and the LM
 head stay in the model's dtype (they are small, or decide routing and logprobs directly).
 
+Made on the meta device (`apply_fp8_mode` before allocation) the FP8 modules fill themselves from a
+checkpoint with `fill_from` (node/model/fill.py), one tensor at a time: a block-scaled FP8 checkpoint's
+own e4m3 bytes and scales go in as they are, a high-precision one is quantised per tensor on the
+target device, so the high-precision model never exists whole beside the FP8 one.
+
 Invariant: parameter names are unchanged. `load_state_dict` with ordinary high-precision
 tensors under the usual HF names quantises them on arrival, so a new policy version fetched
 through shardcast is served in FP8 by the same `engine.load_weights` call, without a restart;
@@ -17,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from node.fp8.ops import fp8_linear, grouped_linear
-from node.fp8.quantize import dequantize_weight, quantize_weight
+from node.fp8.quantize import BLOCK, dequantize_weight, quantize_weight
 from node.model.moe import GroupedExperts, MoEBlock
 from protocol.model_spec import FP8_MODES, FP8Mode
 
@@ -74,6 +79,11 @@ class FP8Linear(_QuantizedWeights):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale)
 
+    def fill_from(self, prefix: str, source) -> None:  # noqa: ANN001 (node.model.fill.WeightSource)
+        q, s = _quantized(source, f"{prefix}.weight", self.weight.device)
+        self.weight.copy_(q)
+        self.weight_scale.copy_(s)
+
 
 class FP8GroupedExperts(_QuantizedWeights):
     """SwiGLU experts with both stacked projections in e4m3 and 128x128 block scales per expert."""
@@ -98,6 +108,29 @@ class FP8GroupedExperts(_QuantizedWeights):
         return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj, self.down_proj_scale,
                               capacity=cap)
 
+    def fill_from(self, prefix: str, source) -> None:  # noqa: ANN001 (node.model.fill.WeightSource)
+        """Expert by expert: a checkpoint's gate and up blocks stacked as they are when the gate rows end on a
+        block edge (Qwen3-30B-A3B: 768), else the pair requantised as one [2I, H] weight."""
+        dev = self.down_proj.device
+        for e in range(self.num_experts):
+            gate, up = f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight"
+            stored = source.fp8(gate), source.fp8(up)
+            if stored[0] is not None and stored[1] is not None and stored[0][0].shape[0] % BLOCK == 0:
+                q, s = torch.cat([stored[0][0], stored[1][0]]), torch.cat([stored[0][1], stored[1][1]])
+            else:
+                q, s = quantize_weight(torch.cat([source.value(gate), source.value(up)]).to(dev))
+            self.gate_up_proj[e].copy_(q)
+            self.gate_up_proj_scale[e].copy_(s)
+            q, s = _quantized(source, f"{prefix}.{e}.down_proj.weight", dev)
+            self.down_proj[e].copy_(q)
+            self.down_proj_scale[e].copy_(s)
+
+
+def _quantized(source, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """`name` as e4m3 + block scales: the checkpoint's own when it stores it so, else quantised on `device`."""
+    stored = source.fp8(name)
+    return stored if stored is not None else quantize_weight(source.value(name).to(device))
+
 
 def _is_projection(name: str) -> bool:
     return ".layers." in f".{name}" and not name.endswith("mlp.gate") and not name.endswith("lm_head")
@@ -121,6 +154,20 @@ def quantize_model_fp8(model: nn.Module, dense: bool = True) -> nn.Module:
     return model
 
 
+
+
+def place(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> nn.Module:
+    """`model.to(device, dtype)` that casts parameters only: an FP8 module's e4m3 weights and float32 scales
+    are moved as they are (Module.to would cast them too, float8 being a floating-point dtype)."""
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else None)
+        for name, b in mod._buffers.items():
+            if b is not None:
+                cast = dtype if b.is_floating_point() and not isinstance(mod, _QuantizedWeights) else None
+                mod._buffers[name] = b.to(device=device, dtype=cast)
+    return model
 
 
 def apply_fp8_mode(model: nn.Module, mode: FP8Mode) -> nn.Module:

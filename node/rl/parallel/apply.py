@@ -9,7 +9,7 @@ the parameters stay fp32 (the master copy the optimizer updates, and its fp32 st
 all-gathers them as bf16 for the forward and backward; gradients are reduce-scattered in fp32.
 
 Built on the meta device, the model holds nothing until `materialize`: each rank then allocates
-only its shards (`load.py` fills them from a source, or `init_local` draws them).
+only its shards (`state.scatter_weights` fills them from rank 0, `load.read_own_shards` from the checkpoint files, or `init_local` draws them).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def parallelize(model: CausalLM, groups: ParallelGroups) -> CausalLM:
 
 def materialize(model: CausalLM, device: str | torch.device) -> CausalLM:
     """A model parallelized on the meta device gets storage for this rank's shards only
-    (uninitialised: fill them with `load.scatter_weights` or `init_local`)."""
+    (uninitialised: fill them with `state.scatter_weights`, `load.read_own_shards` or `init_local`)."""
     model.to_empty(device=device)
     return model
 

@@ -37,7 +37,9 @@ from node.model.checkpoint import copy_companions
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.parallel import checkpoint as dcp_checkpoint
+from node.model.shards import CheckpointShards
 from node.rl.parallel.apply import init_local, materialize, parallelize
+from node.rl.parallel.load import read_own_shards
 from node.distributed.control import (LeaderLost, ModelMismatch, KeepAlive, check_same,  # noqa: F401 (re-exported)
                                       control_group, exchange)
 from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
@@ -72,6 +74,9 @@ class Order:
     path: str | None = None
     """start: a distributed checkpoint every rank reads its shards from (instead of rank 0's
     weights); save: where every rank writes its shards."""
+    checkpoint: str | None = None
+    """start: an HF-layout checkpoint (the run's pretrained model) every rank reads only its own
+    parameter rows from (`load.read_own_shards`): no process holds the whole model."""
 
 
 class TrainerRank:
@@ -131,6 +136,8 @@ class TrainerRank:
         trainer = DistributedTrainer(model, self.groups, self.cfg, self.seed)
         if order.fresh:
             init_local(model, self.seed)
+        elif order.checkpoint:
+            read_own_shards(model, self.groups, CheckpointShards(order.checkpoint))
         elif order.path:
             dcp_checkpoint.load(trainer, order.path)
         else:
@@ -220,6 +227,15 @@ class Leader:
             names = {id(p): n for n, p in trainer.model.named_parameters()}
             self.rank.optimizer_state = {names[id(p)]: s for p, s in trainer.optimizer.state.items()}
             self._order(Order("start", step=trainer.step, resume=bool(self.rank.optimizer_state)))
+        self.step = self.rank.trainer.step
+        return self
+
+    def start_from_checkpoint(self, directory: str | Path, model: CausalLM | None = None) -> "Leader":
+        """Every rank reads its own shards of the HF-layout checkpoint `directory` (version 0 of a
+        pretrained run); `model` (meta is enough) or the one given to `connect` gives the shape."""
+        if model is not None:
+            self.rank.model = model
+        self._order(Order("start", checkpoint=str(directory)))
         self.step = self.rank.trainer.step
         return self
 

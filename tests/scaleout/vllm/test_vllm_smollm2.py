@@ -39,7 +39,7 @@ def served(tmp_path_factory):
     from node.model.spec import ModelSpec, load_model
 
     try:
-        loaded = load_model(ModelSpec(source="smollm2-135m-instruct", max_seq_len=MAX_SEQ))
+        loaded = load_model(ModelSpec(source="smollm2-135m-instruct", dtype="float32", max_seq_len=MAX_SEQ))
     except pretrained.PretrainedUnavailable as exc:
         pytest.skip(str(exc))
     ckpt = save_checkpoint(loaded.model, tmp_path_factory.mktemp("smol") / "v0", companions_from=loaded.directory)

@@ -1,0 +1,121 @@
+"""A model made on the meta device and filled from its checkpoint's shards, tensor by tensor.
+
+Nothing is allocated before the checkpoint was checked whole from its headers (names, shapes, FP8
+scales: node/model/shards.py); then the model's tensors are allocated once, in the target dtype on
+the target device, and each is filled as it is read, so peak memory is the model plus one tensor
+(one expert's projections). Experts are stacked per layer as their tensors arrive. A module that
+stores its weights another way (the engine's FP8 modules, swapped in on the meta model by the
+caller's `prepare`) fills itself through `fill_from(name, source)`, quantising or taking a
+checkpoint's own e4m3 bytes per tensor: the high-precision model never exists whole beside it.
+
+Invariant: every HF tensor the model needs is read once and hashed as the model holds it (the
+digest of node/model/weights_digest.py), whatever order modules are filled in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from node.model.config import ModelConfig
+from node.model.errors import InvalidCheckpoint
+from node.model.moe import GroupedExperts
+from node.model.qwen3_moe import CausalLM
+from node.model.shards import CheckpointShards
+from node.model.weights_digest import WeightsDigest
+
+
+class WeightSource:
+    """What a module reads its weights through: HF-named values in the model's dtype (every read hashed)."""
+
+    def __init__(self, shards: CheckpointShards, dtype: torch.dtype, digest: WeightsDigest):
+        self.shards, self.dtype, self.digest = shards, dtype, digest
+
+    def value(self, name: str) -> torch.Tensor:
+        """`name` in the model's dtype, on the CPU (an FP8-stored weight dequantised)."""
+        t = self.shards.value(name, self.dtype)
+        self.digest.add(name, t)
+        return t
+
+    def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(e4m3 weight, float32 128x128 block scales) as the checkpoint stores them, or None when it stores
+        `name` in high precision."""
+        if not self.shards.is_fp8(name):
+            return None
+        if name not in self.digest.names():
+            self.digest.add(name, self.shards.value(name, self.dtype))
+        return self.shards.fp8(name)
+
+
+def meta_model(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """The architecture with no storage: shapes and dtypes only, for a caller to swap modules in and allocate."""
+    with torch.device("meta"):
+        return CausalLM(cfg).to(dtype)
+
+
+def allocate(model: CausalLM, device: str | torch.device) -> CausalLM:
+    """Storage for a meta model on `device`, in the dtypes it has (uninitialised), ties restored."""
+    model = model.to_empty(device=device)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def checkpoint_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the (meta, unswapped) model reads from a checkpoint."""
+    from node.model.checkpoint import state_dict_to_hf
+
+    return {name: tuple(t.shape) for name, t in state_dict_to_hf(model).items()}
+
+
+def check_against(shards: CheckpointShards, shapes: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """InvalidCheckpoint naming missing, unexpected or mis-shaped tensors (read from headers only)."""
+    have = set(shards.names()) - ({"lm_head.weight"} if tied else set())
+    missing, unexpected = sorted(set(shapes) - have), sorted(have - set(shapes))
+    if missing or unexpected:
+        raise InvalidCheckpoint(f"{shards.directory}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for name, shape in shapes.items():
+        if shards.shape(name) != shape:
+            raise InvalidCheckpoint(f"{name}: shape {shards.shape(name)} in checkpoint, model expects {shape}")
+
+
+@torch.no_grad()
+def build_from_shards(cfg: ModelConfig, shards: CheckpointShards, dtype: torch.dtype, device: str | torch.device,
+                      prepare: Callable[[CausalLM], CausalLM] | None = None) -> tuple[CausalLM, str]:
+    """(the model filled from `shards` in `dtype` on `device`, its weights hash). `prepare` swaps modules
+    on the meta model (FP8 serving) before anything is allocated."""
+    model = meta_model(cfg, dtype)
+    shapes = checkpoint_shapes(model)
+    check_against(shards, shapes, cfg.tie_word_embeddings)
+    if prepare is not None:
+        model = prepare(model)
+    model = allocate(model, device)
+    digest = WeightsDigest()
+    fill(model, WeightSource(shards, dtype, digest))
+    return model, digest.hexdigest(expected=set(shapes))
+
+
+def fill(model: nn.Module, source: WeightSource) -> None:
+    """Every tensor of `model` (allocated) from `source`, module by module."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if hasattr(module, "fill_from"):
+            module.fill_from(prefix, source)
+        elif isinstance(module, GroupedExperts):
+            _fill_experts(module, prefix, source)
+        else:
+            for name, p in module.named_parameters(recurse=False):
+                if tied and f"{dot}{name}" == "lm_head.weight":
+                    continue
+                p.copy_(source.value(f"{dot}{name}"))
+
+
+def _fill_experts(experts: GroupedExperts, prefix: str, source: WeightSource) -> None:
+    inter = experts.down_proj.shape[-1]
+    for e in range(experts.num_experts):
+        experts.gate_up_proj[e, :inter].copy_(source.value(f"{prefix}.{e}.gate_proj.weight"))
+        experts.gate_up_proj[e, inter:].copy_(source.value(f"{prefix}.{e}.up_proj.weight"))
+        experts.down_proj[e].copy_(source.value(f"{prefix}.{e}.down_proj.weight"))
