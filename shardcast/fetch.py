@@ -25,6 +25,7 @@ from shardcast.codec import check_wire, decode_shard, unflatten
 from shardcast.download import download_shard, outcome_of
 from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
                               UnknownPublisher, VersionNotFound)
+from shardcast.locks import held_async
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
 from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, ShardSchedule, Source, SourcePool
 from shardcast.store import PartialPayload, Store
@@ -150,17 +151,37 @@ class Fetcher:
     async def fetch(self, run_id: str, version: int, manifest_hash: str | None = None) -> FetchedVersion:
         """Fetch (or reuse) `version`, and first its delta chain back to the keyframe.
         `manifest_hash` (from a gossip `PolicyAnnounce`) pins the exact manifest expected."""
-        if self.store.payload_path(run_id, version).exists() and self.store.manifest(run_id, version):
-            m = self.store.manifest(run_id, version).verified(self.trusted)  # type: ignore[union-attr]
-            _check_announced(m, manifest_hash)
-            return FetchedVersion(m, self.store.payload(run_id, version), 0)
+        held = await self._held(run_id, version, manifest_hash)
+        if held is not None:
+            return held
         m = await self.manifest(run_id, version)
         _check_announced(m, manifest_hash)
         parent_payload = None
         if m.encoding == "delta":
             assert m.parent is not None
-            parent_payload = (await self.fetch(run_id, m.parent)).payload
-        return await self._fetch_shards(m, parent_payload)
+            parent_payload = (await self.fetch(run_id, m.parent)).payload  # before this version's lock: no cycles
+        # One writer per version per host: a process sharing this store that fetches (or publishes) it
+        # now holds the lock; once we have it, the version may be complete already.
+        async with held_async(self.store.lock(run_id, version)):
+            done = self._complete(run_id, version, manifest_hash)
+            return done if done is not None else await self._fetch_shards(m, parent_payload)
+
+    async def _held(self, run_id: str, version: int, manifest_hash: str | None) -> FetchedVersion | None:
+        """The version's verified payload from the store, or None; opened under the shared lock
+        (retention cannot delete it between the check and the mapping, and the mapping outlives it)."""
+        if not self.store.payload_path(run_id, version).exists():
+            return None
+        async with held_async(self.store.lock(run_id, version), exclusive=False):
+            return self._complete(run_id, version, manifest_hash)
+
+    def _complete(self, run_id: str, version: int, manifest_hash: str | None) -> FetchedVersion | None:
+        """Under the version's lock: its payload and verified manifest when both are held."""
+        signed = self.store.manifest(run_id, version)
+        if signed is None or not self.store.payload_path(run_id, version).exists():
+            return None
+        m = signed.verified(self.trusted)
+        _check_announced(m, manifest_hash)
+        return FetchedVersion(m, self.store.payload(run_id, version), 0)
 
     async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
         loop = asyncio.get_running_loop()
