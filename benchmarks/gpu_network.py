@@ -192,7 +192,7 @@ def drop_stores(run_dir: Path) -> None:
     the next run starts: on the H200 host's 64 GB disk the second run filled it (after its figures are read)."""
     import shutil
 
-    for d in [*run_dir.glob("*/shardcast"), *run_dir.glob("*/checkpoint")]:
+    for d in [*run_dir.glob("shardcast"), *run_dir.glob("*/shardcast"), *run_dir.glob("*/checkpoint")]:
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -67,8 +67,10 @@ class Fetcher:
 
     def __init__(self, store: Store, sources: list[str], trusted: TrustedPublishers, *, parallel: int = DEFAULT_PARALLEL,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: bool = False,
-                 per_source: int = DEFAULT_PER_SOURCE):
-        if not sources:
+                 per_source: int = DEFAULT_PER_SOURCE, offline: bool = False):
+        """`offline`: no sources; a fetch reads what the store holds (a version's payload, or its wire
+        shards decoded again where retention dropped the payload) and fails on anything else."""
+        if not sources and not offline:
             raise ValueError("at least one source URL is required")
         self.store, self.trusted = store, trusted
         self.pool = SourcePool.of(sources)
@@ -299,6 +301,16 @@ class Fetcher:
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
     if manifest_hash is not None and m.manifest_hash() != manifest_hash:
         raise InvalidManifest(f"{m.run_id} v{m.version}: manifest hash {m.manifest_hash()[:16]}.. is not the announced {manifest_hash[:16]}..")
+
+
+def read_held(store: Store, trusted: TrustedPublishers, run_id: str, version: int) -> FetchedVersion:
+    """A version from the store alone, verified as any fetch (for tools and tests reading a store:
+    a dropped payload is rebuilt from the held shards)."""
+    async def go() -> FetchedVersion:
+        async with Fetcher(store, [], trusted, offline=True) as f:
+            return await f.fetch(run_id, version)
+
+    return asyncio.run(go())
 
 
 async def fetch_version(store: Store, sources: list[str], trusted: TrustedPublishers, run_id: str,

@@ -50,6 +50,7 @@ from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
 from protocol.messages import LeaseGrant, PolicyAnnounce, RolloutGroup, RunSpec
 from protocol.work import sampling_seed
+from shardcast.store import Store
 from verification.proof import prove_rollouts
 
 log = logging.getLogger(__name__)
@@ -67,13 +68,16 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 
 class InferenceNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None,
-                 device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9):
+                 device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
+                 store: Store | None = None):
         """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm);
         `device`: where an in-process engine serves; `fp8`: the node's `--fp8` (None: the spec's `model.fp8`,
         which any value given must equal: `FP8Mismatch` otherwise);
         `ep`: expert-parallel processes (builtin-ep; this one is rank $RANK of them); `gpu_memory_share`: of the
         GPU memory free after the weights, what the engine's KV slots may take (they are sized from it)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.store = store or Store(workdir / "shardcast")
+        """The host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
         self.leases_per_request = leases_per_request
         self.tok = tokenizer(spec)
         self.env = environment(spec)
@@ -186,14 +190,13 @@ class InferenceNode:
             return
         t_fetch = time.time()
         try:
-            state = await fetch_policy(self.spec, self.workdir / "shardcast", version, manifest_hash)
+            state = await fetch_policy(self.spec, self.store, version, manifest_hash)
         except ProtocolError as exc:
             log.warning("policy v%d not loaded: %s", version, exc)
             return
         t_fetched = time.time()
         if manifest_hash is None:
-            from shardcast.store import Store
-            signed = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version)
+            signed = self.store.manifest(self.spec.run_id, version)
             manifest_hash = signed.manifest.manifest_hash()
         self.hashes[version] = manifest_hash
         async with self._loading:

@@ -40,6 +40,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import PolicyAnnounce, RunSpec, StoredWork, Verdict
 from protocol.work import sampling_seed, unit_group
+from shardcast.store import Store
 from verification.checks import Severity
 from verification.claim import RolloutClaim, SamplingSpec
 from verification.validator import verify_claims
@@ -56,8 +57,10 @@ refuses versions nobody published; 60 s is 3 of `fetch_policy`'s tries with room
 
 class ValidatorNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, batch: int = 64,
-                 device: str = "cpu"):
+                 device: str = "cpu", store: Store | None = None):
+        """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.store = store or Store(workdir / "shardcast")
         self.device = device
         """Where the validator recomputes (`join --device`)."""
         # a round's logits stay bounded whatever its size: only completion rows, checked in groups under
@@ -108,11 +111,10 @@ class ValidatorNode:
     async def _policy(self, version: int) -> None:
         if version in self.policies:
             return
-        state = await fetch_policy(self.spec, self.workdir / "shardcast", version, self.hashes.get(version), tries=3)
+        state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3)
         self._fetched_at = time.monotonic()
         if version not in self.hashes:
-            from shardcast.store import Store
-            self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
+            self.hashes[version] = self.store.manifest(self.spec.run_id, version).manifest.manifest_hash()
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
         model = await asyncio.to_thread(self._model_of, version, state)
