@@ -45,6 +45,7 @@ from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
 from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
+from node.roles.version0 import local_version0
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
@@ -190,7 +191,8 @@ class InferenceNode:
             return
         t_fetch = time.time()
         try:
-            state = await fetch_policy(self.spec, self.store, version, manifest_hash)
+            state = await local_version0(self.spec, self.store, manifest_hash) if version == 0 else None
+            state = state if state is not None else await fetch_policy(self.spec, self.store, version, manifest_hash)
         except ProtocolError as exc:
             log.warning("policy v%d not loaded: %s", version, exc)
             return

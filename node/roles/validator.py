@@ -34,6 +34,7 @@ from node.model.checkpoint import load_hf_state_dict
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
+from node.roles.version0 import local_version0
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
@@ -111,22 +112,25 @@ class ValidatorNode:
     async def _policy(self, version: int) -> None:
         if version in self.policies:
             return
-        state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3)
+        state = await local_version0(self.spec, self.store, self.hashes.get(version)) if version == 0 else None
+        local = state is not None  # checked against the signed manifest's shard hashes (node/roles/version0.py)
+        if state is None:
+            state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3)
         self._fetched_at = time.monotonic()
         if version not in self.hashes:
             self.hashes[version] = self.store.manifest(self.spec.run_id, version).manifest.manifest_hash()
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
-        model = await asyncio.to_thread(self._model_of, version, state)
+        model = await asyncio.to_thread(self._model_of, version, state, local)
         if self.spec.model.fp8 != "off":
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)
         self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
 
-    def _model_of(self, version: int, state: dict) -> CausalLM:
+    def _model_of(self, version: int, state: dict, local: bool = False) -> CausalLM:
         model = blank_model(self.spec, self.device)
         load_hf_state_dict(model, state)
-        if version == 0:
+        if version == 0 and not local:  # a local version 0 was checked against the spec's pin as it loaded
             check_version0(self.spec, model)  # the high-precision weights the trainer published
         # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
         apply_fp8_mode(model, self.spec.model.fp8)
