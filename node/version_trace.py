@@ -14,6 +14,9 @@ from pathlib import Path
 
 FILE = "versions.jsonl"
 ROUNDS = "rounds.jsonl"
+SWAPS = "swaps.jsonl"
+"""One line per version a built-in engine put into its weights (`version`, `t_applied`, `stage_s`: staged
+on the device off the engine's thread, `apply_s`: the swap between two steps, `staged_on_device`, `bytes`)."""
 
 
 class VersionTrace:
@@ -42,4 +45,6 @@ def install(node) -> None:
     """Trace `node` (an InferenceNode or a ValidatorNode) into its workdir."""
     if hasattr(node, "on_loaded"):
         node.on_loaded.append(VersionTrace(node.workdir / FILE))
+    if hasattr(node, "on_swapped"):
+        node.on_swapped.append(VersionTrace(node.workdir / SWAPS))
     node.on_round.append(RoundTrace(node.workdir / ROUNDS))

@@ -111,7 +111,9 @@ async def fetch_policy(spec: RunSpec, store: Store, version: int, expect_hash: s
                 raise ProtocolError(f"v{version}: manifest hash differs from the announced one")
             # a role on a host of its own keeps its store bounded too (beside the trainer it shares the trainer's)
             await asyncio.to_thread(store.retain, spec.run_id, spec.max_off_policy_steps + KEEP_BEYOND_K)
-            return {k: v.clone() for k, v in got.tensors().items()}
+            # views over the payload file's (copy-on-write) mapping, no copy: an engine copies each tensor where it is
+            # served (node/engine/weight_staging.py), so the event loop never clones the whole model
+            return got.tensors()
         except ProtocolError as exc:
             last = exc
             await asyncio.sleep(min(0.2 * (attempt + 1), 2.0))

@@ -109,6 +109,10 @@ class InferenceNode:
         self.on_loaded: list[Callable[[int, dict[str, float | None]], None]] = []
         """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued}) when a version is queued for
         the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
+        self.on_swapped: list[Callable[[int, dict], None]] = []
+        """Hooks told (version, {t_applied, stage_s, apply_s, staged_on_device, bytes}) on the engine's thread
+        when a version is in the served weights (built-in engines; node/version_trace.py)."""
+        self._swaps_watched = False
         self.on_round: list[Callable[[dict], None]] = []
         """Hooks told each rollout round ({t0, t1, groups, tokens, versions}: when the engine worked, how many
         tokens it sampled, with which policy versions); node/version_trace.py writes them down."""
@@ -209,6 +213,9 @@ class InferenceNode:
                     self.engine = await self._engine_start
                 except Exception as exc:  # a server that died or never became healthy, a device that failed
                     raise EngineUnavailable(f"engine {self.engine_name} did not start: {exc}") from exc
+            if self.on_swapped and not self._swaps_watched and hasattr(self.engine, "on_swap"):
+                self._swaps_watched = True  # the built-in engines tell when a version is in their weights
+                self.engine.on_swap.append(lambda v, row: [hook(v, row) for hook in self.on_swapped])
             await asyncio.to_thread(self.engine.load_weights, state, version)
             self._newest_loaded = version
         times = {"t_announced": self._announced_at.get(version), "t_fetch": t_fetch, "t_fetched": t_fetched,
