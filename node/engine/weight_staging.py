@@ -90,12 +90,13 @@ class StagedVersion:
 
     @classmethod
     def of(cls, model: CausalLM, state_dict: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
-           ring: PinnedRing | None = None) -> StagedVersion:
-        """Checked now (`WeightsMismatch`); staged on the device now when there is room for it."""
+           ring: PinnedRing | None = None, stage: bool = True) -> StagedVersion:
+        """Checked now (`WeightsMismatch`); staged on the device now when there is room for it (and `stage`:
+        a model nobody serves yet, as the validator's, is better filled straight at `apply`)."""
         v = cls(model, state_dict, plan_weights(state_dict, model.config, shapes), shapes, ring)
         v.times.bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
         device = _device(model)
-        if device.type == "cuda":
+        if device.type == "cuda" and stage:
             need, (free, _) = _staged_bytes(model, v.plan, shapes), torch.cuda.mem_get_info(device)
             if need + STAGING_HEADROOM <= free:
                 v._stage(device)

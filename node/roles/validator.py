@@ -30,7 +30,8 @@ from pathlib import Path
 
 from node.engine.fp8.model import apply_fp8_mode
 from node.model.qwen3_moe import CausalLM
-from node.model.checkpoint import load_hf_state_dict
+from node.engine.weight_staging import StagedVersion
+from node.engine.weights import expected_shapes
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
@@ -129,7 +130,8 @@ class ValidatorNode:
 
     def _model_of(self, version: int, state: dict, local: bool = False) -> CausalLM:
         model = blank_model(self.spec, self.device)
-        load_hf_state_dict(model, state)
+        # tensor by tensor from the payload's mapping, experts into their rows: no stacked copy on the host
+        StagedVersion.of(model, state, expected_shapes(model), stage=False).apply()
         if version == 0 and not local:  # a local version 0 was checked against the spec's pin as it loaded
             check_version0(self.spec, model)  # the high-precision weights the trainer published
         # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
