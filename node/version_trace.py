@@ -1,6 +1,6 @@
 """A node's record of its work over time, for benchmarks: WORKDIR/versions.jsonl, one line per policy
 version an inference node queued for its engine (`version`, `t_announced`, `t_fetch`, `t_fetched`,
-`t_queued`, Unix seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
+`t_queued`, Unix seconds; `fetch_stages_s`: the fetch's download, verify, decode and write seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
 (`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`, `verify_s`).
 
 Installed by `join --trace-versions` on an inference node or a validator (`sim` passes it; benchmarks

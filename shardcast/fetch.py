@@ -14,7 +14,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import aiohttp
 import numpy as np
@@ -56,6 +57,10 @@ class FetchedVersion:
     manifest: Manifest
     payload: np.ndarray
     wire_bytes_downloaded: int
+    stages_s: dict[str, float] = field(default_factory=dict)
+    """Where this fetch's time went, summed over its workers (they overlap: seconds of work, not of wall):
+    `download_s`, `verify_s` (wire hash), `decode_s` (zstd or sparse, XOR, raw hash), `write_s` (payload
+    file and shard file), and `wall_s` (the fetch as a whole, its parent's excluded)."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Tensors over the payload (no copy), keyed by parameter name, for `load_weights`."""
@@ -199,19 +204,28 @@ class Fetcher:
                           loop: asyncio.AbstractEventLoop) -> FetchedVersion:
         max_raw = max((e.raw_size for e in m.shards), default=0)
         max_wire = max((e.wire_size for e in m.shards), default=0)
+        t_start, spent = time.perf_counter(), Counter()  # Counter updates of distinct keys: fine under the GIL
 
         def verify_into_payload(i: int, wire: bytes | memoryview, scratch: np.ndarray) -> None:
             # Both hashes pass before the decoded range is written. Decoded into `scratch` (reused,
             # already paged in), then pwritten: no page faults on a fresh mapping, no allocation.
             e, start = m.shards[i], i * m.shard_size
+            t0 = time.perf_counter()
             check_wire(e, wire)
+            t1 = time.perf_counter()
             out = scratch[: e.raw_size]
             decode_shard(e, wire, out, None if parent is None else np.asarray(parent[start : start + e.raw_size]))
+            t2 = time.perf_counter()
             payload.write(start, out)
+            spent["verify_s"] += t1 - t0
+            spent["decode_s"] += t2 - t1
+            spent["write_s"] += time.perf_counter() - t2
 
         def accept(i: int, wire: memoryview, scratch: np.ndarray) -> None:
             verify_into_payload(i, wire, scratch)
+            t0 = time.perf_counter()
             self.store.put_shard(m.run_id, m.version, i, wire)  # verified: final name, served from now on
+            spent["write_s"] += time.perf_counter() - t0
 
         def reuse(i: int, scratch: np.ndarray) -> bool:
             try:
@@ -259,6 +273,7 @@ class Fetcher:
                 try:
                     wire = await download_shard(session, src, m, i, last_resort, into=wire_buf)
                     seconds = time.perf_counter() - t0
+                    spent["download_s"] += seconds
                     await loop.run_in_executor(None, accept, i, wire, scratch)
                 except ShardcastError as exc:
                     plan.failed(src, i, outcome_of(exc), str(exc))
@@ -296,7 +311,9 @@ class Fetcher:
         verified = await loop.run_in_executor(None, self.store.commit_partial_payload, m.run_id, m.version, payload)
         log.info("%s v%d verified: %.1f MiB downloaded from %s", m.run_id, m.version, downloaded / 2**20,
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
-        return FetchedVersion(m, verified, downloaded)
+        stages = {k: round(v, 4) for k, v in spent.items()}
+        stages["wall_s"] = round(time.perf_counter() - t_start, 4)
+        return FetchedVersion(m, verified, downloaded, stages)
 
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
     if manifest_hash is not None and m.manifest_hash() != manifest_hash:

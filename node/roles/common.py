@@ -99,9 +99,10 @@ def environment(spec: RunSpec):
 
 
 async def fetch_policy(spec: RunSpec, store: Store, version: int, expect_hash: str | None = None,
-                       tries: int = 20) -> dict[str, torch.Tensor]:
+                       tries: int = 20, stages: dict | None = None) -> dict[str, torch.Tensor]:
     """Version `version` of the run's policy, verified (trainer's signature, shard hashes, and the
-    manifest hash the coordinator announced, when given)."""
+    manifest hash the coordinator announced, when given). `stages`, when given, gets where the fetch's
+    time went (`FetchedVersion.stages_s`: download, verify, decode, write; empty when the store held it)."""
     trusted = TrustedPublishers([spec.trainer] if spec.trainer else [])
     last: Exception | None = None
     for attempt in range(tries):
@@ -111,6 +112,8 @@ async def fetch_policy(spec: RunSpec, store: Store, version: int, expect_hash: s
                 raise ProtocolError(f"v{version}: manifest hash differs from the announced one")
             # a role on a host of its own keeps its store bounded too (beside the trainer it shares the trainer's)
             await asyncio.to_thread(store.retain, spec.run_id, spec.max_off_policy_steps + KEEP_BEYOND_K)
+            if stages is not None:
+                stages.update(got.stages_s, wire_bytes_downloaded=got.wire_bytes_downloaded)
             # views over the payload file's (copy-on-write) mapping, no copy: an engine copies each tensor where it is
             # served (node/engine/weight_staging.py), so the event loop never clones the whole model
             return got.tensors()

@@ -106,9 +106,9 @@ class InferenceNode:
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0
-        self.on_loaded: list[Callable[[int, dict[str, float | None]], None]] = []
-        """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued}) when a version is queued for
-        the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
+        self.on_loaded: list[Callable[[int, dict], None]] = []
+        """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued, fetch_stages_s}) when a version is
+        queued for the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
         self.on_swapped: list[Callable[[int, dict], None]] = []
         """Hooks told (version, {t_applied, stage_s, apply_s, staged_on_device, bytes}) on the engine's thread
         when a version is in the served weights (built-in engines; node/version_trace.py)."""
@@ -194,9 +194,12 @@ class InferenceNode:
         if version <= self._newest_loaded:
             return
         t_fetch = time.time()
+        fetch_stages: dict = {}
         try:
             state = await local_version0(self.spec, self.store, manifest_hash) if version == 0 else None
-            state = state if state is not None else await fetch_policy(self.spec, self.store, version, manifest_hash)
+            fetch_stages["local_version0"] = state is not None
+            state = state if state is not None else await fetch_policy(self.spec, self.store, version, manifest_hash,
+                                                                        stages=fetch_stages)
         except ProtocolError as exc:
             log.warning("policy v%d not loaded: %s", version, exc)
             return
@@ -219,7 +222,7 @@ class InferenceNode:
             await asyncio.to_thread(self.engine.load_weights, state, version)
             self._newest_loaded = version
         times = {"t_announced": self._announced_at.get(version), "t_fetch": t_fetch, "t_fetched": t_fetched,
-                 "t_queued": time.time()}
+                 "t_queued": time.time(), "fetch_stages_s": fetch_stages}
         for hook in self.on_loaded:
             hook(version, times)
         log.info("policy v%d queued for the engine", version)
