@@ -187,8 +187,8 @@ def _device(model: CausalLM) -> torch.device:
 
 
 def _served(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by name (a tied weight appears once)."""
-    return {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    """Every parameter and buffer by name (a tied weight under each of its names)."""
+    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -42,6 +42,17 @@ def test_a_version_lands_in_the_served_tensors_and_experts_in_their_rows():
     assert engine.version == 1
 
 
+def test_a_tied_model_takes_a_version_with_or_without_its_lm_head():
+    engine, newer = Engine(tiny(1, tie_word_embeddings=True), max_batch=2, eos_id=-1), tiny(2, tie_word_embeddings=True)
+    hf = state_dict_to_hf(newer)
+    assert "lm_head.weight" not in hf
+    for state in (hf, {**hf, "lm_head.weight": newer.lm_head.weight.detach()}):
+        engine.load_weights(state, version=1)
+        engine.step()
+        assert torch.equal(engine.model.lm_head.weight, newer.model.embed_tokens.weight)
+        assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+
+
 def test_a_refused_version_changes_nothing_and_the_engine_serves_on():
     engine, newer = Engine(tiny(1), max_batch=2, eos_id=-1), tiny(2)
     before = served(engine)
