@@ -76,7 +76,7 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
     lat, timeline = [], {}
     stages: dict[str, list[float]] = {"announce_s": [], "fetch_verify_s": [], "load_s": [], "download_s": [],
                                       "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [], "stage_s": [],
-                                      "swap_s": []}
+                                      "swap_s": [], "staged_on_device": []}
     for i in range(n):
         node = out / f"inference-{i}"
         versions, rounds = _jsonl(node / "versions.jsonl"), _jsonl(node / "rounds.jsonl")
@@ -104,6 +104,7 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
                     stages["swap_wait_s"].append(swap["t_applied"] - queued["t_queued"])
                     stages["stage_s"].append(swap.get("stage_s", 0.0))
                     stages["swap_s"].append(swap.get("apply_s", 0.0))
+                    stages["staged_on_device"].append(float(bool(swap.get("staged_on_device"))))  # median 1: staged
     return lat, {k: v for k, v in stages.items() if v}, timeline
 
 
