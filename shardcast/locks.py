@@ -15,12 +15,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.02
 """How often a waiting fetch tries the lock again (it must stay cancellable, so it never blocks in flock)."""
+PATIENCE_S = 120.0
+"""How long a fetch waits for another process's lock before it goes on without it: a holder that is
+stopped (SIGSTOP, a debugger) must not stall every role of the host. Safe, because every write is a
+temporary name and an atomic rename; only the download is no longer shared."""
 
 
 def lock_path(root: Path, run_id: str, version: int) -> Path:
@@ -44,15 +52,21 @@ def held(path: Path, exclusive: bool = True) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def held_async(path: Path, exclusive: bool = True) -> AsyncIterator[None]:
-    """Hold the lock, polling for it without blocking the event loop (a cancel while waiting is clean)."""
+async def held_async(path: Path, exclusive: bool = True, patience_s: float | None = None) -> AsyncIterator[None]:
+    """Hold the lock, polling for it without blocking the event loop (a cancel while waiting is clean);
+    after `patience_s` (default `PATIENCE_S`) go on without it, logged."""
     fd = _open(path)
+    give_up = time.monotonic() + (PATIENCE_S if patience_s is None else patience_s)
     try:
         while True:
             try:
                 fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if time.monotonic() > give_up:
+                    log.warning("%s: held by another process for over %.0f s; going on without it", path,
+                                PATIENCE_S if patience_s is None else patience_s)
+                    break
                 await asyncio.sleep(POLL_S)
         yield
     finally:

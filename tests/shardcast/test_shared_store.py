@@ -131,3 +131,35 @@ def test_retention_leaves_a_version_alone_while_another_process_holds_its_lock(t
     assert store.retain("run", keep_last=1) == [0], "a later pass takes it"
     with held(lock):  # the lock file outlives its version (never on a deleted inode)
         assert lock.exists()
+
+
+def test_a_fetch_goes_on_without_a_lock_a_stopped_process_keeps(tmp_path, key, trusted, sc, monkeypatch, caplog):
+    from shardcast import locks
+
+    origin = Store(tmp_path / "origin")
+    states = _chain(origin, key, sc, n=1)
+    shared = Store(tmp_path / "host")
+    lock = shared.lock("run", 0)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('held', flush=True); sys.stdin.readline()"), str(lock)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    monkeypatch.setattr(locks, "PATIENCE_S", 0.5)
+
+    async def go():
+        server, url = await sc.serve(origin)
+        try:
+            async with Fetcher(shared, [url], trusted) as f:
+                return (await f.fetch("run", 0)).tensors()
+        finally:
+            await server.stop()
+
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        sc.assert_same(asyncio.run(go()), states[0])
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=WAIT_S)
+    assert "going on without it" in caplog.text
