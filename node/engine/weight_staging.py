@@ -98,6 +98,7 @@ class StagedVersion:
         device = _device(model)
         if device.type == "cuda" and stage:
             need, (free, _) = _staged_bytes(model, v.plan, shapes), torch.cuda.mem_get_info(device)
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cache
             if need + STAGING_HEADROOM <= free:
                 v._stage(device)
             else:
