@@ -219,7 +219,22 @@ def stage_figures(gib: float, work: Path) -> dict:
     out["load_after"] = {"check_s": round(t1 - t0, 3), "swap_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3)}
     same = all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), engine2.model.state_dict().values()))
     out["before_and_after_load_the_same_weights"] = same
+    out["notes"] = NOTES
     return out
+
+
+NOTES = {
+    "fetch": "the same fetch code before and after (one download); fetch_other_host_*: stages are seconds of work "
+             "summed over the fetch's 4 workers (they overlap); before, a role beside the trainer downloaded like "
+             "any host (fetch_other_host_*), now it reads the shared store (fetch_beside_trainer_s)",
+    "load_before": "main: fetch_policy cloned every tensor on the event loop, the CPU engine's swap stacked the "
+                   "experts (hf_to_internal) and load_state_dict copied them in",
+    "load_after": "views over the payload mapping, plan checked whole in load_weights (check_s), each tensor copied "
+                  "into its served tensor or expert rows in the swap (swap_s); on a GPU with room the copy is staged "
+                  "off the engine thread and the swap is device-to-device (not measured here: no GPU)",
+    "disk": "before: trainer, relay, inference node and validator each a store with wire shards + payload of "
+            "every version; after: one shared store, payloads of the 2 newest versions only",
+}
 
 
 def main() -> None:
