@@ -13,7 +13,10 @@ and versions.jsonl, written by `join --trace-versions`):
   finish (`publish_wait_s`; it overlaps the batch), compute (`train_s`), publication (`publish_s`);
 - weight latency of version v: trainer step end -> the first rollout round on each inference node that
   sampled with v (the round's start, or when v was queued if the round was already running: the engine
-  swaps between two decode steps), split into announce, fetch + verify, load;
+  swaps between two decode steps), split into announce, fetch + verify, load, with the fetch's work in
+  download / verify / decode / write seconds and the engine's own stage (off its thread) and swap
+  (between two steps) seconds (swaps.jsonl); `store_disk`: the bytes the run's shardcast stores took on
+  this host, per version held (every role shares one store: `sim`'s default);
 - generation tok/s (busy and wall), verification tok/s (the validator's recomputed prompt + completion
   tokens per second of judging), GPU busy share per GPU (nvidia-smi, sampled every 0.5 s);
 - rollouts lost / duplicated / off-policy, from the coordinator's store (sim's audit).
@@ -68,10 +71,16 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
     """Per version (and node): step end -> first round sampling with it; the stages of each; and a
     timeline {node: [(t, version)]} for the report."""
     trained = {r["step"]: r["t_trained"] for r in rows}
-    lat, stages, timeline = [], {"announce_s": [], "fetch_verify_s": [], "load_s": []}, {}
+    from benchmarks.weight_latency import swaps
+
+    lat, timeline = [], {}
+    stages: dict[str, list[float]] = {"announce_s": [], "fetch_verify_s": [], "load_s": [], "download_s": [],
+                                      "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [], "stage_s": [],
+                                      "swap_s": [], "staged_on_device": []}
     for i in range(n):
         node = out / f"inference-{i}"
         versions, rounds = _jsonl(node / "versions.jsonl"), _jsonl(node / "rounds.jsonl")
+        applied = swaps(node)
         timeline[f"inference-{i}"] = [(r["t0"], max(r["versions"])) for r in rounds if r["versions"]]
         for v, t in sorted(trained.items()):
             queued = min((d for d in versions if d["version"] >= v), key=lambda d: d["t_queued"], default=None)
@@ -87,7 +96,16 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
                 stages["announce_s"].append(queued["t_announced"] - t)
                 stages["fetch_verify_s"].append(queued["t_fetched"] - queued["t_fetch"])
                 stages["load_s"].append(queued["t_queued"] - queued["t_fetched"])
-    return lat, stages, timeline
+                for key, x in (queued.get("fetch_stages_s") or {}).items():  # seconds of work over the fetch's workers
+                    if key in stages:
+                        stages[key].append(x)
+                swap = applied.get(v)
+                if swap is not None:  # the engine's record: staged off its thread, then swapped between two steps
+                    stages["swap_wait_s"].append(swap["t_applied"] - queued["t_queued"])
+                    stages["stage_s"].append(swap.get("stage_s", 0.0))
+                    stages["swap_s"].append(swap.get("apply_s", 0.0))
+                    stages["staged_on_device"].append(float(bool(swap.get("staged_on_device"))))  # median 1: staged
+    return lat, {k: v for k, v in stages.items() if v}, timeline
 
 
 def throughput(rounds: list[dict], t_from: float) -> tuple[float, float, float]:
@@ -157,6 +175,9 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
                           engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0})
         wall = time.time() - t0
     rows = trainer_rows(out) if (out / "trainer" / "metrics.jsonl").exists() else []
+    from benchmarks.weight_latency import host_store_bytes
+
+    disk = host_store_bytes(out)  # before drop_stores: what the run's versions took on this host's disk
     steady = rows[args.warmup:] or rows
     lat, stages, timeline = weight_latency(out, args.inference_nodes, steady)
     t_steady = steady[0]["t"] - steady[0]["step_s"] if steady else 0.0
@@ -174,6 +195,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "train_s": med([r["train_s"] for r in steady]), "publish_s": med([r["publish_s"] for r in steady]),
         "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,
         "weight_latency_stages_s": {s: med(v) for s, v in stages.items()},
+        "store_disk": disk,
         "gen_tok_s": round(sum(g[2] for g in gen) / steady_wall, 1) if steady_wall else None,
         "gen_tok_s_busy": round(gen_busy, 1), "verify_tok_s_busy": round(ver[0], 1),
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
@@ -192,7 +214,7 @@ def drop_stores(run_dir: Path) -> None:
     the next run starts: on the H200 host's 64 GB disk the second run filled it (after its figures are read)."""
     import shutil
 
-    for d in [*run_dir.glob("*/shardcast"), *run_dir.glob("*/checkpoint")]:
+    for d in [*run_dir.glob("shardcast"), *run_dir.glob("*/shardcast"), *run_dir.glob("*/checkpoint")]:
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -303,6 +325,7 @@ def main() -> None:
         "trained_over_engine_alone": round(last["trained_tok_s"] / alone["engine_alone_tok_s"], 3)
         if alone.get("engine_alone_tok_s") and last["trained_tok_s"] else None,
         "weight_latency_max_s": last["weight_latency_max_s"], "weight_latency_stages_s": last["weight_latency_stages_s"],
+        "store_disk": last["store_disk"],
         "rollouts_rejected": sum(r["rollouts_rejected"] or 0 for r in runs),
         "honest_banned": sum(r["honest_banned"] or 0 for r in runs),
         "rollouts_lost": sum(r["rollouts_lost"] or 0 for r in runs),

@@ -42,7 +42,9 @@ def held_out(model, tok, task: str, n: int) -> tuple[float, list]:
 
 def last_version(out: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """The trainer's last published version, read from its shardcast store (hash-checked on publish)."""
-    store = Store(out / "trainer" / "shardcast")
+    from node.sim_network import store_of
+
+    store = Store(store_of(out, "trainer"))
     run_id = store.runs()[0]
     v = max(store.complete_versions(run_id))
     signed = store.manifest(run_id, v)

@@ -115,7 +115,8 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
-               device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9) -> None:
+               device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
+               store_dir: Path | None = None, store_max_gib: float | None = None) -> None:
     """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
@@ -133,19 +134,24 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     else:
         key = NodeKey.load_or_create(key_path)
     stop = stop_on_signals()
+    from shardcast.store import Store
+
+    store = Store(store_dir or workdir / "shardcast",
+                  max_bytes=None if store_max_gib is None else int(store_max_gib * 2**30))
     if role == "inference":
         from node.roles.inference import InferenceNode
         node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8, ep=ep,
-                             gpu_memory_share=gpu_memory_share)
+                             gpu_memory_share=gpu_memory_share, store=store)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
-        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device)
+        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device,
+                           store=store)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
-        node = ValidatorNode(key, spec, bootstrap, workdir, device=device)
+        node = ValidatorNode(key, spec, bootstrap, workdir, device=device, store=store)
     else:
         from node.roles.relay import RelayNode
-        node = RelayNode(key, spec, bootstrap, workdir, shardcast_port, host=host)
+        node = RelayNode(key, spec, bootstrap, workdir, shardcast_port, host=host, store=store)
     if customize is not None:
         customize(node)
     followers = None
@@ -157,7 +163,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
             spec_path.write_text(spec.model_dump_json())
         argv = [sys.executable, "-m", "node.cli", "--log-level", logging.getLevelName(logging.getLogger().level),
                 "join", "--role", "inference", "--bootstrap", bootstrap, "--spec", str(spec_path), "--workdir",
-                str(workdir), "--engine", engine, "--ep", str(ep), "--device", device.split(":")[0]]
+                str(workdir), "--engine", engine, "--ep", str(ep), "--device", device.split(":")[0], "--store", str(store.root)]
         followers = spawn_followers(ep, argv, workdir)
     try:
         await _run_role(role, node, key, stop, ep)
@@ -275,5 +281,5 @@ def _join(args: argparse.Namespace) -> int:
     asyncio.run(join(cfg.role, cfg.spec, cfg.bootstrap, cfg.key, cfg.workdir, cfg.shardcast_port,
                      engine=engine, parallel=cfg.parallel(), host=cfg.host, vllm=cfg.vllm,
                      customize=customize, device=device, fp8=cfg.fp8, ep=ep,
-                     gpu_memory_share=cfg.gpu_memory_share))
+                     gpu_memory_share=cfg.gpu_memory_share, store_dir=cfg.store, store_max_gib=cfg.store_max_gib))
     return 0

@@ -48,6 +48,12 @@ class JoinConfig(BaseModel):
     """node key file (created if missing; default WORKDIR/node.key)"""
     workdir: Path = Path("node-state")
     """shards, checkpoints, metrics"""
+    store: Path | None = None
+    """the shardcast store (default WORKDIR/shardcast): roles of one machine given the same directory hold each
+    policy version once (a second role fetching it waits for the first and reads its copy)"""
+    store_max_gib: float | None = Field(None, gt=0)
+    """byte budget of the run's files in the store: beyond it, decoded payloads other than the newest go first,
+    then the oldest versions (never the newest nor the delta chain it needs)"""
     shardcast_port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     """trainer/relay: HTTP port serving shards"""
     host: str = "127.0.0.1"

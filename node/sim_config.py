@@ -75,6 +75,11 @@ class SimConfig(BaseModel):
     (status "stopped": tests stop on progress, not after a fixed time)"""
     placement: Annotated[Placement | None, Flag(cli=False)] = None
     """each role's `--device` (node/sim_devices.py; None: all on the CPU)"""
+    shared_store: bool = True
+    """every role shares one shardcast store, OUT/shardcast (`join --store`), as the roles of one machine
+    should: each version is held once on the host; False gives each role its own (WORKDIR/shardcast)"""
+    store_max_gib: Annotated[float | None, Flag(metavar="GIB"), Field(gt=0)] = None
+    """the store's byte budget (`join --store-max-gib`)"""
 
 
 class SimFlags(SimConfig):

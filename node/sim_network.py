@@ -47,6 +47,12 @@ class Network:
     """When the sim last read the coordinator's membership view, and that view (peer id -> state)."""
 
 
+def store_of(out: Path, name: str) -> Path:
+    """The shardcast store member `name` of a sim in `out` used: the host's shared one, else its own."""
+    shared = out / "shardcast"
+    return shared if shared.is_dir() else out / name / "shardcast"
+
+
 def write_run_toml(out: Path, cfg: SimConfig, keys: dict[str, NodeKey], origin: int, relay_port: int) -> dict:
     """The run as its coordinator's operator would write it, on free ports of 127.0.0.1 (`origin`: the
     trainer's shardcast port, `relay_port` the relay's)."""
@@ -94,9 +100,12 @@ def start_network(out: Path, cfg: SimConfig) -> Network:
     cheater_names = [f"inference-{i}" for i in range(n - cfg.cheaters, n)]
     kinds = list(cfg.cheat_kinds)  # each cheater's kind, in turn (node/adversary.py: CHEATS, JUNK)
 
+    store_flags = [*(["--store", str(out / "shardcast")] if cfg.shared_store else []),
+                   *(["--store-max-gib", str(cfg.store_max_gib)] if cfg.store_max_gib else [])]
+
     def member(name: str, role: str, extra: list[str] = (), launcher: list[str] = ()) -> Proc:
         argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",
-                str(out / name / "node.key"), "--workdir", str(out / name), *extra]
+                str(out / name / "node.key"), "--workdir", str(out / name), *store_flags, *extra]
         if name in cheater_names:  # the adversary's program: an inference node with its cheating hook
             return Proc(name, ["--cheat", kinds[cheater_names.index(name) % len(kinds)], *argv],
                         out / name / "log.txt", module="node.adversary")

@@ -1,6 +1,6 @@
 """A node's record of its work over time, for benchmarks: WORKDIR/versions.jsonl, one line per policy
 version an inference node queued for its engine (`version`, `t_announced`, `t_fetch`, `t_fetched`,
-`t_queued`, Unix seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
+`t_queued`, Unix seconds; `fetch_stages_s`: the fetch's download, verify, decode and write seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
 (`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`, `verify_s`).
 
 Installed by `join --trace-versions` on an inference node or a validator (`sim` passes it; benchmarks
@@ -14,6 +14,9 @@ from pathlib import Path
 
 FILE = "versions.jsonl"
 ROUNDS = "rounds.jsonl"
+SWAPS = "swaps.jsonl"
+"""One line per version a built-in engine put into its weights (`version`, `t_applied`, `stage_s`: staged
+on the device off the engine's thread, `apply_s`: the swap between two steps, `staged_on_device`, `bytes`)."""
 
 
 class VersionTrace:
@@ -42,4 +45,6 @@ def install(node) -> None:
     """Trace `node` (an InferenceNode or a ValidatorNode) into its workdir."""
     if hasattr(node, "on_loaded"):
         node.on_loaded.append(VersionTrace(node.workdir / FILE))
+    if hasattr(node, "on_swapped"):
+        node.on_swapped.append(VersionTrace(node.workdir / SWAPS))
     node.on_round.append(RoundTrace(node.workdir / ROUNDS))

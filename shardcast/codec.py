@@ -141,3 +141,34 @@ def decode_shard(entry: ShardEntry, wire: bytes | bytearray | memoryview, out: n
 def _check_raw(entry: ShardEntry, out: np.ndarray) -> None:
     if content_hash(memoryview(out)) != entry.raw_hash:
         raise CorruptShard(f"shard {entry.index}: reconstructed bytes do not match the full version's hash")
+
+
+def matches_manifest(tensors: list[TensorEntry], shards: list[ShardEntry], shard_size: int,
+                     state: dict[str, torch.Tensor]) -> bool:
+    """Whether `state` is exactly the version a manifest describes: the same names, dtypes and shapes,
+    and every shard's raw bytes hashing to its `raw_hash`. Built one shard at a time (one shard of
+    memory, never the whole payload), stopping at the first shard that differs."""
+    if {e.name for e in tensors} != set(state):
+        return False
+    for e in tensors:
+        t = state[e.name]
+        if str(t.dtype).removeprefix("torch.") != e.dtype or list(t.shape) != e.shape:
+            return False
+    by_offset = sorted((e for e in tensors if e.nbytes), key=lambda e: e.offset)
+    flat = {e.name: state[e.name].detach().contiguous().reshape(-1).view(torch.uint8) for e in by_offset}
+    buf, first = np.empty(shard_size, dtype=np.uint8), 0
+    for s in shards:
+        a = s.index * shard_size
+        b = a + s.raw_size
+        out = buf[: s.raw_size]
+        out.fill(0)  # alignment padding between tensors is zero
+        while first < len(by_offset) and by_offset[first].offset + by_offset[first].nbytes <= a:
+            first += 1
+        for e in by_offset[first:]:
+            if e.offset >= b:
+                break
+            lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+            out[lo - a : hi - a] = flat[e.name][lo - e.offset : hi - e.offset].cpu().numpy()
+        if content_hash(memoryview(out)) != s.raw_hash:
+            return False
+    return True

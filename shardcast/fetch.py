@@ -14,7 +14,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import aiohttp
 import numpy as np
@@ -25,6 +26,7 @@ from shardcast.codec import check_wire, decode_shard, unflatten
 from shardcast.download import download_shard, outcome_of
 from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
                               UnknownPublisher, VersionNotFound)
+from shardcast.locks import held_async
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
 from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, ShardSchedule, Source, SourcePool
 from shardcast.store import PartialPayload, Store
@@ -55,6 +57,10 @@ class FetchedVersion:
     manifest: Manifest
     payload: np.ndarray
     wire_bytes_downloaded: int
+    stages_s: dict[str, float] = field(default_factory=dict)
+    """Where this fetch's time went, summed over its workers (they overlap: seconds of work, not of wall):
+    `download_s`, `verify_s` (wire hash), `decode_s` (zstd or sparse, XOR, raw hash), `write_s` (payload
+    file and shard file), and `wall_s` (the fetch as a whole, its parent's excluded)."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Tensors over the payload (no copy), keyed by parameter name, for `load_weights`."""
@@ -66,8 +72,10 @@ class Fetcher:
 
     def __init__(self, store: Store, sources: list[str], trusted: TrustedPublishers, *, parallel: int = DEFAULT_PARALLEL,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: bool = False,
-                 per_source: int = DEFAULT_PER_SOURCE):
-        if not sources:
+                 per_source: int = DEFAULT_PER_SOURCE, offline: bool = False):
+        """`offline`: no sources; a fetch reads what the store holds (a version's payload, or its wire
+        shards decoded again where retention dropped the payload) and fails on anything else."""
+        if not sources and not offline:
             raise ValueError("at least one source URL is required")
         self.store, self.trusted = store, trusted
         self.pool = SourcePool.of(sources)
@@ -150,17 +158,37 @@ class Fetcher:
     async def fetch(self, run_id: str, version: int, manifest_hash: str | None = None) -> FetchedVersion:
         """Fetch (or reuse) `version`, and first its delta chain back to the keyframe.
         `manifest_hash` (from a gossip `PolicyAnnounce`) pins the exact manifest expected."""
-        if self.store.payload_path(run_id, version).exists() and self.store.manifest(run_id, version):
-            m = self.store.manifest(run_id, version).verified(self.trusted)  # type: ignore[union-attr]
-            _check_announced(m, manifest_hash)
-            return FetchedVersion(m, self.store.payload(run_id, version), 0)
+        held = await self._held(run_id, version, manifest_hash)
+        if held is not None:
+            return held
         m = await self.manifest(run_id, version)
         _check_announced(m, manifest_hash)
         parent_payload = None
         if m.encoding == "delta":
             assert m.parent is not None
-            parent_payload = (await self.fetch(run_id, m.parent)).payload
-        return await self._fetch_shards(m, parent_payload)
+            parent_payload = (await self.fetch(run_id, m.parent)).payload  # before this version's lock: no cycles
+        # One writer per version per host: a process sharing this store that fetches (or publishes) it
+        # now holds the lock; once we have it, the version may be complete already.
+        async with held_async(self.store.lock(run_id, version)):
+            done = self._complete(run_id, version, manifest_hash)
+            return done if done is not None else await self._fetch_shards(m, parent_payload)
+
+    async def _held(self, run_id: str, version: int, manifest_hash: str | None) -> FetchedVersion | None:
+        """The version's verified payload from the store, or None; opened under the shared lock
+        (retention cannot delete it between the check and the mapping, and the mapping outlives it)."""
+        if not self.store.payload_path(run_id, version).exists():
+            return None
+        async with held_async(self.store.lock(run_id, version), exclusive=False):
+            return self._complete(run_id, version, manifest_hash)
+
+    def _complete(self, run_id: str, version: int, manifest_hash: str | None) -> FetchedVersion | None:
+        """Under the version's lock: its payload and verified manifest when both are held."""
+        signed = self.store.manifest(run_id, version)
+        if signed is None or not self.store.payload_path(run_id, version).exists():
+            return None
+        m = signed.verified(self.trusted)
+        _check_announced(m, manifest_hash)
+        return FetchedVersion(m, self.store.payload(run_id, version), 0)
 
     async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
         loop = asyncio.get_running_loop()
@@ -176,19 +204,28 @@ class Fetcher:
                           loop: asyncio.AbstractEventLoop) -> FetchedVersion:
         max_raw = max((e.raw_size for e in m.shards), default=0)
         max_wire = max((e.wire_size for e in m.shards), default=0)
+        t_start, spent = time.perf_counter(), Counter()  # Counter updates of distinct keys: fine under the GIL
 
         def verify_into_payload(i: int, wire: bytes | memoryview, scratch: np.ndarray) -> None:
             # Both hashes pass before the decoded range is written. Decoded into `scratch` (reused,
             # already paged in), then pwritten: no page faults on a fresh mapping, no allocation.
             e, start = m.shards[i], i * m.shard_size
+            t0 = time.perf_counter()
             check_wire(e, wire)
+            t1 = time.perf_counter()
             out = scratch[: e.raw_size]
             decode_shard(e, wire, out, None if parent is None else np.asarray(parent[start : start + e.raw_size]))
+            t2 = time.perf_counter()
             payload.write(start, out)
+            spent["verify_s"] += t1 - t0
+            spent["decode_s"] += t2 - t1
+            spent["write_s"] += time.perf_counter() - t2
 
         def accept(i: int, wire: memoryview, scratch: np.ndarray) -> None:
             verify_into_payload(i, wire, scratch)
+            t0 = time.perf_counter()
             self.store.put_shard(m.run_id, m.version, i, wire)  # verified: final name, served from now on
+            spent["write_s"] += time.perf_counter() - t0
 
         def reuse(i: int, scratch: np.ndarray) -> bool:
             try:
@@ -236,6 +273,7 @@ class Fetcher:
                 try:
                     wire = await download_shard(session, src, m, i, last_resort, into=wire_buf)
                     seconds = time.perf_counter() - t0
+                    spent["download_s"] += seconds
                     await loop.run_in_executor(None, accept, i, wire, scratch)
                 except ShardcastError as exc:
                     plan.failed(src, i, outcome_of(exc), str(exc))
@@ -273,11 +311,23 @@ class Fetcher:
         verified = await loop.run_in_executor(None, self.store.commit_partial_payload, m.run_id, m.version, payload)
         log.info("%s v%d verified: %.1f MiB downloaded from %s", m.run_id, m.version, downloaded / 2**20,
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
-        return FetchedVersion(m, verified, downloaded)
+        stages = {k: round(v, 4) for k, v in spent.items()}
+        stages["wall_s"] = round(time.perf_counter() - t_start, 4)
+        return FetchedVersion(m, verified, downloaded, stages)
 
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
     if manifest_hash is not None and m.manifest_hash() != manifest_hash:
         raise InvalidManifest(f"{m.run_id} v{m.version}: manifest hash {m.manifest_hash()[:16]}.. is not the announced {manifest_hash[:16]}..")
+
+
+def read_held(store: Store, trusted: TrustedPublishers, run_id: str, version: int) -> FetchedVersion:
+    """A version from the store alone, verified as any fetch (for tools and tests reading a store:
+    a dropped payload is rebuilt from the held shards)."""
+    async def go() -> FetchedVersion:
+        async with Fetcher(store, [], trusted, offline=True) as f:
+            return await f.fetch(run_id, version)
+
+    return asyncio.run(go())
 
 
 async def fetch_version(store: Store, sources: list[str], trusted: TrustedPublishers, run_id: str,

@@ -20,6 +20,7 @@ import torch
 
 from protocol.identity import NodeKey
 from shardcast.codec import DEFAULT_SHARD_SIZE, DEFAULT_ZSTD_LEVEL, element_size, encode_shard, flatten, shard_ranges
+from shardcast.locks import held
 from shardcast.manifest import Manifest, SignedManifest, TensorEntry
 from shardcast.store import Store
 
@@ -75,6 +76,14 @@ def publish(
     opt = options or PublishOptions()
     if opt.keyframe_every < 1:
         raise ValueError("keyframe_every must be >= 1")
+    with held(store.lock(run_id, version)):  # another process of this host may share the store
+        signed = _publish_locked(store, key, run_id, version, state, parent, opt)
+    store.retain(run_id, opt.keep_last)
+    return signed
+
+
+def _publish_locked(store: Store, key: NodeKey, run_id: str, version: int, state: dict[str, torch.Tensor],
+                    parent: int | None, opt: PublishOptions) -> SignedManifest:
     tensors, payload = flatten(state)
     parent_payload, keyframe, encoding = None, version, "full"
     if parent is not None:
@@ -117,7 +126,6 @@ def publish(
     store.put_manifest(signed)  # last: a version is listed only once everything is in place
     log.info("published %s v%d (%s, %d shards, %.1f MiB raw -> %.1f MiB wire)", run_id, version, encoding,
              len(entries), len(payload) / 2**20, manifest.wire_bytes / 2**20)
-    store.retain(run_id, opt.keep_last)
     return signed
 
 
@@ -144,6 +152,16 @@ def publish_stream(
     opt = options or PublishOptions()
     if opt.keyframe_every < 1:
         raise ValueError("keyframe_every must be >= 1")
+    with held(store.lock(run_id, version)):
+        signed = _publish_stream_locked(store, key, run_id, version, tensors, payload, filled, parent, opt)
+    if on_signed is not None:
+        on_signed(signed)
+    store.retain(run_id, opt.keep_last)
+    return signed
+
+
+def _publish_stream_locked(store: Store, key: NodeKey, run_id: str, version: int, tensors: list, payload: np.ndarray,
+                           filled, parent: int | None, opt: PublishOptions) -> SignedManifest:
     parent_payload, keyframe, encoding = None, version, "full"
     if parent is not None:
         pm = store.manifest(run_id, parent)
@@ -192,7 +210,4 @@ def publish_stream(
     store.put_manifest(signed)
     log.info("published %s v%d streamed (%s, %d shards, %.1f MiB raw -> %.1f MiB wire)", run_id, version, encoding,
              len(entries), len(payload) / 2**20, manifest.wire_bytes / 2**20)
-    if on_signed is not None:
-        on_signed(signed)
-    store.retain(run_id, opt.keep_last)
     return signed

@@ -5,6 +5,11 @@ Invariant: every file in the store was verified before it got its final name (wr
 temporary name, then renamed), so a server never serves a partial or unverified shard, and a
 crashed fetch leaves only whole, verified shards behind to resume from. `payload.bin` (the
 reconstructed full version) exists only once all raw hashes matched.
+
+One store per host: every role of a machine (trainer, relay, inference nodes, validator) may open
+the same root (`join --store`), so a version is held once. Writers of a version hold its lock
+(`shardcast.locks`), a second process fetching the same version waits for the first and then finds
+it complete; what is kept is `shardcast.retention`'s (versions, payloads, a byte budget).
 """
 
 from __future__ import annotations
@@ -12,16 +17,21 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 import threading
 import weakref
 from pathlib import Path
 
 import numpy as np
 
+from shardcast import retention
+from shardcast.locks import lock_path
 from shardcast.manifest import SignedManifest
 
 log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_PAYLOADS = 2
+"""The newest version's payload (the next delta's parent) and one more, so a role one version behind
+(k >= 1) loads it without decoding it again; older versions keep only their wire shards."""
 
 
 def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
@@ -40,9 +50,13 @@ def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
 class Store:
     """Versions of one or more runs under a root directory."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, keep_payloads: int = DEFAULT_KEEP_PAYLOADS, max_bytes: int | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.keep_payloads = keep_payloads
+        """Decoded payloads kept, newest first (at least 1: the next delta decodes against it)."""
+        self.max_bytes = max_bytes
+        """Byte budget of one run's files (None: versions and payloads by count only)."""
         self.fetching: dict[tuple[str, int], set[int]] = {}
         """In memory: shards a fetch in this process is downloading now (advertised to peers)."""
 
@@ -57,6 +71,10 @@ class Store:
 
     def payload_path(self, run_id: str, version: int) -> Path:
         return self.version_dir(run_id, version) / "payload.bin"
+
+    def lock(self, run_id: str, version: int) -> Path:
+        """The version's lock file (`shardcast.locks`)."""
+        return lock_path(self.root, run_id, version)
 
     # -- writes (each atomic) -------------------------------------------------------------
     def put_manifest(self, signed: SignedManifest) -> None:
@@ -106,8 +124,21 @@ class Store:
         return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "manifest.json").exists())
 
     def complete_versions(self, run_id: str) -> list[int]:
-        """Versions whose full payload was reconstructed and verified."""
-        return [v for v in self.versions(run_id) if self.payload_path(run_id, v).exists()]
+        """Versions held whole: every verified wire shard (a fetch rebuilds the payload from them
+        without the network if retention dropped it), or the verified payload itself."""
+        out = []
+        for v in self.versions(run_id):
+            if self.payload_path(run_id, v).exists():
+                out.append(v)
+                continue
+            m = self.manifest(run_id, v)
+            if m is not None and len(self.held_shards(run_id, v)) >= len(m.manifest.shards):
+                out.append(v)
+        return out
+
+    def disk_bytes(self, run_id: str) -> int:
+        """Bytes the run's files take on disk (blocks; each file once)."""
+        return retention.run_bytes(self, run_id)
 
     def manifest(self, run_id: str, version: int) -> SignedManifest | None:
         p = self.manifest_path(run_id, version)
@@ -132,23 +163,9 @@ class Store:
 
     # -- retention -------------------------------------------------------------------------
     def retain(self, run_id: str, keep_last: int) -> list[int]:
-        """Delete versions older than the newest `keep_last`, except keyframes and parents a
-        kept delta still needs to be rebuilt by a late joiner. Returns the deleted versions."""
-        if keep_last < 1:
-            raise ValueError("keep_last must be >= 1")
-        held = self.versions(run_id)
-        keep = set(held[-keep_last:])
-        for v in list(keep):
-            m = self.manifest(run_id, v)
-            while m is not None and m.manifest.parent is not None and m.manifest.encoding == "delta":
-                keep.add(m.manifest.parent)
-                m = self.manifest(run_id, m.manifest.parent)
-        doomed = [v for v in held if v not in keep]
-        for v in doomed:
-            shutil.rmtree(self.version_dir(run_id, v), ignore_errors=True)
-        if doomed:  # one line: a delta chain's base going frees 8 versions at once
-            log.info("retention: deleted %s %s", run_id, ", ".join(f"v{v}" for v in doomed))
-        return doomed
+        """Apply `shardcast.retention` (the newest `keep_last` versions and the keyframe chain they
+        need, payloads of the newest `keep_payloads`, the byte budget). Returns the deleted versions."""
+        return retention.retain(self, run_id, keep_last)
 
 
 class PartialPayload:

@@ -16,6 +16,7 @@ version) and go on under the new one; a newer pending version replaces an older 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -101,6 +102,9 @@ class RequestQueue:
         self.running: dict = {}
         self.tokens_generated = 0
         self._pending = PendingVersion()
+        self.on_swap: list[Callable[[int, dict], None]] = []
+        """Hooks told (version, {t_applied, apply_s, stage_s, staged_on_device, bytes}) on the engine's thread
+        once a version is in the served weights (node/version_trace.py writes them down)."""
 
     def add_request(self, request: Request) -> None:
         if len(request.prompt_ids) == 0 or len(request.prompt_ids) >= self.max_seq_len:
@@ -186,6 +190,10 @@ class EngineCore(RequestQueue):
             weights, version = pending
             self._swap_weights(weights)
             self.version = version
+            times = getattr(weights, "times", None)  # a StagedVersion's (node/engine/weight_staging.py)
+            row = {"t_applied": time.time(), **(vars(times) if times is not None else {})}
+            for hook in self.on_swap:
+                hook(version, row)
 
     def _admit(self) -> list[SlotSequence]:
         admitted: list[SlotSequence] = []

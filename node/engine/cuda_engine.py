@@ -34,7 +34,8 @@ from node.engine.core import Completion, EngineCore, FinishReason, SlotSequence
 from node.engine.cuda_state import FP8Unsupported, SlotState, prepare_model
 from node.engine.device_sampling import sample_device
 from node.engine.forward import decode_step, prefill_chunk
-from node.engine.weights import WeightsMismatch, check_weights, expected_shapes
+from node.engine.weight_staging import PinnedRing, StagedVersion
+from node.engine.weights import WeightsMismatch, expected_shapes
 from node.model.batching import right_pad, token_budget_groups
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
@@ -77,6 +78,8 @@ class CudaEngine(EngineCore):
         super().__init__(max_batch, max_seq_len or cfg.max_position_embeddings, eos_id, decode, version)
         _use_device(device if device is not None else next(model.parameters()).device)
         self._shapes = expected_shapes(model)
+        self._ring: PinnedRing | None = None
+        """Pinned host buffers every version's tensors pass through on their way to the GPU."""
         model = prepare_model(model, device, dtype, fp8)
         param = next(model.parameters())
         self.device = param.device
@@ -128,14 +131,17 @@ class CudaEngine(EngineCore):
         return engine
 
     # ---- weights -------------------------------------------------------------------------
-    def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> StagedVersion:
         """Checked against the served model at once (`WeightsMismatch` on any missing, unexpected or
-        mis-shaped tensor: nothing is queued and the current version keeps serving)."""
-        return check_weights(state_dict, self.model.config, self._shapes)
+        mis-shaped tensor: nothing is queued and the current version keeps serving), then staged on the
+        device tensor by tensor, in the caller's thread, while the engine decodes (`weight_staging`)."""
+        _use_device(self.device)
+        if self.device.type == "cuda" and self._ring is None:
+            self._ring = PinnedRing(self.device)
+        return StagedVersion.of(self.model, state_dict, self._shapes, self._ring)
 
-    def _swap_weights(self, internal: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(internal, strict=True)  # copies into the existing storage
+    def _swap_weights(self, staged: StagedVersion) -> None:
+        staged.apply()  # copies into the existing storage: captured graphs read the new weights
 
     # ---- the validator's recomputation --------------------------------------------------
     def verify_prefill(self, sequences: list[list[int]], prompt_lens: list[int], params: list,

@@ -3,8 +3,8 @@ over a slot KV cache (`core.EngineCore`), the model's own forward, the seeded sa
 
 What this backend supplies to the core: a prefill of the admitted prompts right-padded to [B, T]
 with logits only at each row's last prompt position, a one-token decode of the running sequences,
-sampling on the host (`sampling.sample`), and a version swap that loads HF-named tensors into the
-model (`load_hf_state_dict`). Requests, completions and the loop are `core`'s (re-exported here).
+sampling on the host (`sampling.sample`), and a version swap that copies HF-named tensors one by one
+into the served tensors (`weight_staging.StagedVersion`; checked whole when `load_weights` is called). Requests, completions and the loop are `core`'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from node.engine.core import Completion, EngineCore, FinishReason, Request, Requ
 from node.engine.sampling import sample
 from node.model.batching import right_pad
 from node.model.cache import KVCache
-from node.model.checkpoint import load_hf_state_dict
+from node.engine.weight_staging import StagedVersion
+from node.engine.weights import expected_shapes
 from node.model.qwen3_moe import CausalLM
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class Engine(EngineCore):
         cfg = model.config
         super().__init__(max_batch, max_seq_len or cfg.max_position_embeddings, eos_id, decode, version)
         self.model = model.eval()
+        self._shapes = expected_shapes(model)
         self.capture_hidden = capture_hidden
         self.capture_experts = capture_experts and cfg.num_experts > 0
         param = next(model.parameters())
@@ -52,8 +54,12 @@ class Engine(EngineCore):
             log.info("the CPU engine serves FP8 weights (%s) through the reference GEMM (slow: small models)", setup.fp8)
         return cls(apply_fp8_mode(setup.model(), setup.fp8), **setup.engine_kwargs())
 
-    def _swap_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        load_hf_state_dict(self.model, state_dict)
+    def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> StagedVersion:
+        """Checked at once (`WeightsMismatch`: nothing queued, the current version keeps serving)."""
+        return StagedVersion.of(self.model, state_dict, self._shapes)
+
+    def _swap_weights(self, staged: StagedVersion) -> None:
+        staged.apply()  # tensor by tensor from the payload's pages into the served tensors
 
     def _prefill(self, seqs: list[SlotSequence]) -> list[Completion]:
         lens = [len(s.request.prompt_ids) for s in seqs]

@@ -54,6 +54,9 @@ class EPEngine(Engine):
         names and shapes are the whole model's."""
         return check_weights(state_dict, self.model.config, self.full_shapes())
 
+    def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state_dict  # checked whole when swapped (each rank keeps only its experts' rows)
+
     def _swap_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         internal = self.check_version(state_dict)  # all checked first: a rejected version leaves the weights untouched
         with torch.no_grad():

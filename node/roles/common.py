@@ -34,6 +34,9 @@ from node.stop_signals import dump_tasks, stop_on_signals  # noqa: F401 (roles i
 
 log = logging.getLogger(__name__)
 
+KEEP_BEYOND_K = 4
+"""Versions a store keeps beyond the off-policy bound k (the trainer's and the relay's retention too)."""
+
 def router_replay(spec: RunSpec) -> bool:
     """Whether the run asks for routed experts to travel and be replayed (and its model has MoE layers)."""
     return Recipe.of(spec).router_replay and bool(model_config(spec).moe_layer_indices)
@@ -109,18 +112,25 @@ def environment(spec: RunSpec):
     return get_env(spec.environment)
 
 
-async def fetch_policy(spec: RunSpec, store_dir: Path, version: int, expect_hash: str | None = None,
-                       tries: int = 20) -> dict[str, torch.Tensor]:
+async def fetch_policy(spec: RunSpec, store: Store, version: int, expect_hash: str | None = None,
+                       tries: int = 20, stages: dict | None = None) -> dict[str, torch.Tensor]:
     """Version `version` of the run's policy, verified (trainer's signature, shard hashes, and the
-    manifest hash the coordinator announced, when given)."""
+    manifest hash the coordinator announced, when given). `stages`, when given, gets where the fetch's
+    time went (`FetchedVersion.stages_s`: download, verify, decode, write; empty when the store held it)."""
     trusted = TrustedPublishers([spec.trainer] if spec.trainer else [])
     last: Exception | None = None
     for attempt in range(tries):
         try:
-            got = await fetch_version(Store(store_dir), list(spec.shardcast_sources), trusted, spec.run_id, version)
+            got = await fetch_version(store, list(spec.shardcast_sources), trusted, spec.run_id, version)
             if expect_hash is not None and got.manifest.manifest_hash() != expect_hash:
                 raise ProtocolError(f"v{version}: manifest hash differs from the announced one")
-            return {k: v.clone() for k, v in got.tensors().items()}
+            # a role on a host of its own keeps its store bounded too (beside the trainer it shares the trainer's)
+            await asyncio.to_thread(store.retain, spec.run_id, spec.max_off_policy_steps + KEEP_BEYOND_K)
+            if stages is not None:
+                stages.update(got.stages_s, wire_bytes_downloaded=got.wire_bytes_downloaded)
+            # views over the payload file's (copy-on-write) mapping, no copy: an engine copies each tensor where it is
+            # served (node/engine/weight_staging.py), so the event loop never clones the whole model
+            return got.tensors()
         except ProtocolError as exc:
             last = exc
             await asyncio.sleep(min(0.2 * (attempt + 1), 2.0))

@@ -45,11 +45,13 @@ from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
 from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
+from node.roles.version0 import local_version0
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
 from protocol.messages import LeaseGrant, PolicyAnnounce, RolloutGroup, RunSpec
 from protocol.work import sampling_seed
+from shardcast.store import Store
 from verification.proof import prove_rollouts
 
 log = logging.getLogger(__name__)
@@ -67,13 +69,16 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 
 class InferenceNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None,
-                 device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9):
+                 device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
+                 store: Store | None = None):
         """`vllm`: with engine "vllm", `KEY=VALUE` overrides of contrib/vllm's VLLMSettings (join --vllm);
         `device`: where an in-process engine serves; `fp8`: the node's `--fp8` (None: the spec's `model.fp8`,
         which any value given must equal: `FP8Mismatch` otherwise);
         `ep`: expert-parallel processes (builtin-ep; this one is rank $RANK of them); `gpu_memory_share`: of the
         GPU memory free after the weights, what the engine's KV slots may take (they are sized from it)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.store = store or Store(workdir / "shardcast")
+        """The host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
         self.leases_per_request = leases_per_request
         self.tok = tokenizer(spec)
         self.env = environment(spec)
@@ -102,9 +107,13 @@ class InferenceNode:
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0
-        self.on_loaded: list[Callable[[int, dict[str, float | None]], None]] = []
-        """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued}) when a version is queued for
-        the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
+        self.on_loaded: list[Callable[[int, dict], None]] = []
+        """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued, fetch_stages_s}) when a version is
+        queued for the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
+        self.on_swapped: list[Callable[[int, dict], None]] = []
+        """Hooks told (version, {t_applied, stage_s, apply_s, staged_on_device, bytes}) on the engine's thread
+        when a version is in the served weights (built-in engines; node/version_trace.py)."""
+        self._swaps_watched = False
         self.on_round: list[Callable[[dict], None]] = []
         """Hooks told each rollout round ({t0, t1, groups, tokens, versions}: when the engine worked, how many
         tokens it sampled, with which policy versions); node/version_trace.py writes them down."""
@@ -186,15 +195,18 @@ class InferenceNode:
         if version <= self._newest_loaded:
             return
         t_fetch = time.time()
+        fetch_stages: dict = {}
         try:
-            state = await fetch_policy(self.spec, self.workdir / "shardcast", version, manifest_hash)
+            state = await local_version0(self.spec, self.store, manifest_hash) if version == 0 else None
+            fetch_stages["local_version0"] = state is not None
+            state = state if state is not None else await fetch_policy(self.spec, self.store, version, manifest_hash,
+                                                                        stages=fetch_stages)
         except ProtocolError as exc:
             log.warning("policy v%d not loaded: %s", version, exc)
             return
         t_fetched = time.time()
         if manifest_hash is None:
-            from shardcast.store import Store
-            signed = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version)
+            signed = self.store.manifest(self.spec.run_id, version)
             manifest_hash = signed.manifest.manifest_hash()
         self.hashes[version] = manifest_hash
         async with self._loading:
@@ -205,10 +217,13 @@ class InferenceNode:
                     self.engine = await self._engine_start
                 except Exception as exc:  # a server that died or never became healthy, a device that failed
                     raise EngineUnavailable(f"engine {self.engine_name} did not start: {exc}") from exc
+            if self.on_swapped and not self._swaps_watched and hasattr(self.engine, "on_swap"):
+                self._swaps_watched = True  # the built-in engines tell when a version is in their weights
+                self.engine.on_swap.append(lambda v, row: [hook(v, row) for hook in self.on_swapped])
             await asyncio.to_thread(self.engine.load_weights, state, version)
             self._newest_loaded = version
         times = {"t_announced": self._announced_at.get(version), "t_fetch": t_fetch, "t_fetched": t_fetched,
-                 "t_queued": time.time()}
+                 "t_queued": time.time(), "fetch_stages_s": fetch_stages}
         for hook in self.on_loaded:
             hook(version, times)
         log.info("policy v%d queued for the engine", version)

@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class RelayNode:
-    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, port: int, host: str = "127.0.0.1"):
+    def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, port: int, host: str = "127.0.0.1",
+                 store: Store | None = None):
+        """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast): a relay beside
+        the trainer on one host serves the trainer's own files and mirrors nothing twice."""
         self.key, self.spec, self.bootstrap, self.workdir, self.port, self.host = key, spec, bootstrap, workdir, port, host
+        self.store = store or Store(workdir / "shardcast")
 
     async def run(self, stop: asyncio.Event) -> None:
-        store = Store(self.workdir / "shardcast")
+        store = self.store
         server = ShardServer(store)
         await server.start(self.host, self.port)
         client = await CoordinatorClient.connect(self.key, self.spec, "relay", self.bootstrap, stop,

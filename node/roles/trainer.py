@@ -93,7 +93,8 @@ class UnitRejected(ProtocolError):
 
 class TrainerNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
-                 parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu"):
+                 parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu", store: Store | None = None):
+        """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.device = device
         """Where the trainer's model lives (`join --device`)."""
@@ -110,7 +111,7 @@ class TrainerNode:
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.steps = self.recipe.steps
-        self.store = Store(workdir / "shardcast")
+        self.store = store or Store(workdir / "shardcast")
         self.ledger = OffPolicyLedger(spec.max_off_policy_steps)
         self.cfg = TrainerConfig.from_recipe(self.recipe, router_replay=router_replay(spec))
         self._shape = model_config(spec)

@@ -30,16 +30,19 @@ from pathlib import Path
 
 from node.engine.fp8.model import apply_fp8_mode
 from node.model.qwen3_moe import CausalLM
-from node.model.checkpoint import load_hf_state_dict
+from node.engine.weight_staging import StagedVersion
+from node.engine.weights import expected_shapes
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
+from node.roles.version0 import local_version0
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
 from protocol.messages import PolicyAnnounce, RunSpec, StoredWork, Verdict
 from protocol.work import sampling_seed, unit_group
+from shardcast.store import Store
 from verification.checks import Severity
 from verification.claim import RolloutClaim, SamplingSpec
 from verification.validator import verify_claims
@@ -56,8 +59,10 @@ refuses versions nobody published; 60 s is 3 of `fetch_policy`'s tries with room
 
 class ValidatorNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, batch: int = 64,
-                 device: str = "cpu"):
+                 device: str = "cpu", store: Store | None = None):
+        """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
+        self.store = store or Store(workdir / "shardcast")
         self.device = device
         """Where the validator recomputes (`join --device`)."""
         # a round's logits stay bounded whatever its size: only completion rows, checked in groups under
@@ -108,23 +113,26 @@ class ValidatorNode:
     async def _policy(self, version: int) -> None:
         if version in self.policies:
             return
-        state = await fetch_policy(self.spec, self.workdir / "shardcast", version, self.hashes.get(version), tries=3)
+        state = await local_version0(self.spec, self.store, self.hashes.get(version)) if version == 0 else None
+        local = state is not None  # checked against the signed manifest's shard hashes (node/roles/version0.py)
+        if state is None:
+            state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3)
         self._fetched_at = time.monotonic()
         if version not in self.hashes:
-            from shardcast.store import Store
-            self.hashes[version] = Store(self.workdir / "shardcast").manifest(self.spec.run_id, version).manifest.manifest_hash()
+            self.hashes[version] = self.store.manifest(self.spec.run_id, version).manifest.manifest_hash()
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
-        model = await asyncio.to_thread(self._model_of, version, state)
+        model = await asyncio.to_thread(self._model_of, version, state, local)
         if self.spec.model.fp8 != "off":
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)
         self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
 
-    def _model_of(self, version: int, state: dict) -> CausalLM:
+    def _model_of(self, version: int, state: dict, local: bool = False) -> CausalLM:
         model = blank_model(self.spec, self.device)
-        load_hf_state_dict(model, state)
-        if version == 0:
+        # tensor by tensor from the payload's mapping, experts into their rows: no stacked copy on the host
+        StagedVersion.of(model, state, expected_shapes(model), stage=False).apply()
+        if version == 0 and not local:  # a local version 0 was checked against the spec's pin as it loaded
             check_version0(self.spec, model)  # the high-precision weights the trainer published
         # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
         apply_fp8_mode(model, self.spec.model.fp8)

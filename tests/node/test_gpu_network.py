@@ -61,6 +61,10 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         assert run["weight_latency_s"] is not None and run["weight_latency_s"] > 0
         assert run["gen_tok_s_busy"] > 0 and run["verify_tok_s_busy"] > 0 and run["verify_over_generate"] > 0
         assert run["max_off_policy_seen"] <= run["k"]
+        # the weight path's stages as the roles recorded them, and one store for the host (sim shares it)
+        assert {"announce_s", "fetch_verify_s", "swap_wait_s", "swap_s"} <= set(run["weight_latency_stages_s"])
+        assert run["store_disk"]["stores"] == 1 and run["store_disk"]["versions"] >= 1
+        assert run["store_disk"]["bytes"] >= run["store_disk"]["bytes_per_version_max"] > 0
     assert result["async_speedup"] == round(result["runs"][0]["step_s"] / result["runs"][1]["step_s"], 2)
     # the role's engine alone on the same workload, the bound the network's generation is held against
     assert result["engine_alone_tok_s"] > 0 and result["engine_alone_rollouts"] == 2 * 4 * 2

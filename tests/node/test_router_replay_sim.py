@@ -14,7 +14,6 @@ from node.roles.trainer import TrainerNode
 from node.sim import run_sim
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
-from shardcast.codec import unflatten
 from shardcast.store import Store
 
 
@@ -52,9 +51,13 @@ def test_every_trained_batch_replays_the_routes_the_inference_node_sent(tmp_path
 
 
 def _published(out, spec, version: int) -> dict[str, torch.Tensor]:
-    store = Store(out / "trainer" / "shardcast")
-    signed = store.manifest(spec.run_id, version)
-    return {k: t.clone() for k, t in unflatten(signed.manifest.tensors, store.payload(spec.run_id, version)).items()}
+    from node.sim_network import store_of
+
+    from shardcast.fetch import read_held
+    from shardcast.manifest import TrustedPublishers
+
+    got = read_held(Store(store_of(out, "trainer")), TrustedPublishers([spec.trainer]), spec.run_id, version)
+    return {k: t.clone() for k, t in got.tensors().items()}
 
 
 def _step_items(out, spec, step: int) -> list[tuple]:

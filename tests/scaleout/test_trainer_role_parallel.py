@@ -30,7 +30,6 @@ from node.sim import run_sim
 from protocol.coordinator import Coordinator
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
-from shardcast.codec import unflatten
 from shardcast.store import Store
 
 PARAM_TOLERANCE = 1e-4
@@ -42,10 +41,14 @@ whole tensors, well above this."""
 
 
 def _published(out: Path, spec: RunSpec, version: int) -> dict[str, torch.Tensor]:
-    store = Store(out / "trainer" / "shardcast")
-    signed = store.manifest(spec.run_id, version)
-    assert signed is not None, f"v{version} not in the trainer's store"
-    return {k: t.clone() for k, t in unflatten(signed.manifest.tensors, store.payload(spec.run_id, version)).items()}
+    from node.sim_network import store_of
+    from shardcast.fetch import read_held
+    from shardcast.manifest import TrustedPublishers
+
+    store = Store(store_of(out, "trainer"))
+    assert store.manifest(spec.run_id, version) is not None, f"v{version} not in the trainer's store"
+    got = read_held(store, TrustedPublishers([spec.trainer]), spec.run_id, version)  # its payload may be dropped
+    return {k: t.clone() for k, t in got.tensors().items()}
 
 
 def _step_items(out: Path, spec: RunSpec, step: int) -> list[tuple]:

@@ -55,7 +55,7 @@ def test_delta_shard_verified_against_full_version_hashes(tmp_path, key, sc):
     from shardcast.codec import decode_shard
     from shardcast.errors import CorruptShard
 
-    origin = Store(tmp_path / "origin")
+    origin = Store(tmp_path / "origin", keep_payloads=3)  # this test reads old payloads
     _publish_chain(origin, key, sc, n=3, keyframe_every=8)
     m2 = origin.manifest("run", 2).manifest
     e = m2.shards[0]
@@ -72,7 +72,10 @@ def test_retention_deletes_only_old_versions_and_keeps_the_keyframe_chain(tmp_pa
     # v8 is a keyframe, v6,v7 deltas on keyframe v4: keep 6,7,8 plus 4,5 they need; 0..3 go.
     assert store.versions("run") == [4, 5, 6, 7, 8]
     for v in store.versions("run"):
-        assert store.payload_path("run", v).exists() and len(store.held_shards("run", v)) == len(store.manifest("run", v).manifest.shards)
+        assert len(store.held_shards("run", v)) == len(store.manifest("run", v).manifest.shards)
+    # decoded payloads only for the newest two (the next delta's parent and one behind); wire shards for all
+    assert [v for v in store.versions("run") if store.payload_path("run", v).exists()] == [7, 8]
+    assert store.complete_versions("run") == [4, 5, 6, 7, 8]
     assert not (tmp_path / "origin" / "run" / "00000003").exists()
     with caplog.at_level(logging.INFO, logger="shardcast.store"):
         assert store.retain("run", keep_last=1) == [4, 5, 6, 7], "a keyframe alone needs nothing older"

@@ -1,0 +1,227 @@
+"""A checked policy version on its way into a served model, one tensor at a time.
+
+`StagedVersion.of(model, state_dict, shapes)` checks the version whole (`weights.plan_weights`), then:
+- on a CUDA device with room for a second copy of the weights, stages it at once, in the caller's
+  thread (the role's fetch, not the engine's): each tensor is copied from the payload's mapping into
+  a ring of pinned host buffers and on to a device-side copy by asynchronous host-to-device copies on a
+  side stream, while the engine goes on decoding; `apply()`, between two decode steps, is then
+  device-to-device copies into the served tensors (FP8 modules quantise theirs on the device);
+- otherwise (the CPU, or a GPU without that room: logged) `apply()` copies each tensor straight into
+  the served one, through the same pinned ring on a GPU.
+Either way no whole-model copy is made on the host: the payload's pages are read once, tensor by
+tensor, and experts land in their rows of the stacked expert tensors where they are served.
+
+Invariants: nothing served changes before `apply()` (a version refused by the check, or staged and
+then replaced by a newer one, leaves the served weights as they were); `apply()` changes storage in
+place, so captured CUDA graphs read the new weights without re-capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from node.engine.fp8.model import _QuantizedWeights
+from node.engine.weights import Target, plan_weights
+from node.model.qwen3_moe import CausalLM
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 << 20
+"""Pinned buffer size: one shardcast shard; large tensors go through in pieces of this size."""
+RING = 4
+"""Pinned buffers in flight: a host copy fills one while earlier ones travel to the device."""
+STAGING_HEADROOM = 1 << 30
+"""Device memory left free beyond a staged copy (allocator slack, the next step's activations)."""
+
+
+@dataclass
+class SwapTimes:
+    """Seconds spent on a version: staged (off the engine's thread) and applied (between two steps)."""
+
+    stage_s: float = 0.0
+    apply_s: float = 0.0
+    staged_on_device: bool = False
+    bytes: int = 0
+
+
+class PinnedRing:
+    """`RING` pinned host buffers of `CHUNK_BYTES`, reused for every version an engine receives."""
+
+    def __init__(self, device: torch.device):
+        self.bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING)]
+        self.done: list[torch.cuda.Event | None] = [None] * RING
+        self.next = 0
+        self._lock = threading.Lock()
+        """The role's thread may stage a version while the engine's applies the previous one directly."""
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """dst (device, contiguous) <- src (host, same dtype and size), piece by piece, asynchronously on `stream`."""
+        s, d = src.contiguous().reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+        for at in range(0, s.numel(), CHUNK_BYTES):
+            n = min(CHUNK_BYTES, s.numel() - at)
+            with self._lock:
+                k, self.next = self.next, (self.next + 1) % RING
+                if self.done[k] is not None:
+                    self.done[k].synchronize()  # its last piece has left for the device
+                self.bufs[k][:n].copy_(s[at : at + n])  # the one host copy: payload pages -> pinned
+                with torch.cuda.stream(stream):
+                    d[at : at + n].copy_(self.bufs[k][:n], non_blocking=True)
+                    self.done[k] = torch.cuda.Event()
+                    self.done[k].record(stream)
+
+
+@dataclass
+class StagedVersion:
+    model: CausalLM
+    state: dict[str, torch.Tensor]
+    plan: dict[str, Target]
+    shapes: dict[str, tuple[int, ...]]
+    ring: PinnedRing | None = None
+    staged: dict[str, torch.Tensor] | None = None
+    """Internal name -> device copy, once staged (None: `apply` copies from `state`)."""
+    ready: torch.cuda.Event | None = None
+    times: SwapTimes = field(default_factory=SwapTimes)
+
+    @classmethod
+    def of(cls, model: CausalLM, state_dict: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+           ring: PinnedRing | None = None, stage: bool = True) -> StagedVersion:
+        """Checked now (`WeightsMismatch`); staged on the device now when there is room for it (and `stage`:
+        a model nobody serves yet, as the validator's, is better filled straight at `apply`)."""
+        v = cls(model, state_dict, plan_weights(state_dict, model.config, shapes), shapes, ring)
+        v.times.bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        device = _device(model)
+        if device.type == "cuda" and stage:
+            need, (free, _) = _staged_bytes(model, v.plan, shapes), torch.cuda.mem_get_info(device)
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cache
+            if need + STAGING_HEADROOM <= free:
+                v._stage(device)
+            else:
+                log.warning("weights: no room to stage v on the device (needs %.2f GiB, %.2f GiB free): the swap "
+                            "copies from pinned host memory between two decode steps (slower)", need / 2**30, free / 2**30)
+        return v
+
+    def _stage(self, device: torch.device) -> None:
+        t0 = time.perf_counter()
+        live = _served(self.model)
+        staged: dict[str, torch.Tensor] = {}
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # tensors handed over from this GPU are written
+        for name, target in self.plan.items():
+            dst_full = staged.get(target.internal)
+            if dst_full is None:
+                dtype = _high_precision(self.model, target.internal, live)
+                dst_full = staged[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
+                dst_full.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
+            self._copy(self.state[name], target.view(dst_full), stream)
+        self.ready = torch.cuda.Event()
+        self.ready.record(stream)
+        self.staged = staged
+        self.state = {}  # the payload's pages are no longer needed
+        self.times.stage_s, self.times.staged_on_device = time.perf_counter() - t0, True
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device)."""
+        if dst.device.type != "cuda" or src.device.type == "cuda":  # the CPU, or weights already on a GPU
+            with torch.cuda.stream(stream) if stream is not None else _nothing():
+                dst.copy_(src)
+            return
+        if self.ring is None:
+            self.ring = PinnedRing(dst.device)
+        if src.dtype == dst.dtype and dst.is_contiguous():
+            self.ring.copy(src, dst, stream)
+            return
+        tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
+        tmp.record_stream(stream)
+        self.ring.copy(src, tmp, stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(tmp)  # the dtype change (or a strided destination) on the device
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Into the served tensors, in place (between two decode steps, on the engine's thread)."""
+        t0 = time.perf_counter()
+        live = _served(self.model)
+        if self.staged is not None:
+            torch.cuda.current_stream(_device(self.model)).wait_event(self.ready)
+            for internal, t in self.staged.items():
+                _load(self.model, internal, t, live)
+        else:
+            self._apply_direct(live)
+        self.staged = None
+        self.times.apply_s = time.perf_counter() - t0
+
+    def _apply_direct(self, live: dict[str, torch.Tensor]) -> None:
+        device = _device(self.model)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        pending: dict[str, torch.Tensor] = {}  # quantised modules: one module's high-precision copy at a time
+        left: dict[str, int] = {}
+        for target in self.plan.values():
+            left[target.internal] = left.get(target.internal, 0) + 1
+        for name, target in self.plan.items():
+            dest = live.get(target.internal)
+            if dest is not None and _plain(dest):
+                self._copy(self.state[name], target.view(dest), stream)
+                continue
+            buf = pending.get(target.internal)
+            if buf is None:
+                dtype = _high_precision(self.model, target.internal, live)
+                buf = pending[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
+            self._copy(self.state[name], target.view(buf), stream)
+            left[target.internal] -= 1
+            if not left[target.internal]:
+                _load(self.model, target.internal, pending.pop(target.internal), live)
+        self.state = {}
+
+
+def _nothing() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _device(model: CausalLM) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _served(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name (a tied weight under each of its names)."""
+    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor served as it is loaded (an FP8 module's e4m3 buffer is loaded through its module)."""
+    return t.dtype.itemsize >= 2
+
+
+def _high_precision(model: CausalLM, internal: str, live: dict[str, torch.Tensor]) -> torch.dtype:
+    t = live.get(internal)
+    if t is not None and _plain(t):
+        return t.dtype
+    return model.get_submodule(internal.rpartition(".")[0]).dtype
+
+
+def _load(model: CausalLM, internal: str, t: torch.Tensor, live: dict[str, torch.Tensor]) -> None:
+    dest = live.get(internal)
+    if dest is not None and _plain(dest):
+        dest.copy_(t)
+        return
+    module_name, _, local = internal.rpartition(".")
+    module = model.get_submodule(module_name)
+    if not isinstance(module, _QuantizedWeights):
+        raise TypeError(f"{internal}: neither a served tensor nor an FP8 module's weight")
+    module.load_state_dict({local: t}, strict=False)  # quantised on arrival, on the module's device
+
+
+def _staged_bytes(model: CausalLM, plan: dict[str, Target], shapes: dict[str, tuple[int, ...]]) -> int:
+    live = _served(model)
+    total = 0
+    for internal in {t.internal for t in plan.values()}:
+        n = 1
+        for d in shapes[internal]:
+            n *= d
+        total += n * _high_precision(model, internal, live).itemsize
+    return total
