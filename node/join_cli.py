@@ -115,8 +115,9 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
 async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path | None, workdir: Path,
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
-               device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9) -> None:
-    """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
+               device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
+               memory_limit_gib: float | None = None) -> None:
+    """Run one role until SIGINT/SIGTERM, after its memory plan (`plan_memory`) fits. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
     from node.roles.common import stop_on_signals
@@ -130,6 +131,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
         key = NodeKey.load(key_path) if key_path.exists() else NodeKey.generate()
     else:
         key = NodeKey.load_or_create(key_path)
+    plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
@@ -162,6 +164,19 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     finally:
         if followers is not None:
             await asyncio.to_thread(followers.close)
+
+
+def plan_memory(spec, role: str, device: str, parallel: dict | None = None, engine: str = "builtin",
+                fp8: str | None = None, limit_gib: float | None = None) -> None:
+    """The role's memory plan, printed next to what its device has free (`--memory-limit-gib` caps that);
+    `MemoryPlanDoesNotFit` (one line, exit 2) before the role builds anything when it does not fit."""
+    from node.engine.memory_plan import host_or_gpu_free
+    from node.roles.memory import role_plan
+
+    plan = role_plan(spec, role, device, host_or_gpu_free(device, limit_gib), parallel=parallel, engine=engine, fp8=fp8)
+    if plan is not None:
+        print(plan.describe(), flush=True)
+        plan.check()
 
 
 async def _run_role(role: str, node, key: NodeKey, stop: asyncio.Event, ep: int) -> None:
@@ -273,5 +288,5 @@ def _join(args: argparse.Namespace) -> int:
     asyncio.run(join(cfg.role, cfg.spec, cfg.bootstrap, cfg.key, cfg.workdir, cfg.shardcast_port,
                      engine=engine, parallel=cfg.parallel(), host=cfg.host, vllm=cfg.vllm,
                      customize=customize, device=device, fp8=cfg.fp8, ep=ep,
-                     gpu_memory_share=cfg.gpu_memory_share))
+                     gpu_memory_share=cfg.gpu_memory_share, memory_limit_gib=cfg.memory_limit_gib))
     return 0

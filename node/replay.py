@@ -51,8 +51,7 @@ class TorchReference(Reference):
         # a prefill batch holds [tokens, vocab] logits three times over (model dtype, float32 copy, the
         # checks' log_softmax): bound them by the budget (CPU: 256 MiB, 65,536 tokens of the tiny model's
         # 88-token vocabulary, ~1,300 of SmolLM2's 49,152; GPU: a share of free memory)
-        self.batch_tokens = batch_tokens or max(256, min(65_536 if not self.on_device else 1 << 20,
-                                                         budget // (12 * self.vocab_size)))
+        self.batch_tokens = batch_tokens or prefill_batch_tokens(budget, self.vocab_size, self.on_device)
         self.logits_bytes = budget if self.on_device else None
         """Completion logits (float32) one group of claims may hold at once on a GPU (None: the CPU's
         `verification.validator.PREFILL_LOGITS_BYTES`)."""
@@ -161,7 +160,18 @@ def logits_budget(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_LOGITS_BYTES
     free, _ = torch.cuda.mem_get_info(device)
-    return max(CPU_LOGITS_BYTES, int(GPU_LOGITS_SHARE * free))
+    return logits_budget_of("cuda", free)
+
+
+def logits_budget_of(device: str, free_bytes: int) -> int:
+    """`logits_budget` on a `device` with `free_bytes` free (the memory plan's, before the model exists)."""
+    return CPU_LOGITS_BYTES if not device.startswith("cuda") else max(CPU_LOGITS_BYTES, int(GPU_LOGITS_SHARE * free_bytes))
+
+
+def prefill_batch_tokens(budget: int, vocab_size: int, on_device: bool) -> int:
+    """Padded tokens one recomputation prefill takes: its [tokens, vocab] logits held three times over
+    (model dtype, float32 copy, the checks' log_softmax) within `budget`."""
+    return max(256, min(65_536 if not on_device else 1 << 20, budget // (12 * vocab_size)))
 
 
 def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:

@@ -30,6 +30,27 @@ def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
             ["--dp", str(dims.dp), "--ep", str(dims.ep), "--cp", str(dims.cp)])
 
 
+def plan_network_memory(run_toml: Path, coordinator: str, cfg: SimConfig, placement) -> None:
+    """Every role's memory plan on the device the sim puts it on, summed where roles share one, printed;
+    `MemoryPlanDoesNotFit` (one line, exit 2) before any process starts when a device cannot hold its roles."""
+    from node.roles.memory import role_plan, shared_device_plans
+    from node.run_config import RunConfig
+
+    spec = RunConfig.load(run_toml).run_spec(coordinator)
+    parallel, ranks = None, 1
+    if cfg.trainer_parallel:
+        from node.rl.parallel.dims import parse_layout
+        dims = parse_layout(cfg.trainer_parallel)
+        parallel, ranks = {"dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp}, dims.world
+    plans = [*[role_plan(spec, "trainer", placement.trainer, parallel=parallel)] * ranks,  # its ranks share the device
+             role_plan(spec, "validator", placement.validator),
+             *[role_plan(spec, "inference", placement.inference[i], engine=cfg.engine)
+               for i in range(cfg.vllm_nodes, cfg.inference_nodes)]]
+    for plan in shared_device_plans([p for p in plans if p is not None]):
+        print(plan.describe(), flush=True)
+        plan.check()
+
+
 @dataclass
 class Network:
     """The processes of one simulated run and what they were started with."""
@@ -80,6 +101,7 @@ def start_network(out: Path, cfg: SimConfig) -> Network:
         key.save(out / name / "node.key")
     origin, relay_port = free_port(), free_port()
     run = write_run_toml(out, cfg, keys, origin, relay_port)
+    plan_network_memory(out / "run.toml", keys["coordinator"].peer_id, cfg, placement)
     addr_file = out / "coordinator" / "addr"
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",
                                  str(out / "coordinator"), "--key", str(out / "coordinator" / "node.key"),

@@ -25,6 +25,12 @@ from node.recipe import Recipe
 from node.rl.loss import LossConfig, policy_loss, token_logprobs
 
 
+MICRO_BATCH_TOKENS = 16_384
+"""Default padded tokens per forward/backward: bounds activations and logits whatever the completions'
+lengths (at SmolLM2's 49,152-token vocabulary in float32, 16,384 tokens of logits are 3 GiB; the tiny
+model's test batches, a few thousand tokens, stay one micro-batch)."""
+
+
 @dataclass
 class TrainerConfig:
     """The optimizer's settings; those a run's recipe sets default to the recipe's (node/recipe.py)."""
@@ -47,6 +53,9 @@ class TrainerConfig:
     """Cosine-decay the learning rate to lr * min_lr_ratio over this many steps (0: constant)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a share of lr under cosine decay."""
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS
+    """Padded tokens (rows x longest row) one forward/backward takes at most: a minibatch of long
+    completions is split into micro-batches whose gradients add up to the minibatch's (one optimizer step)."""
     loss: LossConfig = field(default_factory=LossConfig)
 
     @classmethod
