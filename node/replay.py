@@ -27,14 +27,16 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
 
 
 class TorchReference(Reference):
-    """Recompute with our `CausalLM`. `policies` maps version -> (model, 32-byte manifest hash);
-    a model may be shared and reloaded by a `load` hook instead (large models)."""
+    """Recompute with our `CausalLM`. `policies` maps version -> (model, 32-byte manifest hash): one model
+    per version, or one resident model that each lookup switches to that version in place (the
+    validator's, node/roles/resident_policy.py); a model is used only right after its lookup."""
 
     def __init__(self, policies: dict[int, tuple[CausalLM, bytes]], eos_id: int, max_seq_len: int,
                  decode: Callable[[list[int]], str], tasks: Callable[[str, int], list[int]] | None = None,
                  reward: Callable[[str, int, list[int]], float] | None = None, batch_tokens: int | None = None):
         self.policies = policies
-        any_model = next(iter(policies.values()))[0]
+        any_model = policies[max(policies)][0]  # the newest: a resident model (node/roles/resident_policy.py) holds it
+        self.config = any_model.config
         self.hidden_size = any_model.config.hidden_size
         self.vocab_size = any_model.config.vocab_size
         # an FP8-served model (node/engine/fp8/model.py) is judged by the thresholds of its FP8 mode on its base
@@ -57,11 +59,14 @@ class TorchReference(Reference):
         `verification.validator.PREFILL_LOGITS_BYTES`)."""
 
     def manifest_hash(self, version: int) -> bytes | None:
+        hashes = getattr(self.policies, "hashes", None)  # a resident model's: asking must not switch its weights
+        if hashes is not None:
+            return hashes.get(version)
         p = self.policies.get(version)
         return None if p is None else p[1]
 
     def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
-        shape = RouteShape.of(next(iter(self.policies.values()))[0].config)
+        shape = RouteShape.of(self.config)
         if shape is None:
             raise InvalidRoutes("routes claimed for a dense model")
         return decode_routes(data, positions, shape)
