@@ -131,7 +131,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
         key = NodeKey.load(key_path) if key_path.exists() else NodeKey.generate()
     else:
         key = NodeKey.load_or_create(key_path)
-    plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
+    plan = plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
     stop = stop_on_signals()
     if role == "inference":
         from node.roles.inference import InferenceNode
@@ -139,7 +139,8 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
                              gpu_memory_share=gpu_memory_share)
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
-        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device)
+        node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device,
+                           micro_batch_tokens=plan.micro_batch_tokens)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
         node = ValidatorNode(key, spec, bootstrap, workdir, device=device)
@@ -167,9 +168,10 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
 
 
 def plan_memory(spec, role: str, device: str, parallel: dict | None = None, engine: str = "builtin",
-                fp8: str | None = None, limit_gib: float | None = None) -> None:
-    """The role's memory plan, printed next to what its device has free (`--memory-limit-gib` caps that);
-    `MemoryPlanDoesNotFit` (one line, exit 2) before the role builds anything when it does not fit."""
+                fp8: str | None = None, limit_gib: float | None = None):
+    """The role's memory plan (None: a role or engine that plans none), printed next to what its device has
+    free (`--memory-limit-gib` caps that); `MemoryPlanDoesNotFit` (one line, exit 2) before the role builds
+    anything when it does not fit."""
     from node.engine.memory_plan import host_or_gpu_free
     from node.roles.memory import role_plan
 
@@ -177,6 +179,7 @@ def plan_memory(spec, role: str, device: str, parallel: dict | None = None, engi
     if plan is not None:
         print(plan.describe(), flush=True)
         plan.check()
+    return plan
 
 
 async def _run_role(role: str, node, key: NodeKey, stop: asyncio.Event, ep: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -115,6 +116,7 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
                           cfg.prompts * cfg.samples, cfg.max_seq_len, host_or_gpu_free("cpu", cfg.memory_limit_gib))
     print(plan.describe(), flush=True)
     plan.check()  # before the model exists: one line, exit 2, when it cannot fit
+    trainer_cfg = dataclasses.replace(cfg.trainer, micro_batch_tokens=plan.micro_batch_tokens)  # sized to what is free
     loaded = load_model(spec, copies=4, tiny=cfg.tiny())  # weights, gradients and AdamW's two moments
     model, tok = loaded.model, loaded.tokenizer
     engine = Engine(copy.deepcopy(model), max_batch=cfg.prompts * cfg.samples, max_seq_len=cfg.max_seq_len,
@@ -137,7 +139,7 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
                      cfg.eval_n, time.time() - t_eval, result.samples[:2])
 
     score(0)
-    trainer = Trainer(model, cfg.trainer)
+    trainer = Trainer(model, trainer_cfg)
     behind = [{k: t.clone() for k, t in state_dict_to_hf(model).items()}] if cfg.sample_lag else []
     """With sample_lag: the weights of the last sample_lag + 1 versions, the oldest sampled from."""
     metrics: list[dict] = []

@@ -111,6 +111,8 @@ class MemoryPlan:
     free_bytes: int
     """What the device has free now (cpu: MemAvailable; cuda: `mem_get_info`), or the limit asked for."""
     note: str = ""
+    micro_batch_tokens: int | None = None
+    """A trainer's: the padded tokens of one forward/backward, as planned (`plan_trainer`)."""
 
     @property
     def total(self) -> int:
@@ -182,17 +184,28 @@ def host_or_gpu_free(device: str, limit_gib: float | None = None) -> int:
     return free if limit_gib is None else min(free, int(limit_gib * GIB))
 
 
+MICRO_BATCH_SHARE = 0.5
+"""Of the memory a trainer rank has free after its weights, gradients and AdamW states, the share one
+micro-batch's activations and logits may take when the micro-batch is sized from it (the rest: the
+published version's copies, the allocator's slack, other roles on the device)."""
+
+
 def plan_trainer(cfg: ModelConfig, dtype: torch.dtype, device: str, free_bytes: int, micro_batch_tokens: int,
-                 logprob_chunk_bytes: int, world: int = 1, sharded: bool = True,
-                 checkpointed: bool = False) -> MemoryPlan:
+                 logprob_chunk_bytes: int, world: int = 1, sharded: bool = True, checkpointed: bool = False,
+                 longest_row: int | None = None) -> MemoryPlan:
     """One trainer rank: weights, gradients and AdamW's two states in the parameters' dtype, divided by the
     FSDP world when sharded; the activations and logits of one micro-batch (`micro_batch_tokens` padded
     tokens, split over the world): the logits and their gradient in the model's dtype, and twice the
     float32 chunk `token_logprobs` scores at once (`logprob_chunk_bytes`, node/rl/loss.py: the chunk and
-    its recomputation in the backward)."""
+    its recomputation in the backward). With `longest_row` (the run's sequence limit) the micro-batch is
+    sized from what is free: at most `micro_batch_tokens`, at least one such row (`MemoryPlan.micro_batch_tokens`)."""
     share = world if sharded else 1
     weights = weight_bytes(cfg, dtype) // share
     item = torch.empty((), dtype=dtype).element_size()
+    per_token = token_activation_bytes(cfg, dtype, train=True, checkpointed=checkpointed) + cfg.vocab_size * (2 * item + 8)
+    if longest_row is not None:
+        room = max(0, free_bytes - (2 + ADAMW_STATES) * weights)
+        micro_batch_tokens = max(longest_row, min(micro_batch_tokens, int(MICRO_BATCH_SHARE * room) // per_token * world))
     tokens = -(-micro_batch_tokens // world)
     logits = tokens * cfg.vocab_size * 2 * item + 2 * min(logprob_chunk_bytes, tokens * cfg.vocab_size * 4)
     name = str(dtype).removeprefix("torch.")
@@ -201,7 +214,8 @@ def plan_trainer(cfg: ModelConfig, dtype: torch.dtype, device: str, free_bytes: 
                                           ("activations", tokens * token_activation_bytes(cfg, dtype, train=True, checkpointed=checkpointed)),
                                           ("logits", logits)),
                       free_bytes, f"AdamW {ADAMW_STATES} states in {name}, {micro_batch_tokens} tokens a micro-batch, "
-                                  f"FSDP world {share}" + (", activation checkpointing" if checkpointed else ""))
+                                  f"FSDP world {share}" + (", activation checkpointing" if checkpointed else ""),
+                      micro_batch_tokens)
 
 
 def plan_validator(cfg: ModelConfig, dtype: torch.dtype, device: str, free_bytes: int, fp8: str,

@@ -34,7 +34,8 @@ def role_plan(spec: RunSpec, role: str, device: str, free_bytes: int | None = No
         world = p.get("dp", 1) * p.get("cp", 1)
         return plan_trainer(cfg, dtype, device, free, TrainerConfig().micro_batch_tokens, LOGPROB_CHUNK_BYTES,
                             world=world, sharded=p.get("fsdp", True),
-                            checkpointed=p.get("activation_checkpointing", False))
+                            checkpointed=p.get("activation_checkpointing", False),
+                            longest_row=cfg.max_position_embeddings)
     if role == "validator":
         budget = logits_budget_of(device, free)
         return plan_validator(cfg, dtype, device, free, spec.model.fp8, budget,
@@ -54,12 +55,14 @@ def shared_device_plans(plans: list[MemoryPlan]) -> list[MemoryPlan]:
         by_device.setdefault(p.device, []).append(p)
     return [ps[0] if len(ps) == 1 else
             MemoryPlan(" + ".join(p.role for p in ps), device, tuple((f"{p.role} {name}", b) for p in ps for name, b in p.parts),
-                       ps[0].free_bytes, "; ".join(p.note for p in ps if p.note))
+                       ps[0].free_bytes, "; ".join(p.note for p in ps if p.note),
+                       next((p.micro_batch_tokens for p in ps if p.micro_batch_tokens), None))
             for device, ps in by_device.items()]
 
 
 def local_run_plan(cfg, dtype, micro_batch_tokens: int, slots: int, max_seq_len: int, free_bytes: int) -> MemoryPlan:
-    """`train-local`: the trainer and its engine's own copy of the model, one process on the CPU."""
+    """`train-local`: the trainer and its engine's own copy of the model, one process on the CPU (the
+    summed plan carries the trainer's micro-batch size)."""
     return shared_device_plans([
-        plan_trainer(cfg, dtype, "cpu", free_bytes, micro_batch_tokens, LOGPROB_CHUNK_BYTES),
+        plan_trainer(cfg, dtype, "cpu", free_bytes, micro_batch_tokens, LOGPROB_CHUNK_BYTES, longest_row=max_seq_len),
         plan_inference(cfg, dtype, "cpu", free_bytes, "off", max_seq_len, slots)])[0]
