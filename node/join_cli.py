@@ -131,8 +131,9 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
         key = NodeKey.load(key_path) if key_path.exists() else NodeKey.generate()
     else:
         key = NodeKey.load_or_create(key_path)
-    plan = plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
     stop = stop_on_signals()
+    plan = None if role == "relay" else \
+        plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
     if role == "inference":
         from node.roles.inference import InferenceNode
         node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8, ep=ep,
