@@ -26,9 +26,9 @@ from node.model.qwen3_moe import CausalLM
 
 log = logging.getLogger(__name__)
 
-INDEX_BYTES = 8
-"""A sparse delta's cost per changed element beyond its two values: one int64 flat position. Once
-changed x (INDEX_BYTES + 2 x element size) exceeds the tensor's own bytes, the delta holds it whole."""
+def _index_dtype(numel: int) -> torch.dtype:
+    """Flat positions as int32 where they fit (4 bytes a changed element instead of 8)."""
+    return torch.int32 if numel < 2**31 else torch.int64
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -43,7 +43,7 @@ class TensorDelta:
     """Where one version's raw tensor differs from the resident (newest) version's."""
 
     index: torch.Tensor | None
-    """Flat positions (int64, host); None: `values` is the whole tensor."""
+    """Flat positions (int32, or int64 in a tensor of 2^31 elements or more; host); None: `values` is the whole tensor."""
     values: torch.Tensor
     """This version's bits at `index` (or all of them)."""
     resident: torch.Tensor | None
@@ -59,10 +59,12 @@ def _delta(own: torch.Tensor, newest: torch.Tensor) -> TensorDelta | None:
     changed = (own != newest).nonzero().squeeze(1)
     if changed.numel() == 0:
         return None
-    item = own.element_size()
-    if changed.numel() * (INDEX_BYTES + 2 * item) > own.numel() * item:
+    # sparse: a flat position and two values per changed element; once that exceeds the tensor's own
+    # bytes, the delta holds the tensor whole
+    item, index = own.element_size(), _index_dtype(own.numel())
+    if changed.numel() * (torch.empty((), dtype=index).element_size() + 2 * item) > own.numel() * item:
         return TensorDelta(None, own.cpu().clone(), None)
-    return TensorDelta(changed.cpu(), own[changed].cpu(), newest[changed].cpu())
+    return TensorDelta(changed.to(index).cpu(), own[changed].cpu(), newest[changed].cpu())
 
 
 def _apply(flat: torch.Tensor, d: TensorDelta) -> None:
