@@ -31,10 +31,10 @@ from node.rl.trainer import TrainerConfig
 log = logging.getLogger("node.rl.parallel")
 
 
-def check_model(seed: int = 0) -> CausalLM:
+def check_model(seed: int = 0, aux_coef: float = 0.01) -> CausalLM:
     cfg = ModelConfig(vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                      num_experts_per_tok=2, router_aux_loss_coef=0.01, max_position_embeddings=256)
+                      num_experts_per_tok=2, router_aux_loss_coef=aux_coef, max_position_embeddings=256)
     torch.manual_seed(seed)
     return CausalLM(cfg)
 
@@ -73,15 +73,18 @@ def reference(model: CausalLM, batch: TrainBatch, cfg: TrainerConfig):
     return float(loss), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_layout(dims: ParallelDims, device: str, router_replay: bool = False) -> dict:
-    cfg = TrainerConfig(router_replay=router_replay)
-    ref_model = check_model()
+def run_layout(dims: ParallelDims, device: str, router_replay: bool = False, micro_batch_tokens: int | None = None) -> dict:
+    """`micro_batch_tokens`: the parallel side in micro-batches of that many padded tokens, against the
+    one-process whole-batch step (the load-balancing loss off: micro-batches share it by rows, an approximation)."""
+    cfg = TrainerConfig(router_replay=router_replay, **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}))
+    aux = 0.0 if micro_batch_tokens else 0.01
+    ref_model = check_model(aux_coef=aux)
     batch = check_batch(ref_model, routes=router_replay)
     ref_loss, ref_grads, ref_params = reference(ref_model, batch, cfg)
 
     started = time.perf_counter()
     groups = ParallelGroups.build(dims, device)
-    model = parallelize(check_model().to(device), groups)
+    model = parallelize(check_model(aux_coef=aux).to(device), groups)
     trainer = DistributedTrainer(model, groups, cfg)
     local = shard_batch(batch, groups).to(torch.device(device))
     loss = trainer.backward(local)
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fsdp", action="store_true", help="replicate instead of sharding")
     parser.add_argument("--router-replay", action="store_true", help="the batch carries routed experts to replay")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="the parallel side in micro-batches of this many padded tokens (load-balancing loss off)")
     parser.add_argument("--out", help="rank 0 writes the results here as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for text in args.layouts.split(","):
         dims = parse_layout(text, fsdp=not args.no_fsdp, activation_checkpointing=args.activation_checkpointing)
-        result = run_layout(dims, device, args.router_replay)
+        result = run_layout(dims, device, args.router_replay, args.micro_batch_tokens)
         if dist.get_rank() == 0:
             log.info("%s: loss %.6g (one process %.6g) grad rel err %.2e param rel err %.2e", text,
                      result["loss"], result["ref_loss"], result["grad_rel_err"], result["param_rel_err"])

@@ -116,8 +116,9 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
                shardcast_port: int, engine: str = "builtin", parallel: dict | None = None,
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
                device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
-               store_dir: Path | None = None, store_max_gib: float | None = None) -> None:
-    """Run one role until SIGINT/SIGTERM. `customize(node)`: called on the role object before it runs
+               store_dir: Path | None = None, store_max_gib: float | None = None,
+               memory_limit_gib: float | None = None) -> None:
+    """Run one role until SIGINT/SIGTERM, after its memory plan (`plan_memory`) fits. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
     from node.roles.common import check_checkpoint, stop_on_signals
@@ -134,6 +135,8 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     else:
         key = NodeKey.load_or_create(key_path)
     stop = stop_on_signals()
+    plan = None if role == "relay" else \
+        plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
     from shardcast.store import Store
 
     store = Store(store_dir or workdir / "shardcast",
@@ -145,7 +148,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device,
-                           store=store)
+                           store=store, micro_batch_tokens=plan.micro_batch_tokens)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
         node = ValidatorNode(key, spec, bootstrap, workdir, device=device, store=store)
@@ -170,6 +173,21 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     finally:
         if followers is not None:
             await asyncio.to_thread(followers.close)
+
+
+def plan_memory(spec, role: str, device: str, parallel: dict | None = None, engine: str = "builtin",
+                fp8: str | None = None, limit_gib: float | None = None):
+    """The role's memory plan (None: a role or engine that plans none), printed next to what its device has
+    free (`--memory-limit-gib` caps that); `MemoryPlanDoesNotFit` (one line, exit 2) before the role builds
+    anything when it does not fit."""
+    from node.engine.memory_plan import host_or_gpu_free
+    from node.roles.memory import role_plan
+
+    plan = role_plan(spec, role, device, host_or_gpu_free(device, limit_gib), parallel=parallel, engine=engine, fp8=fp8)
+    if plan is not None:
+        print(plan.describe(), flush=True)
+        plan.check()
+    return plan
 
 
 async def _run_role(role: str, node, key: NodeKey, stop: asyncio.Event, ep: int) -> None:
@@ -281,5 +299,6 @@ def _join(args: argparse.Namespace) -> int:
     asyncio.run(join(cfg.role, cfg.spec, cfg.bootstrap, cfg.key, cfg.workdir, cfg.shardcast_port,
                      engine=engine, parallel=cfg.parallel(), host=cfg.host, vllm=cfg.vllm,
                      customize=customize, device=device, fp8=cfg.fp8, ep=ep,
-                     gpu_memory_share=cfg.gpu_memory_share, store_dir=cfg.store, store_max_gib=cfg.store_max_gib))
+                     gpu_memory_share=cfg.gpu_memory_share, store_dir=cfg.store, store_max_gib=cfg.store_max_gib,
+                     memory_limit_gib=cfg.memory_limit_gib))
     return 0

@@ -79,6 +79,10 @@ class JoinConfig(BaseModel):
     """inference on a GPU: share of the memory free after the weights that the engine's KV slots may take;
     the slots (sequences decoded at once) are sized from it and the plan printed at start (lower it where
     other roles share the GPU; node/engine/memory_plan.py)"""
+    memory_limit_gib: float | None = Field(None, gt=0)
+    """the most memory this role may plan for on its device, in GiB (default: what the device has free: host
+    RAM on the CPU, free GPU memory on a GPU); the plan is printed at start, and one that does not fit
+    exits 2 before anything is allocated (node/roles/memory.py)"""
     dp: Annotated[int, Flag(group=PARALLELISM), Field(ge=1)] = 1
     """data-parallel ranks (FSDP2)"""
     ep: Annotated[int, Flag(group=PARALLELISM), Field(ge=1)] = 1

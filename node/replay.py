@@ -28,14 +28,16 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
 
 
 class TorchReference(Reference):
-    """Recompute with our `CausalLM`. `policies` maps version -> (model, 32-byte manifest hash);
-    a model may be shared and reloaded by a `load` hook instead (large models)."""
+    """Recompute with our `CausalLM`. `policies` maps version -> (model, 32-byte manifest hash): one model
+    per version, or one resident model that each lookup switches to that version in place (the
+    validator's, node/roles/resident_policy.py); a model is used only right after its lookup."""
 
     def __init__(self, policies: dict[int, tuple[CausalLM, bytes]], eos_id: int, max_seq_len: int,
                  decode: Callable[[list[int]], str], tasks: Callable[[str, int], list[int]] | None = None,
                  reward: Callable[[str, int, list[int]], float] | None = None, batch_tokens: int | None = None):
         self.policies = policies
-        any_model = next(iter(policies.values()))[0]
+        any_model = policies[max(policies)][0]  # the newest: a resident model (node/roles/resident_policy.py) holds it
+        self.config = any_model.config
         self.hidden_size = any_model.config.hidden_size
         self.vocab_size = any_model.config.vocab_size
         # an FP8-served model (node/engine/fp8/model.py) is judged by the thresholds of its FP8 mode on its base
@@ -56,18 +58,20 @@ class TorchReference(Reference):
         # a prefill batch holds [tokens, vocab] logits three times over (model dtype, float32 copy, the
         # checks' log_softmax): bound them by the budget (CPU: 256 MiB, 65,536 tokens of the tiny model's
         # 88-token vocabulary, ~1,300 of SmolLM2's 49,152; GPU: a share of free memory)
-        self.batch_tokens = batch_tokens or max(256, min(65_536 if not self.on_device else 1 << 20,
-                                                         budget // (12 * self.vocab_size)))
+        self.batch_tokens = batch_tokens or prefill_batch_tokens(budget, self.vocab_size, self.on_device)
         self.logits_bytes = budget if self.on_device else None
         """Completion logits (float32) one group of claims may hold at once on a GPU (None: the CPU's
         `verification.validator.PREFILL_LOGITS_BYTES`)."""
 
     def manifest_hash(self, version: int) -> bytes | None:
+        hashes = getattr(self.policies, "hashes", None)  # a resident model's: asking must not switch its weights
+        if hashes is not None:
+            return hashes.get(version)
         p = self.policies.get(version)
         return None if p is None else p[1]
 
     def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
-        shape = RouteShape.of(next(iter(self.policies.values()))[0].config)
+        shape = RouteShape.of(self.config)
         if shape is None:
             raise InvalidRoutes("routes claimed for a dense model")
         return decode_routes(data, positions, shape)
@@ -191,7 +195,18 @@ def logits_budget(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_LOGITS_BYTES
     free, _ = torch.cuda.mem_get_info(device)
-    return max(CPU_LOGITS_BYTES, int(GPU_LOGITS_SHARE * free))
+    return logits_budget_of("cuda", free)
+
+
+def logits_budget_of(device: str, free_bytes: int) -> int:
+    """`logits_budget` on a `device` with `free_bytes` free (the memory plan's, before the model exists)."""
+    return CPU_LOGITS_BYTES if not device.startswith("cuda") else max(CPU_LOGITS_BYTES, int(GPU_LOGITS_SHARE * free_bytes))
+
+
+def prefill_batch_tokens(budget: int, vocab_size: int, on_device: bool) -> int:
+    """Padded tokens one recomputation prefill takes: its [tokens, vocab] logits held three times over
+    (model dtype, float32 copy, the checks' log_softmax) within `budget`."""
+    return max(256, min(65_536 if not on_device else 1 << 20, budget // (12 * vocab_size)))
 
 
 def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:

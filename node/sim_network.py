@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,40 @@ def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
     dims = parse_layout(layout)
     return (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dims.world}"],
             ["--dp", str(dims.dp), "--ep", str(dims.ep), "--cp", str(dims.cp)])
+
+
+def plan_network_memory(run_toml: Path, coordinator: str, cfg: SimConfig, placement) -> None:
+    """Every role's memory plan on the device the sim puts it on, summed where roles share one, printed;
+    `MemoryPlanDoesNotFit` (one line, exit 2) before any process starts when a device cannot hold its roles."""
+    from node.roles.memory import role_plan, shared_device_plans
+    from node.run_config import RunConfig
+
+    spec = RunConfig.load(run_toml).run_spec(coordinator)
+    parallel, ranks = None, 1
+    if cfg.trainer_parallel:
+        from node.rl.parallel.dims import parse_layout
+        dims = parse_layout(cfg.trainer_parallel)
+        parallel, ranks = {"dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp}, dims.world
+    free = gpu_free({placement.trainer, placement.validator, *placement.inference} - {"cpu"})
+    plans = [*[role_plan(spec, "trainer", placement.trainer, free.get(placement.trainer), parallel=parallel)] * ranks,
+             role_plan(spec, "validator", placement.validator, free.get(placement.validator)),
+             *[role_plan(spec, "inference", placement.inference[i], free.get(placement.inference[i]), engine=cfg.engine)
+               for i in range(cfg.vllm_nodes, cfg.inference_nodes)]]  # a trainer's ranks share its device
+    for plan in shared_device_plans([p for p in plans if p is not None]):
+        print(plan.describe(), flush=True)
+        plan.check()
+
+
+def gpu_free(devices: set[str]) -> dict[str, int]:
+    """Free memory of each `cuda:I`, asked by a short child process: asking here would give the sim's own
+    process a CUDA context (hundreds of MiB of the GPU the roles share) for the whole run."""
+    if not devices:
+        return {}
+    order = sorted(devices)
+    code = ("import sys, torch; print(' '.join(str(torch.cuda.mem_get_info(int(d.split(':')[1]))[0]) "
+            "for d in sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, *order], capture_output=True, text=True, timeout=120, check=True)
+    return dict(zip(order, map(int, out.stdout.split())))
 
 
 @dataclass
@@ -86,6 +121,7 @@ def start_network(out: Path, cfg: SimConfig) -> Network:
         key.save(out / name / "node.key")
     origin, relay_port = free_port(), free_port()
     run = write_run_toml(out, cfg, keys, origin, relay_port)
+    plan_network_memory(out / "run.toml", keys["coordinator"].peer_id, cfg, placement)
     addr_file = out / "coordinator" / "addr"
     coord = Proc("coordinator", ["coordinator", "launch", "--config", str(out / "run.toml"), "--state",
                                  str(out / "coordinator"), "--key", str(out / "coordinator" / "node.key"),

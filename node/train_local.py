@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -29,7 +30,9 @@ from node.envs import DEFAULT_TASK, get_env
 from node.envs.evaluate import evaluate
 from node.envs.rollout import run_episodes
 from node.model.checkpoint import state_dict_to_hf
-from node.model.spec import TINY_MAX_SEQ, TINY_MOE, ModelSpec, TinyMoE, load_model
+from node.engine.memory_plan import host_or_gpu_free
+from node.model.spec import DTYPES, TINY_MAX_SEQ, TINY_MOE, ModelSpec, TinyMoE, load_model, model_config
+from node.roles.memory import local_run_plan
 from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import build_batch
@@ -81,6 +84,9 @@ class LocalRunConfig(BaseModel):
     sample_lag: int = Field(0, ge=0)
     """sample each step's rollouts from the policy this many versions behind the trainer (0: on-policy);
     emulates a network run's off-policy lag (max_off_policy_steps) in one process"""
+    memory_limit_gib: float | None = Field(None, gt=0)
+    """the most host RAM this run may plan for, in GiB (default: what is free); the plan is printed at start
+    and one that does not fit exits 2 before the model is built"""
     trainer: Annotated[TrainerConfig | None, Flag(cli=False)] = None
     """the optimizer's whole config (default: lr, temperature, updates_per_batch, minibatches and
     router_replay above, the LR decayed over `steps`)"""
@@ -106,6 +112,11 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
     torch.manual_seed(cfg.seed)
     env = get_env(cfg.task)
     spec = ModelSpec(source=cfg.model, dtype="float32", max_seq_len=cfg.max_seq_len)  # float32 master weights for AdamW
+    plan = local_run_plan(model_config(spec, cfg.tiny()), DTYPES[spec.dtype], cfg.trainer.micro_batch_tokens,
+                          cfg.prompts * cfg.samples, cfg.max_seq_len, host_or_gpu_free("cpu", cfg.memory_limit_gib))
+    print(plan.describe(), flush=True)
+    plan.check()  # before the model exists: one line, exit 2, when it cannot fit
+    trainer_cfg = dataclasses.replace(cfg.trainer, micro_batch_tokens=plan.micro_batch_tokens)  # sized to what is free
     loaded = load_model(spec, copies=4, tiny=cfg.tiny())  # weights, gradients and AdamW's two moments
     model, tok = loaded.model, loaded.tokenizer
     engine = Engine(copy.deepcopy(model), max_batch=cfg.prompts * cfg.samples, max_seq_len=cfg.max_seq_len,
@@ -128,7 +139,7 @@ def run(cfg: LocalRunConfig, out: Path, progress: bool = True) -> list[dict]:
                      cfg.eval_n, time.time() - t_eval, result.samples[:2])
 
     score(0)
-    trainer = Trainer(model, cfg.trainer)
+    trainer = Trainer(model, trainer_cfg)
     behind = [{k: t.clone() for k, t in state_dict_to_hf(model).items()}] if cfg.sample_lag else []
     """With sample_lag: the weights of the last sample_lag + 1 versions, the oldest sampled from."""
     metrics: list[dict] = []

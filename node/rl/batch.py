@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from node.envs.rollout import Rollout
+from node.model.batching import token_budget_groups
 
 
 @dataclass
@@ -25,6 +26,12 @@ class TrainBatch:
         return TrainBatch(self.input_ids[rows], self.targets[rows], self.loss_mask[rows],
                           self.inference_logprobs[rows], self.advantages[rows],
                           None if self.routed_experts is None else self.routed_experts[rows])
+
+    def columns(self, n: int) -> "TrainBatch":
+        """The first `n` positions of every row (right padding beyond them: causal, so the same logprobs)."""
+        return TrainBatch(self.input_ids[:, :n], self.targets[:, :n], self.loss_mask[:, :n],
+                          self.inference_logprobs[:, :n], self.advantages[:, :n],
+                          None if self.routed_experts is None else self.routed_experts[:, :n])
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch on `device` (the trainer's model's), built on the host from the rollouts."""
@@ -57,3 +64,16 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 
         if experts is not None:
             experts[i, :n] = r.routed_experts[:n]
     return TrainBatch(input_ids, targets, loss_mask, logprobs, adv, experts)
+
+
+def micro_batches(batch: TrainBatch, tokens: int) -> list[TrainBatch]:
+    """`batch` itself when its padded tokens (rows x positions) fit `tokens`; else its rows in groups of
+    similar length whose padded tokens stay within `tokens` (a row longer than that alone), each cut
+    after its last loss position: the pieces one forward/backward takes at a time."""
+    b, t = batch.input_ids.shape
+    if b * t <= tokens:
+        return [batch]
+    last = torch.where(batch.loss_mask, torch.arange(t), -1).max(dim=1).values
+    lengths = (last + 1).clamp(min=1).tolist()
+    return [batch.select(torch.tensor(rows)).columns(max(lengths[i] for i in rows))
+            for rows in token_budget_groups(lengths, tokens)]

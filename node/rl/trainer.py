@@ -19,10 +19,16 @@ from safetensors.torch import load_file, save_file
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.rl.batch import TrainBatch
+from node.rl.batch import TrainBatch, micro_batches
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.recipe import Recipe
 from node.rl.loss import LossConfig, policy_loss, token_logprobs
+
+
+MICRO_BATCH_TOKENS = 16_384
+"""Default padded tokens per forward/backward: bounds activations and logits whatever the completions'
+lengths (at SmolLM2's 49,152-token vocabulary in float32, 16,384 tokens of logits are 3 GiB; the tiny
+model's test batches, a few thousand tokens, stay one micro-batch)."""
 
 
 @dataclass
@@ -47,6 +53,9 @@ class TrainerConfig:
     """Cosine-decay the learning rate to lr * min_lr_ratio over this many steps (0: constant)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a share of lr under cosine decay."""
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS
+    """Padded tokens (rows x longest row) one forward/backward takes at most: a minibatch of long
+    completions is split into micro-batches whose gradients add up to the minibatch's (one optimizer step)."""
     loss: LossConfig = field(default_factory=LossConfig)
 
     @classmethod
@@ -97,32 +106,48 @@ class Trainer:
         single = self.cfg.updates_per_batch == 1 and self.cfg.minibatches == 1
         metrics: dict[str, float] = {"lr": self.learning_rate()}
         if not single:
-            with torch.no_grad():  # in the minibatches' rows: a whole batch's logits at once can exceed the GPU
-                logp = torch.cat([self.logprobs(batch.select(rows))[0]
-                                  for rows in torch.arange(len(batch)).chunk(self.cfg.minibatches)])
-                before = policy_loss(logp, batch.inference_logprobs, batch.advantages, batch.loss_mask, self.cfg.loss)
-            metrics["mismatch_kl"] = before.mismatch_kl
-        aux_coef = self.model.config.router_aux_loss_coef
+            # in the minibatches' rows, each in micro-batches: a whole batch's logits at once can exceed the GPU
+            n_all, kl = max(1, int(batch.loss_mask.sum())), 0.0
+            with torch.no_grad():
+                for rows in torch.arange(len(batch)).chunk(self.cfg.minibatches):
+                    for micro in micro_batches(batch.select(rows), self.cfg.micro_batch_tokens):
+                        out = policy_loss(self.logprobs(micro)[0], micro.inference_logprobs, micro.advantages,
+                                          micro.loss_mask, self.cfg.loss)
+                        kl += out.mismatch_kl * int(micro.loss_mask.sum()) / n_all
+            metrics["mismatch_kl"] = kl
         for update in range(self.cfg.updates_per_batch):
             order = torch.randperm(len(batch))
             for rows in order.chunk(self.cfg.minibatches):
-                mb = batch.select(rows)
-                logp, aux = self.logprobs(mb)
-                out = policy_loss(logp, mb.inference_logprobs, mb.advantages, mb.loss_mask, self.cfg.loss)
-                loss = out.loss + aux_coef * aux
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                stats = self._accumulate(batch.select(rows))
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
                 self.optimizer.step()
                 if single:
-                    metrics["mismatch_kl"] = out.mismatch_kl
-                metrics["loss"] = float(out.loss.detach())
-                metrics["masked_share"] = out.masked_share
-                metrics["grad_norm"] = float(grad_norm)
-                metrics["aux_loss"] = float(aux.detach())
+                    metrics["mismatch_kl"] = stats["mismatch_kl"]
+                metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], grad_norm=float(grad_norm),
+                               aux_loss=stats["aux_loss"])
         self.step += 1
         self.model.eval()
         return metrics
+
+    def _accumulate(self, mb: TrainBatch) -> dict[str, float]:
+        """Gradients of one minibatch's loss, its micro-batches (`micro_batch_tokens`) one forward/backward
+        each: each one's token-mean loss weighted by its share of the minibatch's loss tokens, so the
+        gradients add up to the whole minibatch's (its load-balancing loss by its share of rows)."""
+        aux_coef = self.model.config.router_aux_loss_coef
+        micros = micro_batches(mb, self.cfg.micro_batch_tokens)
+        n_all = max(1, int(mb.loss_mask.sum()))
+        stats = dict.fromkeys(("loss", "masked_share", "mismatch_kl", "aux_loss"), 0.0)
+        for micro in micros:
+            logp, aux = self.logprobs(micro)
+            out = policy_loss(logp, micro.inference_logprobs, micro.advantages, micro.loss_mask, self.cfg.loss)
+            tokens, rows = (1.0, 1.0) if len(micros) == 1 else (int(micro.loss_mask.sum()) / n_all, len(micro) / len(mb))
+            (out.loss * tokens + aux_coef * aux * rows).backward()
+            stats["loss"] += float(out.loss.detach()) * tokens
+            stats["masked_share"] += out.masked_share * tokens
+            stats["mismatch_kl"] += out.mismatch_kl * tokens
+            stats["aux_loss"] += float(aux.detach()) * rows
+        return stats
 
     # ---- checkpoints: model as HF safetensors, optimizer state as safetensors + json -------
     def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:

@@ -93,8 +93,11 @@ class UnitRejected(ProtocolError):
 
 class TrainerNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
-                 parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu", store: Store | None = None):
-        """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
+                 parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu", store: Store | None = None,
+                 micro_batch_tokens: int | None = None):
+        """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast);
+        `micro_batch_tokens`: padded tokens one forward/backward takes (the memory plan's, node/roles/memory.py;
+        None: `TrainerConfig`'s default)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.device = device
         """Where the trainer's model lives (`join --device`)."""
@@ -113,7 +116,8 @@ class TrainerNode:
         self.steps = self.recipe.steps
         self.store = store or Store(workdir / "shardcast")
         self.ledger = OffPolicyLedger(spec.max_off_policy_steps)
-        self.cfg = TrainerConfig.from_recipe(self.recipe, router_replay=router_replay(spec))
+        self.cfg = TrainerConfig.from_recipe(self.recipe, router_replay=router_replay(spec),
+                                             **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}))
         self._shape = model_config(spec)
         """The run's model shape: a unit's tokens must fit its vocabulary and positions (`_open`)."""
         self.routes = RouteShape.of(self._shape) if self.cfg.router_replay else None

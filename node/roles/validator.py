@@ -5,9 +5,13 @@ Invariants: every unit handed out gets exactly one verdict (one whose policy ver
 fetched is offered again, and after `UNJUDGEABLE_AFTER_S` of that, while other versions were fetched,
 gets a borderline failing verdict: a strike, never a unit deferred forever); a group is valid only if every one of
 its rollouts passes `verification.validator.verify_claims` against the policy version(s) that
-produced it, each version held as its own model object (Engine/Reference loads are in place, so
-versions must not share one); nothing a submission holds can crash the validator (an unreadable
-unit is a `malformed` rejection).
+produced it; nothing a submission holds can crash the validator (an unreadable unit is a `malformed`
+rejection).
+
+One resident model per validator (`node.roles.resident_policy.ResidentPolicies`): the newest version's
+weights on its device, every other version still judged held on the host as a delta and applied in
+place while its claims are recomputed (bit for bit the weights a model of that version alone holds),
+not k + 3 whole models.
 
 FP8 runs (`RunSpec.model.fp8` experts | all): each version is quantised after loading with the rule the
 inference nodes serve with (`apply_fp8_mode`), so the recomputation sees the same e4m3 weights and the
@@ -35,6 +39,7 @@ from node.engine.weights import expected_shapes
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
+from node.roles.resident_policy import ResidentPolicies
 from node.roles.version0 import local_version0
 from protocol.client import CoordinatorClient
 from protocol.envelope import open_envelope
@@ -72,7 +77,8 @@ class ValidatorNode:
         self.env = environment(spec)
         self.recipe = Recipe.of(spec)
         self.hashes: dict[int, str] = {}
-        self.policies: dict[int, tuple[CausalLM, bytes]] = {}
+        self.policies: ResidentPolicies | None = None
+        """The versions this validator can judge (None until the first is fetched)."""
         self.judged = self.rejected = 0
         self.on_round: list = []
         """Hooks told each judging round ({t0, t1, units, tokens, verify_s}: tokens recomputed, seconds spent
@@ -111,7 +117,7 @@ class ValidatorNode:
         self.hashes[msg.version] = msg.manifest_hash
 
     async def _policy(self, version: int) -> None:
-        if version in self.policies:
+        if self.policies is not None and version in self.policies:
             return
         state = await local_version0(self.spec, self.store, self.hashes.get(version)) if version == 0 else None
         local = state is not None  # checked against the signed manifest's shard hashes (node/roles/version0.py)
@@ -122,11 +128,24 @@ class ValidatorNode:
             self.hashes[version] = self.store.manifest(self.spec.run_id, version).manifest.manifest_hash()
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
-        model = await asyncio.to_thread(self._model_of, version, state, local)
+        await asyncio.to_thread(self._hold, version, state, bytes.fromhex(self.hashes[version]), local)
         if self.spec.model.fp8 != "off":
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)
-        self.policies[version] = (model.eval(), bytes.fromhex(self.hashes[version]))
+
+    def _hold(self, version: int, state: dict, manifest_hash: bytes, local: bool = False) -> None:
+        """The first version builds the resident model; later ones join it as deltas (version 0 checked
+        against the spec's pin first, on a model of its own: the resident one may be FP8 already; a local
+        version 0 was checked as it loaded)."""
+        if self.policies is None:
+            self.policies = ResidentPolicies(self._model_of(version, state, local).eval(), version, manifest_hash)
+            return
+        if version == 0 and not local and self.spec.model.weights_hash is not None:
+            check = blank_model(self.spec, "cpu")
+            load_hf_state_dict(check, state)
+            check_version0(self.spec, check)
+            del check
+        self.policies.add(version, state, manifest_hash)
 
     def _model_of(self, version: int, state: dict, local: bool = False) -> CausalLM:
         model = blank_model(self.spec, self.device)
@@ -142,8 +161,9 @@ class ValidatorNode:
         """Drop models of versions no rollout can still be admitted with (after a judging round,
         never during one: a claim's versions must all be present while it is checked)."""
         newest = max(self.hashes, default=-1)
-        for old in [v for v in self.policies if v < newest - self.spec.max_off_policy_steps - 2]:
-            del self.policies[old]
+        held = self.policies if self.policies is not None else {}
+        for old in [v for v in held if v < newest - self.spec.max_off_policy_steps - 2 and v != held.newest]:
+            held.drop(old)
         forget = time.monotonic() - 10 * UNJUDGEABLE_AFTER_S  # units the coordinator no longer offers
         self._deferred = {w: t for w, t in self._deferred.items() if t > forget}
 
@@ -228,4 +248,4 @@ class ValidatorNode:
 
 
 def fresh_model_max_len(node: ValidatorNode) -> int:
-    return next(iter(node.policies.values()))[0].config.max_position_embeddings
+    return node.policies.model.config.max_position_embeddings

@@ -44,6 +44,12 @@ def test_two_processes_ep2_fsdp_and_cp2_match_one_process(tmp_path):
     _assert_matches_one_process(_torchrun(2, layouts, tmp_path / "r.json"), layouts)
 
 
+def test_micro_batches_of_a_token_budget_match_one_process_whole_batch(tmp_path):
+    # 4 rows x 29 positions = 116 padded tokens; 40 a micro-batch: the rows in 3 chunks per rank
+    layouts = "dp2-ep2,cp2"
+    _assert_matches_one_process(_torchrun(2, layouts, tmp_path / "r.json", "--micro-batch-tokens", "40"), layouts)
+
+
 @pytest.mark.slow
 def test_four_processes_ep4_and_ep2_cp2_match_one_process(tmp_path):
     layouts = "dp4-ep4,dp2-ep2-cp2"

@@ -161,41 +161,79 @@ class DistributedTrainer:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def loss(self, local: LocalBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """This rank's share of the global loss: its token sum over the global token count, plus
-        its share of the load-balancing loss. Metrics are global: `loss` is the policy loss alone,
-        as `Trainer` reports it."""
+    def loss(self, local: LocalBatch, n_global: torch.Tensor | None = None,
+             aux_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+        """This rank's share of the global loss: its token sum over the global token count (`n_global`:
+        that of the minibatch this micro-batch is part of; None: this batch's), plus its share of the
+        load-balancing loss (times `aux_weight`). Metrics are global: `loss` is the policy loss alone,
+        as `Trainer` reports it; `total` the whole loss summed over ranks."""
         b = local.batch
         out = self.model(b.input_ids, positions=local.positions,
                          routed_experts=b.routed_experts if self.cfg.router_replay else None)
         logp = token_logprobs(out.logits, b.targets, self.cfg.temperature)
         po = policy_loss(logp, b.inference_logprobs, b.advantages, b.loss_mask, self.cfg.loss)
         n_local = b.loss_mask.sum()
-        n_global = n_local.clone().float()
-        dist.all_reduce(n_global)
+        if n_global is None:
+            n_global = self.global_tokens(local)
         # policy_loss divided by max(n_local, 1); rescale to the global denominator.
         loss = po.loss * n_local.clamp(min=1) / n_global.clamp(min=1)
         aux = balancing_loss_share(out, local.real, self.model.config.num_experts) \
             if torch.is_grad_enabled() else loss.new_zeros(())
+        whole = loss + self.model.config.router_aux_loss_coef * aux * aux_weight
         stats = torch.stack([loss.detach().float(), n_local.float() * po.masked_share,
-                             n_local.float() * po.mismatch_kl, aux.detach().float()])
+                             n_local.float() * po.mismatch_kl, aux.detach().float(), whole.detach().float()])
         dist.all_reduce(stats)
         n = float(n_global.clamp(min=1))
-        return loss + self.model.config.router_aux_loss_coef * aux, {
+        return whole, {
             "loss": float(stats[0]), "masked_share": float(stats[1]) / n, "mismatch_kl": float(stats[2]) / n,
-            "aux_loss": float(stats[3])}
+            "aux_loss": float(stats[3]), "total": float(stats[4])}
+
+    def global_tokens(self, local: LocalBatch) -> torch.Tensor:
+        """Loss tokens of the batch `local` is this rank's share of (collective)."""
+        n = local.batch.loss_mask.sum().float()
+        dist.all_reduce(n)
+        return n
+
+    def micro_batches(self, local: LocalBatch) -> list[LocalBatch]:
+        """`local` in row chunks whose global padded tokens (every rank's share alike) stay within
+        `micro_batch_tokens`; the chunk count is the largest any rank asks for (collective: each rank
+        plans its own budget from its own free memory, and all must take the same collectives)."""
+        b, t = local.batch.input_ids.shape
+        pieces = torch.tensor(max(1, -(-(b * t * self.groups.dims.world) // self.cfg.micro_batch_tokens)),
+                              device=self._device())
+        dist.all_reduce(pieces, op=dist.ReduceOp.MAX)
+        pieces = int(pieces)
+        return [local] if pieces == 1 else [local.select(rows) for rows in torch.arange(b).chunk(pieces)]
+
+    def _micro_loss(self, local: LocalBatch, backward: bool) -> dict[str, float]:
+        """`loss` over `local`'s micro-batches, each normalised by `local`'s global token count (their
+        gradients add up to the whole batch's; the load-balancing loss by each one's share of rows)."""
+        micros = self.micro_batches(local)
+        if len(micros) == 1:
+            loss, stats = self.loss(local)
+            if backward:
+                loss.backward()
+            return stats
+        n_global = self.global_tokens(local)
+        total = dict.fromkeys(("loss", "masked_share", "mismatch_kl", "aux_loss", "total"), 0.0)
+        for micro in micros:
+            rows = len(micro.batch) / len(local.batch)  # the aux share by rows: an approximation, as in `Trainer`
+            loss, stats = self.loss(micro, n_global, aux_weight=rows)
+            if backward:
+                loss.backward()
+            for k in ("loss", "masked_share", "mismatch_kl", "total"):
+                total[k] += stats[k]
+            total["aux_loss"] += stats["aux_loss"] * rows
+        return total
 
     def backward(self, local: LocalBatch) -> float:
         """Loss (summed over ranks) and gradients; after this, gradients are the global ones."""
         return self._backward(local)[0]
 
     def _backward(self, local: LocalBatch) -> tuple[float, dict[str, float]]:
-        loss, stats = self.loss(local)
-        loss.backward()
+        stats = self._micro_loss(local, backward=True)
         sync_gradients(self.model, self.groups)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return float(total), stats
+        return stats["total"], stats
 
     def clip_grad_norm(self, max_norm: float) -> float:
         g, dims = self.groups, self.groups.dims
@@ -240,7 +278,7 @@ class DistributedTrainer:
             group["lr"] = self.learning_rate()
         device = self._device()
         with torch.no_grad():
-            _, before = self.loss(work.before.to(device))
+            before = self._micro_loss(work.before.to(device), backward=False)
         metrics: dict[str, float] = {"mismatch_kl": before["mismatch_kl"], "lr": self.learning_rate()}
         for local in work.minibatches:
             self.optimizer.zero_grad(set_to_none=True)

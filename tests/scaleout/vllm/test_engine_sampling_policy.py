@@ -138,6 +138,7 @@ def test_validator_role_bans_a_vllm_claim_only_where_the_run_does_not_accept_vll
     from node.engine import Engine
     from node.roles.common import fresh_model
     from node.roles.inference import InferenceNode
+    from node.roles.resident_policy import ResidentPolicies
     from node.roles.validator import ValidatorNode
     from protocol.envelope import seal
     from protocol.identity import NodeKey
@@ -164,7 +165,7 @@ def test_validator_role_bans_a_vllm_claim_only_where_the_run_does_not_accept_vll
 
     def judge(run_spec: RunSpec, items: list[StoredWork]):
         v = ValidatorNode(NodeKey.generate(), run_spec, "", tmp_path / "validator")
-        v.hashes, v.policies = {0: manifest}, {0: (model, bytes.fromhex(manifest))}
+        v.hashes, v.policies = {0: manifest}, ResidentPolicies(model, 0, bytes.fromhex(manifest))
         return asyncio.run(v._judge(items))
 
     assert all(v.valid for v in judge(spec, stored("builtin")))

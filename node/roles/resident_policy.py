@@ -1,0 +1,251 @@
+"""The validator's policy versions with one resident model: the newest version's weights live in the
+model on the validator's device; every other version is held on the host as a delta against it (the
+positions where that version's raw tensors differ, with both values), and is applied in place when a
+claim needs it, then undone.
+
+Invariant: whichever version is active, the model's raw tensors (parameters and buffers, an FP8
+model's e4m3 weights and block scales included) are bit for bit those a model loaded with that version
+alone would hold, so judging is identical to keeping one model per version. A new version is read into
+the model module by module (one module's tensors copied at a time, never a second model), and every
+held delta is rebased onto it, so deltas span at most the versions still judged (RL steps in bfloat16
+change few elements: sparse; a float32 model's steps change nearly all: then a tensor is held whole).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from node.engine.fp8.model import _QuantizedWeights
+from node.model.checkpoint import InvalidCheckpoint, hf_to_internal
+from node.model.qwen3_moe import CausalLM
+
+log = logging.getLogger(__name__)
+
+def _index_dtype(numel: int) -> torch.dtype:
+    """Flat positions as int32 where they fit (4 bytes a changed element instead of 8)."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` flattened as integers of its element size: exact comparison and copies for every dtype (FP8 too)."""
+    return t.detach().view(_INT[t.element_size()]).reshape(-1)
+
+
+@dataclass
+class TensorDelta:
+    """Where one version's raw tensor differs from the resident (newest) version's."""
+
+    index: torch.Tensor | None
+    """Flat positions (int32, or int64 in a tensor of 2^31 elements or more; host); None: `values` is the whole tensor."""
+    values: torch.Tensor
+    """This version's bits at `index` (or all of them)."""
+    resident: torch.Tensor | None
+    """The newest version's bits at `index` (None when whole: `ResidentPolicies._whole` holds them)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.index, self.values, self.resident) if t is not None)
+
+
+def _delta(own: torch.Tensor, newest: torch.Tensor) -> TensorDelta | None:
+    """`own`'s bits against `newest`'s (flat, same device); None where they are equal."""
+    changed = (own != newest).nonzero().squeeze(1)
+    if changed.numel() == 0:
+        return None
+    # sparse: a flat position and two values per changed element; once that exceeds the tensor's own
+    # bytes, the delta holds the tensor whole
+    item, index = own.element_size(), _index_dtype(own.numel())
+    if changed.numel() * (torch.empty((), dtype=index).element_size() + 2 * item) > own.numel() * item:
+        return TensorDelta(None, own.cpu().clone(), None)
+    return TensorDelta(changed.to(index).cpu(), own[changed].cpu(), newest[changed].cpu())
+
+
+def _apply(flat: torch.Tensor, d: TensorDelta) -> None:
+    if d.index is None:
+        flat.copy_(d.values.to(flat.device))
+    else:
+        flat[d.index.to(flat.device)] = d.values.to(flat.device)
+
+
+class ResidentPolicies(Mapping):
+    """version -> (the resident model switched to that version, its 32-byte manifest hash), as
+    `node.replay.TorchReference` reads its policies. Looking a version up makes it the active one."""
+
+    def __init__(self, model: CausalLM, version: int, manifest_hash: bytes):
+        self.model, self.newest, self.active = model, version, version
+        self.hashes: dict[int, bytes] = {version: manifest_hash}
+        self.deltas: dict[int, dict[str, TensorDelta]] = {version: {}}
+        self._whole: dict[str, torch.Tensor] = {}
+        """The newest version's bits of each tensor some delta holds whole (host)."""
+        self._lock = threading.Lock()
+
+    # ---- Mapping ----------------------------------------------------------------------------
+    def __getitem__(self, version: int) -> tuple[CausalLM, bytes]:
+        if version not in self.hashes:
+            raise KeyError(version)
+        self.activate(version)
+        return self.model, self.hashes[version]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.hashes))
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __contains__(self, version: object) -> bool:
+        return version in self.hashes
+
+    def drop(self, version: int) -> None:
+        """Forget `version` (never the newest: its weights are the resident ones)."""
+        if version == self.newest:
+            raise ValueError(f"version {version} is the resident one")
+        with self._lock:
+            if self.active == version:
+                self._activate(self.newest)
+            del self.hashes[version], self.deltas[version]
+            self._drop_unused_whole()
+
+    @property
+    def delta_bytes(self) -> int:
+        """Host bytes the deltas hold (with the newest version's copies of tensors held whole)."""
+        return sum(d.nbytes for ds in self.deltas.values() for d in ds.values()) + \
+            sum(t.numel() * t.element_size() for t in self._whole.values())
+
+    # ---- switching --------------------------------------------------------------------------
+    def activate(self, version: int) -> None:
+        """Make the model hold `version`'s weights (in place)."""
+        with self._lock:
+            self._activate(version)
+
+    def _activate(self, version: int) -> None:
+        if version == self.active:
+            return
+        raw = raw_tensors(self.model)
+        with torch.no_grad():
+            for name, d in self.deltas[self.active].items():  # back to the newest
+                flat = _bits(raw[name])
+                if d.index is None:
+                    flat.copy_(self._whole[name].to(flat.device))
+                else:
+                    flat[d.index.to(flat.device)] = d.resident.to(flat.device)
+            for name, d in self.deltas[version].items():
+                _apply(_bits(raw[name]), d)
+        self.active = version
+
+    # ---- adding a version -------------------------------------------------------------------
+    def add(self, version: int, state: dict[str, torch.Tensor], manifest_hash: bytes) -> None:
+        """Hold `version` (HF-named tensors, checked as `load_hf_state_dict` checks them): a newer one
+        becomes the resident weights and every held delta is rebased onto it; an older one is read in,
+        diffed, and undone."""
+        with self._lock:
+            self._activate(self.newest)
+            internal = hf_to_internal(state, self.model.config)
+            check_names(self.model, internal)
+            newer = version > self.newest
+            raw = raw_tensors(self.model)
+            changes: dict[str, TensorDelta] = {}  # newer: the old newest against `version`; else `version` against newest
+            seen: set[int] = set()
+            with torch.no_grad():
+                for module_name, mod, names in _modules_of(self.model, internal):
+                    own = {n: t for n, t in _own_raw(module_name, mod) if id(t) not in seen}
+                    seen.update(id(t) for t in own.values())
+                    before = {n: _bits(t).clone() for n, t in own.items()}
+                    prefix = module_name + "." if module_name else ""
+                    mod.load_state_dict({n[len(prefix):]: _cast(mod, internal[n]) for n in names}, strict=False)
+                    for n, t in own.items():
+                        after = _bits(t)
+                        d = _delta(before[n], after) if newer else _delta(after, before[n])
+                        if newer:
+                            self._rebase(n, after, d)
+                        else:
+                            after.copy_(before[n])  # back to the newest version's bits
+                        if d is not None:
+                            changes[n] = d
+            if newer:
+                self.deltas[self.newest] = changes
+                self.newest = self.active = version
+                self.deltas[version] = {}
+            else:
+                self.deltas[version] = changes
+            self.hashes[version] = manifest_hash
+            self._refresh_whole(raw)
+            log.info("version %d held: resident v%d, deltas of %d versions %.1f MiB on the host", version,
+                     self.newest, len(self.deltas) - 1, self.delta_bytes / (1 << 20))
+
+    def _rebase(self, name: str, newest: torch.Tensor, step: TensorDelta | None) -> None:
+        """Re-express every held version's delta of tensor `name` against `newest` (the version being
+        added, already in the model), the previous newest's bits given by `step` (None: unchanged)."""
+        for v, ds in self.deltas.items():
+            if v == self.newest or (name not in ds and step is None):
+                continue
+            full = newest.clone()
+            if step is not None:
+                _apply(full, step)
+            if name in ds:
+                _apply(full, ds[name])
+            d = _delta(full, newest)
+            if d is None:
+                ds.pop(name, None)
+            else:
+                ds[name] = d
+
+    def _refresh_whole(self, raw: dict[str, torch.Tensor]) -> None:
+        needed = {n for ds in self.deltas.values() for n, d in ds.items() if d.index is None}
+        self._whole = {n: _bits(raw[n]).cpu().clone() for n in needed}
+
+    def _drop_unused_whole(self) -> None:
+        needed = {n for ds in self.deltas.values() for n, d in ds.items() if d.index is None}
+        self._whole = {n: t for n, t in self._whole.items() if n in needed}
+
+
+def raw_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` by name (an FP8 module's e4m3 weights and scales too)."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, mod in model.named_modules():
+        out.update(_own_raw(module_name, mod))
+    return out
+
+
+def _own_raw(module_name: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    prefix = module_name + "." if module_name else ""
+    return [(prefix + n, t) for n, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None]
+
+
+def _modules_of(model: torch.nn.Module, internal: dict[str, torch.Tensor]):
+    """(module name, module, the internal names it loads), for every module owning some of them."""
+    by_module: dict[str, list[str]] = {}
+    for n in internal:
+        by_module.setdefault(n.rpartition(".")[0], []).append(n)
+    return [(m, model.get_submodule(m), names) for m, names in by_module.items()]
+
+
+def _cast(mod: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """An FP8 module quantises what it loads: from the model's dtype, as `apply_fp8_mode` does after a load."""
+    return t.to(mod.dtype) if isinstance(mod, _QuantizedWeights) else t
+
+
+def check_names(model: torch.nn.Module, internal: dict[str, torch.Tensor]) -> None:
+    """Every tensor the model loads present with its shape, nothing else (`InvalidCheckpoint`), read from
+    the modules (an FP8 model's `state_dict()` would dequantise a copy of every weight)."""
+    own: dict[str, tuple[int, ...]] = {}
+    for module_name, mod in model.named_modules():
+        prefix = module_name + "." if module_name else ""
+        if isinstance(mod, _QuantizedWeights):
+            own.update({prefix + n: tuple(getattr(mod, n).shape) for n in mod.names})
+            continue
+        own.update({prefix + n: tuple(p.shape) for n, p in mod._parameters.items() if p is not None})
+        own.update({prefix + n: tuple(b.shape) for n, b in mod._buffers.items()
+                    if b is not None and n not in mod._non_persistent_buffers_set})
+    missing, unexpected = sorted(set(own) - set(internal)), sorted(set(internal) - set(own))
+    if missing or unexpected:
+        raise InvalidCheckpoint(f"missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for n, t in internal.items():
+        if tuple(t.shape) != own[n]:
+            raise InvalidCheckpoint(f"{n}: shape {tuple(t.shape)} in checkpoint, model expects {own[n]}")

@@ -1,0 +1,127 @@
+"""Every role's memory plan, made from the model's config before anything is allocated
+(node/engine/memory_plan.py, node/roles/memory.py): printed when it fits, one line and exit 2 when not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.random_checkpoint import QWEN3_30B_A3B
+from node.engine.memory_plan import GIB, MemoryPlanDoesNotFit, plan_trainer, weight_bytes
+from node.model.config import ModelConfig
+from node.roles.memory import role_plan, shared_device_plans
+from node.run_config import RunConfig, to_toml
+from node.sim_procs import free_port
+from protocol.identity import NodeKey
+
+QWEN3_30B = ModelConfig(**{**QWEN3_30B_A3B, "num_hidden_layers": 48}, vocab_size=151_936,
+                        max_position_embeddings=4096)
+COORDINATOR = NodeKey.from_seed(b"c" * 32).peer_id
+BOOTSTRAP = f"/ip4/127.0.0.1/tcp/1/p2p/{COORDINATOR}"  # never dialled: the plan refuses first
+
+
+def write_spec(tmp: Path, model: dict | None = None) -> Path:
+    values = {"run_id": "plan", "task": "reverse", "batch_groups": 4, "group_size": 2,
+              "trainer": NodeKey.from_seed(b"t" * 32).peer_id, "validators": [NodeKey.from_seed(b"v" * 32).peer_id],
+              "listen": f"/ip4/127.0.0.1/tcp/{free_port()}", "status_port": 0}
+    if model is not None:
+        values["model"] = model
+    (tmp / "run.toml").write_text(to_toml(values))
+    spec = RunConfig.load(tmp / "run.toml").run_spec(COORDINATOR)
+    (tmp / "spec.json").write_text(spec.model_dump_json())
+    return tmp / "spec.json"
+
+
+def qwen3_30b_dir(tmp: Path) -> Path:
+    """The 48-layer Qwen3-30B-A3B shape's config.json alone: no weights (the plan needs none)."""
+    d = tmp / "qwen3-30b-a3b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(QWEN3_30B.to_hf_dict("bfloat16")))
+    return d
+
+
+def run_cli(*argv: str) -> tuple[int, str, str, int]:
+    """(exit code, stdout, stderr, peak RSS in MiB) of `python -m node.cli ARGV`."""
+    p = subprocess.Popen([sys.executable, "-m", "node.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    killer = threading.Timer(300, p.kill)  # every wait has a limit
+    killer.start()
+    try:
+        out, err = p.stdout.read(), p.stderr.read()  # a few lines: no pipe fills while the other is read
+        _, status, usage = os.wait4(p.pid, 0)  # reaped here, with its resource usage
+    finally:
+        killer.cancel()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, out, err, usage.ru_maxrss // 1024
+
+
+def test_a_trainer_rank_holds_weights_gradients_and_two_adamw_states_divided_by_its_fsdp_world():
+    one = plan_trainer(QWEN3_30B, torch.bfloat16, "cuda:0", 140 * GIB, 16_384, 1 << 30)
+    eight = plan_trainer(QWEN3_30B, torch.bfloat16, "cuda:0", 140 * GIB, 16_384, 1 << 30, world=8)
+    parts, parts8 = dict(one.parts), dict(eight.parts)
+    assert parts["weights"] == QWEN3_30B.num_parameters() * 2  # bfloat16
+    assert parts["gradients"] == parts["weights"] and parts["AdamW states"] == 2 * parts["weights"]
+    assert parts8["weights"] == parts["weights"] // 8 and parts8["AdamW states"] == parts["AdamW states"] // 8
+    assert "AdamW 2 states in bfloat16" in one.describe() and "FSDP world 8" in eight.describe()
+    with pytest.raises(MemoryPlanDoesNotFit):
+        one.check()  # 30.5B parameters x 8 bytes of state: no single H200
+    eight.check()
+    # FP8 experts: one byte each plus their block scales
+    assert weight_bytes(QWEN3_30B, torch.bfloat16, "experts") < 0.6 * weight_bytes(QWEN3_30B, torch.bfloat16)
+
+
+def test_the_tiny_model_fits_every_role_on_this_machine_and_roles_on_one_device_are_summed(tmp_path):
+    spec = RunConfig.load(Path(write_spec(tmp_path)).with_name("run.toml")).run_spec(COORDINATOR)
+    plans = [role_plan(spec, r, "cpu") for r in ("trainer", "validator", "inference")]
+    for p in plans:
+        assert p.check() is p and "GiB free" in p.describe()
+    (shared,) = shared_device_plans(plans)
+    assert shared.total == sum(p.total for p in plans) and "trainer weights" in shared.describe()
+    assert role_plan(spec, "relay", "cpu") is None
+
+
+@pytest.mark.parametrize("role", ["trainer", "validator", "inference"])
+def test_the_30b_shape_is_refused_by_the_plan_in_one_line_with_exit_2_before_anything_is_allocated(tmp_path, role):
+    spec = write_spec(tmp_path, {"source": str(qwen3_30b_dir(tmp_path)), "dtype": "bfloat16"})
+    code, out, err, rss_mib = run_cli("join", "--role", role, "--bootstrap", BOOTSTRAP, "--spec", str(spec),
+                                      "--workdir", str(tmp_path / "w"), "--memory-limit-gib", "200")
+    assert code == 2, (out, err)
+    assert out.startswith("memory plan: ") and "GiB free" in out
+    line = err.strip()
+    assert "\n" not in line and "needs" in line and "is free" in line and "Traceback" not in err
+    # a 57 GiB model never built: the process held what python and torch take to start
+    assert 0 < rss_mib < 1024, rss_mib
+
+
+def test_a_plan_that_fits_is_printed_and_the_memory_limit_knob_refuses_one_that_does_not(tmp_path):
+    code, out, err, _ = run_cli("train-local", "--out", str(tmp_path / "tl"), "--steps", "1", "--prompts", "2",
+                                "--samples", "2", "--warmup-target", "0", "--threads", "1")
+    assert code == 0, err
+    assert out.startswith("memory plan: trainer + inference node on cpu") and "AdamW 2 states in float32" in out
+    code, out, err, _ = run_cli("train-local", "--out", str(tmp_path / "tl2"), "--memory-limit-gib", "0.001")
+    assert code == 2 and "needs" in err and "1.0 MiB is free" in err and not (tmp_path / "tl2" / "metrics.jsonl").exists()
+    spec = write_spec(tmp_path)
+    code, out, err, _ = run_cli("join", "--role", "validator", "--bootstrap", BOOTSTRAP, "--spec", str(spec),
+                                "--workdir", str(tmp_path / "v"), "--memory-limit-gib", "0.001")
+    assert code == 2 and out.startswith("memory plan: validator on cpu: resident model") and "the validator needs" in err
+
+
+def test_sim_plans_every_role_on_its_device_before_any_process_starts(tmp_path):
+    from node.sim_config import SimConfig
+    from node.sim_devices import place
+    from node.sim_network import plan_network_memory
+
+    spec = write_spec(tmp_path, {"source": str(qwen3_30b_dir(tmp_path)), "dtype": "bfloat16"})
+    cfg = SimConfig(inference_nodes=2)
+    with pytest.raises(MemoryPlanDoesNotFit, match="trainer \\+ validator \\+ inference node \\+ inference node"):
+        plan_network_memory(spec.with_name("run.toml"), COORDINATOR, cfg, place("cpu", 2))
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    plan_network_memory(write_spec(tiny).with_name("run.toml"), COORDINATOR, cfg, place("cpu", 2))

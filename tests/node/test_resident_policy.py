@@ -1,0 +1,82 @@
+"""One resident model for every version a validator judges (node/roles/resident_policy.py): each version,
+applied in place, holds bit for bit the weights a model of that version alone holds."""
+
+import pytest
+import torch
+
+from node.engine.fp8.model import apply_fp8_mode
+from node.model.checkpoint import InvalidCheckpoint, load_hf_state_dict, state_dict_to_hf
+from node.model.qwen3_moe import CausalLM
+from node.model.tiny import TinyMoE
+from node.model.tokenizer import CharTokenizer
+from node.roles.resident_policy import ResidentPolicies, raw_tensors
+
+CFG = TinyMoE(hidden=64, layers=2, experts=4, top_k=2, seed=0).config(CharTokenizer().vocab_size)
+
+
+def versions() -> list[dict[str, torch.Tensor]]:
+    """v0; v1 a sparse step (a few elements of a few tensors); v2 a dense step (every element); v3 sparse again."""
+    torch.manual_seed(0)
+    v0 = {k: t.clone() for k, t in state_dict_to_hf(CausalLM(CFG)).items()}
+    g = torch.Generator().manual_seed(1)
+    v1 = {k: t.clone() for k, t in v0.items()}
+    for k in list(v1)[::3]:
+        flat = v1[k].view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g)
+        flat[idx] += 0.5
+    v2 = {k: t + 1e-3 * torch.randn(t.shape, generator=g) for k, t in v1.items()}
+    v3 = {k: t.clone() for k, t in v2.items()}
+    v3["model.embed_tokens.weight"][3, :5] = 7.0
+    return [v0, v1, v2, v3]
+
+
+def alone(state: dict[str, torch.Tensor], fp8: str) -> CausalLM:
+    model = CausalLM(CFG)
+    load_hf_state_dict(model, state)
+    return apply_fp8_mode(model, fp8).eval()
+
+
+def bits(model: torch.nn.Module) -> dict[str, bytes]:
+    return {n: t.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, t in raw_tensors(model).items()}
+
+
+@pytest.mark.parametrize("fp8", ["off", "experts"])
+def test_every_version_applied_in_place_is_bit_for_bit_the_model_of_that_version_alone(fp8):
+    vs = versions()
+    held = ResidentPolicies(alone(vs[0], fp8), 0, b"\0" * 32)
+    for v in (1, 3, 2):  # newer ones rebase the held deltas; 2 arrives after 3 (an older version fetched late)
+        held.add(v, vs[v], bytes([v]) * 32)
+    assert held.newest == 3 and sorted(held) == [0, 1, 2, 3]
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    for v in (2, 0, 3, 1, 1, 0, 2):  # any order of switches
+        model, h = held[v]
+        want = alone(vs[v], fp8)
+        assert bits(model) == bits(want), v
+        assert h == (bytes([v]) * 32 if v else b"\0" * 32)
+        with torch.inference_mode():
+            assert torch.equal(model(ids).logits, want(ids).logits)
+    # a sparse step is held sparse: far fewer bytes than a copy of the model (in FP8 a changed element
+    # rescales its whole 128 x 128 block, which at this size is the whole tensor: no sparsity to show)
+    model_bytes = sum(t.numel() * t.element_size() for t in raw_tensors(held.model).values())
+    sparse = ResidentPolicies(alone(vs[0], fp8), 0, b"\0" * 32)
+    sparse.add(1, vs[1], b"\1" * 32)
+    assert 0 < sparse.delta_bytes < (model_bytes / 4 if fp8 == "off" else 2 * model_bytes)
+    held.drop(0)
+    assert 0 not in held and bits(held[1][0]) == bits(alone(vs[1], fp8))
+    with pytest.raises(ValueError):
+        held.drop(3)  # the resident version
+
+
+def test_a_version_with_a_missing_or_misshaped_tensor_is_refused_and_the_held_versions_stay_intact():
+    vs = versions()
+    held = ResidentPolicies(alone(vs[0], "off"), 0, b"\0" * 32)
+    held.add(1, vs[1], b"\1" * 32)
+    broken = dict(vs[2])
+    broken.pop("model.norm.weight")
+    with pytest.raises(InvalidCheckpoint, match="missing"):
+        held.add(2, broken, b"\2" * 32)
+    broken = dict(vs[2], **{"model.norm.weight": torch.ones(3)})
+    with pytest.raises(InvalidCheckpoint, match="shape"):
+        held.add(2, broken, b"\2" * 32)
+    assert sorted(held) == [0, 1]
+    assert bits(held[0][0]) == bits(alone(vs[0], "off")) and bits(held[1][0]) == bits(alone(vs[1], "off"))

@@ -1,0 +1,58 @@
+"""The trainer's loss/backward in micro-batches by a token budget (node/rl/batch.py micro_batches): no
+forward takes more padded tokens than the budget, and the step equals the one-forward step."""
+
+import copy
+
+import torch
+
+from node.envs.rollout import Rollout
+from node.model.qwen3_moe import CausalLM
+from node.model.tiny import TinyMoE
+from node.model.tokenizer import CharTokenizer
+from node.rl.batch import build_batch, micro_batches
+from node.rl.trainer import Trainer, TrainerConfig
+
+CFG = TinyMoE(hidden=32, layers=2, experts=4, top_k=2, seed=0).config(CharTokenizer().vocab_size)
+
+
+def long_tailed_batch():
+    """8 rollouts, completions of 3 to 40 tokens (a long tail), prompts of 5."""
+    g = torch.Generator().manual_seed(0)
+    rollouts = []
+    for i, n in enumerate([3, 4, 5, 6, 8, 12, 20, 40]):
+        ids = torch.randint(3, CFG.vocab_size, (5 + n,), generator=g).tolist()
+        rollouts.append(Rollout(f"e{i}", None, ids[:5], ids[5:], [True] * n, (-2.0 * torch.rand(n, generator=g)).tolist()))
+    return build_batch(rollouts, [1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.3, -0.3])
+
+
+def test_micro_batches_stay_within_the_budget_and_cover_every_loss_token_once():
+    batch = long_tailed_batch()
+    assert micro_batches(batch, 10_000) == [batch]  # fits: the batch itself
+    micros = micro_batches(batch, 64)
+    assert len(micros) > 1
+    assert all(m.input_ids.numel() <= 64 or len(m) == 1 for m in micros)
+    assert sum(int(m.loss_mask.sum()) for m in micros) == int(batch.loss_mask.sum())
+    assert sorted(float(m.advantages[r, 0]) for m in micros for r in range(len(m))) == \
+        sorted(batch.advantages[:, 0].tolist())
+
+
+def test_a_step_in_micro_batches_equals_the_one_forward_step_and_no_forward_exceeds_the_budget():
+    cfg = CFG.model_copy(update={"router_aux_loss_coef": 0.0})  # its share is by rows, an approximation
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    batch = long_tailed_batch()
+    results = []
+    for budget in (10_000, 64):
+        trainer = Trainer(copy.deepcopy(model), TrainerConfig(lr=1e-2, updates_per_batch=2, minibatches=2,
+                                                              router_replay=False, micro_batch_tokens=budget))
+        seen: list[int] = []
+        trainer.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].numel()))
+        torch.manual_seed(1)  # the same minibatch permutations
+        metrics = trainer.train_step(batch)
+        results.append((trainer.model.state_dict(), metrics, seen))
+    (whole, m_whole, seen_whole), (micro, m_micro, seen_micro) = results
+    assert max(seen_whole) > 64 and max(seen_micro) <= 64 and len(seen_micro) > len(seen_whole)
+    for name in whole:
+        torch.testing.assert_close(micro[name], whole[name], rtol=1e-5, atol=1e-6)
+    for key in ("loss", "masked_share", "mismatch_kl"):
+        assert abs(m_micro[key] - m_whole[key]) < 1e-5, key
