@@ -124,8 +124,6 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     from node.roles.common import check_checkpoint, stop_on_signals
 
     spec = read_spec(spec_path, bootstrap) if spec_path else await fetch_spec(bootstrap)
-    if role != "relay":
-        check_checkpoint(spec)  # a broken or foreign checkpoint is one line and exit 2, before anything is allocated
     workdir.mkdir(parents=True, exist_ok=True)
     key_path = key_path or workdir / "node.key"
     world = role == "trainer" or (role == "inference" and ep > 1)
@@ -135,8 +133,12 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     else:
         key = NodeKey.load_or_create(key_path)
     stop = stop_on_signals()
+    # both before anything is allocated, one line and exit 2 each: the plan (config.json alone), then the
+    # checkpoint's headers (a broken or foreign checkpoint)
     plan = None if role == "relay" else \
         plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
+    if role != "relay":
+        check_checkpoint(spec)
     from shardcast.store import Store
 
     store = Store(store_dir or workdir / "shardcast",

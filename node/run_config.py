@@ -122,14 +122,15 @@ class RunConfig(BaseModel):
         if "fp8" in self.model.model_fields_set:
             return self.model
         from node.model.spec import resolve
+        from node.model.hf_config import read_quantization
         from node.model.shards import CheckpointShards
 
         try:
             directory = resolve(self.model.source)
         except ModelLoadError:
             return self.model  # not on this machine: the members check it
-        if directory is None or not (directory / "config.json").exists():
-            return self.model
+        if directory is None or not (directory / "config.json").exists() or read_quantization(directory) is None:
+            return self.model  # plain floating point: nothing to read from the shards
         shards = CheckpointShards(directory)
         return self.model if shards.quantization is None else self.model.model_copy(update={"fp8": shards.fp8_mode()})
 
