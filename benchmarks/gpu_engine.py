@@ -40,7 +40,8 @@ def _requests(cfg, n: int, prompt_lens: list[int], new: list[int], seed: int = 0
 
 
 def _sync() -> float:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter()
 
 
@@ -136,18 +137,19 @@ def profile_step(eng: CudaEngine, b: int, top: int = 12) -> dict:
     return out
 
 
-def section_rl(result: dict, bf16: CausalLM, cfg, n: int) -> None:  # noqa: ANN001
+def rl_requests(cfg, n: int, max_prompt: int = 512, max_new: int = 1024) -> list[Request]:  # noqa: ANN001
+    """The RL-shaped workload: log-normal prompt (16..512) and completion (8..1024) lengths, T = 1, seeded."""
+    g = np.random.default_rng(7)
+    plens = np.clip(np.round(g.lognormal(np.log(64), 0.8, n)), 16, max_prompt).astype(int).tolist()
+    news = np.clip(np.round(g.lognormal(np.log(128), 1.0, n)), 8, max_new).astype(int).tolist()
+    return _requests(cfg, n, plens, news, seed=11)
+
+
+def rl_workload(eng, cfg, reqs: list[Request], result: dict) -> list:  # noqa: ANN001
+    """Generate `reqs` with continuous batching and build their TOPLOC proofs, as the inference role does;
+    figures into `result` (rl_*), the completions returned."""
     from verification.proof import build_proofs_many
 
-    g = np.random.default_rng(7)
-    plens = np.clip(np.round(g.lognormal(np.log(64), 0.8, n)), 16, 512).astype(int).tolist()
-    news = np.clip(np.round(g.lognormal(np.log(128), 1.0, n)), 8, 1024).astype(int).tolist()
-    reqs = _requests(cfg, n, plens, news, seed=11)
-    eng = CudaEngine(copy.deepcopy(bf16), max_batch=256, max_seq_len=2048, eos_id=-1,
-                     capture_hidden=True, capture_experts=True, fp8=True)
-    t = time.perf_counter()
-    eng.capture_all()
-    result["rl_capture_s"] = time.perf_counter() - t
     eng.generate(_requests(cfg, 16, [32] * 16, [16] * 16, seed=3))  # warm
     t0 = _sync()
     done = eng.generate(reqs)
@@ -156,11 +158,26 @@ def section_rl(result: dict, bf16: CausalLM, cfg, n: int) -> None:  # noqa: ANN0
     t_all = _sync() - t0
     gen_tokens = sum(len(c.token_ids) for c in done)
     assert sum(len(p) for p in proofs) > 0
-    result.update(rl_requests=n, rl_generated_tokens=gen_tokens, rl_prompt_tokens=sum(plens),
-                  rl_generate_s=t_gen, rl_proofs_s=t_all - t_gen, rl_workload_tok_s=gen_tokens / t_all,
-                  rl_max_new=max(news), rl_median_new=int(np.median(news)))
-    log(f"RL workload: {n} requests, {gen_tokens} tokens in {t_gen:.2f}s + proofs {t_all - t_gen:.2f}s: "
+    news = [r.params.max_new_tokens for r in reqs]
+    result.update(rl_requests=len(reqs), rl_generated_tokens=gen_tokens,
+                  rl_prompt_tokens=sum(len(r.prompt_ids) for r in reqs), rl_generate_s=t_gen,
+                  rl_proofs_s=t_all - t_gen, rl_workload_tok_s=gen_tokens / t_all, rl_max_new=max(news),
+                  rl_median_new=int(np.median(news)))
+    log(f"RL workload: {len(reqs)} requests, {gen_tokens} tokens in {t_gen:.2f}s + proofs {t_all - t_gen:.2f}s: "
         f"{gen_tokens / t_all:.0f} tok/s")
+    return done
+
+
+def section_rl(result: dict, bf16: CausalLM, cfg, n: int) -> None:  # noqa: ANN001
+    reqs = rl_requests(cfg, n)
+    plens = [len(r.prompt_ids) for r in reqs]
+    eng = CudaEngine(copy.deepcopy(bf16), max_batch=256, max_seq_len=2048, eos_id=-1,
+                     capture_hidden=True, capture_experts=True, fp8=True)
+    t = time.perf_counter()
+    eng.capture_all()
+    result["rl_capture_s"] = time.perf_counter() - t
+    done = rl_workload(eng, cfg, reqs, result)
+    gen_tokens, t_all = result["rl_generated_tokens"], result["rl_generate_s"] + result["rl_proofs_s"]
     seqs = [c.prompt_ids + c.token_ids for c in done]
     eng.verify_prefill(seqs[:32], [len(c.prompt_ids) for c in done[:32]], [r.params for r in reqs[:32]])  # warm
     t0 = _sync()

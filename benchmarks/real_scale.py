@@ -1,0 +1,244 @@
+"""A 30B-class MoE on one GPU, served and judged by the roles' code: the full Qwen3-30B-A3B shape (48 layers,
+128 experts top-8, Qwen3's 151,936-token vocabulary: 30.5B parameters), random weights written as a
+block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes), needs CUDA:
+
+    python -m benchmarks.real_scale --dir /tmp/q30 --write [--fp8 all] [--tokenizer-from DIR]
+
+1. `--write`: the checkpoint drawn and quantised on the GPU, written shard by shard
+   (`benchmarks.random_checkpoint.write_random_shards`; the process never holds more than one shard).
+2. Launch, timed from this process's start to the first sampled token, the steps `join --role inference
+   --engine builtin-cuda` takes before its first lease: the checkpoint checked from its headers
+   (`check_checkpoint`), the memory plan (`node.roles.memory.role_plan`), the model made on the meta device
+   with its FP8 modules and filled tensor by tensor from the shards straight into them on the GPU
+   (`load_model` with `apply_fp8_mode`: version 0 from the member's own copy), KV slots from free memory and
+   every batch bucket's CUDA graph captured (`CudaEngine.from_setup`), one request of one token. What this
+   leaves out of the role's start: joining the coordinator and checking the signed manifest of version 0.
+3. Decode tok/s at batch 256 (`benchmarks.gpu_engine.fixed_batch`) and the RL-shaped workload
+   (`gpu_engine.rl_workload`: 512 requests, log-normal lengths, completions up to 1,024 tokens, proofs).
+4. The validator on the same GPU: its own copy loaded the same way, `TorchReference` + `verify_claims` (the
+   validator role's call) over the RL rollouts; `verify_over_generate` is its completion tok/s over the
+   engine's.
+Host memory: peak private memory (RssAnon, sampled every 50 ms: what the process holds beyond the page
+cache the shards are read through) and peak RSS. GPU memory: the plan against `max_memory_allocated`.
+Not measured here: a new version applied from a sparse delta (the issue's `delta_apply_s`).
+Writes `real_scale.json` under $OUT (or benchmarks/results) after every stage, so a cut run keeps what
+it measured; the last line printed is the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+T_START = time.perf_counter()  # the launch clock starts with the process (imports included)
+
+from benchmarks.fp8_common import log, machine_facts, write_result  # noqa: E402
+from benchmarks.gpu_engine import _requests, _sync, fixed_batch, rl_requests, rl_workload  # noqa: E402
+
+GIB = 1 << 30
+
+
+class MemorySampler:
+    """Peak RssAnon and VmHWM of this process, read from /proc every `every` seconds on a thread."""
+
+    def __init__(self, every: float = 0.05):
+        self.peak_anon = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def status() -> dict[str, int]:
+        out = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+        return out
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.peak_anon = max(self.peak_anon, self.status().get("RssAnon", 0))
+
+    def figures(self) -> dict:
+        s = self.status()
+        self.peak_anon = max(self.peak_anon, s.get("RssAnon", 0))
+        return {"host_private_peak_gib": self.peak_anon / GIB, "host_rss_peak_gib": s.get("VmHWM", 0) / GIB}
+
+
+def _allocated(peak: bool = False) -> int:
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+
+
+def run_spec(directory: Path, fp8: str, max_seq_len: int):
+    from protocol.identity import NodeKey
+    from protocol.messages import RunSpec
+    from protocol.model_spec import ModelSpec
+
+    return RunSpec(run_id="real-scale", coordinator=NodeKey.generate().peer_id,
+                   model=ModelSpec(source=str(directory), dtype="bfloat16", fp8=fp8, max_seq_len=max_seq_len))
+
+
+def load_served(spec, device: str):
+    """The run's model on `device` as an FP8-serving member loads its own copy: FP8 modules swapped in on the
+    meta model, then filled from the shards tensor by tensor."""
+    from node.engine.fp8.model import apply_fp8_mode
+    from node.model.spec import load_model
+
+    return load_model(spec.model, device, prepare=lambda m: apply_fp8_mode(m, spec.model.fp8))
+
+
+def launch(spec, device: str, share: float, result: dict):
+    """The inference role's start (module docstring, 2): the engine serving version 0, timed by stage."""
+    from node.engine.registry import EngineSetup, build
+    from node.roles.common import check_checkpoint, model_config
+    from node.roles.memory import role_plan
+    from node.engine.memory_plan import host_or_gpu_free
+
+    stages = {}
+    t = time.perf_counter()
+    check_checkpoint(spec)
+    stages["check_checkpoint_s"] = time.perf_counter() - t
+    plan = role_plan(spec, "inference", device, host_or_gpu_free(device), engine="builtin-cuda", fp8=spec.model.fp8)
+    log(plan.describe())
+    plan.check()
+    result["gpu_memory_plan_gib"] = plan.total / GIB
+    result["gpu_memory_plan"] = plan.describe()
+    t = time.perf_counter()
+    loaded = load_served(spec, device)
+    _sync()
+    stages["load_s"] = time.perf_counter() - t
+    tok = loaded.tokenizer
+    result["weights_gib_on_gpu"] = _allocated() / GIB
+    cfg = model_config(spec)
+    setup = EngineSetup(model=lambda: loaded.model, hf_config=cfg.to_hf_dict(), max_batch=512,
+                        max_seq_len=spec.model.max_seq_len, eos_id=tok.eos_id, encode=tok.encode, decode=tok.decode,
+                        bos_id=tok.bos_id, capture_experts=True, workdir=Path("/tmp/real-scale"), salt=spec.run_id,
+                        device=device, fp8=spec.model.fp8, gpu_memory_share=share)
+    t = time.perf_counter()
+    engine = build("builtin-cuda", setup)
+    stages["engine_build_s"] = time.perf_counter() - t  # KV plan + every bucket's graph
+    engine.version = 0  # the loaded checkpoint is version 0 (a role gets it through load_weights)
+    t = time.perf_counter()
+    engine.generate(_requests(cfg, 1, [16], [1], seed=1))
+    stages["first_token_s"] = time.perf_counter() - t
+    result["launch_to_first_token_s"] = time.perf_counter() - T_START
+    result["launch_stages_s"] = stages
+    result["kv_slots"] = engine.max_batch
+    log(f"first token {result['launch_to_first_token_s']:.1f}s after the process started: {stages}")
+    return engine, cfg, tok
+
+
+def claims_of(done: list, reqs: list, cfg) -> list:
+    """The engine's completions as honest claims (proofs, routes), as the validator gets them."""
+    from node.model.routing import RouteShape, encode_routes
+    from verification.claim import RolloutClaim, SamplingSpec
+    from verification.proof import prove_rollouts
+
+    manifest = {0: hashlib.sha256(b"real-scale v0").digest()}
+    proofs = prove_rollouts([(c.hidden, c.versions) for c in done], manifest)
+    shape = RouteShape.of(cfg)
+    out = []
+    for i, (c, r, proof) in enumerate(zip(done, reqs, proofs)):
+        sp = SamplingSpec(temperature=r.params.temperature, top_p=1.0, max_new_tokens=r.params.max_new_tokens,
+                          seed=r.params.seed)
+        out.append(RolloutClaim(work_id=i, env="random-prompts", task_seed=i, prompt_ids=c.prompt_ids,
+                                token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, sampling=sp,
+                                finish_reason=c.finish_reason, reward=0.0, proof=proof,
+                                routed_experts=encode_routes(c.routed_experts.cpu(), shape)))
+    return out, manifest[0]
+
+
+def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -> None:
+    from node.replay import TorchReference
+    from verification.validator import verify_claims
+
+    t = time.perf_counter()
+    model = load_served(spec, device).model
+    result["validator_load_s"] = time.perf_counter() - t
+    prompts = {c.task_seed: c.prompt_ids for c in claims}
+    ref = TorchReference({0: (model, manifest)}, eos_id=tok.eos_id, max_seq_len=spec.model.max_seq_len,
+                         decode=tok.decode, tasks=lambda env, seed: prompts[seed], reward=lambda env, seed, ids: 0.0)
+    verify_claims(claims[:16], ref)  # warm
+    _sync()
+    t = time.perf_counter()
+    verdicts = verify_claims(claims, ref)
+    _sync()
+    took = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for c in claims)
+    rejected = [v for v in verdicts if not v.accepted]
+    result.update(verify_s=took, verify_tok_s=tokens / took, verify_rollouts=len(claims),
+                  verify_rejected=len(rejected),
+                  verify_reasons=sorted({f"{v.reason.value}/{v.severity.value}" for v in rejected}),
+                  verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
+    log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
+        f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--write", action="store_true", help="write the random checkpoint first")
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--fp8", choices=["experts", "all"], default="all")
+    ap.add_argument("--vocab-size", type=int, default=151936)
+    ap.add_argument("--tokenizer-from", type=Path, default=Path(".gpumodel"))
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--kv-share", type=float, default=0.45,
+                    help="the engine's share of free memory for KV (the validator's copy shares the GPU)")
+    ap.add_argument("--rl-requests", type=int, default=512)
+    ap.add_argument("--name", default="real_scale")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (CudaEngine eager)")
+    args = ap.parse_args()
+    device = args.device
+    mem = MemorySampler()
+    result: dict = {"machine": machine_facts(), "shape": args.shape, "fp8": args.fp8, "vocab_size": args.vocab_size,
+                    "device_name": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "note": "every role's model on this one GPU"}
+    if args.write:
+        from benchmarks.random_checkpoint import SHAPES, write_random_shards
+        from node.model.config import ModelConfig
+
+        cfg = ModelConfig(**SHAPES[args.shape], vocab_size=args.vocab_size, max_position_embeddings=40960)
+        t = time.perf_counter()
+        write_random_shards(cfg, args.dir, args.fp8, device=device, tokenizer_from=args.tokenizer_from)
+        result["write_s"] = time.perf_counter() - t
+        result["checkpoint_gb"] = sum(f.stat().st_size for f in args.dir.glob("*.safetensors")) / 1e9
+        result["params_b"] = cfg.num_parameters() / 1e9
+        log(f"checkpoint written: {result['checkpoint_gb']:.1f} GB in {result['write_s']:.0f}s")
+        write_result(args.name, result)
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    spec = run_spec(args.dir, args.fp8, args.max_seq_len)
+    global T_START
+    if args.write:
+        T_START = time.perf_counter()  # the launch is timed from here when this process also wrote the checkpoint
+    engine, cfg, tok = launch(spec, device, args.kv_share, result)
+    result["params_b"] = cfg.num_parameters() / 1e9
+    result.update(mem.figures())
+    result["launch_host_private_peak_gib"] = result["host_private_peak_gib"]
+    write_result(args.name, result)
+    if engine.max_batch >= 256:
+        r = fixed_batch(engine, cfg, 256)
+        result.update(decode_tok_s_b256=r["decode_tok_s"], decode_step_ms_b256=r["step_ms"], e2e_tok_s_b256=r["e2e_tok_s"])
+        log(f"batch 256: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step)")
+    write_result(args.name, result)
+    reqs = rl_requests(cfg, args.rl_requests, max_prompt=512, max_new=min(1024, args.max_seq_len - 512))
+    done = rl_workload(engine, cfg, reqs, result)
+    result["gpu_memory_engine_peak_gib"] = _allocated(peak=True) / GIB
+    write_result(args.name, result)
+    claims, manifest = claims_of(done, reqs, cfg)
+    judge(spec, device, claims, manifest, tok, result)
+    result["gpu_memory_used_gib"] = _allocated(peak=True) / GIB
+    result.update(mem.figures())
+    write_result(args.name, result)
+
+
+if __name__ == "__main__":
+    main()
