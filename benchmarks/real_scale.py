@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--kv-share", type=float, default=0.45,
                     help="the engine's share of free memory for KV (the validator's copy shares the GPU)")
     ap.add_argument("--rl-requests", type=int, default=512)
+    ap.add_argument("--decode-batch", type=int, default=256)
     ap.add_argument("--name", default="real_scale")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the same code (CudaEngine eager)")
     args = ap.parse_args()
@@ -224,12 +225,15 @@ def main() -> None:
     result.update(mem.figures())
     result["launch_host_private_peak_gib"] = result["host_private_peak_gib"]
     write_result(args.name, result)
-    if engine.max_batch >= 256:
-        r = fixed_batch(engine, cfg, 256)
-        result.update(decode_tok_s_b256=r["decode_tok_s"], decode_step_ms_b256=r["step_ms"], e2e_tok_s_b256=r["e2e_tok_s"])
-        log(f"batch 256: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step)")
+    b = args.decode_batch
+    if engine.max_batch >= b:
+        r = fixed_batch(engine, cfg, b)
+        result.update({f"decode_tok_s_b{b}": r["decode_tok_s"], f"decode_step_ms_b{b}": r["step_ms"],
+                       f"e2e_tok_s_b{b}": r["e2e_tok_s"]})
+        log(f"batch {b}: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step)")
     write_result(args.name, result)
-    reqs = rl_requests(cfg, args.rl_requests, max_prompt=512, max_new=min(1024, args.max_seq_len - 512))
+    max_prompt = min(512, args.max_seq_len // 4)
+    reqs = rl_requests(cfg, args.rl_requests, max_prompt=max_prompt, max_new=min(1024, args.max_seq_len - max_prompt))
     done = rl_workload(engine, cfg, reqs, result)
     result["gpu_memory_engine_peak_gib"] = _allocated(peak=True) / GIB
     write_result(args.name, result)
