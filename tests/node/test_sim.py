@@ -24,6 +24,8 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert s["honest_banned"] == 0 and s["rollouts_rejected"] == 0  # honest work passes verification
     assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]  # clean SIGTERM shutdown
     assert s["honest_not_alive_at_end"] == [] and s["honest_ejections"] == {}  # every member alive throughout
+    # every role's CPU seconds, read from /proc while it ran (benchmarks.step_time: CPU per step)
+    assert set(s["cpu_s"]) == set(s["exit_codes"]) and all(v > 0 for v in s["cpu_s"].values()), s["cpu_s"]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # publication of version s overlaps gathering batch s+1 (k = 1), and step s+1 trains only after it is out
