@@ -7,7 +7,7 @@ Sources, never assumed: the trainer's metrics.jsonl (per step: waiting for its b
 publishing), each inference node's rounds.jsonl (per round: asking for leases, generating, submitting)
 and versions.jsonl (per version: announce, fetch + verify, load), the validator's rounds.jsonl (judging),
 the coordinator's store (when each unit was accepted, judged, batched or dropped as stale) and the sim's
-events.json (process starts and SIGKILLs). Per step the figures are medians over steps; per inference
+events.json (process starts and SIGKILLs), and summary.json's CPU seconds of each role. Per step the figures are medians over steps; per inference
 restart, the time from the process's start to its first accepted unit. The stages run concurrently
 (inference generates while the trainer trains), so they are not a sum: `critical_path_s` says, for
 each step, where its batch's last unit spent the time between the previous step's publication and
@@ -156,6 +156,17 @@ def restarts(out: Path, accepted: list) -> dict:
             "first_accepted_after_start_max_s": round(max(times), 1) if times else None}
 
 
+def cpu_per_step(summary: dict, steps: int) -> dict:
+    """Each role's CPU seconds per trainer step (all its incarnations, start-ups and the trainer's warm-up
+    included; `sim` reads them from /proc), and their sum: what a step costs the machine's cores."""
+    cpu = summary.get("cpu_s") or {}
+    if not cpu or not steps:
+        return {}
+    inference = sum(v for k, v in cpu.items() if k.startswith("inference-"))
+    roles = {k: round(v / steps, 3) for k, v in cpu.items() if not k.startswith("inference-")}
+    return {"total": round(sum(cpu.values()) / steps, 3), **roles, "inference_all": round(inference / steps, 3)}
+
+
 def analyse(out: Path) -> dict:
     rows = _jsonl(out / "trainer" / "metrics.jsonl")
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
@@ -167,6 +178,8 @@ def analyse(out: Path) -> dict:
         "trainer": trainer_stages(rows), "inference": inference_stages(out), "validator": validator_stages(out),
         "critical_path_s": critical_path(rows, accepted, judged), "stale": staleness(accepted, rows),
         "inference_restarts": restarts(out, accepted),
+        "cpu_s_per_step": cpu_per_step(summary, len(rows)),
+        "reward_after_warmup": rows[0]["reward_mean"] if rows else None,
         "honest_banned": summary.get("honest_banned"), "cheaters_banned": summary.get("cheaters_banned"),
     }
 
@@ -186,7 +199,7 @@ def main() -> None:
 
         out = args.out or Path(tempfile.mkdtemp(prefix="step_time-"))
         log.info("sim: 4 inference nodes, churn, 1 cheater, reverse, %d steps -> %s", args.steps, out)
-        run_sim(out, 4, args.steps, "reverse", churn=True, cheaters=1,
+        run_sim(out, inference_nodes=4, steps=args.steps, task="reverse", churn=True, cheaters=1,
                 stop_after_target=None if args.stop_after_target < 0 else args.stop_after_target)
     else:
         out = args.source

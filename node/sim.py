@@ -74,6 +74,8 @@ def watch(net: Network) -> tuple[str, bool]:
         if main else {}
     while not interrupted:
         time.sleep(0.5)
+        for proc in [coord, *procs.values()]:
+            proc.sample_cpu()
         done_steps = count_lines(metrics_path)
         if (net.out / "trainer" / "done").exists():
             status = "done"
@@ -140,6 +142,9 @@ def report(net: Network, status: str, coordinator_restarted: bool) -> dict:
     summary["coordinator_restarts"] = int(coordinator_restarted)
     summary["inference_kills"] = sum(what == "kill" for p in procs.values() for _, what in p.events)
     summary["exit_codes"] = exit_codes
+    # every role's CPU seconds (all its incarnations; read from /proc while it ran): benchmarks.step_time
+    # divides them by the steps to say where the machine's cores went
+    summary["cpu_s"] = {p.name: round(p.cpu_s, 1) for p in [coord, *procs.values()]}
     summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs))
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:

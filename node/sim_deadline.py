@@ -22,12 +22,13 @@ STEP_ALLOWANCE_S = 6.0
 """Time the timeout allows per trainer step (64 groups x 8 samples, 4 inference nodes, churn, a cheater):
 measured on cpu-2core 2.0 s/step up to the target (step 261 at 532 s) and 2.8 s/step over 500 steps on
 a quiet machine, 4.5 s/step on a loaded one (step 334 at 1,500 s); 6 s leaves a third of margin."""
-MEASURED = {"machine": "cpu-2core", "load": "10-30, shared with other jobs", "target_step": 183, "target_s": 2224,
-            "run_steps": 194, "run_s": 2319}
-"""The last measured `make run` (benchmarks/results/sim-make-run-after-issue28-cpu-2core.json), quoted in the
-start-up estimate. The run before it on a quiet machine (issue 28, before its back-pressure) took 2,448 s to
-the target at step 184; the 532 s at step 261 committed earlier was measured before the security changes
-of the wave before, and nobody reproduced it after them."""
+MEASURED = {"machine": "cpu-2core", "load": "5-25, median 14, shared with other jobs", "target_step": 189,
+            "target_s": 1622, "run_steps": 199, "run_s": 1694}
+"""The last measured `make run` (benchmarks/results/sim-make-run-s7-cpu-2core.json, session 7, the merged
+code of session 6), quoted in the start-up estimate: 7.6 CPU-s per step over the run, so at least 3.8 s a
+step on 2 free cores (steps 150-189 took 3.7 s each at load 7-9, steps 50-100 10.2 s at load 13-24). The
+run before it (issue 28, load 10-30) reached the target at step 183 after 2,224 s; the 532 s at step 261
+committed earlier was measured before the security changes of the wave before issue 28."""
 MEASURED_LOADED = {"load": "~30", "target_step": 227, "target_s": 3176}
 """The same on a machine shared with other jobs (benchmarks/results/sim-make-run-cpu-2core-loaded.json)."""
 PROGRESS_EVERY = 25

@@ -34,8 +34,20 @@ class Proc:
         """The program: `primerl-node` (node.cli), or node.adversary for a cheater."""
         self.p: subprocess.Popen | None = None
         self.events: list[tuple[float, str]] = []
+        self._cpu_done = self._cpu_seen = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system, with its waited-for children) of every incarnation so far, as last
+        read from /proc (`sample_cpu`; the sim reads it every poll and before each signal)."""
+        return self._cpu_done + self._cpu_seen
+
+    def sample_cpu(self) -> None:
+        if self.p is not None and self.p.poll() is None:
+            self._cpu_seen = max(self._cpu_seen, _cpu_of(self.p.pid))
 
     def start(self) -> None:
+        self._cpu_done, self._cpu_seen = self.cpu_s, 0.0
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **self.env)
         self.p = subprocess.Popen([sys.executable, *self.launcher, "-m", self.module, "--log-level", "INFO", *self.argv],
                                   stdout=self.log_path.open("a"), stderr=subprocess.STDOUT, env=env,
@@ -43,12 +55,14 @@ class Proc:
         self.events.append((time.time(), "start"))
 
     def kill(self) -> None:
+        self.sample_cpu()
         if self.p and self.p.poll() is None:
             self.p.send_signal(signal.SIGKILL)
             self.p.wait(10)
             self.events.append((time.time(), "kill"))
 
     def stop(self, timeout: float = 20) -> None:
+        self.sample_cpu()
         if self.p and self.p.poll() is None:
             # Under torchrun the ranks get the SIGTERM (rank 0 stops them all, torchrun then exits
             # with their status); torchrun itself, signalled, would exit non-zero whatever they do.
@@ -72,6 +86,15 @@ class Proc:
 
     def alive(self) -> bool:
         return self.p is not None and self.p.poll() is None
+
+
+def _cpu_of(pid: int) -> float:
+    """utime + stime + cutime + cstime of `pid` in seconds (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def _children(pid: int) -> list[int]:
