@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -50,9 +51,10 @@ def time_wait_on(port: int) -> None:
         client.connect(server.getsockname())
         conn, _ = server.accept()
         client.close()
-        time.sleep(0.2)
+        conn.settimeout(30)  # a hang guard
+        assert conn.recv(1) == b""  # the close reached the other end before it closes too: TIME_WAIT stays here
         conn.close()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the other end's FIN and the last ACK through loopback (the kernel's, not a process's)
 
 
 @pytest.mark.slow
@@ -81,7 +83,8 @@ def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_ea
         assert code == 2 and "cannot serve the status page on port" in text and "Traceback" not in text, text
         # a connection, so that the coordinator's SIGKILL leaves its port in TIME_WAIT
         peer.connect(("127.0.0.1", listen_port))
-        time.sleep(0.5)
+        peer.settimeout(60)  # a hang guard
+        assert peer.recv(1)  # accepted: libp2p's listener speaks first (multistream-select's header)
     finally:
         first.send_signal(signal.SIGKILL)
         first.communicate(timeout=30)
@@ -115,14 +118,27 @@ def test_a_member_with_an_unreachable_bootstrap_says_so_once_per_retry_formatted
                              "--shardcast-port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    said: list[str] = []
+
+    def read() -> None:  # until its stdout closes
+        for line in proc.stdout:
+            said.append(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(12)
+        # three retries said (12 s alone, the start-up included), then the stop
+        deadline = time.monotonic() + 180  # a hang guard: the third retry line ends the wait
+        while sum("join failed" in line for line in said) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(said)[-2000:]
+            time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        proc.wait(30)
+        reader.join(30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+    out = "".join(said)
     assert proc.returncode == 0, out[-2000:]
     lines = [line for line in out.splitlines() if line and not line.startswith("node id:")]
     retries = [line for line in lines if "join failed" in line and bootstrap.split("/p2p/")[0] in line]
