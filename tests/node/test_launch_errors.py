@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from cli_runs import cli, run_at_once
 
 from node.run_config import to_toml
 from node.sim_procs import free_port
@@ -28,16 +29,14 @@ def config(path, listen_port: int, status_port: int = 0):
     return path
 
 
-def launch(cfg, state, wait: bool = True, addr_file=None):
-    argv = [sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(cfg), "--state", str(state)]
-    if addr_file is not None:
-        argv += ["--addr-file", str(addr_file)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=90)
-    return proc.returncode, out + err
+def launch_command(cfg, state, addr_file=None) -> tuple[list[str], dict[str, str]]:
+    argv, env = cli("coordinator", "launch", "--config", str(cfg), "--state", str(state))
+    return argv + (["--addr-file", str(addr_file)] if addr_file is not None else []), env
+
+
+def launch(cfg, state, addr_file) -> subprocess.Popen:
+    argv, env = launch_command(cfg, state, addr_file)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def time_wait_on(port: int) -> None:
@@ -59,8 +58,7 @@ def time_wait_on(port: int) -> None:
 
 @pytest.mark.slow
 def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_each(tmp_path):
-    first = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", wait=False,
-                   addr_file=tmp_path / "addr")
+    first = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", tmp_path / "addr")
     peer = socket.socket()
     try:
         deadline = time.monotonic() + 90
@@ -68,19 +66,21 @@ def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_ea
             assert first.poll() is None and time.monotonic() < deadline, first.communicate(timeout=10)
             time.sleep(0.2)
         listen_port = int((tmp_path / "addr").read_text().split("/tcp/")[1].split("/")[0])
-        # the same state directory, other ports: refused before anything in the state is touched
-        code, text = launch(config(tmp_path / "b.toml", free_port()), tmp_path / "state")
-        assert code == 2 and "another coordinator" in text and "Traceback" not in text, text
-        assert first.poll() is None  # the running one is unharmed
-        # a listen address in use (the first coordinator's)
-        code, text = launch(config(tmp_path / "c.toml", listen_port), tmp_path / "state-c")
-        assert code == 2 and "cannot listen on" in text and "Traceback" not in text, text
-        # a status port in use
         with socket.socket() as busy:
             busy.bind(("127.0.0.1", 0))
             busy.listen()
-            code, text = launch(config(tmp_path / "d.toml", free_port(), busy.getsockname()[1]), tmp_path / "state-d")
-        assert code == 2 and "cannot serve the status page on port" in text and "Traceback" not in text, text
+            # the three refusals at once: the same state directory, other ports (refused before anything in the
+            # state is touched); a listen address in use (the first coordinator's); a status port in use
+            same_state, listen_in_use, status_in_use = run_at_once([
+                launch_command(config(tmp_path / "b.toml", free_port()), tmp_path / "state"),
+                launch_command(config(tmp_path / "c.toml", listen_port), tmp_path / "state-c"),
+                launch_command(config(tmp_path / "d.toml", free_port(), busy.getsockname()[1]), tmp_path / "state-d")],
+                timeout=90)
+        for out, says in ((same_state, "another coordinator"), (listen_in_use, "cannot listen on"),
+                          (status_in_use, "cannot serve the status page on port")):
+            text = out.stdout + out.stderr
+            assert out.returncode == 2 and says in text and "Traceback" not in text, text
+        assert first.poll() is None  # the running one is unharmed
         # a connection, so that the coordinator's SIGKILL leaves its port in TIME_WAIT
         peer.connect(("127.0.0.1", listen_port))
         peer.settimeout(60)  # a hang guard
@@ -92,7 +92,7 @@ def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_ea
     time_wait_on(listen_port)  # what the killed coordinator's connections from its port leave behind
     # the documented restart: the same run.toml and --state at once; the lock went with the process
     # and a port in TIME_WAIT is free (a first version of the listen check refused it)
-    again = launch(tmp_path / "a.toml", tmp_path / "state", wait=False, addr_file=tmp_path / "addr2")
+    again = launch(tmp_path / "a.toml", tmp_path / "state", tmp_path / "addr2")
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "addr2").exists():
