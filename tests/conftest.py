@@ -2,9 +2,13 @@
 change fails in the first minutes), and the real SmolLM2 checkpoint loaded once per run."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests' shared helpers (cli_runs) under importlib mode
 
 # Tests share 2 cores with each other's processes; one thread keeps timings stable.
 torch.set_num_threads(int(os.environ.get("PRIMERL_TEST_THREADS", "1")))

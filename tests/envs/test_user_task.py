@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from cli_runs import cli, run_at_once
 
 from node.envs import Environment, get_env
 from node.envs.user import TaskMismatch, task_identity
@@ -85,18 +86,20 @@ def test_a_role_with_another_version_or_without_the_module_says_so_in_one_line_a
     other.mkdir()
     (other / "my_tasks.py").write_text(SOURCE.replace("startswith(task.answer)", "endswith(task.answer)"))
     bootstrap = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{spec.coordinator}"  # never reached: refused before
-    for path, says in ((other, "the run pins"), (tmp_path / "empty", "put the directory holding the module on PYTHONPATH")):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]))
-        out = subprocess.run([sys.executable, "-m", "node.cli", "join", "--role", "inference", "--bootstrap", bootstrap,
-                              "--spec", str(tmp_path / "spec.json"), "--workdir", str(tmp_path / "inf")],
-                             capture_output=True, text=True, timeout=120, env=env)
-        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     (tmp_path / "run.toml").write_text(to_toml({"run_id": "u", "task": "my_tasks:Echo", "verification_rate": 0.0,
                                                  "trainer": NodeKey.generate().peer_id, "status_port": 0,
                                                  "listen": f"/ip4/127.0.0.1/tcp/{free_port()}"}))
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # the coordinator cannot import my_tasks either
-    out = subprocess.run([sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(tmp_path / "run.toml"),
-                          "--state", str(tmp_path / "state")], capture_output=True, text=True, timeout=120, env=env)
+    joins = ((other, "the run pins"), (tmp_path / "empty", "put the directory holding the module on PYTHONPATH"))
+    *joined, launched = run_at_once(
+        [cli("join", "--role", "inference", "--bootstrap", bootstrap, "--spec", str(tmp_path / "spec.json"),
+             "--workdir", str(tmp_path / f"inf-{i}"),
+             env={"PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")])})
+         for i, (path, _) in enumerate(joins)]
+        # the coordinator cannot import my_tasks either
+        + [cli("coordinator", "launch", "--config", str(tmp_path / "run.toml"), "--state", str(tmp_path / "state"))])
+    for (_, says), out in zip(joins, joined):
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    out = launched
     assert out.returncode == 2 and "PYTHONPATH" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 

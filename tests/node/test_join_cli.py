@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from cli_runs import cli, run_at_once
 from node.spec_handout import fetch_spec
 from node.recipe import DEFAULT, InvalidRecipe, Recipe
 from node.run_config import InvalidRunConfig, RunConfig, to_toml
@@ -112,11 +113,11 @@ def test_a_missing_malformed_or_other_coordinators_spec_is_one_line_and_exit_2(t
     (tmp_path / "other.json").write_text(RunSpec(run_id="t1", coordinator=other, trainer=TRAINER).model_dump_json())
     (tmp_path / "junk.json").write_text('{"bad": 1}')
     bootstrap = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{ours}"
-    for spec, says in (("missing.json", "No such file"), ("junk.json", "is not a run spec"),
-                       ("other.json", f"is the spec of coordinator {other}")):
-        out = subprocess.run([sys.executable, "-m", "node.cli", "join", "--role", "inference", "--bootstrap", bootstrap,
-                              "--spec", str(tmp_path / spec), "--workdir", str(tmp_path / "inf")],
-                             capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cases = (("missing.json", "No such file"), ("junk.json", "is not a run spec"),
+             ("other.json", f"is the spec of coordinator {other}"))
+    outs = run_at_once([cli("join", "--role", "inference", "--bootstrap", bootstrap, "--spec", str(tmp_path / spec),
+                            "--workdir", str(tmp_path / f"inf-{spec}")) for spec, _ in cases])
+    for (_, says), out in zip(cases, outs):
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 

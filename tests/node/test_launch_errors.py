@@ -10,9 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+from cli_runs import cli, run_at_once
 
 from node.run_config import to_toml
 from node.sim_procs import free_port
@@ -27,16 +29,14 @@ def config(path, listen_port: int, status_port: int = 0):
     return path
 
 
-def launch(cfg, state, wait: bool = True, addr_file=None):
-    argv = [sys.executable, "-m", "node.cli", "coordinator", "launch", "--config", str(cfg), "--state", str(state)]
-    if addr_file is not None:
-        argv += ["--addr-file", str(addr_file)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=90)
-    return proc.returncode, out + err
+def launch_command(cfg, state, addr_file=None) -> tuple[list[str], dict[str, str]]:
+    argv, env = cli("coordinator", "launch", "--config", str(cfg), "--state", str(state))
+    return argv + (["--addr-file", str(addr_file)] if addr_file is not None else []), env
+
+
+def launch(cfg, state, addr_file) -> subprocess.Popen:
+    argv, env = launch_command(cfg, state, addr_file)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def time_wait_on(port: int) -> None:
@@ -50,15 +50,15 @@ def time_wait_on(port: int) -> None:
         client.connect(server.getsockname())
         conn, _ = server.accept()
         client.close()
-        time.sleep(0.2)
+        conn.settimeout(30)  # a hang guard
+        assert conn.recv(1) == b""  # the close reached the other end before it closes too: TIME_WAIT stays here
         conn.close()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the other end's FIN and the last ACK through loopback (the kernel's, not a process's)
 
 
 @pytest.mark.slow
 def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_each(tmp_path):
-    first = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", wait=False,
-                   addr_file=tmp_path / "addr")
+    first = launch(config(tmp_path / "a.toml", free_port()), tmp_path / "state", tmp_path / "addr")
     peer = socket.socket()
     try:
         deadline = time.monotonic() + 90
@@ -66,22 +66,25 @@ def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_ea
             assert first.poll() is None and time.monotonic() < deadline, first.communicate(timeout=10)
             time.sleep(0.2)
         listen_port = int((tmp_path / "addr").read_text().split("/tcp/")[1].split("/")[0])
-        # the same state directory, other ports: refused before anything in the state is touched
-        code, text = launch(config(tmp_path / "b.toml", free_port()), tmp_path / "state")
-        assert code == 2 and "another coordinator" in text and "Traceback" not in text, text
-        assert first.poll() is None  # the running one is unharmed
-        # a listen address in use (the first coordinator's)
-        code, text = launch(config(tmp_path / "c.toml", listen_port), tmp_path / "state-c")
-        assert code == 2 and "cannot listen on" in text and "Traceback" not in text, text
-        # a status port in use
         with socket.socket() as busy:
             busy.bind(("127.0.0.1", 0))
             busy.listen()
-            code, text = launch(config(tmp_path / "d.toml", free_port(), busy.getsockname()[1]), tmp_path / "state-d")
-        assert code == 2 and "cannot serve the status page on port" in text and "Traceback" not in text, text
+            # the three refusals at once: the same state directory, other ports (refused before anything in the
+            # state is touched); a listen address in use (the first coordinator's); a status port in use
+            same_state, listen_in_use, status_in_use = run_at_once([
+                launch_command(config(tmp_path / "b.toml", free_port()), tmp_path / "state"),
+                launch_command(config(tmp_path / "c.toml", listen_port), tmp_path / "state-c"),
+                launch_command(config(tmp_path / "d.toml", free_port(), busy.getsockname()[1]), tmp_path / "state-d")],
+                timeout=90)
+        for out, says in ((same_state, "another coordinator"), (listen_in_use, "cannot listen on"),
+                          (status_in_use, "cannot serve the status page on port")):
+            text = out.stdout + out.stderr
+            assert out.returncode == 2 and says in text and "Traceback" not in text, text
+        assert first.poll() is None  # the running one is unharmed
         # a connection, so that the coordinator's SIGKILL leaves its port in TIME_WAIT
         peer.connect(("127.0.0.1", listen_port))
-        time.sleep(0.5)
+        peer.settimeout(60)  # a hang guard
+        assert peer.recv(1)  # accepted: libp2p's listener speaks first (multistream-select's header)
     finally:
         first.send_signal(signal.SIGKILL)
         first.communicate(timeout=30)
@@ -89,7 +92,7 @@ def test_launch_refuses_a_state_dir_in_use_and_addresses_in_use_with_one_line_ea
     time_wait_on(listen_port)  # what the killed coordinator's connections from its port leave behind
     # the documented restart: the same run.toml and --state at once; the lock went with the process
     # and a port in TIME_WAIT is free (a first version of the listen check refused it)
-    again = launch(tmp_path / "a.toml", tmp_path / "state", wait=False, addr_file=tmp_path / "addr2")
+    again = launch(tmp_path / "a.toml", tmp_path / "state", tmp_path / "addr2")
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "addr2").exists():
@@ -115,14 +118,27 @@ def test_a_member_with_an_unreachable_bootstrap_says_so_once_per_retry_formatted
                              "--shardcast-port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    said: list[str] = []
+
+    def read() -> None:  # until its stdout closes
+        for line in proc.stdout:
+            said.append(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(12)
+        # three retries said (12 s alone, the start-up included), then the stop
+        deadline = time.monotonic() + 180  # a hang guard: the third retry line ends the wait
+        while sum("join failed" in line for line in said) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(said)[-2000:]
+            time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        proc.wait(30)
+        reader.join(30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+    out = "".join(said)
     assert proc.returncode == 0, out[-2000:]
     lines = [line for line in out.splitlines() if line and not line.startswith("node id:")]
     retries = [line for line in lines if "join failed" in line and bootstrap.split("/p2p/")[0] in line]

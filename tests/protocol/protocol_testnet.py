@@ -11,6 +11,7 @@ from protocol.client import ONCE, CoordinatorClient
 from protocol.coordinator import Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.identity import NodeKey
+from protocol.limits import ConnectionLimits
 from protocol.member import RunMember
 from protocol.messages import LeaseGrant, RunSpec
 from protocol.transport import PeerHost
@@ -46,6 +47,21 @@ async def eventually(cond: Callable[[], bool], timeout: float = WAIT_S, what: st
         await asyncio.sleep(0.05)
 
 
+async def publish_until(host: PeerHost, topic: str, data: bytes, cond: Callable[[], bool], what: str,
+                        timeout: float = WAIT_S) -> None:
+    """Publish `data` on `topic` again until `cond()`: the first copies may go out before the gossip mesh
+    has formed, and a gossip message is sent once. Fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s publishing until {what}")
+        await host.publish(topic, data)
+        for _ in range(5):  # polled every 0.05 s, published again every 0.25 s
+            if cond():
+                return
+            await asyncio.sleep(0.05)
+
+
 def heard(member: RunMember, peer_ids: set[str]) -> set[str]:
     """The peers among `peer_ids` whose gossiped heartbeat reached `member` (a join reply's member
     list is in the view too, with no beat: it does not count)."""
@@ -68,11 +84,11 @@ def make_spec(coordinator: NodeKey, **kw) -> RunSpec:
     return RunSpec(**base)
 
 
-async def start_coordinator(directory: Path, key: NodeKey, spec: RunSpec,
-                            policy_version: int | None = None) -> CoordinatorService:
+async def start_coordinator(directory: Path, key: NodeKey, spec: RunSpec, policy_version: int | None = None,
+                            connection_limits: ConnectionLimits | None = None) -> CoordinatorService:
     """A coordinator service; with `policy_version`, that version is announced before anyone joins
-    (leases are granted only once there is a policy)."""
-    host = PeerHost(key)
+    (leases are granted only once there is a policy); `connection_limits`: its host's (default: PeerHost's)."""
+    host = PeerHost(key, connection_limits=connection_limits)
     await host.start()
     service = CoordinatorService(key, Coordinator(directory, spec), host)
     await service.start()

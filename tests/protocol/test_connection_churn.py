@@ -5,24 +5,31 @@ its connection-attempt rate is cut off while honest members keep joining and lea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from protocol_testnet import client, lease_one, make_spec, run, start_member, stop_all
+from protocol_testnet import client, lease_one, make_spec, run, start_coordinator, start_member, stop_all
 
-from protocol.coordinator import Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.identity import NodeKey
 from protocol.limits import ConnectionLimits, ConnectionGuard
-from protocol.transport import PeerHost
+from protocol.messages import RunSpec
 
 HERE = Path(__file__).resolve().parent
 
 
+async def limited_coordinator(tmp: Path, limits: ConnectionLimits) -> tuple[CoordinatorService, RunSpec]:
+    """A coordinator whose host has `limits`, with a policy announced, and its run's spec."""
+    key = NodeKey.generate()
+    # room for every newcomer to lease (LeasePolicy.newcomer_share); beats slow enough for a loaded machine
+    spec = make_spec(key, batch_groups=16, heartbeat_interval_s=1.0, dead_after_missed=5)
+    return await start_coordinator(tmp / "c", key, spec, policy_version=0, connection_limits=limits), spec
+
+
 async def churn_in_another_process(tmp: Path, addr: str, identities: int, cycles: int) -> dict:
-    import asyncio
     report = tmp / "churn.json"
     proc = await asyncio.create_subprocess_exec(sys.executable, str(HERE / "churn_peer.py"), addr, "--identities",
                                                 str(identities), "--cycles", str(cycles), "--report", str(report),
@@ -38,17 +45,9 @@ async def churn_in_another_process(tmp: Path, addr: str, identities: int, cycles
 def test_churn_over_three_times_the_inbound_slots_leaves_them_free_and_honest_members_join(tmp_path):
     """A total of 8 inbound slots (the default is py-libp2p's 250); 4 identities make 8 cycles each, 32 in
     all, inside their attempt burst: every slot comes back, and members join and lease during and after."""
-    key = NodeKey.generate()
-    # room for every newcomer to lease (LeasePolicy.newcomer_share); beats slow enough for a loaded machine
-    spec = make_spec(key, batch_groups=16, heartbeat_interval_s=1.0, dead_after_missed=5)
-
     async def body() -> None:
-        host = PeerHost(key, connection_limits=ConnectionLimits(max_inbound=8, attempt_burst_per_peer=10))
-        await host.start()
-        coord = CoordinatorService(key, Coordinator(tmp_path / "c", spec), host)
-        await coord.start()
-        await coord.announce_policy(0, "ab" * 32)
-        boot = host.addrs[0]
+        coord, spec = await limited_coordinator(tmp_path, ConnectionLimits(max_inbound=8, attempt_burst_per_peer=10))
+        host, boot = coord.host, coord.host.addrs[0]
         members = []
         try:
             members.append(await start_member(spec, boot))
@@ -68,17 +67,10 @@ def test_churn_over_three_times_the_inbound_slots_leaves_them_free_and_honest_me
 def test_an_identity_over_its_connection_rate_is_cut_off_and_an_honest_one_is_not(tmp_path):
     """Burst 4, then one attempt per 5 s: an identity churning 12 times is refused from its 5th attempt
     (after the handshake names it), while a member on the same address joins and leases."""
-    key = NodeKey.generate()
-    # room for every newcomer to lease (LeasePolicy.newcomer_share); beats slow enough for a loaded machine
-    spec = make_spec(key, batch_groups=16, heartbeat_interval_s=1.0, dead_after_missed=5)
-
     async def body() -> None:
-        host = PeerHost(key, connection_limits=ConnectionLimits(attempt_burst_per_peer=4, attempts_per_peer_per_s=0.2))
-        await host.start()
-        coord = CoordinatorService(key, Coordinator(tmp_path / "c", spec), host)
-        await coord.start()
-        await coord.announce_policy(0, "ab" * 32)
-        boot = host.addrs[0]
+        coord, spec = await limited_coordinator(
+            tmp_path, ConnectionLimits(attempt_burst_per_peer=4, attempts_per_peer_per_s=0.2))
+        host, boot = coord.host, coord.host.addrs[0]
         members = []
         try:
             report = await churn_in_another_process(tmp_path, boot, identities=1, cycles=12)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from protocol_testnet import run
+from protocol_testnet import WAIT_S, eventually, run
 
 from node.run_config import to_toml
 from protocol.client import ONCE, CoordinatorClient
@@ -111,15 +111,21 @@ def test_sigkilled_coordinator_restarts_without_losing_an_accepted_rollout(tmp_p
                 if (await coordinator.submit(rollout(w))).accepted:
                     acked.add(w)
 
+            failed = [0]
+
             async def flood() -> None:
                 while True:
-                    await asyncio.gather(*(one() for _ in range(4)), return_exceptions=True)
+                    done = await asyncio.gather(*(one() for _ in range(4)), return_exceptions=True)
+                    failed[0] += sum(isinstance(d, Exception) for d in done)
 
             flooder = asyncio.create_task(flood())
-            await asyncio.sleep(1.0)
-            os.kill(proc.pid, signal.SIGKILL)  # mid-traffic, no chance to flush anything
+            # mid-traffic (20 more acknowledged under the flood), no chance to flush anything
+            await eventually(lambda: len(acked) >= 30, WAIT_S, "the flood's first acknowledgements",
+                             progress=lambda: len(acked))
+            os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
-            await asyncio.sleep(0.5)
+            before = failed[0]
+            await eventually(lambda: failed[0] > before, WAIT_S, "the flood meeting the dead coordinator")
             flooder.cancel()
             await asyncio.gather(flooder, return_exceptions=True)
             assert len(acked) > 10

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from protocol_testnet import run
+from protocol_testnet import WAIT_S, eventually, run
 from test_coordinator_crash import publish_version_zero, start_coordinator_process
 
 from node.sim_procs import free_port
@@ -27,7 +27,8 @@ def test_requests_during_a_coordinator_shutdown_never_meet_a_closed_state(tmp_pa
     from protocol.messages import RunSpec
     spec = RunSpec.model_validate_json((tmp_path / "state" / "spec.json").read_bytes())
     refusals: list[str] = []
-    answered = [0]
+    answered, failed = [0], [0]
+    gone: set[str] = set()  # the members whose request met the stopped coordinator
 
     async def body() -> None:
         hosts = [PeerHost(NodeKey.generate()) for _ in range(MEMBERS)]
@@ -45,15 +46,23 @@ def test_requests_during_a_coordinator_shutdown_never_meet_a_closed_state(tmp_pa
                 except Refused as exc:
                     refusals.append(exc.reason)
                 except ProtocolError:
+                    failed[0] += 1
+                    gone.add(member.key.peer_id)
                     await asyncio.sleep(0.05)  # gone: the transport says so, which is fine
         try:
             for m in members:
                 await m.join(addr)
             tasks = [asyncio.create_task(ask(m)) for m in members]
-            await asyncio.sleep(2)
+            # the shutdown comes while all of them ask (3 requests each, some answered; an empty answer is held up
+            # to a heartbeat interval, and on a loaded machine some time out)
+            asked = lambda: answered[0] + len(refusals) + failed[0]
+            await eventually(lambda: answered[0] > 0 and asked() >= 3 * MEMBERS, WAIT_S, "the members' first answers",
+                             progress=asked)
             proc.send_signal(signal.SIGTERM)
             await asyncio.to_thread(proc.wait, 30)
-            await asyncio.sleep(0.5)
+            # and they go on asking until each has met the closed coordinator
+            gone.clear()
+            await eventually(lambda: len(gone) == MEMBERS, WAIT_S, "the members meeting the stopped coordinator")
             stop.set()
             await asyncio.gather(*tasks)
         finally:

@@ -107,8 +107,8 @@ def test_bad_requests_are_refused_with_reasons_and_the_coordinator_keeps_serving
             assert (await coordinator.submit(rollout(g4.work_id, 2))).accepted
 
             # Gossip garbage from the evil peer is dropped before delivery and forwarding.
-            await evil.subscribe(coord.net.topic)
-            await asyncio.sleep(1.0)
+            gossip = await evil.subscribe(coord.net.topic)
+            await gossip.get(WAIT_S)  # gossip (the coordinator's beats) reaches it: the mesh is up
             for junk in (b"junk", forged, seal(evil_key, "another-run", LeaseBatchRequest(policy_version=0, count=1))):
                 await evil.publish(coord.net.topic, junk)
             await coord.announce_policy(3, "dd" * 32)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from protocol_testnet import WAIT_S, eventually, make_spec, run, start_coordinator, start_member, stop_all
+from protocol_testnet import WAIT_S, eventually, make_spec, mesh_formed, run, start_coordinator, start_member, stop_all
 
 from node.run_config import RunConfig, to_toml
 from node.sim_procs import free_port
@@ -34,7 +34,7 @@ def test_the_trainers_last_step_ends_the_run_for_every_member_and_the_coordinato
         for m, s in zip(others, stops):
             CoordinatorClient(m, stop=s)
         try:
-            await asyncio.sleep(1)  # gossip mesh
+            await mesh_formed(coord, [trainer, *others])  # the end is gossiped
             await CoordinatorClient(trainer, retry=ONCE).end_run(7)
             await eventually(lambda: all(s.is_set() for s in stops), WAIT_S, "every member told the run ended")
             assert [(s.exit_code, s.why) for s in stops] == [(0, "the run ended at trainer step 7")] * 2
@@ -54,7 +54,7 @@ def test_a_banned_member_stops_with_its_exit_code_and_cannot_join_again(tmp_path
         stop = RunStop()
         CoordinatorClient(member, stop=stop)
         try:
-            await asyncio.sleep(1)
+            await mesh_formed(coord, [member])  # the ban is gossiped
             await coord.ban(member.key.peer_id, "work 3 failed verification: hidden_mismatch")
             await eventually(stop.is_set, WAIT_S, "the banned member stops")
             assert stop.exit_code == EXIT_BANNED and "hidden_mismatch" in stop.why

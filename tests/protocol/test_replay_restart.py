@@ -9,7 +9,7 @@ import asyncio
 import time
 
 import pytest
-from protocol_testnet import WAIT_S, eventually, make_spec, run, start_coordinator
+from protocol_testnet import make_spec, publish_until, run, start_coordinator
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import open_envelope, seal
@@ -60,10 +60,10 @@ def test_a_replayed_leave_over_gossip_and_a_replayed_join_are_refused_after_a_re
             join1 = seal(M, spec.run_id, Join(spec_hash=spec.spec_hash(), role="inference"))
             assert not isinstance(await join_raw(coord, join1), Refusal)
             leave1 = seal(M, spec.run_id, Leave(reason="bye"))  # what a third party captures
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # a later signing time than the join's (stamps compare in ms)
             await coord._on_gossip(coord.net.open(leave1))
             assert M.peer_id not in coord.state.view.members
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # the same, for the second join
             assert not isinstance(await join_raw(coord, seal(M, spec.run_id, Join(spec_hash=spec.spec_hash(),
                                                                                    role="inference"))), Refusal)
             lease_req = seal(M, spec.run_id, LeaseBatchRequest(policy_version=0, count=1))
@@ -77,9 +77,8 @@ def test_a_replayed_leave_over_gossip_and_a_replayed_join_are_refused_after_a_re
             # the third party re-publishes the captured Leave on the run's topic
             await third.connect(coord.host.addrs[0])
             await third.subscribe(coord.net.topic)
-            await asyncio.sleep(2)  # mesh forms
-            await third.publish(coord.net.topic, leave1)
-            await eventually(lambda: coord.net.refused.get("ReplayedMessage", 0) >= 1, WAIT_S, "the replay refused")
+            await publish_until(third, coord.net.topic, leave1, lambda: coord.net.refused.get("ReplayedMessage", 0) >= 1,
+                                "the replay refused")
             assert M.peer_id in coord.state.view.members
             # any request captured before the restart: the persisted guard refuses it
             reply = await join_raw(coord, lease_req)

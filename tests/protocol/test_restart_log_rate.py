@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-from protocol_testnet import WAIT_S, eventually, run
+from protocol_testnet import WAIT_S, eventually, publish_until, run
 
 from protocol.envelope import seal
 from protocol.identity import NodeKey
@@ -37,6 +37,7 @@ def test_replayed_or_expired_gossip_is_refused_and_counted_with_one_log_line_not
     net_log.addHandler(lines)
     old_level = net_log.level
     net_log.setLevel(logging.INFO)
+    stale_from: list[float] = []  # when the first stale message may have gone out
 
     async def body() -> None:
         a, b = PeerHost(NodeKey.generate()), PeerHost(NodeKey.generate())
@@ -53,11 +54,9 @@ def test_replayed_or_expired_gossip_is_refused_and_counted_with_one_log_line_not
             await member.start_gossip()
             await b.connect(a.addrs[0])
             sealed = member.seal(Heartbeat(seq=1, role="inference", addrs=[]))
-            for _ in range(20):  # until the mesh carries it
-                await b.publish(member.topic, sealed)
-                if delivered:
-                    break
-                await asyncio.sleep(0.25)
+            stale_from.append(time.monotonic())  # every stale message (and so every log line) comes later
+            # the copies after the first delivery are replays, refused
+            await publish_until(b, member.topic, sealed, lambda: bool(delivered), "the first heartbeat through the mesh")
             assert delivered == ["heartbeat"]  # the honest message passes
             before = coordinator.refused.get("ReplayedMessage", 0)
             for _ in range(REPLAYS):  # the same signed bytes again: a new gossip message each time
@@ -68,8 +67,10 @@ def test_replayed_or_expired_gossip_is_refused_and_counted_with_one_log_line_not
             for i in range(REPLAYS):
                 await b.publish(member.topic, seal(b.key, "quiet", Heartbeat(seq=2 + i, role="inference", addrs=[]),
                                                    now=time.time() - 140))
-            await asyncio.sleep(2)
-            assert delivered == ["heartbeat"]
+            # a fresh message after them: once it is delivered, the expired ones before it were judged
+            await b.publish(member.topic, member.seal(Heartbeat(seq=2 + REPLAYS, role="inference", addrs=[])))
+            await eventually(lambda: len(delivered) >= 2, 2 * WAIT_S, "the fresh message after the expired ones")
+            assert delivered == ["heartbeat", "heartbeat"]  # none of the expired ones
         finally:
             await coordinator.close()
             await member.close()
@@ -81,7 +82,12 @@ def test_replayed_or_expired_gossip_is_refused_and_counted_with_one_log_line_not
     finally:
         net_log.removeHandler(lines)
         net_log.setLevel(old_level)
+    stale_for = time.monotonic() - stale_from[0]
     replay_lines = [m for m in lines.lines if "Replayed" in m or "replayed" in m or "Expired" in m]
-    assert 1 <= len(replay_lines) <= 2, replay_lines[:5]  # the test takes well under REPLAY_LOG_EVERY_S
+    # 300 stale messages: at most one line per REPLAY_LOG_EVERY_S from each of the two networks (the
+    # publisher's own validator may judge what it publishes), however long a loaded machine took
+    # (the test takes a few seconds alone: 1 or 2 lines)
+    most = 2 * (1 + int(stale_for // REPLAY_LOG_EVERY_S))
+    assert 1 <= len(replay_lines) <= most, (stale_for, replay_lines[:5])
     assert REPLAY_LOG_EVERY_S >= 5
     assert "replayed or expired gossip refused" in replay_lines[0]

@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from protocol_testnet import run
+from protocol_testnet import WAIT_S, eventually, run
 from test_coordinator_crash import publish_version_zero, start_coordinator_process
 
 from node.sim_procs import free_port
@@ -49,7 +49,9 @@ def test_members_reach_a_restarted_coordinator_within_10s_and_take_its_gossip(tm
         try:
             await member.join(addr)
             assert await client.lease(1)
-            await asyncio.sleep(6)  # the first coordinator's gossip numbering runs ahead
+            # the first coordinator's gossip numbering runs ahead: 30 of its heartbeats (6 s alone) reach the member
+            beat = lambda: member.view.members[spec.coordinator].last_seq if spec.coordinator in member.view.members else -1
+            await eventually(lambda: beat() >= 30, WAIT_S, "30 heartbeats of the first coordinator", progress=beat)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             proc2, addr2 = start_coordinator_process(tmp_path, "2")
@@ -61,7 +63,7 @@ def test_members_reach_a_restarted_coordinator_within_10s_and_take_its_gossip(tm
                 # the restarted coordinator's heartbeats reach the member (not dropped as duplicates)
                 seen = member.view.members.get(spec.coordinator)
                 last = seen.last_seq if seen else -1
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + WAIT_S  # a hang guard: the first beat heard ends the wait
                 while time.monotonic() < deadline:
                     seen = member.view.members.get(spec.coordinator)
                     if seen is not None and seen.last_seq != last and seen.last_seq < 100:

@@ -111,8 +111,9 @@ def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_pat
 def test_sigterm_mid_run_stops_every_rank_cleanly(tmp_path):
     """The sim's stop (SIGTERM to every rank while the trainer is mid-run): rank 0 finishes its step,
     sends the stop order, and every rank and torchrun exit 0 within the sim's 20 s grace."""
-    # stopped once a step is done (a fixed time may pass before the first step on a loaded machine)
-    s = run_sim(tmp_path, inference_nodes=1, steps=500, batch_groups=8, group_size=4, trainer_parallel="dp2-ep2",
+    # stopped once a step is done (a fixed time may pass before the first step on a loaded machine); small
+    # batches (2 groups of 2 rollouts, one per rank): the step in flight at the SIGTERM ends well inside the grace
+    s = run_sim(tmp_path, inference_nodes=1, steps=500, batch_groups=2, group_size=2, trainer_parallel="dp2-ep2",
                 stop_when=lambda steps: steps >= 1)
     assert s["status"] == "stopped" and 0 < s["steps"] < 500, s
     assert all(code == 0 for code in s["exit_codes"].values()), s["exit_codes"]
