@@ -28,15 +28,14 @@ import json
 import logging
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from benchmarks import device_rollouts as D
-from verification.checks import THRESHOLDS, Severity
-from verification.validator import verify_claims
+from benchmarks import weak_tamper
+from verification.checks import THRESHOLDS
 
 log = logging.getLogger("bench.detection_device")
 
@@ -75,13 +74,7 @@ def case_claims(case: str, precision: str, base, ref, args) -> list:
 
 
 def judged(claims, ref) -> dict:
-    verdicts = verify_claims(claims, ref)
-    n = len(verdicts)
-    return {"rollouts": n, "rejected": round(sum(not v.accepted for v in verdicts) / n, 4),
-            "proof": round(sum(v.severity == Severity.PROOF for v in verdicts) / n, 4),
-            "borderline": round(sum(v.severity == Severity.BORDERLINE for v in verdicts) / n, 4),
-            "reasons": dict(Counter(v.reason.value for v in verdicts if not v.accepted)),
-            "details": [v.detail[:200] for v in verdicts if not v.accepted][:3]}
+    return weak_tamper.judged(claims, ref, details=3)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -79,13 +79,18 @@ def claims_of(engine_model, ref_model, work, max_batch: int, threads: int, versi
             for c, comp in zip(R.claims_from(comps, work), comps)]
 
 
-def judged(claims, ref) -> dict:
+def judged(claims, ref, details: int = 0) -> dict:
+    """Shares of `claims` rejected by `verify_claims` (as proof, as borderline), the reasons, and the first
+    `details` rejections' detail lines."""
     verdicts = verify_claims(claims, ref)
     n = len(verdicts)
-    return {"rollouts": n, "rejected": round(sum(not v.accepted for v in verdicts) / n, 4),
-            "proof": round(sum(v.severity == Severity.PROOF for v in verdicts) / n, 4),
-            "borderline": round(sum(v.severity == Severity.BORDERLINE for v in verdicts) / n, 4),
-            "reasons": dict(Counter(v.reason.value for v in verdicts if not v.accepted))}
+    out = {"rollouts": n, "rejected": round(sum(not v.accepted for v in verdicts) / n, 4),
+           "proof": round(sum(v.severity == Severity.PROOF for v in verdicts) / n, 4),
+           "borderline": round(sum(v.severity == Severity.BORDERLINE for v in verdicts) / n, 4),
+           "reasons": dict(Counter(v.reason.value for v in verdicts if not v.accepted))}
+    if details:
+        out["details"] = [v.detail[:200] for v in verdicts if not v.accepted][:details]
+    return out
 
 
 def ref_precision(dtype: str, fp8: str) -> str:
