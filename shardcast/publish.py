@@ -179,7 +179,8 @@ def _publish_stream_locked(store: Store, key: NodeKey, run_id: str, version: int
     def one(i: int):
         a, b = ranges[i]
         raw = payload[a:b]
-        entry, wire = encode_shard(i, raw, None if parent_payload is None else np.asarray(parent_payload[a:b]), opt.zstd_level)
+        entry, wire = encode_shard(i, raw, None if parent_payload is None else np.asarray(parent_payload[a:b]), opt.zstd_level,
+                                   word=shard_word(tensors, a, b), sparse=opt.sparse)
         store.put_shard(run_id, version, i, wire)
         view, at = memoryview(raw), a
         while len(view):
