@@ -4,6 +4,7 @@ their stop: members that end by themselves once the run is done are let go befor
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from node.sim_deadline import VLLM_START_S
 from node.sim_devices import place
 from node.sim_procs import Proc, free_port, wait_for
 from protocol.identity import NodeKey
+
+log = logging.getLogger(__name__)
 
 
 def trainer_launcher(layout: str | None) -> tuple[list[str], list[str]]:
@@ -44,10 +47,13 @@ def plan_network_memory(run_toml: Path, coordinator: str, cfg: SimConfig, placem
         dims = parse_layout(cfg.trainer_parallel)
         parallel, ranks = {"dp": dims.dp, "cp": dims.cp, "fsdp": dims.fsdp}, dims.world
     free = gpu_free({placement.trainer, placement.validator, *placement.inference} - {"cpu"})
-    plans = [*[role_plan(spec, "trainer", placement.trainer, free.get(placement.trainer), parallel=parallel)] * ranks,
-             role_plan(spec, "validator", placement.validator, free.get(placement.validator)),
-             *[role_plan(spec, "inference", placement.inference[i], free.get(placement.inference[i]), engine=cfg.engine)
-               for i in range(cfg.vllm_nodes, cfg.inference_nodes)]]  # a trainer's ranks share its device
+    roles = [*[("trainer", placement.trainer, {"parallel": parallel})] * ranks,  # a trainer's ranks share its device
+             ("validator", placement.validator, {}),
+             *[("inference", placement.inference[i], {"engine": cfg.engine})
+               for i in range(cfg.vllm_nodes, cfg.inference_nodes)]]
+    # a GPU that did not answer is not planned here: the role placed on it says what is wrong when it starts
+    plans = [role_plan(spec, role, device, free.get(device), **kw) for role, device, kw in roles
+             if device == "cpu" or device in free]
     for plan in shared_device_plans([p for p in plans if p is not None]):
         print(plan.describe(), flush=True)
         plan.check()
@@ -61,8 +67,14 @@ def gpu_free(devices: set[str]) -> dict[str, int]:
     order = sorted(devices)
     code = ("import sys, torch; print(' '.join(str(torch.cuda.mem_get_info(int(d.split(':')[1]))[0]) "
             "for d in sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", code, *order], capture_output=True, text=True, timeout=120, check=True)
-    return dict(zip(order, map(int, out.stdout.split())))
+    try:
+        out = subprocess.run([sys.executable, "-c", code, *order], capture_output=True, text=True, timeout=120, check=True)
+        return dict(zip(order, map(int, out.stdout.split())))
+    except (subprocess.SubprocessError, ValueError) as exc:  # no CUDA here, or no such GPU
+        tail = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines()[-1:]
+        log.warning("memory plan: could not ask %s for free memory (%s); not planned here", ", ".join(order),
+                    tail[0] if tail else exc)
+        return {}
 
 
 @dataclass

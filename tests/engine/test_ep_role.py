@@ -121,7 +121,9 @@ def test_sim_with_an_ep2_inference_node_trains_on_rollouts_the_validator_accepte
     log = (tmp_path / "inference-0" / "log.txt").read_text()
     assert "expert-parallel rank 0 of 2: leading" in log
     served = json.loads(log.split("requests served per rank ")[1].splitlines()[0])
-    assert served[1] > 0 and abs(served[0] - served[1]) <= 1, served  # rank 1 served its share of the sequences
+    # rank 1 served its share: each request goes to the rank with the fewest in flight, so the totals differ
+    # by how unevenly sequences finish ([36, 32] on a loaded 2-core machine), not by one
+    assert served[1] > 0 and min(served) >= sum(served) // 4, served
     rank1 = (tmp_path / "inference-0" / "ep-rank-1.log").read_text()
     assert "following rank 0" in rank1 and "stop from rank 0" in rank1  # it served, then left on the stop order
     rounds = [json.loads(x) for x in (tmp_path / "inference-0" / "rounds.jsonl").read_text().splitlines()]
