@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from cli_runs import cli, run_at_once
@@ -53,7 +54,20 @@ def time_wait_on(port: int) -> None:
         conn.settimeout(30)  # a hang guard
         assert conn.recv(1) == b""  # the close reached the other end before it closes too: TIME_WAIT stays here
         conn.close()
-        time.sleep(0.2)  # the other end's FIN and the last ACK through loopback (the kernel's, not a process's)
+        # the other end's FIN and the last ACK go through loopback in the kernel: wait until it shows the state
+        deadline = time.monotonic() + 30
+        while not in_time_wait(port):
+            assert time.monotonic() < deadline, f"127.0.0.1:{port} never reached TIME_WAIT"
+            time.sleep(0.01)
+
+
+def in_time_wait(port: int) -> bool:
+    """Whether the kernel holds a TCP socket bound to local `port` in TIME_WAIT (/proc/net/tcp state 06)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "06":
+            return True
+    return False
 
 
 @pytest.mark.slow
