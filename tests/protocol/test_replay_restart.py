@@ -59,11 +59,11 @@ def test_a_replayed_leave_over_gossip_and_a_replayed_join_are_refused_after_a_re
 
             join1 = seal(M, spec.run_id, Join(spec_hash=spec.spec_hash(), role="inference"))
             assert not isinstance(await join_raw(coord, join1), Refusal)
+            await next_ms()  # a later signing time than the join's (stamps compare in ms)
             leave1 = seal(M, spec.run_id, Leave(reason="bye"))  # what a third party captures
-            await asyncio.sleep(0.01)  # a later signing time than the join's (stamps compare in ms)
             await coord._on_gossip(coord.net.open(leave1))
             assert M.peer_id not in coord.state.view.members
-            await asyncio.sleep(0.01)  # the same, for the second join
+            await next_ms()  # the same, for the second join
             assert not isinstance(await join_raw(coord, seal(M, spec.run_id, Join(spec_hash=spec.spec_hash(),
                                                                                    role="inference"))), Refusal)
             lease_req = seal(M, spec.run_id, LeaseBatchRequest(policy_version=0, count=1))
@@ -96,3 +96,10 @@ def test_a_replayed_leave_over_gossip_and_a_replayed_join_are_refused_after_a_re
             await member.stop()
             await third.stop()
     run(body())
+
+
+async def next_ms() -> None:
+    """Return once the wall clock's millisecond (the envelopes' signing stamp) has moved on."""
+    start = time.time_ns() // 1_000_000
+    while time.time_ns() // 1_000_000 == start:
+        await asyncio.sleep(0)
