@@ -136,8 +136,9 @@ def launch(spec, device: str, share: float, result: dict):
     return engine, cfg, tok
 
 
-def claims_of(done: list, reqs: list, cfg) -> list:
-    """The engine's completions as honest claims (proofs, routes), as the validator gets them."""
+def claims_of(done: list, reqs: list, cfg) -> tuple[list, bytes]:
+    """The engine's completions as honest claims (proofs, routes), as the validator gets them, and the
+    manifest hash their proofs name."""
     from node.model.routing import RouteShape, encode_routes
     from verification.claim import RolloutClaim, SamplingSpec
     from verification.proof import prove_rollouts
