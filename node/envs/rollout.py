@@ -82,6 +82,8 @@ class Episodes:
         return len(self._live)
 
     def add(self, episode_id: str, task: Task, params: SamplingParams) -> None:
+        if episode_id in self._live:  # its engine requests would collide with the running ones
+            raise ValueError(f"episode {episode_id!r} is already in flight")
         params = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed,
                                 max_new_tokens=self.env.new_tokens(task), stop_token_ids=params.stop_token_ids,
                                 stop_strings=self.env.stop_strings)

@@ -45,6 +45,7 @@ from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
 from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
+from node.roles.leased_groups import LeasedGroups
 from node.roles.version0 import local_version0
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
@@ -292,9 +293,7 @@ class InferenceNode:
         finished group back to the event loop; every second, one activity row for `on_round` hooks
         ({t0, t1, groups, tokens, versions, busy_s, started}: `busy_s` the seconds inside engine steps,
         `started` when each new policy version first sampled)."""
-        episodes = Episodes(self.engine, self.env, self.tok)
-        g = self.spec.group_size
-        open_groups: dict[int, tuple[LeaseGrant, list[Rollout | None]]] = {}
+        groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
         row = _ActivityRow(time.time())
         last_version = getattr(self.engine, "version", None)
         try:
@@ -308,33 +307,24 @@ class InferenceNode:
                         if client.lease_cancelled(grant):  # too stale before it started: no work spent on it
                             loop.call_soon_threadsafe(self._group_done, client, grant, None)
                             continue
-                        open_groups[grant.work_id] = (grant, [None] * g)
-                        task = self.env.sample_task(grant.task_index)
-                        for j in range(g):
-                            episodes.add(f"{grant.work_id}-{j}", task,
-                                         SamplingParams(temperature=self.recipe.temperature,
-                                                        seed=sampling_seed(grant.seed, j)))
+                        groups.admit(grant, self.env.sample_task(grant.task_index))
                     try:
                         grants = self._inbox.get_nowait()
                     except queue.Empty:
                         grants = None
                 if self.engine.has_work():
                     t = time.time()
-                    finished = episodes.step()
+                    finished = groups.episodes.step()
                     row.busy_s += time.time() - t
                     version = getattr(self.engine, "version", None)
                     if version is not None and version != last_version:
                         row.started.setdefault(version, t)
                         last_version = version
                     for rollout in finished:
-                        work_id, j = rollout.episode_id.rsplit("-", 1)
-                        grant, members = open_groups[int(work_id)]
-                        members[int(j)] = rollout
                         row.add(rollout)
-                        if all(m is not None for m in members):
-                            del open_groups[int(work_id)]
-                            row.groups += 1
-                            loop.call_soon_threadsafe(self._group_done, client, grant, members)
+                    for grant, members in groups.finished(finished):
+                        row.groups += 1
+                        loop.call_soon_threadsafe(self._group_done, client, grant, members)
                 if time.time() - row.t0 >= 1.0:
                     row = self._emit(loop, row)
             self._emit(loop, row)
