@@ -1,8 +1,9 @@
 """FP8 vs bf16 decode on a Qwen3-30B-A3B-shaped MoE, against `transformers` generate():
 `python -m benchmarks.fp8_engine [--layers 8] [--new-tokens 64]` (needs CUDA).
 
-Decode tokens/s at batch 1, 64 and 256 for: our FP8 path (CUDA graphs), our bf16 path (CUDA
-graphs, torch `_grouped_mm` experts as in the model), and transformers `generate()` (greedy,
+Decode tokens/s at batch 1, 64 and 256 for: our FP8 path and our bf16 path (torch `_grouped_mm`
+experts as in the model), each in the fixed-batch decode loop (`benchmarks.fixed_decode`: the engine's
+decode forward in a CUDA graph, no sampling), and transformers `generate()` (greedy,
 fixed length). Achieved bytes/s of each step against the measured copy bandwidth. Then the
 mismatch: KL between the bf16 and FP8 models' next-token distributions on the same tokens, and
 between the FP8 engine and a bf16 / FP8 trainer with and without router replay.
@@ -15,8 +16,8 @@ import copy
 
 import torch
 
+from benchmarks.fixed_decode import FixedBatchDecoder
 from benchmarks.fp8_common import copy_bandwidth, cuda_time, log, machine_facts, qwen3_30b_a3b_config, write_result
-from node.engine.cuda_graphs import GraphDecoder
 from node.engine.fp8.model import quantize_model_fp8
 from node.model.qwen3_moe import CausalLM
 from node.rl.fp8 import apply_fp8_training
@@ -39,7 +40,7 @@ def step_bytes(cfg, batch: int, ctx: int, fp8: bool) -> float:
 
 def time_decode(model: CausalLM, batch: int, new_tokens: int, use_graph: bool = True) -> float:
     """Seconds per decode step (median over repeated decode runs of `new_tokens` steps)."""
-    dec = GraphDecoder(model, batch, PROMPT + new_tokens + 1, use_graph=use_graph)
+    dec = FixedBatchDecoder(model, batch, PROMPT + new_tokens + 1, use_graph=use_graph)
     prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT), device="cuda")
     first = dec.prefill(prompt).argmax(-1)
     if use_graph:

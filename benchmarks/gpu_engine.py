@@ -8,8 +8,8 @@ weights: `python -m benchmarks.gpu_engine [--layers 8] [--sections fixed,rl,anch
     lengths, T = 1, continuous batching at 256 slots, TOPLOC proofs built from the hidden states.
 (c) the validator's batched prefill (`CudaEngine.verify_prefill`) over the same rollouts.
 Anchors, same run, same tokens, prefill counted the same way: the memory roofline of a decode step,
-`GraphDecoder` alone (greedy argmax, no sampling, fixed batch: an upper bound, not a role path),
-and transformers `generate()` eager and with a static cache + torch.compile (benchmarks.gpu_engine_hf).
+`FixedBatchDecoder` alone (benchmarks/fixed_decode.py: the engine's decode forward in a graph, greedy
+argmax, no sampling, fixed batch: an upper bound, not a role path), and transformers `generate()` eager and with a static cache + torch.compile (benchmarks.gpu_engine_hf).
 """
 
 from __future__ import annotations
@@ -95,10 +95,10 @@ def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[in
 
     fp8_model = quantize_model_fp8(copy.deepcopy(bf16))
     for b in batches:  # the benchmark-only loop, same shapes: decode step of greedy argmax, no sampling
-        rows[b]["graphdecoder_fp8_step_ms"] = time_decode(fp8_model, b, NEW) * 1e3
-        rows[b]["graphdecoder_bf16_step_ms"] = time_decode(bf16, b, NEW) * 1e3
-        log(f"batch {b} GraphDecoder: fp8 {rows[b]['graphdecoder_fp8_step_ms']:.2f} ms, "
-            f"bf16 {rows[b]['graphdecoder_bf16_step_ms']:.2f} ms")
+        rows[b]["fixed_decode_fp8_step_ms"] = time_decode(fp8_model, b, NEW) * 1e3
+        rows[b]["fixed_decode_bf16_step_ms"] = time_decode(bf16, b, NEW) * 1e3
+        log(f"batch {b} FixedBatchDecoder: fp8 {rows[b]['fixed_decode_fp8_step_ms']:.2f} ms, "
+            f"bf16 {rows[b]['fixed_decode_bf16_step_ms']:.2f} ms")
     del fp8_model
     torch.cuda.empty_cache()
     result["fixed"] = list(rows.values())
@@ -109,7 +109,7 @@ def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[in
         fp8_experts_over_bf16_b256=top["fp8_experts_decode_tok_s"] / top["bf16_decode_tok_s"],
         fp8_over_bf16_b256=top["fp8_decode_tok_s"] / top["bf16_decode_tok_s"],
         roofline_share_b256_fp8=top["fp8_roofline_share"],
-        engine_over_graphdecoder_b256_fp8=top["graphdecoder_fp8_step_ms"] / top["fp8_step_ms"],
+        engine_over_fixed_decode_b256_fp8=top["fixed_decode_fp8_step_ms"] / top["fp8_step_ms"],
     )
     if 1 in rows:
         result["step_ms_b1_fp8"] = rows[1]["fp8_step_ms"]

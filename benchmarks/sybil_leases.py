@@ -143,15 +143,13 @@ async def honest_inference(client, stop: asyncio.Event) -> None:
 
 
 async def honest_validator(client, stop: asyncio.Event) -> None:
-    from protocol.envelope import open_envelope
     from protocol.errors import ProtocolError
     from protocol.messages import Verdict
     while not stop.is_set():
         try:
             items = await client.to_verify(64)
             if items:
-                await client.verdicts([Verdict(work_id=i.work_id, valid=True, submitter=open_envelope(
-                    i.envelope, client.member.spec.run_id, None, max_skew_s=float("inf")).signer) for i in items])
+                await client.verdicts([Verdict(work_id=i.work_id, valid=True, submitter=i.submitter) for i in items])
         except ProtocolError:
             pass
         await asyncio.sleep(0.1)
@@ -167,7 +165,7 @@ async def trainer(client, stop: asyncio.Event, steps: list[float], groups: int) 
         except ProtocolError:
             await asyncio.sleep(0.1)
             continue
-        if len(batch.items) >= groups:
+        if len(batch) >= groups:
             steps.append(time.monotonic())
             await client.announce(step, f"{step:064x}")
             step += 1

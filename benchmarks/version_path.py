@@ -1,4 +1,5 @@
-"""The path of one policy version, module by module, before and after issue 13: `python -m benchmarks.version_path`.
+"""The path of one policy version, module by module, before and after issue 13, and now (issue 22's last
+changes): `python -m benchmarks.version_path`.
 
 From the trainer's step that makes version v to the trainer opening the batch that holds rollouts
 sampled with v: publish, announce, fetch and load on an inference node, lease, roll out, prove,
@@ -6,7 +7,8 @@ submit, verify, verdicts, batch. Each path is a list of the repository modules c
 through, in order (a call into another module, and the return from it, are each one entry;
 consecutive entries in one module are one; third-party and standard-library code is not counted;
 the wire between two processes is `protocol/transport.py` on both sides). Traced by hand from the
-code: `BEFORE` from main at c734c3a, `AFTER` from this branch; docs/architecture.md shows both.
+code: `BEFORE` from main at c734c3a, `AFTER` from issue 13's branch, `NOW` from main at ca5fae3 with
+issue 22's last changes (its trace says what moved); docs/architecture.md shows them.
 
 Counts: `modules` (distinct modules on the path), `returns` (entries into a module the path had
 already passed through) and `revisits` (returns other than the end of a call into one other module,
@@ -162,15 +164,126 @@ def counts(seq: list[str]) -> dict:
     return {"modules": len(seen), "returns": returns, "revisits": revisits, "entries": len(seq)}
 
 
-BEFORE, AFTER = path(before=True), path(before=False)
+# ---- now: main at ca5fae3 with issue 22's last changes (branch s8-core) --------------------------------
+# Traced the same way and at the same grain as AFTER: each call AFTER lists is followed to where it goes
+# now, and a call is added where the code added one (calls AFTER leaves out, such as codec > hashing,
+# stay out). What moved since: the trainer's streamed publication (`node/rl/parallel/publish.py`); the
+# version lock and retention in shardcast (`locks.py`, `retention.py`) and its downloads (`download.py`);
+# the engine core with its weight plan and staging (`core.py`, `weights.py`, `weight_staging.py`) and
+# one padding helper (`node/model/batching.py`); seeds bound to the lease holder (`protocol/work.py` in
+# `pipeline.stored`) and the unit's shape checked at admission; the client opening accepted units
+# (`protocol/work.py` `open_unit`); the validator's resident model (`node/roles/resident_policy.py`);
+# verdicts in `protocol/judging.py`; the trainer re-checking each unit and recomputing rewards.
+CORE, ENGINE, BATCHING = "node/engine/core.py", "node/engine/engine.py", "node/model/batching.py"
+STAGING, WEIGHTS = "node/engine/weight_staging.py", "node/engine/weights.py"
+WORK, JUDGING, RESIDENT = "protocol/work.py", "protocol/judging.py", "node/roles/resident_policy.py"
+SC_STORE, LOCKS, RETENTION = "shardcast/store.py", "shardcast/locks.py", "shardcast/retention.py"
+SC_PUB, PAR_PUBLISH, REPLAY = "shardcast/publish.py", "node/rl/parallel/publish.py", "node/replay.py"
+VERSION_LOCK = [SC_STORE, LOCKS, SC_STORE]                 # `store.lock(run, v)`: its lock file's path
+RETAIN = [SC_STORE, RETENTION, LOCKS, RETENTION, SC_STORE]  # `store.retain`: versions nobody holds go
+SC_FETCH_NOW = ["shardcast/fetch.py", "shardcast/sources.py", "shardcast/fetch.py", "shardcast/manifest.py", ID,
+                "shardcast/manifest.py", "shardcast/fetch.py", *VERSION_LOCK, "shardcast/fetch.py", LOCKS,
+                "shardcast/fetch.py", "shardcast/download.py", "shardcast/fetch.py", "shardcast/codec.py",
+                "shardcast/fetch.py", SC_STORE, "shardcast/fetch.py"]
+
+
+def fetch_and_load_now(role: str) -> list[str]:
+    return [role, COMMON, *SC_FETCH_NOW, COMMON, *RETAIN, COMMON, role]
+
+
+def reward_now(role: str) -> list[str]:
+    """The reward recomputed from the transcript (decode, then the task's reward)."""
+    return [role, TOK, role, TASK, role]
+
+
+def train_step_now() -> list[str]:
+    return [TR, TASK, TR, BASE, TOK, BASE, TR, ROLL, MSG, ROLL, TR, ROUTES, *reward_now(TR), "node/rl/advantages.py",
+            TR, "node/rl/batch.py", TR, "node/rl/trainer.py", "node/rl/batch.py", BATCHING, "node/rl/batch.py",
+            "node/rl/trainer.py", MODEL, MOE, MODEL, "node/rl/trainer.py", "node/rl/loss.py", "node/rl/trainer.py",
+            TR, LEDGER, TR]
+
+
+def publish_now() -> list[str]:
+    """`publish_trainer`: the payload's layout and the gather (rank 0 of a world or one process), then
+    shardcast's streamed publication under the version's lock; retention once the manifest is listed."""
+    return [TR, SC_STORE, TR, PAR_PUBLISH, "shardcast/codec.py", PAR_PUBLISH, "node/rl/parallel/state.py", PAR_PUBLISH,
+            SC_PUB, *VERSION_LOCK, SC_PUB, LOCKS, SC_PUB, "shardcast/codec.py", SC_PUB, "shardcast/manifest.py", ID,
+            "shardcast/manifest.py", SC_PUB, SC_STORE, SC_PUB, *RETAIN, SC_PUB, PAR_PUBLISH, TR]
+
+
+def load_now() -> list[str]:
+    """The inference node queues the version: checked whole and planned, held by the engine's core."""
+    return [INF, *fetch_and_load_now(INF), CORE, ENGINE, STAGING, WEIGHTS, STAGING, ENGINE, CORE, INF]
+
+
+def roll_out_now() -> list[str]:
+    """AFTER's, through the engine core: the swap between two steps (`_apply_pending`: the staged
+    version copied in place), admission, the backend's prefill (padded by `node.model.batching`)."""
+    episodes = [INF, TASK, INF, WORK, INF, ROLL, BASE, TOK, BASE, ROLL, CORE, ENGINE, STAGING, WEIGHTS, STAGING,
+                ENGINE, CORE, ENGINE, BATCHING, ENGINE, MODEL, CACHE, MODEL, ENGINE, "node/engine/sampling.py", ENGINE,
+                CORE, ENGINE, CORE, ROLL, TASK, ROLL, INF, "verification/proof.py", "verification/poly.py",
+                "verification/proof.py", INF]
+    submission = [INF, ROLL, MSG, ROLL, ROUTES, ROLL, INF, MSG, INF]
+    return [*episodes, *submission, INF, CLIENT, "protocol/member.py", CLIENT, INF]
+
+
+def rpc_opened(role: list[str], handler: list[str]) -> list[str]:
+    """A client call whose reply holds accepted units: the client opens each (`open_unit`: the envelope,
+    then the run's group shape) before the role sees it."""
+    return [*role, CLIENT, MSG, CLIENT, *send([]), *served(handler), *arrive(), CLIENT, WORK, ENV, ID, ENV, MSG, ENV,
+            WORK, CLIENT, role[-1]]
+
+
+SUBMIT_NOW = [COORD, STORE, COORD, WORK, COORD, LEDGER, COORD, STORE, SEG, STORE, COORD]  # + the unit's shape
+STORED_NOW = [PIPE, STORE, PIPE, WORK, PIPE, STORE, SEG, STORE, PIPE]  # `stored`: seeds bound to the holder
+TO_VERIFY_NOW = [PIPE, STORE, PIPE, LEDGER, PIPE, STORE, *STORED_NOW]
+BATCH_NOW = [PIPE, STORE, PIPE, LEDGER, PIPE, STORE, PIPE, STORE, *STORED_NOW]
+
+
+def judge_now() -> list[str]:
+    """The units arrive opened; version v joins the resident model as a delta, and the reference
+    switches to it in place while its claims are recomputed."""
+    claim = [VAL, TASK, BASE, TOK, BASE, VAL, MSG, VAL, WORK, VAL, "verification/claim.py", VAL]
+    hold = [VAL, RESIDENT, "node/model/checkpoint.py", RESIDENT, VAL]
+    return [*claim, *fetch_and_load_now(VAL), *hold, REPLAY, RESIDENT, REPLAY, VAL, "verification/validator.py",
+            "verification/checks.py", "verification/proof.py", "verification/hidden_check.py",
+            "verification/routing.py", "verification/validator.py", REPLAY, BATCHING, REPLAY, RESIDENT, REPLAY, MODEL,
+            REPLAY, "verification/validator.py", VAL]
+
+
+def open_batch_now() -> list[str]:
+    """`TrainerNode._open` on each opened unit: versions, then what the step will read (task, prompt,
+    rollouts, the recomputed reward)."""
+    return [TR, LEDGER, TR, TASK, TR, BASE, TOK, BASE, TR, ROLL, MSG, ROLL, *reward_now(TR)]
+
+
+def path_now() -> list[str]:
+    seq = [*train_step_now(), *publish_now()]
+    seq += rpc_after([TR], ANNOUNCE_AFTER)                     # announce: the coordinator records v
+    seq += GOSSIP                                              # and gossips it
+    seq += load_now()                                          # inference: fetch, verify, queue for the engine
+    seq += rpc_after([INF], lease_handler(before=False))       # lease
+    seq += roll_out_now()                                      # the swap lands, roll out, prove
+    seq += rpc_after([INF], SUBMIT_NOW)                        # submit
+    seq += rpc_opened([VAL], TO_VERIFY_NOW)                    # validator: work to verify, opened
+    seq += judge_now()
+    seq += rpc_after([VAL], [JUDGING, STORE, JUDGING])         # verdicts
+    seq += rpc_opened([TR], BATCH_NOW)                         # trainer: the batch of step v + 1, opened
+    seq += open_batch_now()
+    return [m for i, m in enumerate(seq) if i == 0 or m != seq[i - 1]]
+
+
+BEFORE, AFTER, NOW = path(before=True), path(before=False), path_now()
 
 
 def main() -> None:
-    for name, seq in (("before", BEFORE), ("after", AFTER)):
+    for name, seq in (("before", BEFORE), ("after", AFTER), ("now", NOW)):
         print(f"[{name}] " + " > ".join(m.removesuffix(".py") for m in seq), flush=True)
-    b, a = counts(BEFORE), counts(AFTER)
+    b, a, n = counts(BEFORE), counts(AFTER), counts(NOW)
     print(json.dumps({"benchmark": "version_path", "method": "hand-traced module sequence (see module docstring)",
-                      "before": b, "after": a, "ratio_returns_after_vs_before": round(a["returns"] / b["returns"], 3),
+                      "before": b, "after": a, "now": n,
+                      "ratio_returns_now_vs_before": round(n["returns"] / b["returns"], 3),
+                      "ratio_returns_after_vs_before": round(a["returns"] / b["returns"], 3),
                       "ratio_modules_after_vs_before": round(a["modules"] / b["modules"], 3),
                       "ratio_revisits_after_vs_before": round(a["revisits"] / b["revisits"], 3)}))
 

@@ -3,6 +3,8 @@
 Invariants:
 - every reply is checked against the type the operation expects; anything else is an
   `UnexpectedReply` (a typed error, never an attribute error three calls later);
+- accepted work units reach the caller opened (`protocol.work.open_unit`): an `AcceptedGroup` whose
+  signature and shape were re-checked, or an `UnreadableUnit` with its typed error, never raw bytes;
 - a coordinator that is briefly gone (restart, churn, a slow link) only delays a caller: transport
   errors are retried with backoff, and a `NotMember` answer (the coordinator restarted without our
   membership, or swept us as dead) leads to a fresh join and a retry;
@@ -25,6 +27,7 @@ from protocol.messages import (BatchRejects, BatchRequest, LeaseBatchRequest, Le
                                Role, RolloutGroup, RolloutSubmission, RunSpec, StoredWork, StoredWorkBatch,
                                RunEnd, SubmissionReceipt, UnitFailure, Verdict, VerdictBatch, VerifyRequest)
 from protocol.transport import PeerHost
+from protocol.work import OpenedUnit, open_unit
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Message)
@@ -132,21 +135,26 @@ class CoordinatorClient:
         """Store a result; raises the coordinator's typed refusal (`StaleRollout`, `LeaseExpired`, ...)."""
         return await self._call(work, SubmissionReceipt, f"submit work {work.work_id}")
 
-    async def batch(self, step: int, groups: int) -> StoredWorkBatch:
-        """The work units assigned to trainer step `step` so far (idempotent; fewer than `groups` while
-        verified work is still short)."""
-        return await self._call(BatchRequest(step=step, groups=groups), StoredWorkBatch, f"batch {step}",
-                                BULK_TIMEOUT_S)
+    async def batch(self, step: int, groups: int) -> list[OpenedUnit]:
+        """The work units assigned to trainer step `step`, opened (`protocol.work.open_unit`): at most
+        `groups`, none while verified work is still short (idempotent: asking again gets the same)."""
+        reply = await self._call(BatchRequest(step=step, groups=groups), StoredWorkBatch, f"batch {step}",
+                                 BULK_TIMEOUT_S)
+        return self._opened(reply.items[:groups])
 
     async def reject_units(self, step: int, failures: list[UnitFailure]) -> None:
         """Trainer: these units of step `step`'s batch cannot be trained on; the coordinator takes them out
         of the batch for good (asking again tops it up) and strikes their submitters."""
         await self._call(BatchRejects(step=step, failures=failures), Ok, f"reject units of batch {step}")
 
-    async def to_verify(self, max_items: int) -> list[StoredWork]:
-        """Accepted work units that still need this validator's verdict."""
+    async def to_verify(self, max_items: int) -> list[OpenedUnit]:
+        """Accepted work units that still need this validator's verdict, opened (`protocol.work.open_unit`)."""
         reply = await self._call(VerifyRequest(max_items=max_items), StoredWorkBatch, "verify request", BULK_TIMEOUT_S)
-        return list(reply.items)
+        return self._opened(reply.items)
+
+    def _opened(self, items: list[StoredWork]) -> list[OpenedUnit]:
+        spec = self.member.spec
+        return [open_unit(item, spec.run_id, spec.group_size) for item in items]
 
     async def verdicts(self, verdicts: list[Verdict]) -> None:
         """Report verdicts (a failing one bans its submitter)."""

@@ -76,9 +76,11 @@ class RunSpec(Message):
     tasks_per_step: int = Field(1 << 20, ge=1, le=MAX_INT64)
     """Size of the task pool work ids draw from (task index = derived seed mod this)."""
     group_size: int = Field(1, ge=1, le=256)
-    """Samples per work unit: one lease is one task answered by this many rollouts (a GRPO group)."""
+    """Samples per work unit: one lease is one task answered by this many rollouts (a GRPO group).
+    The wire default (1, as specs of the first schema, which lack the field, meant) is not run.toml's:
+    `node.run_config.RunConfig` writes its own into every spec (docs/architecture.md)."""
     batch_groups: int = Field(1, ge=1, le=65_536)
-    """Work units (groups) per trainer step."""
+    """Work units (groups) per trainer step (wire default as `group_size`'s)."""
     verification_rate: float = Field(1.0, ge=0.0, le=1.0)
     """Share of work units a validator must judge before they may enter a batch (1.0 in tests)."""
     shardcast_sources: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=64)

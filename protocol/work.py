@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import dataclass
 
-from protocol.errors import MalformedWork
-from protocol.messages import RolloutGroup, RolloutSubmission
+from protocol.envelope import open_envelope
+from protocol.errors import MalformedWork, ProtocolError
+from protocol.messages import RolloutGroup, RolloutSubmission, StoredWork
 
 
 def derive_work(run_id: str, step: int, work_id: int, tasks: int) -> tuple[int, int]:
@@ -54,3 +56,49 @@ def unit_group(message: object, work_id: int, group_size: int) -> RolloutGroup:
         raise MalformedWork(f"work {work_id}: a group of {len(message.rollouts)} rollouts, the run's groups have "
                             f"{group_size}")
     return message
+
+
+@dataclass(frozen=True)
+class AcceptedGroup:
+    """An accepted work unit opened for the roles that read it (the trainer's step, the validator's
+    judging): the coordinator's facts of the unit and the rollout group its submitter signed, in the
+    run's shape."""
+
+    work_id: int
+    task_index: int
+    """Its derived task."""
+    seed: int
+    """Its sampling seed root as leased to the submitter (`holder_seed`)."""
+    submitter: str
+    """PeerID whose signature the group carries."""
+    group: RolloutGroup
+
+
+@dataclass(frozen=True)
+class UnreadableUnit:
+    """An accepted work unit that does not open: its envelope does not verify for the run, or the
+    message is not a rollout group of the run's shape (`unit_group`)."""
+
+    work_id: int
+    submitter: str
+    """PeerID whose signature the envelope carries ("?" when the signature is what failed)."""
+    error: ProtocolError
+    """Why, typed."""
+
+
+OpenedUnit = AcceptedGroup | UnreadableUnit
+"""What a role gets for each accepted work unit it reads (`CoordinatorClient.batch`, `.to_verify`)."""
+
+
+def open_unit(item: StoredWork, run_id: str, group_size: int) -> OpenedUnit:
+    """The unit as its readers use it. Its envelope is re-verified (signature and run; no clock window:
+    a stored unit is as old as it is), never trusted because the coordinator accepted it."""
+    try:
+        opened = open_envelope(item.envelope, run_id, None, max_skew_s=float("inf"))
+    except ProtocolError as exc:
+        return UnreadableUnit(item.work_id, "?", exc)
+    try:
+        group = unit_group(opened.message, item.work_id, group_size)
+    except MalformedWork as exc:
+        return UnreadableUnit(item.work_id, opened.signer, exc)
+    return AcceptedGroup(item.work_id, item.task_index, item.seed, opened.signer, group)

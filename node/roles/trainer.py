@@ -6,15 +6,15 @@ publish version s through shardcast and have the coordinator announce it. Public
 gathering the batch for s+1 (with k >= 1 that batch may hold version s-1's rollouts); step s+1's
 optimizer step waits for it, so no version is ever published from weights that are changing.
 
-Invariants: the trainer never dies on data. Every unit of a batch is re-checked here before it
-enters a step (`_open`: the signature of its submitter, the run's group shape, every token's
-version within `OffPolicyLedger.admissible(min_version, s)` and not newer than s-1, token ids
-inside the vocabulary, a sequence the model can hold, readable rollouts); a unit that fails is
-reported to the coordinator (`BatchRejects`), which takes it out of the batch for good and strikes its
-submitter, and the trainer asks for the batch again, topped up. Each step logs the work ids it
-trained on, so a simulation can prove that no accepted rollout was lost or used twice. After a crash
-the trainer resumes from its last checkpoint, and the step it had not finished gets the same batch
-again (the request is idempotent), less every unit rejected before.
+Invariants: the trainer never dies on data. Every unit of a batch is re-checked before it enters a
+step (as the client opens it, `protocol.work.open_unit`: the signature of its submitter, the run's
+group shape; then in `_open`: every token's version within `OffPolicyLedger.admissible(min_version,
+s)` and not newer than s-1, token ids inside the vocabulary, a sequence the model can hold, readable
+rollouts); a unit that fails is reported to the coordinator (`BatchRejects`), which takes it out of
+the batch for good and strikes its submitter, and the trainer asks for the batch again, topped up.
+Each step logs the work ids it trained on, so a simulation can prove that no accepted rollout was
+lost or used twice. After a crash the trainer resumes from its last checkpoint, and the step it had
+not finished gets the same batch again (the request is idempotent), less every unit rejected before.
 
 With `--dp/--ep/--cp` under torchrun, rank 0 is this networked trainer and the other ranks only
 compute: each step's batch goes to every rank and the step is taken by the distributed trainer
@@ -57,12 +57,11 @@ from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from protocol.client import CoordinatorClient
-from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.ledger import OffPolicyLedger
-from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec, UnitFailure
-from protocol.work import unit_group
+from protocol.messages import RolloutSubmission, RunSpec, UnitFailure
+from protocol.work import AcceptedGroup, OpenedUnit, UnreadableUnit
 from node.roles.relay import other_sources
 from shardcast.publish import PublishOptions
 from shardcast.seeding import SeedOffer
@@ -178,7 +177,7 @@ class TrainerNode:
                 t_publish_wait = time.time() - t_ready
                 row = await asyncio.to_thread(self._train, trainer, step, items)
                 row.update(wait_s=t_wait, publish_wait_s=t_publish_wait, t_trained=time.time(),
-                           tokens=sum(g.n_tokens for _, _, g in items), t_asked=t0)
+                           tokens=sum(u.group.n_tokens for u in items), t_asked=t0)
                 publishing = asyncio.create_task(self._send_weights_and_log(client, trainer, row, metrics))
                 if step % CHECKPOINT_EVERY == 0 or step == self.steps:
                     await publishing  # first: a world's ranks run one collective at a time
@@ -274,18 +273,18 @@ class TrainerNode:
         log.info("step %d: reward %.3f, lag max %d, waited %.2fs, published in %.2fs", row["step"], row["reward_mean"],
                  max(row["lags"]), row["wait_s"], row["publish_s"])
 
-    async def _batch(self, client: CoordinatorClient, stop: asyncio.Event, step: int) -> list[RolloutGroup] | None:
+    async def _batch(self, client: CoordinatorClient, stop: asyncio.Event, step: int) -> list[AcceptedGroup] | None:
         want = self.spec.batch_groups
         while not stop.is_set():
             reply = await client.batch(step, want)
-            if len(reply.items) >= want:
+            if len(reply) >= want:
                 units, failures = [], []
-                for item in reply.items[:want]:
+                for unit in reply:
                     try:
-                        units.append(self._open(step, item))
+                        units.append(self._open(step, unit))
                     except UnitRejected as exc:
-                        log.warning("step %d: work %d rejected: %s", step, item.work_id, exc)
-                        failures.append(UnitFailure(work_id=item.work_id, reason=str(exc)[:500]))
+                        log.warning("step %d: work %d rejected: %s", step, unit.work_id, exc)
+                        failures.append(UnitFailure(work_id=unit.work_id, reason=str(exc)[:500]))
                 if not failures:
                     return units
                 try:
@@ -298,26 +297,24 @@ class TrainerNode:
             await asyncio.sleep(0.05)
         return None
 
-    def _open(self, step: int, item) -> tuple[int, int, RolloutGroup]:
+    def _open(self, step: int, unit: OpenedUnit) -> AcceptedGroup:
         """The unit as the step will train on it, or `UnitRejected` (nothing a submitter signed gets further)."""
-        try:
-            opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
-            group = unit_group(opened.message, item.work_id, self.spec.group_size)
-        except ProtocolError as exc:
-            raise UnitRejected(f"work {item.work_id}: {type(exc).__name__}: {exc}") from None
+        if isinstance(unit, UnreadableUnit):
+            raise UnitRejected(f"work {unit.work_id}: {type(unit.error).__name__}: {unit.error}")
+        group = unit.group
         newest = max(v for sub in group.rollouts for v, _ in sub.version_runs)
         if not self.ledger.admissible(group.min_version, step) or newest > step - 1:
-            raise UnitRejected(f"work {item.work_id} (versions {group.min_version}..{newest}) in batch {step}")
+            raise UnitRejected(f"work {unit.work_id} (versions {group.min_version}..{newest}) in batch {step}")
         vocab, longest = self._shape.vocab_size, self._shape.max_position_embeddings
         try:
-            task = self.env.sample_task(item.task_index)
+            task = self.env.sample_task(unit.task_index)
             prompt = task.prompt_ids(self.tok)
             for sub in group.rollouts:
                 if max(sub.token_ids) >= vocab:
-                    raise UnitRejected(f"work {item.work_id}: token id {max(sub.token_ids)} outside the "
+                    raise UnitRejected(f"work {unit.work_id}: token id {max(sub.token_ids)} outside the "
                                        f"vocabulary of {vocab}")
                 if len(prompt) + sub.n_tokens > longest:
-                    raise UnitRejected(f"work {item.work_id}: {len(prompt)} + {sub.n_tokens} tokens, the model "
+                    raise UnitRejected(f"work {unit.work_id}: {len(prompt)} + {sub.n_tokens} tokens, the model "
                                        f"holds {longest}")
                 Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt)))
                 if getattr(self.env, "cheap_reward", True):  # the step recomputes it (`_reward`)
@@ -325,18 +322,18 @@ class TrainerNode:
         except UnitRejected:
             raise
         except Exception as exc:  # whatever else a unit holds that the step could not read
-            raise UnitRejected(f"work {item.work_id}: unreadable: {type(exc).__name__}: {exc}") from None
-        return item.work_id, item.task_index, group
+            raise UnitRejected(f"work {unit.work_id}: unreadable: {type(exc).__name__}: {exc}") from None
+        return unit
 
-    def train_batch(self, items: list[tuple[int, int, RolloutGroup]]) -> tuple[TrainBatch, torch.Tensor]:
+    def train_batch(self, items: list[AcceptedGroup]) -> tuple[TrainBatch, torch.Tensor]:
         """The step's batch from its rollout groups, and the rewards [groups, group size]."""
         rollouts, rewards = [], []
-        for _wid, task_index, group in items:
-            task = self.env.sample_task(task_index)
+        for unit in items:
+            task = self.env.sample_task(unit.task_index)
             prompt = task.prompt_ids(self.tok)
             rollouts += [Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt)))
-                         for sub in group.rollouts]
-            rewards.append([self._reward(task, sub) for sub in group.rollouts])
+                         for sub in unit.group.rollouts]
+            rewards.append([self._reward(task, sub) for sub in unit.group.rollouts])
         r = torch.tensor(rewards)
         adv = group_advantages(r, normalize_std=True).flatten().tolist()
         return build_batch(rollouts, adv, self.tok.pad_id), r
@@ -364,11 +361,11 @@ class TrainerNode:
             log.warning("work %d: routed experts unreadable (%s); trained without replay", sub.work_id, exc)
             return None
 
-    def _train(self, trainer: Trainer, step: int, items: list[tuple[int, int, RolloutGroup]]) -> dict:
+    def _train(self, trainer: Trainer, step: int, items: list[AcceptedGroup]) -> dict:
         batch, r = self.train_batch(items)
         stats = trainer.train_step(batch)
-        lags = [self.ledger.lag(g.min_version, step) for _, _, g in items]
-        routed = sum(sub.routed_experts is not None for _, _, g in items for sub in g.rollouts)
-        return {"step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [w for w, _, _ in items],
+        lags = [self.ledger.lag(u.group.min_version, step) for u in items]
+        routed = sum(sub.routed_experts is not None for u in items for sub in u.group.rollouts)
+        return {"step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [u.work_id for u in items],
                 "router_replay": self.cfg.router_replay and batch.routed_experts is not None,
                 "routed_rollouts": routed, **stats}

@@ -42,11 +42,10 @@ from node.roles.common import blank_model, check_version0, environment, fetch_po
 from node.roles.resident_policy import ResidentPolicies
 from node.roles.version0 import local_version0
 from protocol.client import CoordinatorClient
-from protocol.envelope import open_envelope
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
-from protocol.messages import PolicyAnnounce, RunSpec, StoredWork, Verdict
-from protocol.work import sampling_seed, unit_group
+from protocol.messages import PolicyAnnounce, RunSpec, Verdict
+from protocol.work import AcceptedGroup, OpenedUnit, UnreadableUnit, sampling_seed
 from shardcast.store import Store
 from verification.checks import Severity
 from verification.claim import RolloutClaim, SamplingSpec
@@ -141,16 +140,18 @@ class ValidatorNode:
             self.policies = ResidentPolicies(self._model_of(version, state, local).eval(), version, manifest_hash)
             return
         if version == 0 and not local and self.spec.model.weights_hash is not None:
-            check = blank_model(self.spec, "cpu")
-            load_hf_state_dict(check, state)
-            check_version0(self.spec, check)
-            del check
+            check_version0(self.spec, self._filled("cpu", state))
         self.policies.add(version, state, manifest_hash)
 
-    def _model_of(self, version: int, state: dict, local: bool = False) -> CausalLM:
-        model = blank_model(self.spec, self.device)
-        # tensor by tensor from the payload's mapping, experts into their rows: no stacked copy on the host
+    def _filled(self, device: str, state: dict) -> CausalLM:
+        """A model of the run on `device` holding `state`: tensor by tensor from the payload's mapping, experts
+        into their rows, no stacked copy on the host."""
+        model = blank_model(self.spec, device)
         StagedVersion.of(model, state, expected_shapes(model), stage=False).apply()
+        return model
+
+    def _model_of(self, version: int, state: dict, local: bool = False) -> CausalLM:
+        model = self._filled(self.device, state)
         if version == 0 and not local:  # a local version 0 was checked against the spec's pin as it loaded
             check_version0(self.spec, model)  # the high-precision weights the trainer published
         # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
@@ -167,20 +168,21 @@ class ValidatorNode:
         forget = time.monotonic() - 10 * UNJUDGEABLE_AFTER_S  # units the coordinator no longer offers
         self._deferred = {w: t for w, t in self._deferred.items() if t > forget}
 
-    async def _judge(self, items: list[StoredWork]) -> list[Verdict]:
+    async def _judge(self, items: list[OpenedUnit]) -> list[Verdict]:
         claims: dict[int, list[RolloutClaim]] = {}
         failed: dict[int, tuple[str, str]] = {}
         submitters: dict[int, str] = {}
         skipped: set[int] = set()
         borderline: set[int] = set()
         for item in items:
+            submitters[item.work_id] = item.submitter
+            if isinstance(item, UnreadableUnit):
+                failed[item.work_id] = (item.submitter, f"malformed: {item.error}"[:500])
+                continue
             try:
-                opened = open_envelope(item.envelope, self.spec.run_id, None, max_skew_s=float("inf"))
-                submitters[item.work_id] = opened.signer
-                group = unit_group(opened.message, item.work_id, self.spec.group_size)
-                claims[item.work_id] = [self._claim(item, j, sub) for j, sub in enumerate(group.rollouts)]
+                claims[item.work_id] = [self._claim(item, j, sub) for j, sub in enumerate(item.group.rollouts)]
             except (ProtocolError, ValueError, KeyError) as exc:
-                failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
+                failed[item.work_id] = (item.submitter, f"malformed: {exc}"[:500])
                 claims.pop(item.work_id, None)
                 continue
             try:
@@ -195,11 +197,11 @@ class ValidatorNode:
                     log.warning("work %d: policy not available (%s); judged later", item.work_id, exc)
                     skipped.add(item.work_id)
                     continue
-                failed[item.work_id] = (submitters[item.work_id], f"unjudgeable: no policy for "
+                failed[item.work_id] = (item.submitter, f"unjudgeable: no policy for "
                                         f"{time.monotonic() - first:.0f} s: {exc}"[:500])
                 borderline.add(item.work_id)
             except (ValueError, KeyError) as exc:
-                failed[item.work_id] = (submitters.get(item.work_id, "?"), f"malformed: {exc}"[:500])
+                failed[item.work_id] = (item.submitter, f"malformed: {exc}"[:500])
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
         self._round_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for _, c in flat)
@@ -224,7 +226,7 @@ class ValidatorNode:
                 continue
             self._deferred.pop(item.work_id, None)
             bad = failed.get(item.work_id)
-            out.append(Verdict(work_id=item.work_id, submitter=submitters.get(item.work_id, bad[0] if bad else "?"),
+            out.append(Verdict(work_id=item.work_id, submitter=item.submitter,
                                valid=bad is None, reason="" if bad is None else bad[1],
                                severity="borderline" if item.work_id in borderline else "proof"))
         self.judged += len(out)
@@ -234,7 +236,7 @@ class ValidatorNode:
                 log.warning("work %d from %s rejected: %s", v.work_id, v.submitter, v.reason)
         return out
 
-    def _claim(self, item: StoredWork, j: int, sub) -> RolloutClaim:
+    def _claim(self, item: AcceptedGroup, j: int, sub) -> RolloutClaim:
         task = self.env.sample_task(item.task_index)
         return RolloutClaim(
             work_id=item.work_id, env=self.spec.environment, task_seed=item.task_index,

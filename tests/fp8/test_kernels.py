@@ -77,7 +77,7 @@ def test_kernels_match_float64_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_equals_eager_decode():
-    from node.engine.cuda_graphs import GraphDecoder
+    from benchmarks.fixed_decode import FixedBatchDecoder
     from node.engine.fp8.model import quantize_model_fp8
     from node.model.config import ModelConfig
     from node.model.qwen3_moe import CausalLM
@@ -90,7 +90,7 @@ def test_cuda_graph_replay_equals_eager_decode():
     # Teacher-forced: both decoders are fed the same tokens, and their logits must agree. (Greedy
     # sequences can part at a near-tie: the MoE combine's index_add_ sums a token's expert outputs
     # with atomics, in an order that varies from run to run, so bf16 results vary in the last bit.)
-    eager, graphed = GraphDecoder(m, 4, 20, use_graph=False), GraphDecoder(m, 4, 20, use_graph=True)
+    eager, graphed = FixedBatchDecoder(m, 4, 20, use_graph=False), FixedBatchDecoder(m, 4, 20, use_graph=True)
     tokens = eager.greedy(prompt, 10)
     graphed.prefill(prompt)
     eager.prefill(prompt)

@@ -5,7 +5,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from node.engine.cuda_graphs import GraphDecoder
+from benchmarks.fixed_decode import FixedBatchDecoder
 from node.engine.fp8.model import FP8GroupedExperts, FP8Linear, quantize_model_fp8
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
@@ -105,7 +105,7 @@ def test_fp8_training_keeps_parameters_and_learns():
 def test_fixed_shape_decoder_matches_full_recompute():
     m = model()
     prompt = torch.randint(0, 64, (3, 5))
-    dec = GraphDecoder(m, batch=3, max_len=12, use_graph=False)
+    dec = FixedBatchDecoder(m, batch=3, max_len=12, use_graph=False)
     got = dec.greedy(prompt, 6)
     seq = prompt
     for _ in range(6):

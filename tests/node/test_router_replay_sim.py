@@ -4,9 +4,11 @@ validator and replayed by the trainer (`primerl-node sim`, one inference node, a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
+from sim_reads import published, step_units
 
 from node.model.checkpoint import load_hf_state_dict
 from node.roles.common import fresh_model
@@ -14,7 +16,6 @@ from node.roles.trainer import TrainerNode
 from node.sim import run_sim
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
-from shardcast.store import Store
 
 
 @pytest.mark.slow  # a whole network of processes: runs after the fast tests
@@ -34,44 +35,17 @@ def test_every_trained_batch_replays_the_routes_the_inference_node_sent(tmp_path
     # freely, choose the same experts at every position of step 1's batch.
     spec = RunSpec.model_validate_json((tmp_path / "coordinator" / "spec.json").read_bytes())
     role = TrainerNode(NodeKey.generate(), spec, "", tmp_path / "reference", 0)
-    items = _step_items(tmp_path, spec, 1)
+    items = step_units(tmp_path, spec, 1)
     batch, _ = role.train_batch(items)
     model = fresh_model(spec)
-    load_hf_state_dict(model, _published(tmp_path, spec, 0))
+    load_hf_state_dict(model, published(tmp_path, spec, 0))
     with torch.no_grad():
         free = model(batch.input_ids).routed_experts
     real = batch.input_ids.ne(role.tok.pad_id)  # positions of the sequences, not their padding
     assert batch.routed_experts is not None
     assert torch.equal(free.sort(-1).values[real], batch.routed_experts.sort(-1).values[real])
     # One submission without routes (an engine that cannot capture them): the step routes freely.
-    wid, task, group = items[0]
+    group = items[0].group
     bare = group.model_copy(update={"rollouts": [group.rollouts[0].model_copy(update={"routed_experts": None}),
                                                  *group.rollouts[1:]]})
-    assert role.train_batch([(wid, task, bare), *items[1:]])[0].routed_experts is None
-
-
-def _published(out, spec, version: int) -> dict[str, torch.Tensor]:
-    from node.sim_network import store_of
-
-    from shardcast.fetch import read_held
-    from shardcast.manifest import TrustedPublishers
-
-    got = read_held(Store(store_of(out, "trainer")), TrustedPublishers([spec.trainer]), spec.run_id, version)
-    return {k: t.clone() for k, t in got.tensors().items()}
-
-
-def _step_items(out, spec, step: int) -> list[tuple]:
-    """The rollout groups the trainer logged for `step`, read back from the coordinator's store."""
-    from protocol.coordinator import Coordinator
-
-    rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
-    work_ids = next(r["work_ids"] for r in rows if r["step"] == step)
-    state = Coordinator(out / "coordinator", spec)
-    try:
-        items = []
-        for wid in work_ids:
-            task_index, _seed = state.store.work_seed(wid)
-            items.append((wid, task_index, state.load_rollout(state.store.accepted(wid)[0])))
-        return items
-    finally:
-        state.close()
+    assert role.train_batch([replace(items[0], group=bare), *items[1:]])[0].routed_experts is None

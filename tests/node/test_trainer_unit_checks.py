@@ -10,6 +10,7 @@ from node.roles.trainer import TrainerNode, UnitRejected
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec, StoredWork
+from protocol.work import AcceptedGroup, OpenedUnit, UnreadableUnit, open_unit
 
 KEY = NodeKey.from_seed(b"s" * 32)
 SPEC = RunSpec(run_id="checks", coordinator=NodeKey.from_seed(b"c" * 32).peer_id, environment="reverse",
@@ -22,17 +23,19 @@ def rollout(versions: list[int], tokens: list[int] | None = None) -> RolloutSubm
                              logprobs=[-0.5] * len(tokens), reward=0.0, finish_reason="length")
 
 
-def item(message) -> StoredWork:
-    return StoredWork(work_id=3, task_index=11, seed=5, envelope=seal(KEY, SPEC.run_id, message))
+def item(message) -> OpenedUnit:
+    """The unit as the trainer's client hands it over (`CoordinatorClient.batch`)."""
+    stored = StoredWork(work_id=3, task_index=11, seed=5, envelope=seal(KEY, SPEC.run_id, message))
+    return open_unit(stored, SPEC.run_id, SPEC.group_size)
 
 
 def test_a_unit_the_step_could_not_read_is_rejected_and_an_honest_one_passes(tmp_path):
     role = TrainerNode(NodeKey.generate(), SPEC, "", tmp_path, 0)
     role.ledger.current_version = 4
     honest = RolloutGroup(work_id=3, rollouts=[rollout([4, 4, 4])] * 2)
-    wid, task, group = role._open(5, item(honest))
-    assert (wid, task, group) == (3, 11, honest)
-    batch, rewards = role.train_batch([(wid, task, group)])
+    unit = role._open(5, item(honest))
+    assert unit == AcceptedGroup(work_id=3, task_index=11, seed=5, submitter=KEY.peer_id, group=honest)
+    batch, rewards = role.train_batch([unit])
     assert rewards.shape == (1, 2) and batch.input_ids.shape[0] == 2
     vocab, longest = role._shape.vocab_size, role._shape.max_position_embeddings
     junk = {
@@ -48,5 +51,8 @@ def test_a_unit_the_step_could_not_read_is_rejected_and_an_honest_one_passes(tmp
         with pytest.raises(UnitRejected):
             role._open(5, item(message))
             raise AssertionError(f"{what} was not rejected")
-    with pytest.raises(UnitRejected):  # bytes that are no signed message at all
-        role._open(5, StoredWork(work_id=3, task_index=11, seed=5, envelope=b"\x00" * 64))
+    junk_bytes = open_unit(StoredWork(work_id=3, task_index=11, seed=5, envelope=b"\x00" * 64), SPEC.run_id,
+                           SPEC.group_size)  # bytes that are no signed message at all
+    assert isinstance(junk_bytes, UnreadableUnit) and junk_bytes.submitter == "?"
+    with pytest.raises(UnitRejected, match="MalformedMessage"):
+        role._open(5, junk_bytes)

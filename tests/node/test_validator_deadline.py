@@ -14,6 +14,7 @@ from node.roles.validator import ValidatorNode
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import RolloutGroup, RolloutSubmission, RunSpec, StoredWork
+from protocol.work import open_unit
 
 
 def closed_port() -> int:
@@ -29,8 +30,9 @@ def test_an_unjudgeable_unit_fails_after_the_deadline_only_while_other_versions_
     node = ValidatorNode(NodeKey.generate(), spec, "", tmp_path)
     sub = RolloutSubmission(work_id=7, version_runs=[(5, 3)], token_ids=[4, 5, 6], logprobs=[-0.5] * 3, reward=0.0,
                             finish_reason="eos")
-    item = StoredWork(work_id=7, task_index=1, seed=2,
-                      envelope=seal(submitter, spec.run_id, RolloutGroup(work_id=7, rollouts=[sub])))
+    item = open_unit(StoredWork(work_id=7, task_index=1, seed=2,
+                                envelope=seal(submitter, spec.run_id, RolloutGroup(work_id=7, rollouts=[sub]))),
+                     spec.run_id, spec.group_size)  # as the validator's client hands it over
     monkeypatch.setattr(validator_role, "UNJUDGEABLE_AFTER_S", 0.5)
 
     async def body() -> None:

@@ -12,6 +12,7 @@ from protocol.client import ONCE, CoordinatorClient, Retry
 from protocol.errors import NotMember, StaleRollout, UnexpectedReply
 from protocol.identity import NodeKey
 from protocol.messages import LeaseBatchRequest, Ok, RolloutGroup, RolloutSubmission
+from protocol.work import AcceptedGroup
 
 
 def group(work_id: int, version: int) -> RolloutGroup:
@@ -37,8 +38,10 @@ def test_client_leases_submits_and_a_trainer_gets_the_batch_and_publishes(tmp_pa
             for g in grants:
                 assert (await inference.submit(group(g.work_id, 0))).accepted
             coordinator = CoordinatorClient(trainer, boot)
-            batch = await coordinator.batch(1, 2)
-            assert sorted(i.work_id for i in batch.items) == sorted(g.work_id for g in grants)
+            batch = await coordinator.batch(1, 2)  # opened: typed groups, their signer re-checked
+            assert sorted(i.work_id for i in batch) == sorted(g.work_id for g in grants)
+            assert all(isinstance(i, AcceptedGroup) and i.submitter == worker.key.peer_id
+                       and i.group == group(i.work_id, 0) for i in batch)
             await coordinator.announce(1, "cd" * 32)
             assert coord.state.ledger.current_version == 1
             # A refusal is an answer: raised at once, typed (not retried as an outage).

@@ -59,7 +59,7 @@ def test_junk_is_refused_at_admission_struck_and_banned_while_honest_work_is_bat
             for g in grants:
                 assert (await good.submit(group(g.work_id, [0, 0]))).accepted
             batch = await client(trainer).batch(1, 2)
-            assert sorted(i.work_id for i in batch.items) == sorted(g.work_id for g in grants)
+            assert sorted(i.work_id for i in batch) == sorted(g.work_id for g in grants)
             assert coord.state.store.strikes_of(honest.key.peer_id) == 0
         finally:
             await stop_all(coord, [attacker, honest, trainer])
@@ -83,12 +83,12 @@ def test_a_unit_the_trainer_rejects_leaves_the_batch_for_good_and_its_sender_is_
             for g in grants:
                 assert (await worker.submit(group(g.work_id, [0, 0]))).accepted
             t = client(trainer)
-            first = [i.work_id for i in (await t.batch(1, 2)).items]
+            first = [i.work_id for i in await t.batch(1, 2)]
             poison = first[0]
             await t.reject_units(1, [UnitFailure(work_id=poison, reason="token id outside the vocabulary")])
             await t.reject_units(1, [UnitFailure(work_id=poison, reason="a retry of a lost reply")])  # idempotent
             assert coord.state.store.strikes_of(sender.key.peer_id) == 1
-            again = [i.work_id for i in (await t.batch(1, 2)).items]  # a restarted trainer asks the same
+            again = [i.work_id for i in await t.batch(1, 2)]  # a restarted trainer asks the same
             assert poison not in again and len(again) == 2 and first[1] in again  # topped up with the third
             assert coord.state.store.accepted(poison)[0].dropped == "rejected_by_trainer"
             with pytest.raises(UnknownWork):  # only units of that batch can be rejected

@@ -27,10 +27,8 @@ from node.roles.trainer import TrainerNode
 from node.rl.parallel.trainer import minibatch_seed
 from node.rl.trainer import Trainer
 from node.sim import run_sim
-from protocol.coordinator import Coordinator
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
-from shardcast.store import Store
 
 PARAM_TOLERANCE = 1e-4
 """Largest |distributed - one process| per tensor over that tensor's largest |value|, after one
@@ -40,43 +38,19 @@ docs/scale-out.md); a wrong minibatch, learning rate or loss term moves the weig
 whole tensors, well above this."""
 
 
-def _published(out: Path, spec: RunSpec, version: int) -> dict[str, torch.Tensor]:
-    from node.sim_network import store_of
-    from shardcast.fetch import read_held
-    from shardcast.manifest import TrustedPublishers
-
-    store = Store(store_of(out, "trainer"))
-    assert store.manifest(spec.run_id, version) is not None, f"v{version} not in the trainer's store"
-    got = read_held(store, TrustedPublishers([spec.trainer]), spec.run_id, version)  # its payload may be dropped
-    return {k: t.clone() for k, t in got.tensors().items()}
-
-
-def _step_items(out: Path, spec: RunSpec, step: int) -> list[tuple]:
-    """The rollout groups the trainer logged for `step`, read back from the coordinator's store."""
-    rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
-    work_ids = next(r["work_ids"] for r in rows if r["step"] == step)
-    state = Coordinator(out / "coordinator", spec)
-    try:
-        items = []
-        for wid in work_ids:
-            task_index, _seed = state.store.work_seed(wid)
-            items.append((wid, task_index, state.load_rollout(state.store.accepted(wid)[0])))
-        return items
-    finally:
-        state.close()
-
-
 def one_process_step(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """(published v1, the single-process trainer's weights after step 1 on the same batch from
     the published v0, its metrics)."""
+    from sim_reads import published, step_units  # tests/ is on the path under pytest, not where torchrun runs this file
+
     spec = RunSpec.model_validate_json((out / "coordinator" / "spec.json").read_bytes())
     role = TrainerNode(NodeKey.generate(), spec, "", out / "reference", 0)  # its config and batch building
     model = fresh_model(spec)
-    load_hf_state_dict(model, _published(out, spec, 0))
-    batch, _ = role.train_batch(_step_items(out, spec, 1))
+    load_hf_state_dict(model, published(out, spec, 0))
+    batch, _ = role.train_batch(step_units(out, spec, 1))
     torch.manual_seed(minibatch_seed(int(spec.recipe["seed"]), 0))  # Trainer draws from the global generator
     metrics = Trainer(model, role.cfg).train_step(batch)
-    return _published(out, spec, 1), state_dict_to_hf(model), metrics
+    return published(out, spec, 1), state_dict_to_hf(model), metrics
 
 
 def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -95,11 +69,13 @@ def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_pat
     log = (tmp_path / "trainer" / "log.txt").read_text()
     assert "rank 0 of 2: leading" in log and "rank 1: stop from rank 0 at step 3" in log
 
-    published, reference, metrics = one_process_step(tmp_path)
-    before = relative_errors(_published(tmp_path, RunSpec.model_validate_json(
+    from sim_reads import published
+
+    v1, reference, metrics = one_process_step(tmp_path)
+    before = relative_errors(published(tmp_path, RunSpec.model_validate_json(
         (tmp_path / "coordinator" / "spec.json").read_bytes()), 0), reference)
     assert max(before.values()) > 10 * PARAM_TOLERANCE  # the step moved the weights well beyond the tolerance
-    errors = relative_errors(published, reference)
+    errors = relative_errors(v1, reference)
     assert max(errors.values()) < PARAM_TOLERANCE, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
     row = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["lr"] == pytest.approx(metrics["lr"])
