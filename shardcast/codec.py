@@ -19,7 +19,7 @@ import torch
 import zstandard
 
 from shardcast.errors import CorruptShard, TruncatedShard
-from shardcast.hashing import content_hash
+from shardcast.hashing import content_hash, content_hasher
 from shardcast.manifest import ShardEntry, TensorEntry
 from shardcast.sparse import decode_sparse, encode_sparse, is_sparse
 
@@ -177,29 +177,40 @@ class StateBytes:
 
 def matches_manifest(tensors: list[TensorEntry], shards: list[ShardEntry], shard_size: int, source: TensorBytes) -> bool:
     """Whether `source` is exactly the version a manifest describes: the same names, dtypes and shapes,
-    and every shard's raw bytes hashing to its `raw_hash`. Built one shard at a time from the byte ranges
-    of the tensors it spans (one shard of memory and what `source` reads for it, never the whole
-    version), in payload order (each tensor read once, first byte to last), stopping at the first
-    shard that differs."""
+    and every shard's raw bytes hashing to its `raw_hash`. Each shard is hashed as it is read, from the
+    byte ranges of the tensors it spans (no shard buffer: memory is the one range `source` reads at a
+    time, never the whole version), in payload order (each tensor read once, first byte to last),
+    stopping at the first shard that differs."""
     if {e.name for e in tensors} != source.names():
         return False
     for e in tensors:
         if source.header(e.name) != (e.dtype, tuple(e.shape)) or e.nbytes != math.prod(e.shape) * element_size(e.dtype):
             return False
     by_offset = sorted((e for e in tensors if e.nbytes), key=lambda e: e.offset)
-    buf, first = np.empty(max((s.raw_size for s in shards), default=0), dtype=np.uint8), 0
+    first = 0
     for s in shards:
         a = s.index * shard_size
         b = a + s.raw_size
-        out = buf[: s.raw_size]
-        out.fill(0)  # alignment padding between tensors is zero
+        h, at = content_hasher(), a
         while first < len(by_offset) and by_offset[first].offset + by_offset[first].nbytes <= a:
             first += 1
         for e in by_offset[first:]:
             if e.offset >= b:
                 break
             lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
-            out[lo - a : hi - a] = source.read(e.name, lo - e.offset, hi - e.offset)
-        if content_hash(memoryview(out)) != s.raw_hash:
+            _zeros_into(h, lo - at)  # alignment padding between tensors is zero
+            h.update(source.read(e.name, lo - e.offset, hi - e.offset))
+            at = hi
+        _zeros_into(h, b - at)
+        if h.hexdigest() != s.raw_hash:
             return False
     return True
+
+
+_ZEROS = bytes(1 << 16)
+
+
+def _zeros_into(h, n: int) -> None:  # noqa: ANN001 (a content_hasher)
+    while n > 0:
+        h.update(_ZEROS[: min(n, len(_ZEROS))])
+        n -= len(_ZEROS)
