@@ -9,8 +9,10 @@ layout Qwen3-MoE checkpoints ship in and that `transformers` and vLLM load.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from node.model.config import ModelConfig
 from node.model.errors import InvalidCheckpoint, MissingModelFile  # noqa: F401 (callers import it from here)
 from node.model.qwen3_moe import CausalLM
 from node.model.shards import INDEX, WEIGHTS, CheckpointShards
+from node.model.streamed_weights import headers
 
 CONFIG = "config.json"
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -102,29 +105,37 @@ def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, 
     directory.mkdir(parents=True, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     (directory / CONFIG).write_text(json.dumps(hf_config_for(model.config, dtype, companions_from), indent=2))
-    tensors, meta = state_dict_to_hf(model), metadata or {"format": "pt"}
-    if max_shard_bytes is None:
-        save_file(tensors, str(directory / WEIGHTS), metadata=meta)
-    else:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / fname), metadata=meta)
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    save_tensors(state_dict_to_hf(model), directory, metadata or {"format": "pt"}, max_shard_bytes)
     if companions_from is not None:
         copy_companions(companions_from, directory)
     return directory
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], directory: Path, metadata: dict[str, str],
+                 max_shard_bytes: int | None = None) -> None:
+    """HF-named `tensors` as safetensors in `directory`: one file, or shards of at most `max_shard_bytes`
+    (one tensor may exceed it) listed by the index. Sizes come from the tensors' headers and each shard's
+    tensors are looked up only while it is written, so a version read from disk tensor by tensor
+    (node/model/streamed_weights.py) is on the host one shard at a time."""
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in headers(tensors).items()}
+    if max_shard_bytes is None:
+        save_file({name: tensors[name].contiguous() for name in sizes}, str(directory / WEIGHTS), metadata=metadata)
+        return
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: tensors[name].contiguous() for name in names}, str(directory / fname), metadata=metadata)
+        weight_map.update(dict.fromkeys(names, fname))
+    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
+                                              indent=2))
 
 
 def hf_config_for(cfg: ModelConfig, dtype: str, source: str | Path | None = None) -> dict:

@@ -192,3 +192,17 @@ def test_version_0_from_a_checkpoint_of_300_mb_is_checked_and_loaded_in_a_fracti
     # what the first fetch imports; a whole-model copy (the model built beside the served one) is >= ckpt_bytes
     bound = 2 * largest + (16 << 20)
     assert got["extra_anon_peak"] < min(bound, ckpt_bytes // 3), got
+
+
+def test_a_streamed_version_is_written_shard_by_shard_as_the_checkpoint_it_came_from(tmp_path):
+    """What the vLLM adapter does with a version (contrib/vllm/node_engine.py): each written shard's tensors
+    looked up while it is written."""
+    from node.model.checkpoint import save_tensors
+
+    directory = write_random_shards(CFG, tmp_path / "ckpt", "experts", max_shard_bytes=256 << 10)
+    weights = StreamedWeights.of_checkpoint(directory, CFG, torch.bfloat16)
+    (tmp_path / "out").mkdir()
+    save_tensors(weights, tmp_path / "out", {"format": "pt"}, max_shard_bytes=128 << 10)
+    written = CheckpointShards(tmp_path / "out")
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
+    assert written.names() == sorted(weights) and all(torch.equal(written.raw(k), weights[k]) for k in weights)
