@@ -202,6 +202,7 @@ def test_a_streamed_version_is_written_shard_by_shard_as_the_checkpoint_it_came_
     directory = write_random_shards(CFG, tmp_path / "ckpt", "experts", max_shard_bytes=256 << 10)
     weights = StreamedWeights.of_checkpoint(directory, CFG, torch.bfloat16)
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text(json.dumps(CFG.to_hf_dict("bfloat16")))
     save_tensors(weights, tmp_path / "out", {"format": "pt"}, max_shard_bytes=128 << 10)
     written = CheckpointShards(tmp_path / "out")
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
