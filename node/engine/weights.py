@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.model.checkpoint import InvalidCheckpoint, hf_to_internal
+from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.streamed_weights import headers
@@ -98,21 +98,22 @@ def plan_weights(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return plan
 
 
-def check_weights(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
-                  shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> internal names (experts stacked: a copy), or `WeightsMismatch`; for the
-    expert-parallel engine, which scatters the stacked tensors over its ranks."""
+def check_weights(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                  shapes: dict[str, tuple[int, ...]]) -> InternalTensors:
+    """HF-named tensors -> internal names (experts stacked when a tensor is looked up: one layer's at a
+    time), checked whole from the tensors' headers, or `WeightsMismatch`; for the expert-parallel engine,
+    which scatters the stacked tensors over its ranks."""
     try:
-        internal = hf_to_internal(state_dict, cfg)
+        internal = InternalTensors(state_dict, cfg)
     except InvalidCheckpoint as exc:
         raise WeightsMismatch(str(exc)) from exc
     missing = sorted(set(shapes) - set(internal))
     unexpected = sorted(set(internal) - set(shapes))
     if missing or unexpected:
         raise WeightsMismatch(f"missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    for name, t in internal.items():
-        if tuple(t.shape) != shapes[name]:
-            raise WeightsMismatch(f"{name}: shape {tuple(t.shape)}, the served model has {shapes[name]}")
-        if not t.is_floating_point():
-            raise WeightsMismatch(f"{name}: dtype {t.dtype} is not a float type")
+    for name, (shape, dtype) in internal.index.items():
+        if shape != shapes[name]:
+            raise WeightsMismatch(f"{name}: shape {shape}, the served model has {shapes[name]}")
+        if not dtype.is_floating_point:
+            raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type")
     return internal

@@ -27,11 +27,25 @@ from node.model.fill import check_against, checkpoint_shapes, meta_model
 from node.model.shards import CheckpointShards
 
 
-class StreamedWeights(Mapping):
+class IndexedTensors(Mapping):
+    """Tensors by name that know each one's shape and dtype without reading it (`index`), and read a
+    tensor when it is looked up: a version a loader takes tensor by tensor."""
+
+    index: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+class StreamedWeights(IndexedTensors):
     """HF name -> the tensor in the model's dtype, read from `shards` at each lookup (in `shapes`' order)."""
 
     def __init__(self, shards: CheckpointShards, dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]):
         self.shards, self.dtype, self.shapes = shards, dtype, shapes
+        self.index = {name: (shape, dtype) for name, shape in shapes.items()}
 
     @classmethod
     def of_checkpoint(cls, directory: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> StreamedWeights:
@@ -42,17 +56,10 @@ class StreamedWeights(Mapping):
         check_against(shards, shapes, cfg.tie_word_embeddings)
         return cls(shards, dtype, shapes)
 
-    # ---- Mapping ----------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
         return self.shards.value(name, self.dtype)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
 
     # ---- what a check reads -----------------------------------------------------------------
     def names(self) -> set[str]:
@@ -79,6 +86,6 @@ class StreamedWeights(Mapping):
 def headers(state: Mapping) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every tensor of a version: a streamed one's from its index (nothing read),
     a fetched one's from its tensors (views: nothing copied)."""
-    if isinstance(state, StreamedWeights):
-        return {name: (shape, state.dtype) for name, shape in state.shapes.items()}
+    if isinstance(state, IndexedTensors):
+        return state.index
     return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
