@@ -207,3 +207,24 @@ def test_a_streamed_version_is_written_shard_by_shard_as_the_checkpoint_it_came_
     written = CheckpointShards(tmp_path / "out")
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
     assert written.names() == sorted(weights) and all(torch.equal(written.raw(k), weights[k]) for k in weights)
+
+
+def test_a_validator_holding_a_newer_version_takes_version_0_from_the_checkpoint_bit_for_bit(tmp_path):
+    """`ResidentPolicies.add` reads a streamed version module by module (node/roles/resident_policy.py)."""
+    from node.model.checkpoint import load_hf_state_dict
+    from node.roles.resident_policy import ResidentPolicies, raw_tensors
+
+    directory = write_random_shards(CFG, tmp_path / "ckpt", max_shard_bytes=256 << 10)
+    weights = StreamedWeights.of_checkpoint(directory, CFG, torch.bfloat16)
+    v0 = {k: weights[k] for k in weights}
+    v1 = {k: t + 0.5 if k.endswith("experts.2.up_proj.weight") else t for k, t in v0.items()}
+    resident = blank_model(_spec(directory), "cpu")
+    load_hf_state_dict(resident, v1)
+    held = ResidentPolicies(resident, 1, b"\1" * 32)
+    held.add(0, weights, b"\0" * 32)
+    alone = blank_model(_spec(directory), "cpu")
+    load_hf_state_dict(alone, v0)
+    model, _ = held[0]
+    assert all(torch.equal(t, raw_tensors(alone)[n]) for n, t in raw_tensors(model).items())
+    model, _ = held[1]
+    assert not torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, alone.model.layers[0].mlp.experts.gate_up_proj)
