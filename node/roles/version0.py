@@ -36,9 +36,8 @@ from node.roles.common import fresh_model, model_config
 from protocol.errors import ProtocolError
 from protocol.messages import RunSpec
 from shardcast.codec import StateBytes, matches_manifest
-from shardcast.manifest import Manifest
 from shardcast.fetch import Fetcher
-from shardcast.manifest import TrustedPublishers
+from shardcast.manifest import Manifest, TrustedPublishers
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
