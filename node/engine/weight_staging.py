@@ -8,8 +8,9 @@
   device-to-device copies into the served tensors (FP8 modules quantise theirs on the device);
 - otherwise (the CPU, or a GPU without that room: logged) `apply()` copies each tensor straight into
   the served one, through the same pinned ring on a GPU.
-Either way no whole-model copy is made on the host: the payload's pages are read once, tensor by
-tensor, and experts land in their rows of the stacked expert tensors where they are served.
+Either way no whole-model copy is made on the host: the payload's pages (or a version 0 read from the
+member's checkpoint: node/model/streamed_weights.py) are read once, tensor by tensor, and experts
+land in their rows of the stacked expert tensors where they are served.
 
 Invariants: nothing served changes before `apply()` (a version refused by the check, or staged and
 then replaced by a newer one, leaves the served weights as they were); `apply()` changes storage in
