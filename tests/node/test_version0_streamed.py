@@ -228,3 +228,19 @@ def test_a_validator_holding_a_newer_version_takes_version_0_from_the_checkpoint
     assert all(torch.equal(t, raw_tensors(alone)[n]) for n, t in raw_tensors(model).items())
     model, _ = held[1]
     assert not torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, alone.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_an_engine_given_version_0_streamed_generates_what_it_does_with_it_in_memory(tmp_path):
+    """`Engine.load_weights` (the inference role's call) takes the streamed version as a fetched one."""
+    from node.engine import Engine, Request, SamplingParams
+
+    directory = write_random_shards(CFG, tmp_path / "ckpt", "experts", max_shard_bytes=256 << 10)
+    weights = StreamedWeights.of_checkpoint(directory, CFG, torch.bfloat16)
+    in_memory = state_dict_to_hf(build_from_shards(CFG, CheckpointShards(directory), torch.bfloat16, "cpu")[0])
+    reqs = [Request(str(i), [3 + i, 9, 27], SamplingParams(temperature=0.9, max_new_tokens=6, seed=i)) for i in range(3)]
+    runs = []
+    for state in (weights, in_memory):
+        engine = Engine(blank_model(_spec(directory), "cpu"), max_batch=4, eos_id=-1, version=-1)
+        engine.load_weights(state, version=0)
+        runs.append([(c.token_ids, c.logprobs, c.versions) for c in engine.generate(reqs)])
+    assert runs[0] == runs[1] and all(set(v) == {0} for _, _, v in runs[0])
