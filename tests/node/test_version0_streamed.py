@@ -244,3 +244,28 @@ def test_an_engine_given_version_0_streamed_generates_what_it_does_with_it_in_me
         engine.load_weights(state, version=0)
         runs.append([(c.token_ids, c.logprobs, c.versions) for c in engine.generate(reqs)])
     assert runs[0] == runs[1] and all(set(v) == {0} for _, _, v in runs[0])
+
+
+def test_a_validator_checks_a_fetched_version_0_against_the_pin_after_a_newer_version(tmp_path):
+    """The pin is hashed over the published tensors, no second model built (node/roles/validator.py `_hold`)."""
+    from node.model.errors import WeightsHashMismatch
+    from node.roles.common import fresh_model
+    from node.model.spec import weights_hash
+    from node.roles.validator import ValidatorNode
+
+    tiny = RunSpec(run_id="r", coordinator=PEER, environment="reverse", trainer=KEY.peer_id)
+    v0 = state_dict_to_hf(fresh_model(tiny))
+    v1 = {k: t + 1.0 if k == "model.norm.weight" else t for k, t in v0.items()}
+    pin = ModelSpec(weights_hash=weights_hash(fresh_model(tiny)))
+    for spec_model, ok in ((pin, True), (ModelSpec(weights_hash="blake3:" + "1" * 64), False)):
+        spec = tiny.model_copy(update={"model": spec_model})
+        validator = ValidatorNode(KEY, spec, "/ip4/127.0.0.1/tcp/1", tmp_path / ("ok" if ok else "bad"))
+        validator._hold(1, v1, b"\1" * 32)
+        if ok:
+            validator._hold(0, v0, b"\0" * 32)
+            model, _ = validator.policies[0]
+            assert torch.equal(model.model.norm.weight, v0["model.norm.weight"])
+        else:
+            with pytest.raises(WeightsHashMismatch):
+                validator._hold(0, v0, b"\0" * 32)
+            assert sorted(validator.policies) == [1]
