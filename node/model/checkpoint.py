@@ -100,14 +100,16 @@ class InternalTensors(IndexedTensors):
         prefix, kind = name.rsplit(".", 1)
         by_e = self._experts[prefix]
         shape, dtype = self.index[name]
-        out = torch.empty(shape, dtype=dtype)
+        out: torch.Tensor | None = None
         for e in range(shape[0]):
-            if kind == "gate_up_proj":
-                gate = self.sd[by_e[e]["gate_proj"]]
-                out[e, : gate.shape[0]].copy_(gate)
-                out[e, gate.shape[0] :].copy_(self.sd[by_e[e]["up_proj"]])
-            else:
-                out[e].copy_(self.sd[by_e[e]["down_proj"]])
+            kinds = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            at = 0
+            for k in kinds:
+                t = self.sd[by_e[e][k]]
+                if out is None:
+                    out = torch.empty(shape, dtype=dtype, device=t.device)  # where the version's tensors are
+                out[e, at : at + t.shape[0]].copy_(t)
+                at += t.shape[0]
         return out
 
 
