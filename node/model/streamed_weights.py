@@ -10,7 +10,8 @@ comes from the files' headers, so a version is checked whole without one byte of
 the version shard by shard (`shardcast.codec.matches_manifest`).
 
 Invariant: `weights[name]` is the tensor `build_from_shards` fills the model with (the same values in
-the same dtype), and `read(name, lo, hi)` is bytes lo:hi of it.
+the same dtype), and `read(name, lo, hi)` is bytes lo:hi of it; once `pin`ned by a check, a lookup is
+the bytes the check read or an error (the files are read again after the check).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import blake3
 import numpy as np
 import torch
 
 from node.model.config import ModelConfig
+from node.model.errors import InvalidCheckpoint
 from node.model.fill import check_against, checkpoint_shapes, meta_model
 from node.model.shards import CheckpointShards
 
@@ -46,6 +49,16 @@ class StreamedWeights(IndexedTensors):
     def __init__(self, shards: CheckpointShards, dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]):
         self.shards, self.dtype, self.shapes = shards, dtype, shapes
         self.index = {name: (shape, dtype) for name, shape in shapes.items()}
+        self.checked: dict[str, str] | None = None
+        """name -> blake3 hex of the bytes a check read (`pin`): each lookup is then hashed against it."""
+
+    def pin(self, tensor_hashes: dict[str, str]) -> StreamedWeights:
+        """Every later lookup must be the bytes a check read (blake3 per tensor; InvalidCheckpoint naming the
+        tensor otherwise): the files are read again after the check, and what is served is what was checked."""
+        if set(tensor_hashes) != set(self.shapes):
+            raise InvalidCheckpoint(f"{self.shards.directory}: a check hashed other tensors than the version holds")
+        self.checked = dict(tensor_hashes)
+        return self
 
     @classmethod
     def of_checkpoint(cls, directory: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> StreamedWeights:
@@ -59,7 +72,12 @@ class StreamedWeights(IndexedTensors):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
-        return self.shards.value(name, self.dtype)
+        t = self.shards.value(name, self.dtype)
+        if self.checked is not None:
+            got = blake3.blake3(t.contiguous().reshape(-1).view(torch.uint8).numpy(), max_threads=blake3.blake3.AUTO)
+            if got.hexdigest() != self.checked[name]:
+                raise InvalidCheckpoint(f"{self.shards.directory}: {name} changed on disk since it was checked")
+        return t
 
     # ---- what a check reads -----------------------------------------------------------------
     def names(self) -> set[str]:

@@ -23,6 +23,8 @@ class WeightsDigest:
 
     def __init__(self) -> None:
         self._lines: dict[str, str] = {}
+        self.tensor_hashes: dict[str, str] = {}
+        """name -> blake3 hex digest of that tensor's bytes."""
 
     def add(self, name: str, t: torch.Tensor) -> None:
         """Record HF-named tensor `name` (its value as the model holds it); adding a name twice keeps the first."""
@@ -34,7 +36,9 @@ class WeightsDigest:
 
     def add_hashed(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], hexdigest: str) -> None:
         """Record `name` by the blake3 hex digest of its bytes (hashed elsewhere, piece by piece)."""
-        self._lines.setdefault(name, f"{name}|{dtype}|{tuple(shape)}|{hexdigest}\n")
+        if name not in self._lines:
+            self._lines[name] = f"{name}|{dtype}|{tuple(shape)}|{hexdigest}\n"
+            self.tensor_hashes[name] = hexdigest
 
     def names(self) -> set[str]:
         return set(self._lines)

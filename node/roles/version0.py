@@ -100,4 +100,4 @@ def checked_version0(spec: RunSpec, m: Manifest) -> Mapping[str, torch.Tensor] |
     if spec.model.weights_hash is not None and got != spec.model.weights_hash:
         raise WeightsHashMismatch(f"{spec.model.source}: initial weights hash to {got}, the run's spec pins "
                                   f"{spec.model.weights_hash}")
-    return weights
+    return weights.pin(digest.tensor_hashes)

@@ -269,3 +269,27 @@ def test_a_validator_checks_a_fetched_version_0_against_the_pin_after_a_newer_ve
             with pytest.raises(WeightsHashMismatch):
                 validator._hold(0, v0, b"\0" * 32)
             assert sorted(validator.policies) == [1]
+
+
+def test_a_checkpoint_changed_on_disk_after_its_check_is_refused_when_loaded(tmp_path):
+    """The files are read again when a loader looks a tensor up: what is served is what was checked."""
+    import struct
+
+    from node.model.errors import InvalidCheckpoint
+
+    directory = write_random_shards(CFG, tmp_path / "ckpt", max_shard_bytes=256 << 10)
+    signed, published, digest = _publish(directory, Store(tmp_path / "trainer"))
+    got, _ = _serve(Store(tmp_path / "trainer"), lambda src: local_version0(_spec(directory, src, digest),
+                                                                          Store(tmp_path / "m"), None))
+    assert got is not None
+    path = directory / json.loads((directory / INDEX).read_text())["weight_map"][LAST_EXPERT]
+    with open(path, "r+b") as f:  # in place, as an editor or a copy over the file would: the mapping sees it
+        (n,) = struct.unpack("<Q", f.read(8))
+        begin = json.loads(f.read(n))[LAST_EXPERT]["data_offsets"][0]
+        f.seek(8 + n + begin)
+        first = f.read(2)
+        f.seek(8 + n + begin)
+        f.write(bytes(x ^ 0x40 for x in first))  # the tensor's first element, an exponent bit flipped
+    assert torch.equal(got["model.norm.weight"], published["model.norm.weight"])  # the others still load
+    with pytest.raises(InvalidCheckpoint, match="changed on disk"):
+        got[LAST_EXPERT]
