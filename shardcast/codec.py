@@ -11,12 +11,15 @@ runs that zstd squeezes; where few words change at all, a sparse list of them is
 
 from __future__ import annotations
 
+import math
+from typing import Protocol
+
 import numpy as np
 import torch
 import zstandard
 
 from shardcast.errors import CorruptShard, TruncatedShard
-from shardcast.hashing import content_hash
+from shardcast.hashing import content_hash, content_hasher
 from shardcast.manifest import ShardEntry, TensorEntry
 from shardcast.sparse import decode_sparse, encode_sparse, is_sparse
 
@@ -143,32 +146,71 @@ def _check_raw(entry: ShardEntry, out: np.ndarray) -> None:
         raise CorruptShard(f"shard {entry.index}: reconstructed bytes do not match the full version's hash")
 
 
-def matches_manifest(tensors: list[TensorEntry], shards: list[ShardEntry], shard_size: int,
-                     state: dict[str, torch.Tensor]) -> bool:
-    """Whether `state` is exactly the version a manifest describes: the same names, dtypes and shapes,
-    and every shard's raw bytes hashing to its `raw_hash`. Built one shard at a time (one shard of
-    memory, never the whole payload), stopping at the first shard that differs."""
-    if {e.name for e in tensors} != set(state):
+class TensorBytes(Protocol):
+    """A version's tensors as a check reads them: names, each one's dtype and shape, and byte ranges of
+    its raw value; a source may read them from disk one range at a time (node/model/streamed_weights.py)."""
+
+    def names(self) -> set[str]: ...
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(dtype name as a manifest writes it, shape)."""
+    def read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Bytes lo:hi of the tensor (uint8)."""
+
+
+class StateBytes:
+    """`TensorBytes` over tensors in memory (HF names -> tensors)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def names(self) -> set[str]:
+        return set(self.state)
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        t = self.state[name]
+        return str(t.dtype).removeprefix("torch."), tuple(t.shape)
+
+    def read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        flat = self.state[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        return flat[lo:hi].cpu().numpy()
+
+
+def matches_manifest(tensors: list[TensorEntry], shards: list[ShardEntry], shard_size: int, source: TensorBytes) -> bool:
+    """Whether `source` is exactly the version a manifest describes: the same names, dtypes and shapes,
+    and every shard's raw bytes hashing to its `raw_hash`. Each shard is hashed as it is read, from the
+    byte ranges of the tensors it spans (no shard buffer: memory is the one range `source` reads at a
+    time, never the whole version), in payload order (each tensor read once, first byte to last),
+    stopping at the first shard that differs."""
+    if {e.name for e in tensors} != source.names():
         return False
     for e in tensors:
-        t = state[e.name]
-        if str(t.dtype).removeprefix("torch.") != e.dtype or list(t.shape) != e.shape:
+        if source.header(e.name) != (e.dtype, tuple(e.shape)) or e.nbytes != math.prod(e.shape) * element_size(e.dtype):
             return False
     by_offset = sorted((e for e in tensors if e.nbytes), key=lambda e: e.offset)
-    flat = {e.name: state[e.name].detach().contiguous().reshape(-1).view(torch.uint8) for e in by_offset}
-    buf, first = np.empty(shard_size, dtype=np.uint8), 0
+    first = 0
     for s in shards:
         a = s.index * shard_size
         b = a + s.raw_size
-        out = buf[: s.raw_size]
-        out.fill(0)  # alignment padding between tensors is zero
+        h, at = content_hasher(), a
         while first < len(by_offset) and by_offset[first].offset + by_offset[first].nbytes <= a:
             first += 1
         for e in by_offset[first:]:
             if e.offset >= b:
                 break
             lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
-            out[lo - a : hi - a] = flat[e.name][lo - e.offset : hi - e.offset].cpu().numpy()
-        if content_hash(memoryview(out)) != s.raw_hash:
+            _zeros_into(h, lo - at)  # alignment padding between tensors is zero
+            h.update(source.read(e.name, lo - e.offset, hi - e.offset))
+            at = hi
+        _zeros_into(h, b - at)
+        if h.hexdigest() != s.raw_hash:
             return False
     return True
+
+
+_ZEROS = bytes(1 << 16)
+
+
+def _zeros_into(h, n: int) -> None:  # noqa: ANN001 (a content_hasher)
+    while n > 0:
+        h.update(_ZEROS[: min(n, len(_ZEROS))])
+        n -= len(_ZEROS)

@@ -14,3 +14,8 @@ HASH_NAME = "blake3"
 def content_hash(data: bytes | bytearray | memoryview) -> str:
     """Hex BLAKE3 digest of `data` (releases the GIL on large inputs)."""
     return blake3.blake3(data).hexdigest()
+
+
+def content_hasher() -> blake3.blake3:
+    """An incremental `content_hash`: `update` it with the pieces in order, then `hexdigest()`."""
+    return blake3.blake3()

@@ -9,20 +9,24 @@ written one under its name) and loaded in place; the last `CHECKPOINTS_KEPT` sta
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors.torch import save_file
 
 from contrib.vllm import make_engine, vllm_python
 from contrib.vllm.server import VLLMUnavailable
 from contrib.vllm.settings import VLLMSettings
 from node.engine import Request, SamplingParams
 from node.engine.registry import EngineSetup, EngineUnavailable
-from node.model.checkpoint import CONFIG, WEIGHTS, copy_companions
+from node.model.checkpoint import CONFIG, copy_companions, save_tensors
+from node.model.streamed_weights import headers
 
+SHARD_BYTES = 2 << 30
+"""Largest safetensors file a written version is split into (what one shard costs on the host)."""
 CHECKPOINTS_KEPT = 2
 """Checkpoint directories written for vLLM that stay on disk (the loaded version and the one before)."""
 NODE_OWNED = ("model", "load_format")
@@ -31,15 +35,18 @@ DTYPE = "float32"
 """vLLM's dtype: the run's policies are float32, which the validator recomputes in (its thresholds)."""
 
 
-def write_hf_checkpoint(state: dict[str, torch.Tensor], hf_config: dict, directory: Path,
+def write_hf_checkpoint(state: Mapping[str, torch.Tensor], hf_config: dict, directory: Path,
                         companions_from: Path | None = None) -> Path:
     """`state` (HF names) as an HF directory, with `companions_from`'s tokenizer files and generation
-    config (the model directory the run started from), so each version opens as a whole checkpoint."""
+    config (the model directory the run started from), so each version opens as a whole checkpoint; a
+    version over `SHARD_BYTES` is written in shards, each shard's tensors looked up while it is written
+    (a version 0 read from the member's checkpoint is then on the host one shard at a time)."""
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2))
-    save_file({k: t.contiguous() for k, t in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(state).values())
+    save_tensors(state, tmp, {"format": "pt"}, SHARD_BYTES if total > SHARD_BYTES else None)
     if companions_from is not None:
         copy_companions(companions_from, tmp)
     shutil.rmtree(directory, ignore_errors=True)

@@ -15,6 +15,8 @@ step's forwards (`_run`), the question of more work, and the version swap (each 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 
@@ -49,9 +51,9 @@ class EPEngine(Engine):
         return {name: (p.shape[0] * ep, *p.shape[1:]) if ".mlp.experts." in name else tuple(p.shape)
                 for name, p in self.model.state_dict().items()}
 
-    def check_version(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The version in internal names (experts stacked), refused with `WeightsMismatch` unless its
-        names and shapes are the whole model's."""
+    def check_version(self, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The version in internal names (experts stacked as each is looked up: one layer's at a time),
+        refused with `WeightsMismatch` unless its names and shapes are the whole model's."""
         return check_weights(state_dict, self.model.config, self.full_shapes())
 
     def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -68,7 +70,7 @@ class EPEngine(Engine):
                 p.copy_(t)
 
     @torch.no_grad()
-    def receive_version(self, version: int, internal: dict[str, torch.Tensor] | None = None, src: int = 0) -> None:
+    def receive_version(self, version: int, internal: Mapping[str, torch.Tensor] | None = None, src: int = 0) -> None:
         """Collective: rank `src` passes a checked version (`check_version`), every other rank None;
         non-expert tensors are broadcast, expert tensors scattered (each rank receives only its experts'
         rows), straight into the parameters. Call between two steps on every rank together."""

@@ -8,8 +8,9 @@
   device-to-device copies into the served tensors (FP8 modules quantise theirs on the device);
 - otherwise (the CPU, or a GPU without that room: logged) `apply()` copies each tensor straight into
   the served one, through the same pinned ring on a GPU.
-Either way no whole-model copy is made on the host: the payload's pages are read once, tensor by
-tensor, and experts land in their rows of the stacked expert tensors where they are served.
+Either way no whole-model copy is made on the host: the payload's pages (or a version 0 read from the
+member's checkpoint: node/model/streamed_weights.py) are read once, tensor by tensor, and experts
+land in their rows of the stacked expert tensors where they are served.
 
 Invariants: nothing served changes before `apply()` (a version refused by the check, or staged and
 then replaced by a newer one, leaves the served weights as they were); `apply()` changes storage in
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +32,7 @@ import torch
 from node.engine.fp8.model import _QuantizedWeights
 from node.engine.weights import Target, plan_weights
 from node.model.qwen3_moe import CausalLM
+from node.model.streamed_weights import headers
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,9 @@ class PinnedRing:
 @dataclass
 class StagedVersion:
     model: CausalLM
-    state: dict[str, torch.Tensor]
+    state: Mapping[str, torch.Tensor]
+    """HF-named tensors: views over a fetched payload's mapping, or a checkpoint read at each lookup
+    (node/model/streamed_weights.py); each is looked up once, when it is copied."""
     plan: dict[str, Target]
     shapes: dict[str, tuple[int, ...]]
     ring: PinnedRing | None = None
@@ -89,12 +95,12 @@ class StagedVersion:
     times: SwapTimes = field(default_factory=SwapTimes)
 
     @classmethod
-    def of(cls, model: CausalLM, state_dict: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+    def of(cls, model: CausalLM, state_dict: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
            ring: PinnedRing | None = None, stage: bool = True) -> StagedVersion:
         """Checked now (`WeightsMismatch`); staged on the device now when there is room for it (and `stage`:
         a model nobody serves yet, as the validator's, is better filled straight at `apply`)."""
         v = cls(model, state_dict, plan_weights(state_dict, model.config, shapes), shapes, ring)
-        v.times.bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        v.times.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(state_dict).values())
         device = _device(model)
         if device.type == "cuda" and stage:
             need, (free, _) = _staged_bytes(model, v.plan, shapes), torch.cuda.mem_get_info(device)

@@ -10,13 +10,15 @@ experts is ever built on the host (`node.engine.weight_staging` does the copies)
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from node.model.checkpoint import InvalidCheckpoint, hf_to_internal
+from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
+from node.model.streamed_weights import headers
 
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 """An expert's tensor under its HF name (node/model/checkpoint.py writes and reads this layout)."""
@@ -67,7 +69,7 @@ def target_of(name: str, shapes: dict[str, tuple[int, ...]]) -> Target:
     return Target(f"{prefix}.gate_up_proj", e, (0, inter) if kind == "gate_proj" else (inter, 2 * inter))
 
 
-def plan_weights(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
+def plan_weights(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, Target]:
     """HF name -> `Target` for every tensor of a version, or `WeightsMismatch` naming what does not fit
     `shapes` (a missing or unexpected tensor, a wrong shape, an expert missing, a non-float dtype)."""
@@ -76,15 +78,15 @@ def plan_weights(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
     """Pieces that fill each served tensor: every expert's gate and up rows, or down; 1 for the rest."""
     plan: dict[str, Target] = {}
     covered: dict[str, int] = {}
-    for name, t in state_dict.items():
+    for name, (shape, dtype) in headers(state_dict).items():  # a streamed version: nothing read yet
         target = target_of(name, shapes)
         full = shapes.get(target.internal)
         if full is None or (target.expert is not None and target.expert >= full[0]):
             raise WeightsMismatch(f"unexpected tensors ['{name}']")
-        if tuple(t.shape) != target.shape(full):
-            raise WeightsMismatch(f"{name}: shape {tuple(t.shape)}, the served model has {target.shape(full)}")
-        if not t.is_floating_point():
-            raise WeightsMismatch(f"{name}: dtype {t.dtype} is not a float type")
+        if shape != target.shape(full):
+            raise WeightsMismatch(f"{name}: shape {shape}, the served model has {target.shape(full)}")
+        if not dtype.is_floating_point:
+            raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type")
         plan[name] = target
         # a stacked expert tensor given whole (internal names are accepted too) fills all its pieces
         covered[target.internal] = covered.get(target.internal, 0) + (1 if target.expert is not None else need[target.internal])
@@ -96,21 +98,22 @@ def plan_weights(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
     return plan
 
 
-def check_weights(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
-                  shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> internal names (experts stacked: a copy), or `WeightsMismatch`; for the
-    expert-parallel engine, which scatters the stacked tensors over its ranks."""
+def check_weights(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                  shapes: dict[str, tuple[int, ...]]) -> InternalTensors:
+    """HF-named tensors -> internal names (experts stacked when a tensor is looked up: one layer's at a
+    time), checked whole from the tensors' headers, or `WeightsMismatch`; for the expert-parallel engine,
+    which scatters the stacked tensors over its ranks."""
     try:
-        internal = hf_to_internal(state_dict, cfg)
+        internal = InternalTensors(state_dict, cfg)
     except InvalidCheckpoint as exc:
         raise WeightsMismatch(str(exc)) from exc
     missing = sorted(set(shapes) - set(internal))
     unexpected = sorted(set(internal) - set(shapes))
     if missing or unexpected:
         raise WeightsMismatch(f"missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    for name, t in internal.items():
-        if tuple(t.shape) != shapes[name]:
-            raise WeightsMismatch(f"{name}: shape {tuple(t.shape)}, the served model has {shapes[name]}")
-        if not t.is_floating_point():
-            raise WeightsMismatch(f"{name}: dtype {t.dtype} is not a float type")
+    for name, (shape, dtype) in internal.index.items():
+        if shape != shapes[name]:
+            raise WeightsMismatch(f"{name}: shape {shape}, the served model has {shapes[name]}")
+        if not dtype.is_floating_point:
+            raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type")
     return internal

@@ -9,8 +9,10 @@ layout Qwen3-MoE checkpoints ship in and that `transformers` and vLLM load.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from node.model.config import ModelConfig
 from node.model.errors import InvalidCheckpoint, MissingModelFile  # noqa: F401 (callers import it from here)
 from node.model.qwen3_moe import CausalLM
 from node.model.shards import INDEX, WEIGHTS, CheckpointShards
+from node.model.streamed_weights import IndexedTensors, headers
 
 CONFIG = "config.json"
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -50,28 +53,71 @@ def state_dict_to_hf(model: CausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_to_internal(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Stack per-expert HF tensors into the in-memory layout; other names pass through."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, t in sd.items():
-        m = _PER_EXPERT.match(name)
-        if m:
-            prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-            experts.setdefault(prefix, {}).setdefault(e, {})[kind] = t
-        else:
-            out[name] = t
-    for prefix, by_e in experts.items():
-        if sorted(by_e) != list(range(cfg.num_experts)):
-            raise InvalidCheckpoint(f"{prefix}: expected experts 0..{cfg.num_experts - 1}, found {sorted(by_e)}")
-        try:
-            out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]]) for e in range(cfg.num_experts)])
-            out[f"{prefix}.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in range(cfg.num_experts)])
-        except (KeyError, RuntimeError) as exc:
-            raise InvalidCheckpoint(f"{prefix}: incomplete or mis-shaped expert weights ({exc})") from exc
-    if cfg.tie_word_embeddings and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
+class InternalTensors(IndexedTensors):
+    """HF-named tensors under the model's internal names (experts stacked [E, ...]), checked from their
+    headers and each built when looked up: a stacked expert tensor is one layer's experts, copied in
+    expert by expert at that moment, so a caller that goes tensor by tensor holds one layer's experts
+    beside what it loads into, never the whole model's (InvalidCheckpoint for missing or mis-shaped
+    experts)."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], cfg: ModelConfig):
+        self.sd, self.cfg = sd, cfg
+        heads = headers(sd)
+        self._plain: dict[str, str] = {}
+        """internal name -> the HF name it is (everything but routed experts)."""
+        self._experts: dict[str, dict[int, dict[str, str]]] = {}
+        for name in heads:
+            m = _PER_EXPERT.match(name)
+            if m:
+                self._experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = name
+            else:
+                self._plain[name] = name
+        if cfg.tie_word_embeddings and "lm_head.weight" not in self._plain and "model.embed_tokens.weight" in self._plain:
+            self._plain["lm_head.weight"] = "model.embed_tokens.weight"
+        self.index = {n: heads[hf] for n, hf in self._plain.items() if n == hf}
+        for prefix, by_e in self._experts.items():
+            if sorted(by_e) != list(range(cfg.num_experts)):
+                raise InvalidCheckpoint(f"{prefix}: expected experts 0..{cfg.num_experts - 1}, found {sorted(by_e)}")
+            try:
+                kinds = {k: {heads[by_e[e][k]] for e in by_e} for k in ("gate_proj", "up_proj", "down_proj")}
+            except KeyError as exc:
+                raise InvalidCheckpoint(f"{prefix}: incomplete expert weights (no {exc})") from exc
+            if any(len(v) != 1 for v in kinds.values()):
+                raise InvalidCheckpoint(f"{prefix}: experts of different shapes or dtypes")
+            ((gate, dtype),), ((up, _),), ((down, _),) = kinds.values()
+            if gate[1:] != up[1:]:
+                raise InvalidCheckpoint(f"{prefix}: gate {gate} and up {up} projections do not stack")
+            self.index[f"{prefix}.gate_up_proj"] = ((len(by_e), gate[0] + up[0], *gate[1:]), dtype)
+            self.index[f"{prefix}.down_proj"] = ((len(by_e), *down), dtype)
+        if self._plain.get("lm_head.weight", "lm_head.weight") != "lm_head.weight":
+            self.index["lm_head.weight"] = heads["model.embed_tokens.weight"]  # tied: the embedding again, last
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._plain:
+            return self.sd[self._plain[name]]
+        if name not in self.index:
+            raise KeyError(name)
+        prefix, kind = name.rsplit(".", 1)
+        by_e = self._experts[prefix]
+        shape, dtype = self.index[name]
+        out: torch.Tensor | None = None
+        for e in range(shape[0]):
+            kinds = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            at = 0
+            for k in kinds:
+                t = self.sd[by_e[e][k]]
+                if out is None:
+                    out = torch.empty(shape, dtype=dtype, device=t.device)  # where the version's tensors are
+                out[e, at : at + t.shape[0]].copy_(t)
+                at += t.shape[0]
+        return out
+
+
+def hf_to_internal(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Stack per-expert HF tensors into the in-memory layout; other names pass through (all at once:
+    `InternalTensors` builds one tensor at a time)."""
+    internal = InternalTensors(sd, cfg)
+    return {name: internal[name] for name in internal}
 
 
 def load_hf_state_dict(model: CausalLM, sd: dict[str, torch.Tensor]) -> None:
@@ -102,29 +148,37 @@ def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, 
     directory.mkdir(parents=True, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     (directory / CONFIG).write_text(json.dumps(hf_config_for(model.config, dtype, companions_from), indent=2))
-    tensors, meta = state_dict_to_hf(model), metadata or {"format": "pt"}
-    if max_shard_bytes is None:
-        save_file(tensors, str(directory / WEIGHTS), metadata=meta)
-    else:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / fname), metadata=meta)
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    save_tensors(state_dict_to_hf(model), directory, metadata or {"format": "pt"}, max_shard_bytes)
     if companions_from is not None:
         copy_companions(companions_from, directory)
     return directory
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], directory: Path, metadata: dict[str, str],
+                 max_shard_bytes: int | None = None) -> None:
+    """HF-named `tensors` as safetensors in `directory`: one file, or shards of at most `max_shard_bytes`
+    (one tensor may exceed it) listed by the index. Sizes come from the tensors' headers and each shard's
+    tensors are looked up only while it is written, so a version read from disk tensor by tensor
+    (node/model/streamed_weights.py) is on the host one shard at a time."""
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in headers(tensors).items()}
+    if max_shard_bytes is None:
+        save_file({name: tensors[name].contiguous() for name in sizes}, str(directory / WEIGHTS), metadata=metadata)
+        return
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: tensors[name].contiguous() for name in names}, str(directory / fname), metadata=metadata)
+        weight_map.update(dict.fromkeys(names, fname))
+    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
+                                              indent=2))
 
 
 def hf_config_for(cfg: ModelConfig, dtype: str, source: str | Path | None = None) -> dict:

@@ -9,7 +9,10 @@ and its FP8-served twin agree (node/model/quantization.py).
 
 from __future__ import annotations
 
+import math
+
 import blake3
+import numpy as np
 import torch
 
 from node.model.errors import InvalidCheckpoint
@@ -20,6 +23,8 @@ class WeightsDigest:
 
     def __init__(self) -> None:
         self._lines: dict[str, str] = {}
+        self.tensor_hashes: dict[str, str] = {}
+        """name -> blake3 hex digest of that tensor's bytes."""
 
     def add(self, name: str, t: torch.Tensor) -> None:
         """Record HF-named tensor `name` (its value as the model holds it); adding a name twice keeps the first."""
@@ -27,7 +32,13 @@ class WeightsDigest:
             return
         t = t.detach().cpu().contiguous()
         h = blake3.blake3(t.reshape(-1).view(torch.uint8).numpy(), max_threads=blake3.blake3.AUTO)
-        self._lines[name] = f"{name}|{t.dtype}|{tuple(t.shape)}|{h.hexdigest()}\n"
+        self.add_hashed(name, t.dtype, tuple(t.shape), h.hexdigest())
+
+    def add_hashed(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], hexdigest: str) -> None:
+        """Record `name` by the blake3 hex digest of its bytes (hashed elsewhere, piece by piece)."""
+        if name not in self._lines:
+            self._lines[name] = f"{name}|{dtype}|{tuple(shape)}|{hexdigest}\n"
+            self.tensor_hashes[name] = hexdigest
 
     def names(self) -> set[str]:
         return set(self._lines)
@@ -41,3 +52,36 @@ class WeightsDigest:
         for name in sorted(self._lines):
             h.update(self._lines[name].encode())
         return "blake3:" + h.hexdigest()
+
+
+class DigestingReads:
+    """A `shardcast.codec.TensorBytes` whose reads also add each tensor to `digest` when they cover it
+    from its first byte to its last, in order (as the manifest check reads a version): the check
+    against the signed manifest and the spec's pin are then one pass over the checkpoint. A tensor
+    read otherwise is not added (`hexdigest(expected=...)` then names it)."""
+
+    def __init__(self, source, digest: WeightsDigest):  # noqa: ANN001 (a TensorBytes)
+        self.source, self.digest = source, digest
+        self._open: dict[str, tuple[blake3.blake3, int]] = {}
+
+    def names(self) -> set[str]:
+        return self.source.names()
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        return self.source.header(name)
+
+    def read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        got = self.source.read(name, lo, hi)
+        h, at = self._open.pop(name, (None, 0))
+        if lo == 0:
+            h, at = blake3.blake3(max_threads=blake3.blake3.AUTO), 0
+        if h is None or lo != at:
+            return got  # not read in order: never added
+        h.update(got)
+        dtype_name, shape = self.source.header(name)
+        dtype = getattr(torch, dtype_name)
+        if hi == math.prod(shape) * dtype.itemsize:
+            self.digest.add_hashed(name, dtype, shape, h.hexdigest())
+        else:
+            self._open[name] = (h, hi)
+        return got

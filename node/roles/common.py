@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -20,7 +21,8 @@ from node.model.qwen3_moe import CausalLM
 from node.model.errors import WeightsHashMismatch
 from node.model.fill import allocate, check_against, checkpoint_shapes, meta_model
 from node.model.shards import CheckpointShards
-from node.model.spec import DTYPES, TinyMoE, load_model, resolve, weights_hash
+from node.model.weights_digest import WeightsDigest
+from node.model.spec import DTYPES, TinyMoE, load_model, resolve
 from node.model.spec import model_config as spec_model_config
 from node.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from node.recipe import Recipe
@@ -95,10 +97,16 @@ def check_checkpoint(spec: RunSpec) -> None:
                   cfg.tie_word_embeddings)
 
 
-def check_version0(spec: RunSpec, model: CausalLM) -> None:
-    """Version 0 as fetched must hash to the spec's pin (WeightsHashMismatch otherwise)."""
+def check_version0(spec: RunSpec, weights: Mapping[str, torch.Tensor]) -> None:
+    """Version 0 as fetched (HF-named tensors, looked up one at a time: no model is built to hash them) must
+    hash to the spec's pin as a model of the spec's dtype holding them would (WeightsHashMismatch otherwise)."""
     pinned = spec.model.weights_hash
-    if pinned is not None and (got := weights_hash(model)) != pinned:
+    if pinned is None:
+        return
+    digest, dtype = WeightsDigest(), DTYPES[spec.model.dtype]
+    for name in weights:
+        digest.add(name, weights[name].to(dtype))
+    if (got := digest.hexdigest()) != pinned:
         raise WeightsHashMismatch(f"version 0 of run {spec.run_id} hashes to {got}, its spec pins {pinned}")
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from node.engine.fp8.model import _QuantizedWeights
-from node.model.checkpoint import InvalidCheckpoint, hf_to_internal
+from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.qwen3_moe import CausalLM
 
 log = logging.getLogger(__name__)
@@ -140,14 +140,14 @@ class ResidentPolicies(Mapping):
         self.active = version
 
     # ---- adding a version -------------------------------------------------------------------
-    def add(self, version: int, state: dict[str, torch.Tensor], manifest_hash: bytes) -> None:
+    def add(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes) -> None:
         """Hold `version` (HF-named tensors, checked as `load_hf_state_dict` checks them): a newer one
         becomes the resident weights and every held delta is rebased onto it; an older one is read in,
         diffed, and undone."""
         with self._lock:
             self._activate(self.newest)
-            internal = hf_to_internal(state, self.model.config)
-            check_names(self.model, internal)
+            internal = InternalTensors(state, self.model.config)  # each looked up once, module by module
+            check_names(self.model, {n: shape for n, (shape, _) in internal.index.items()})
             newer = version > self.newest
             raw = raw_tensors(self.model)
             changes: dict[str, TensorDelta] = {}  # newer: the old newest against `version`; else `version` against newest
@@ -231,7 +231,7 @@ def _cast(mod: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
     return t.to(mod.dtype) if isinstance(mod, _QuantizedWeights) else t
 
 
-def check_names(model: torch.nn.Module, internal: dict[str, torch.Tensor]) -> None:
+def check_names(model: torch.nn.Module, internal: dict[str, tuple[int, ...]]) -> None:
     """Every tensor the model loads present with its shape, nothing else (`InvalidCheckpoint`), read from
     the modules (an FP8 model's `state_dict()` would dequantise a copy of every weight)."""
     own: dict[str, tuple[int, ...]] = {}
@@ -246,6 +246,6 @@ def check_names(model: torch.nn.Module, internal: dict[str, torch.Tensor]) -> No
     missing, unexpected = sorted(set(own) - set(internal)), sorted(set(internal) - set(own))
     if missing or unexpected:
         raise InvalidCheckpoint(f"missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    for n, t in internal.items():
-        if tuple(t.shape) != own[n]:
-            raise InvalidCheckpoint(f"{n}: shape {tuple(t.shape)} in checkpoint, model expects {own[n]}")
+    for n, shape in internal.items():
+        if tuple(shape) != own[n]:
+            raise InvalidCheckpoint(f"{n}: shape {tuple(shape)} in checkpoint, model expects {own[n]}")

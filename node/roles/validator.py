@@ -30,7 +30,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
+
+import torch
 
 from node.engine.fp8.model import apply_fp8_mode
 from node.model.qwen3_moe import CausalLM
@@ -132,28 +135,21 @@ class ValidatorNode:
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)
 
-    def _hold(self, version: int, state: dict, manifest_hash: bytes, local: bool = False) -> None:
-        """The first version builds the resident model; later ones join it as deltas (version 0 checked
-        against the spec's pin first, on a model of its own: the resident one may be FP8 already; a local
-        version 0 was checked as it loaded)."""
+    def _hold(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes, local: bool = False) -> None:
+        """The first version builds the resident model; later ones join it as deltas. A fetched version 0 is
+        checked against the spec's pin first, on the high-precision tensors the trainer published, before
+        anything is loaded (a local version 0 was checked against it as its checkpoint was read)."""
+        if version == 0 and not local:
+            check_version0(self.spec, state)
         if self.policies is None:
-            self.policies = ResidentPolicies(self._model_of(version, state, local).eval(), version, manifest_hash)
+            self.policies = ResidentPolicies(self._model_of(state).eval(), version, manifest_hash)
             return
-        if version == 0 and not local and self.spec.model.weights_hash is not None:
-            check_version0(self.spec, self._filled("cpu", state))
         self.policies.add(version, state, manifest_hash)
 
-    def _filled(self, device: str, state: dict) -> CausalLM:
-        """A model of the run on `device` holding `state`: tensor by tensor from the payload's mapping, experts
-        into their rows, no stacked copy on the host."""
-        model = blank_model(self.spec, device)
+    def _model_of(self, state: Mapping[str, torch.Tensor]) -> CausalLM:
+        model = blank_model(self.spec, self.device)
+        # tensor by tensor from the payload's mapping, experts into their rows: no stacked copy on the host
         StagedVersion.of(model, state, expected_shapes(model), stage=False).apply()
-        return model
-
-    def _model_of(self, version: int, state: dict, local: bool = False) -> CausalLM:
-        model = self._filled(self.device, state)
-        if version == 0 and not local:  # a local version 0 was checked against the spec's pin as it loaded
-            check_version0(self.spec, model)  # the high-precision weights the trainer published
         # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
         apply_fp8_mode(model, self.spec.model.fp8)
         return model

@@ -6,8 +6,16 @@ only the signed manifest (a few KB) and uses its own weights when they are exact
 the same names, dtypes and shapes, and every shard's raw hash equal to the manifest's (a trainer that
 warmed the model up first publishes other weights, and then the member fetches them as usual).
 
+A checkpoint is never loaded whole for this: the check reads it shard by shard in payload order
+(`shardcast.codec.matches_manifest` over `StreamedWeights`, hashing the spec's pin in the same pass),
+and what it returns is the checkpoint read tensor by tensor when a loader asks
+(node/model/streamed_weights.py), a mapping of HF names to tensors as a fetched version is, which
+every loader takes the same way. The tiny seeded model has no files: it is built in memory (it is
+small) and handed over through the same mapping.
+
 Invariant: a role never serves or judges weights it did not check; here the check is the trainer's
-signature on the manifest plus the raw hash of every shard, the same hashes a fetch verifies.
+signature on the manifest plus the raw hash of every shard, the same hashes a fetch verifies, and
+the spec's pinned hash of the weights.
 """
 
 from __future__ import annotations
@@ -15,18 +23,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import torch
 
 from node.model.checkpoint import state_dict_to_hf
-from node.model.errors import ModelLoadError
-from node.model.spec import resolve
-from node.roles.common import fresh_model
+from node.model.errors import ModelLoadError, WeightsHashMismatch
+from node.model.spec import DTYPES, resolve
+from node.model.streamed_weights import StreamedWeights
+from node.model.weights_digest import DigestingReads, WeightsDigest
+from node.roles.common import fresh_model, model_config
 from protocol.errors import ProtocolError
 from protocol.messages import RunSpec
-from shardcast.codec import matches_manifest
+from shardcast.codec import StateBytes, matches_manifest
 from shardcast.fetch import Fetcher
-from shardcast.manifest import TrustedPublishers
+from shardcast.manifest import Manifest, TrustedPublishers
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
@@ -41,9 +52,10 @@ def has_checkpoint(spec: RunSpec) -> bool:
     return True
 
 
-async def local_version0(spec: RunSpec, store: Store, expect_hash: str | None = None) -> dict[str, torch.Tensor] | None:
-    """Version 0's HF-named tensors from this member's checkpoint (CPU), or None when it has none, the
-    manifest cannot be had now, or the published version 0 is not its checkpoint (fetch it then)."""
+async def local_version0(spec: RunSpec, store: Store, expect_hash: str | None = None) -> Mapping[str, torch.Tensor] | None:
+    """Version 0's HF-named tensors from this member's checkpoint (read one at a time when a loader
+    asks: `StreamedWeights`; the tiny model's in memory), or None when it has none, the manifest cannot
+    be had now, or the published version 0 is not its checkpoint (fetch it then)."""
     if not has_checkpoint(spec) or store.payload_path(spec.run_id, 0).exists():
         return None  # beside the trainer (one store per host) version 0 is in the store already: read it there
     t0 = time.perf_counter()
@@ -58,15 +70,34 @@ async def local_version0(spec: RunSpec, store: Store, expect_hash: str | None = 
         log.warning("version 0: manifest hash is not the announced one; fetching it through shardcast")
         return None
     try:
-        # load_model checks the spec's pinned hash (a wrong local copy raises, it is never served)
-        state = await asyncio.to_thread(lambda: state_dict_to_hf(fresh_model(spec, "cpu")))
+        weights = await asyncio.to_thread(checked_version0, spec, m)
     except ModelLoadError as exc:
-        log.warning("version 0: the local checkpoint does not load (%s); fetching it through shardcast", exc)
+        log.warning("version 0: the local checkpoint cannot serve (%s); fetching it through shardcast", exc)
         return None
-    same = await asyncio.to_thread(matches_manifest, m.tensors, m.shards, m.shard_size, state)
-    if not same:
+    if weights is None:
         log.info("version 0: the published weights differ from the local checkpoint (a warm-up ran); fetching them")
         return None
     log.info("version 0 from the local checkpoint in %.1f s (manifest checked, %.1f MiB not downloaded)",
              time.perf_counter() - t0, m.wire_bytes / 2**20)
-    return state
+    return weights
+
+
+def checked_version0(spec: RunSpec, m: Manifest) -> Mapping[str, torch.Tensor] | None:
+    """The member's version 0 when it is exactly manifest `m`'s (None otherwise), its weights hashed
+    against the spec's pin in the same pass (`WeightsHashMismatch`; ModelLoadError for a checkpoint
+    that does not open or fit the architecture)."""
+    directory = resolve(spec.model.source)
+    if directory is None:  # the tiny model: built and checked against the pin by load_model
+        state = state_dict_to_hf(fresh_model(spec, "cpu"))
+        return state if matches_manifest(m.tensors, m.shards, m.shard_size, StateBytes(state)) else None
+    weights = StreamedWeights.of_checkpoint(directory, model_config(spec), DTYPES[spec.model.dtype])
+    digest = WeightsDigest()
+    if not matches_manifest(m.tensors, m.shards, m.shard_size, DigestingReads(weights, digest)):
+        return None
+    for name in weights.names() - digest.names():  # tensors of no bytes: the payload has none to read
+        digest.add(name, weights[name])
+    got = digest.hexdigest(expected=weights.names())
+    if spec.model.weights_hash is not None and got != spec.model.weights_hash:
+        raise WeightsHashMismatch(f"{spec.model.source}: initial weights hash to {got}, the run's spec pins "
+                                  f"{spec.model.weights_hash}")
+    return weights.pin(digest.tensor_hashes)

@@ -77,9 +77,9 @@ def test_a_fetched_version_loads_into_a_blank_model_and_version0_is_checked():
     blank = blank_model(spec)
     load_hf_state_dict(blank, state_dict_to_hf(v0))
     assert weights_hash(blank) == weights_hash(v0)
-    check_version0(_spec(model=ModelSpec(weights_hash=weights_hash(v0))), blank)
+    check_version0(_spec(model=ModelSpec(weights_hash=weights_hash(v0))), state_dict_to_hf(blank))
     with pytest.raises(WeightsHashMismatch, match="version 0"):
-        check_version0(_spec(model=ModelSpec(weights_hash="blake3:" + "1" * 64)), blank)
+        check_version0(_spec(model=ModelSpec(weights_hash="blake3:" + "1" * 64)), state_dict_to_hf(blank))
 
 
 def test_a_real_checkpoint_defaults_to_bfloat16_and_the_tiny_model_to_float32():
