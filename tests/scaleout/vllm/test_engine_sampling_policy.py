@@ -143,6 +143,7 @@ def test_validator_role_bans_a_vllm_claim_only_where_the_run_does_not_accept_vll
     from protocol.envelope import seal
     from protocol.identity import NodeKey
     from protocol.messages import LeaseGrant, StoredWork
+    from protocol.work import open_unit
 
     spec = RunSpec(run_id="r", coordinator="c", environment="reverse", group_size=2, recipe={"hidden": 64})
     key = NodeKey.generate()
@@ -166,7 +167,7 @@ def test_validator_role_bans_a_vllm_claim_only_where_the_run_does_not_accept_vll
     def judge(run_spec: RunSpec, items: list[StoredWork]):
         v = ValidatorNode(NodeKey.generate(), run_spec, "", tmp_path / "validator")
         v.hashes, v.policies = {0: manifest}, ResidentPolicies(model, 0, bytes.fromhex(manifest))
-        return asyncio.run(v._judge(items))
+        return asyncio.run(v._judge([open_unit(item, run_spec.run_id, run_spec.group_size) for item in items]))
 
     assert all(v.valid for v in judge(spec, stored("builtin")))
     refused = judge(spec, stored("vllm"))
