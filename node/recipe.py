@@ -57,8 +57,13 @@ class Recipe(BaseModel):
     router_replay: bool = True
     """Inference nodes send the experts their engine routed each position to, validators check them,
     and the trainer replays them (MoE models only; 1/0, true/false)."""
+    train_fp8: bool = False
+    """The trainer's decoder projections and expert banks compute in block-scaled FP8, forward and
+    backward (node/rl/fp8.py: master weights and AdamW states stay in the parameters' dtype); the
+    trainer then matches an FP8-serving engine ~9x closer (mismatch KL, docs/fp8.md). One-process
+    trainer only (1/0, true/false)."""
 
-    @field_validator("router_replay", mode="before")
+    @field_validator("router_replay", "train_fp8", mode="before")
     @classmethod
     def _flag(cls, value: object) -> object:
         if isinstance(value, str):  # "1", "true", "yes", "on" (as the dict recipe read them)

@@ -20,6 +20,7 @@ from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_check
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch, micro_batches
+from node.rl.fp8 import apply_fp8_training
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.recipe import Recipe
 from node.rl.loss import LossConfig, policy_loss, token_logprobs
@@ -49,6 +50,8 @@ class TrainerConfig:
     """Sampling temperature the engine used (logprobs are of logits / T)."""
     router_replay: bool = DEFAULT_RECIPE.router_replay
     """Route trainer tokens to the experts the engine chose."""
+    fp8: bool = DEFAULT_RECIPE.train_fp8
+    """Decoder projections and experts compute in block-scaled FP8 (`node.rl.fp8.apply_fp8_training`)."""
     decay_steps: int = 0
     """Cosine-decay the learning rate to lr * min_lr_ratio over this many steps (0: constant)."""
     min_lr_ratio: float = 0.1
@@ -63,12 +66,12 @@ class TrainerConfig:
         """The recipe's optimizer settings, its LR decayed over its steps; `overrides` on top."""
         return cls(**{"lr": recipe.lr, "decay_steps": recipe.steps, "temperature": recipe.temperature,
                       "updates_per_batch": recipe.updates_per_batch, "minibatches": recipe.minibatches,
-                      "router_replay": recipe.router_replay, **overrides})
+                      "router_replay": recipe.router_replay, "fp8": recipe.train_fp8, **overrides})
 
 
 class Trainer:
     def __init__(self, model: CausalLM, cfg: TrainerConfig = TrainerConfig()):
-        self.model = model
+        self.model = apply_fp8_training(model) if cfg.fp8 else model  # in place: the same parameters and names
         self.cfg = cfg
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=(0.9, 0.99))

@@ -121,6 +121,8 @@ class TrainerNode:
         """The run's model shape: a unit's tokens must fit its vocabulary and positions (`_open`)."""
         self.routes = RouteShape.of(self._shape) if self.cfg.router_replay else None
         """The route shape submissions' routed experts are decoded with (None: not replayed)."""
+        if self.cfg.fp8 and self.dims.world > 1:
+            raise SystemExit(f"recipe train_fp8 needs the one-process trainer, not {self.dims.world} ranks")
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.dims.world == 1:
@@ -368,4 +370,4 @@ class TrainerNode:
         routed = sum(sub.routed_experts is not None for u in items for sub in u.group.rollouts)
         return {"step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [u.work_id for u in items],
                 "router_replay": self.cfg.router_replay and batch.routed_experts is not None,
-                "routed_rollouts": routed, **stats}
+                "routed_rollouts": routed, "train_fp8": self.cfg.fp8, **stats}

@@ -112,7 +112,11 @@ def test_synchronous_run_trains_only_on_the_newest_policy(tmp_path):
 
 @pytest.mark.slow
 def test_an_fp8_run_serves_and_verifies_in_fp8_and_trains(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=2, steps=3, batch_groups=4, group_size=4, fp8="experts")
+    # the trainer computes in FP8 too (recipe train_fp8): every step's row says so
+    s = run_sim(tmp_path, inference_nodes=2, steps=3, batch_groups=4, group_size=4, fp8="experts",
+                recipe={"train_fp8": True})
+    rows = [json.loads(x) for x in (tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["train_fp8"] is True for r in rows)
     assert s["status"] == "done" and s["steps"] == 3
     assert json.loads((tmp_path / "coordinator" / "spec.json").read_text())["model"]["fp8"] == "experts"
     assert "model.fp8 = " not in (tmp_path / "run.toml").read_text() and 'fp8 = "experts"' in (tmp_path / "run.toml").read_text()
