@@ -37,10 +37,9 @@ from pathlib import Path
 
 import torch
 
-from node.engine import SamplingParams
 from node.engine import registry as engines
 from node.engine.registry import EngineSetup, EngineUnavailable, InferenceEngine
-from node.envs.rollout import Episodes, Rollout, run_episodes
+from node.envs.rollout import Episodes, Rollout
 from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
@@ -51,7 +50,6 @@ from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
 from protocol.messages import LeaseGrant, PolicyAnnounce, RolloutGroup, RunSpec
-from protocol.work import sampling_seed
 from shardcast.store import Store
 from verification.proof import prove_rollouts
 
@@ -376,15 +374,14 @@ class InferenceNode:
     def _roll_out(self, grants: list[LeaseGrant]) -> list[RolloutGroup]:
         """Every grant's group rolled out to the end at once and proved (blocking; the role itself streams
         groups through `_serve`): the same episodes, seeds and proofs."""
-        g = self.spec.group_size
-        episodes = []
+        groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
         for grant in grants:
-            task = self.env.sample_task(grant.task_index)
-            for j in range(g):
-                episodes.append((f"{grant.work_id}-{j}", task,
-                                 SamplingParams(temperature=self.recipe.temperature, seed=sampling_seed(grant.seed, j))))
-        rollouts = run_episodes(self.engine, self.env, self.tok, episodes)
-        out = [self._group_of(grant, rollouts[i * g:(i + 1) * g]) for i, grant in enumerate(grants)]
+            groups.admit(grant, self.env.sample_task(grant.task_index))
+        whole: dict[int, list[Rollout]] = {}
+        while self.engine.has_work():
+            for grant, members in groups.finished(groups.episodes.step()):
+                whole[id(grant)] = members
+        out = [self._group_of(grant, whole[id(grant)]) for grant in grants]
         for hook in self.before_submit:
             out = hook(out, self._newest_loaded)
         return out

@@ -143,9 +143,8 @@ with torch.no_grad():
         p.zero_()  # the served model's own pages are resident before the baseline: what follows is extra
 base, peak, done = status("RssAnon"), [0], threading.Event()
 def sample():
-    while not done.is_set():
+    while not done.wait(0.001):  # a sample every millisecond until the load is over
         peak[0] = max(peak[0], status("RssAnon"))
-        time.sleep(0.001)
 sampler = threading.Thread(target=sample)
 sampler.start()
 t0 = time.perf_counter()
