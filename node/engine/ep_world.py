@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 
 STEP_TIMEOUT_S = 300.0
 """Bound on any collective of a step (the all-to-alls, the weight transfer): a rank that died mid-step."""
+WATCH_S = 0.25
+"""While an order is in flight, rank 0 looks this often whether a rank `join` started has exited: a
+dead rank stops the node at once, not when (or if) gloo notices its closed socket."""
 
 
 class EPRankLost(RuntimeError):
@@ -85,6 +89,45 @@ def use_device(device: str) -> None:
     kernels launch on the current one)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+
+
+class Collectives:
+    """The one thread of rank 0 that issues every collective, in submission order. A daemon thread, not
+    a pool's worker: after a rank dies the thread may stay blocked in a collective that never returns,
+    and neither `close()` nor the process's exit may wait for it."""
+
+    def __init__(self, device: str):
+        self._orders: queue.SimpleQueue = queue.SimpleQueue()
+        self.current: Future | None = None
+        """The order submitted last (done once the thread is free)."""
+        self._shut = False
+        threading.Thread(target=self._run, args=(device,), name="ep-collectives", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:  # noqa: ANN001
+        if self._shut:
+            raise RuntimeError("the collectives thread was shut down")
+        future: Future = Future()
+        self.current = future
+        self._orders.put((future, fn, args))
+        return future
+
+    def idle(self) -> bool:
+        return self.current is None or self.current.done()
+
+    def shutdown(self) -> None:
+        self._shut = True
+        self._orders.put(None)
+
+    def _run(self, device: str) -> None:
+        use_device(device)
+        while (item := self._orders.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
 
 
 class EPRank:
@@ -140,7 +183,7 @@ def follow(setup: EngineSetup) -> None:
 class EPLeader(RequestQueue):
     """Rank 0's engine: the built-in engine's surface over the whole world."""
 
-    def __init__(self, rank: EPRank, collectives: ThreadPoolExecutor):
+    def __init__(self, rank: EPRank, collectives: Collectives):
         super().__init__(rank.engine.max_seq_len, version=-1)  # `waiting`: requests not yet given to a rank
         self.rank, self.collectives = rank, collectives
         self.running: dict[str, int] = {}
@@ -161,8 +204,7 @@ class EPLeader(RequestQueue):
         if int(os.environ.get("RANK", "0")) != 0:
             raise EngineUnavailable("the expert-parallel leader is rank 0; other ranks run ep_world.follow")
         rank = _form_world(setup)
-        collectives = ThreadPoolExecutor(1, thread_name_prefix="ep-collectives", initializer=use_device,
-                                         initargs=(setup.device,))
+        collectives = Collectives(setup.device)
         log.info("expert-parallel rank 0 of %d: leading (%d of %d experts per rank)", rank.world,
                  rank.engine.model.config.num_experts // rank.world, rank.engine.model.config.num_experts)
         return cls(rank, collectives)
@@ -209,23 +251,29 @@ class EPLeader(RequestQueue):
         return self.rank.carry_out(mine, version)
 
     def _order(self, orders: list[EPOrder], version: dict[str, torch.Tensor] | None = None):
+        from node.engine.ep_spawn import started
+
         if self._closing.is_set() and orders[0].kind != "stop":
             raise EPWorldStopped("the expert-parallel world was stopped")
-        try:
-            return self.collectives.submit(self._send, orders, version).result()
-        except RuntimeError as exc:  # gloo/NCCL: a peer's socket closed, or a collective timed out
-            from node.engine.ep_spawn import started
-
-            self._broken = True
-            followers, gone = started(), {}
-            deadline = time.monotonic() + 1.0  # a killed rank's sockets close a moment before it can be reaped
-            while followers is not None and time.monotonic() < deadline:
-                gone = followers.exited()
+        future, followers = self.collectives.submit(self._send, orders, version), started()
+        while True:
+            try:
+                return future.result(timeout=WATCH_S)
+            except TimeoutError:  # still in flight: is every rank alive?
+                gone = followers.exited() if followers is not None else {}
                 if gone:
-                    break
-                time.sleep(0.05)
-            which = "; ".join(f"rank {r} exited with code {c}" for r, c in gone.items()) or "a rank failed"
-            raise EPRankLost(f"expert-parallel world of {self.ep} broken ({which}): {exc}") from exc
+                    self._broken = True
+                    raise EPRankLost(f"expert-parallel world of {self.ep} broken ({_which(gone)}): "
+                                     f"the {orders[0].kind} order was in flight") from None
+            except RuntimeError as exc:  # gloo/NCCL: a peer's socket closed, or a collective timed out
+                self._broken = True
+                gone, deadline = {}, time.monotonic() + 1.0  # a killed rank's sockets close a moment before it can be reaped
+                while followers is not None and time.monotonic() < deadline:
+                    gone = followers.exited()
+                    if gone:
+                        break
+                    time.sleep(0.05)
+                raise EPRankLost(f"expert-parallel world of {self.ep} broken ({_which(gone)}): {exc}") from exc
 
     def close(self) -> None:
         """Every rank leaves (idempotent; a world already broken is left as it is)."""
@@ -239,9 +287,20 @@ class EPLeader(RequestQueue):
                 self._order([EPOrder("stop")] * self.ep)
             except EPRankLost as exc:
                 log.warning("stop order not delivered: %s", exc)
-        # a broken world has no peer to wait for: leave at once
-        self.collectives.submit(self.rank.close, 0.0 if self._broken else 10.0).result()
+        # a broken world has no peer to wait for: leave at once, and not at all while the collectives
+        # thread is still blocked in an order a dead rank never answers (the process exits without it)
+        if self.collectives.idle():
+            try:
+                self.collectives.submit(self.rank.close, 0.0 if self._broken else 10.0).result(timeout=30.0)
+            except TimeoutError:
+                log.warning("expert-parallel world: leaving the process group took over 30 s; not waiting")
+        else:
+            log.warning("expert-parallel world: its collectives thread is blocked on a lost rank; left as it is")
         self.collectives.shutdown()
+
+
+def _which(gone: dict[int, int]) -> str:
+    return "; ".join(f"rank {r} exited with code {c}" for r, c in gone.items()) or "a rank failed"
 
 
 def _form_world(setup: EngineSetup) -> EPRank:
