@@ -1,7 +1,10 @@
 """The validator's policy versions with one resident model: the newest version's weights live in the
-model on the validator's device; every other version is held on the host as a delta against it (the
-positions where that version's raw tensors differ, with both values), and is applied in place when a
-claim needs it, then undone.
+model on the validator's device; every other version is held as a delta against it (the positions
+where that version's raw tensors differ, with both values), and is applied in place when a claim needs
+it, then undone. Deltas stay on the model's GPU while it has room (at most `DEVICE_DELTAS_SHARE` of the
+model's bytes there, and `DEVICE_FREE_FLOOR` left free for the roles sharing it), else on the host:
+on the host, adding a 10 GB version took 25-40 s of pageable copies each way (session 7's 5.2B run,
+where the validator was the network's critical path).
 
 Invariant: whichever version is active, the model's raw tensors (parameters and buffers, an FP8
 model's e4m3 weights and block scales included) are bit for bit those a model loaded with that version
@@ -25,6 +28,14 @@ from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.qwen3_moe import CausalLM
 
 log = logging.getLogger(__name__)
+
+DEVICE_DELTAS_SHARE = 2.0
+"""Deltas kept on the GPU hold at most this many times the model's own bytes (about k + 2 versions of
+bfloat16 RL steps; more go to the host)."""
+DEVICE_FREE_FLOOR = 16 << 30
+"""A delta goes to the host rather than leave the GPU with less than this free (the validator's own
+prefill, and the trainer and inference node that may share the device)."""
+
 
 def _index_dtype(numel: int) -> torch.dtype:
     """Flat positions as int32 where they fit (4 bytes a changed element instead of 8)."""
@@ -54,17 +65,20 @@ class TensorDelta:
         return sum(t.numel() * t.element_size() for t in (self.index, self.values, self.resident) if t is not None)
 
 
-def _delta(own: torch.Tensor, newest: torch.Tensor) -> TensorDelta | None:
-    """`own`'s bits against `newest`'s (flat, same device); None where they are equal."""
+def _delta(own: torch.Tensor, newest: torch.Tensor, home) -> TensorDelta | None:  # noqa: ANN001
+    """`own`'s bits against `newest`'s (flat, same device); None where they are equal. `home(nbytes)` says
+    where the delta is kept."""
     changed = (own != newest).nonzero().squeeze(1)
     if changed.numel() == 0:
         return None
     # sparse: a flat position and two values per changed element; once that exceeds the tensor's own
     # bytes, the delta holds the tensor whole
     item, index = own.element_size(), _index_dtype(own.numel())
-    if changed.numel() * (torch.empty((), dtype=index).element_size() + 2 * item) > own.numel() * item:
-        return TensorDelta(None, own.cpu().clone(), None)
-    return TensorDelta(changed.to(index).cpu(), own[changed].cpu(), newest[changed].cpu())
+    sparse_bytes = changed.numel() * (torch.empty((), dtype=index).element_size() + 2 * item)
+    if sparse_bytes > own.numel() * item:
+        return TensorDelta(None, own.to(home(own.numel() * item), copy=True), None)
+    at = home(sparse_bytes)
+    return TensorDelta(changed.to(index).to(at), own[changed].to(at), newest[changed].to(at))
 
 
 def _apply(flat: torch.Tensor, d: TensorDelta) -> None:
@@ -83,8 +97,10 @@ class ResidentPolicies(Mapping):
         self.hashes: dict[int, bytes] = {version: manifest_hash}
         self.deltas: dict[int, dict[str, TensorDelta]] = {version: {}}
         self._whole: dict[str, torch.Tensor] = {}
-        """The newest version's bits of each tensor some delta holds whole (host)."""
+        """The newest version's bits of each tensor some delta holds whole (where `_home` put them)."""
         self._lock = threading.Lock()
+        self._device = next(model.parameters()).device
+        self._model_bytes = sum(t.numel() * t.element_size() for t in raw_tensors(model).values())
 
     # ---- Mapping ----------------------------------------------------------------------------
     def __getitem__(self, version: int) -> tuple[CausalLM, bytes]:
@@ -114,9 +130,27 @@ class ResidentPolicies(Mapping):
 
     @property
     def delta_bytes(self) -> int:
-        """Host bytes the deltas hold (with the newest version's copies of tensors held whole)."""
-        return sum(d.nbytes for ds in self.deltas.values() for d in ds.values()) + \
-            sum(t.numel() * t.element_size() for t in self._whole.values())
+        """Bytes the deltas hold (with the newest version's copies of tensors held whole), host and device."""
+        return sum(self._held_bytes().values())
+
+    def _held_bytes(self) -> dict[str, int]:
+        """Bytes of deltas (and whole copies) by where they are kept: {"cpu": ..., "cuda": ...}."""
+        out: dict[str, int] = {}
+        parts = [t for ds in self.deltas.values() for d in ds.values() for t in (d.index, d.values, d.resident)]
+        for t in [*parts, *self._whole.values()]:
+            if t is not None:
+                out[t.device.type] = out.get(t.device.type, 0) + t.numel() * t.element_size()
+        return out
+
+    def _home(self, nbytes: int) -> torch.device:
+        """Where a delta of `nbytes` is kept: the model's GPU while it has room (see the module docstring)."""
+        if self._device.type != "cuda":
+            return torch.device("cpu")
+        free, _ = torch.cuda.mem_get_info(self._device)
+        on_device = self._held_bytes().get("cuda", 0)
+        if on_device + nbytes <= DEVICE_DELTAS_SHARE * self._model_bytes and free - nbytes >= DEVICE_FREE_FLOOR:
+            return self._device
+        return torch.device("cpu")
 
     # ---- switching --------------------------------------------------------------------------
     def activate(self, version: int) -> None:
@@ -161,7 +195,7 @@ class ResidentPolicies(Mapping):
                     mod.load_state_dict({n[len(prefix):]: _cast(mod, internal[n]) for n in names}, strict=False)
                     for n, t in own.items():
                         after = _bits(t)
-                        d = _delta(before[n], after) if newer else _delta(after, before[n])
+                        d = _delta(before[n], after, self._home) if newer else _delta(after, before[n], self._home)
                         if newer:
                             self._rebase(n, after, d)
                         else:
@@ -176,8 +210,10 @@ class ResidentPolicies(Mapping):
                 self.deltas[version] = changes
             self.hashes[version] = manifest_hash
             self._refresh_whole(raw)
-            log.info("version %d held: resident v%d, deltas of %d versions %.1f MiB on the host", version,
-                     self.newest, len(self.deltas) - 1, self.delta_bytes / (1 << 20))
+            held = self._held_bytes()
+            log.info("version %d held: resident v%d, deltas of %d versions %.1f MiB on the device, %.1f MiB on "
+                     "the host", version, self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20),
+                     held.get("cpu", 0) / (1 << 20))
 
     def _rebase(self, name: str, newest: torch.Tensor, step: TensorDelta | None) -> None:
         """Re-express every held version's delta of tensor `name` against `newest` (the version being
@@ -190,7 +226,7 @@ class ResidentPolicies(Mapping):
                 _apply(full, step)
             if name in ds:
                 _apply(full, ds[name])
-            d = _delta(full, newest)
+            d = _delta(full, newest, self._home)
             if d is None:
                 ds.pop(name, None)
             else:
@@ -198,7 +234,9 @@ class ResidentPolicies(Mapping):
 
     def _refresh_whole(self, raw: dict[str, torch.Tensor]) -> None:
         needed = {n for ds in self.deltas.values() for n, d in ds.items() if d.index is None}
-        self._whole = {n: _bits(raw[n]).cpu().clone() for n in needed}
+        self._whole = {}  # the newest version's bits changed: copied again (the old copies freed first)
+        for n in needed:
+            self._whole[n] = _bits(raw[n]).to(self._home(raw[n].numel() * raw[n].element_size()), copy=True)
 
     def _drop_unused_whole(self) -> None:
         needed = {n for ds in self.deltas.values() for n, d in ds.items() if d.index is None}

@@ -37,7 +37,7 @@ def alone(state: dict[str, torch.Tensor], fp8: str) -> CausalLM:
 
 
 def bits(model: torch.nn.Module) -> dict[str, bytes]:
-    return {n: t.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, t in raw_tensors(model).items()}
+    return {n: t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes() for n, t in raw_tensors(model).items()}
 
 
 @pytest.mark.parametrize("fp8", ["off", "experts"])
@@ -80,3 +80,26 @@ def test_a_version_with_a_missing_or_misshaped_tensor_is_refused_and_the_held_ve
         held.add(2, broken, b"\2" * 32)
     assert sorted(held) == [0, 1]
     assert bits(held[0][0]) == bits(alone(vs[0], "off")) and bits(held[1][0]) == bits(alone(vs[1], "off"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_deltas_stay_on_the_device_and_every_version_is_bit_for_bit_that_version_alone(monkeypatch):
+    import node.roles.resident_policy as rp
+
+    vs = versions()
+    on_gpu = lambda state: alone(state, "off").cuda()  # noqa: E731
+    held = ResidentPolicies(on_gpu(vs[0]), 0, b"\0" * 32)
+    for v in (1, 3, 2):
+        held.add(v, vs[v], bytes([v]) * 32)
+    where = held._held_bytes()
+    assert where.get("cuda", 0) > 0 and where.get("cpu", 0) == 0, where  # the GPU has room: no host copies
+    for v in (2, 0, 3, 1, 0):
+        assert bits(held[v][0]) == bits(on_gpu(vs[v])), v
+    # a GPU without room keeps them on the host, with the same weights
+    monkeypatch.setattr(rp, "DEVICE_FREE_FLOOR", 1 << 60)
+    host = ResidentPolicies(on_gpu(vs[0]), 0, b"\0" * 32)
+    for v in (1, 3, 2):
+        host.add(v, vs[v], bytes([v]) * 32)
+    assert host._held_bytes().get("cuda", 0) == 0 and host.delta_bytes == held.delta_bytes
+    for v in (2, 0, 3, 1):
+        assert bits(host[v][0]) == bits(held[v][0]), v
