@@ -80,22 +80,27 @@ class PinnedRing:
         `stream`. The pieces are queued for the ring's threads: wait for the returned futures before the
         stream's later work may read dst (`settle`)."""
         s, d = src.contiguous().reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
-        return [self._pool.submit(self._piece, s[at : at + CHUNK_BYTES], d[at : at + CHUNK_BYTES], stream)
+        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())  # thread-local: the caller's go along
+        return [self._pool.submit(self._piece, s[at : at + CHUNK_BYTES], d[at : at + CHUNK_BYTES], stream, modes)
                 for at in range(0, s.numel(), CHUNK_BYTES)]
 
-    def _piece(self, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _piece(self, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream, modes: tuple[bool, bool]) -> None:
         k = self._free.get()
         try:
-            if self.done[k] is not None:
-                self.done[k].synchronize()  # its last piece has left for the device
-            n = s.numel()
-            self.bufs[k][:n].copy_(s)
-            with torch.cuda.stream(stream):
-                d.copy_(self.bufs[k][:n], non_blocking=True)
-                self.done[k] = torch.cuda.Event()
-                self.done[k].record(stream)
+            with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+                self._send(k, s, d, stream)
         finally:
             self._free.put(k)
+
+    def _send(self, k: int, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        if self.done[k] is not None:
+            self.done[k].synchronize()  # its last piece has left for the device
+        n = s.numel()
+        self.bufs[k][:n].copy_(s)
+        with torch.cuda.stream(stream):
+            d.copy_(self.bufs[k][:n], non_blocking=True)
+            self.done[k] = torch.cuda.Event()
+            self.done[k].record(stream)
 
 
 def settle(pieces: list[Future]) -> None:

@@ -90,6 +90,10 @@ class ValidatorNode:
         """Work id -> when its policy version was first found unfetchable (monotonic)."""
         self._fetched_at = float("-inf")
         """When a policy version was last fetched (monotonic)."""
+        self._holding: dict[int, asyncio.Task] = {}
+        """Version -> its fetch and hold in progress (one per version, whoever asked first)."""
+        self._hold_lock = asyncio.Lock()
+        """Holds run one at a time, in the order asked (the first builds the resident model)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
@@ -116,11 +120,29 @@ class ValidatorNode:
             log.info("validator stopped: %d units judged, %d rejected", self.judged, self.rejected)
 
     async def _on_announce(self, msg: PolicyAnnounce) -> None:
+        """Hold an announced version at once, before any unit needs it: its fetch and hold (seconds for a
+        10 GB version) then overlap the inference nodes' own fetch and generation, off the path from a
+        step to the next batch's verdicts (session 7's 5.2B run: 8-10 s a version on that path)."""
         self.hashes[msg.version] = msg.manifest_hash
+        if msg.version >= max(self.hashes):
+            asyncio.create_task(self._prefetch(msg.version))
+
+    async def _prefetch(self, version: int) -> None:
+        try:
+            await self._policy(version)
+        except Exception as exc:  # noqa: BLE001 - a unit that needs it asks again (and defers, as before)
+            log.warning("policy v%d not held ahead of its units: %s", version, exc)
 
     async def _policy(self, version: int) -> None:
         if self.policies is not None and version in self.policies:
             return
+        task = self._holding.get(version)
+        if task is None:
+            task = self._holding[version] = asyncio.create_task(self._fetch_and_hold(version))
+            task.add_done_callback(lambda _: self._holding.pop(version, None))
+        await asyncio.shield(task)  # a cancelled judging round leaves the hold to finish for the next
+
+    async def _fetch_and_hold(self, version: int) -> None:
         state = await local_version0(self.spec, self.store, self.hashes.get(version)) if version == 0 else None
         local = state is not None  # checked against the signed manifest's shard hashes (node/roles/version0.py)
         if state is None:
@@ -130,7 +152,8 @@ class ValidatorNode:
             self.hashes[version] = self.store.manifest(self.spec.run_id, version).manifest.manifest_hash()
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
-        await asyncio.to_thread(self._hold, version, state, bytes.fromhex(self.hashes[version]), local)
+        async with self._hold_lock:
+            await asyncio.to_thread(self._hold, version, state, bytes.fromhex(self.hashes[version]), local)
         if self.spec.model.fp8 != "off":
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)

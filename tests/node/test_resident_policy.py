@@ -83,23 +83,25 @@ def test_a_version_with_a_missing_or_misshaped_tensor_is_refused_and_the_held_ve
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_deltas_stay_on_the_device_and_every_version_is_bit_for_bit_that_version_alone(monkeypatch):
+@pytest.mark.parametrize("room", ["ample", "default", "none"])
+def test_on_a_gpu_deltas_stay_on_the_device_while_it_has_room_and_every_version_is_that_version_alone(monkeypatch, room):
     import node.roles.resident_policy as rp
 
+    if room == "ample":
+        monkeypatch.setattr(rp, "DEVICE_DELTAS_SHARE", 100.0)
+    if room == "none":
+        monkeypatch.setattr(rp, "DEVICE_FREE_FLOOR", 1 << 60)
     vs = versions()
     on_gpu = lambda state: alone(state, "off").cuda()  # noqa: E731
     held = ResidentPolicies(on_gpu(vs[0]), 0, b"\0" * 32)
     for v in (1, 3, 2):
         held.add(v, vs[v], bytes([v]) * 32)
-    where = held._held_bytes()
-    assert where.get("cuda", 0) > 0 and where.get("cpu", 0) == 0, where  # the GPU has room: no host copies
+    where, model_bytes = held._held_bytes(), held._model_bytes
+    if room == "ample":
+        assert where.get("cuda", 0) > 0 and where.get("cpu", 0) == 0, where
+    elif room == "none":
+        assert where.get("cuda", 0) == 0 and where.get("cpu", 0) > 0, where
+    else:  # v2 is a dense step: v0 and v1 held against v3 are whole copies, more than the device share allows
+        assert 0 < where["cuda"] <= rp.DEVICE_DELTAS_SHARE * model_bytes < held.delta_bytes, (where, model_bytes)
     for v in (2, 0, 3, 1, 0):
         assert bits(held[v][0]) == bits(on_gpu(vs[v])), v
-    # a GPU without room keeps them on the host, with the same weights
-    monkeypatch.setattr(rp, "DEVICE_FREE_FLOOR", 1 << 60)
-    host = ResidentPolicies(on_gpu(vs[0]), 0, b"\0" * 32)
-    for v in (1, 3, 2):
-        host.add(v, vs[v], bytes([v]) * 32)
-    assert host._held_bytes().get("cuda", 0) == 0 and host.delta_bytes == held.delta_bytes
-    for v in (2, 0, 3, 1):
-        assert bits(host[v][0]) == bits(held[v][0]), v

@@ -31,3 +31,39 @@ def test_a_version_0_fetched_after_a_later_version_is_checked_against_the_pin(tm
     model, manifest_hash = node.policies[0]
     assert manifest_hash == b"\0" * 32
     assert all(torch.equal(model.state_dict()[k], t) for k, t in v0.state_dict().items())
+
+
+def test_an_announced_version_is_held_before_any_unit_needs_it_once_whoever_asks(tmp_path):
+    """`_on_announce` starts the fetch and hold of the newest version at once (off the path from a step to
+    its verdicts); a judging round asking for the same version meanwhile waits for that one hold."""
+    import asyncio
+
+    from node.rl.parallel.publish import publish_model
+    from protocol.messages import PolicyAnnounce
+    from shardcast.store import Store
+
+    key = NodeKey.from_seed(b"\x07" * 32)
+    spec = RunSpec(run_id="r", coordinator=NodeKey.generate().peer_id, environment="reverse", trainer=key.peer_id,
+                   shardcast_sources=["http://127.0.0.1:9"])  # never asked: the validator's store holds both
+    node = ValidatorNode(NodeKey.generate(), spec, "", tmp_path)
+    model = fresh_model(spec)
+    hashes = {0: publish_model(model, None, node.store, key, "r", 0, None, None).manifest.manifest_hash()}
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)
+    hashes[1] = publish_model(model, None, node.store, key, "r", 1, 0, None).manifest.manifest_hash()
+    holds = []
+    real_hold = node._hold
+    node._hold = lambda v, *a, **kw: (holds.append(v), real_hold(v, *a, **kw))[1]
+
+    async def main():
+        for v in (0, 1):
+            await node._on_announce(PolicyAnnounce(version=v, manifest_hash=hashes[v]))
+        await asyncio.wait_for(node._policy(1), 60)  # a round asking while the announced hold runs
+        deadline = asyncio.get_running_loop().time() + 60
+        while node._holding and asyncio.get_running_loop().time() < deadline:  # the prefetches end by themselves
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert sorted(node.policies) == [0, 1] and sorted(holds) == [0, 1], holds  # each held once, no unit asked
+    held, _ = node.policies[1]
+    assert torch.equal(held.model.norm.weight, model.model.norm.weight)
