@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -179,6 +180,7 @@ class ResidentPolicies(Mapping):
         becomes the resident weights and every held delta is rebased onto it; an older one is read in,
         diffed, and undone."""
         with self._lock:
+            t0, load_s = time.perf_counter(), 0.0
             self._activate(self.newest)
             internal = InternalTensors(state, self.model.config)  # each looked up once, module by module
             check_names(self.model, {n: shape for n, (shape, _) in internal.index.items()})
@@ -192,7 +194,9 @@ class ResidentPolicies(Mapping):
                     seen.update(id(t) for t in own.values())
                     before = {n: _bits(t).clone() for n, t in own.items()}
                     prefix = module_name + "." if module_name else ""
+                    t = time.perf_counter()
                     mod.load_state_dict({n[len(prefix):]: _cast(mod, internal[n]) for n in names}, strict=False)
+                    load_s += time.perf_counter() - t
                     for n, t in own.items():
                         after = _bits(t)
                         d = _delta(before[n], after, self._home) if newer else _delta(after, before[n], self._home)
@@ -211,9 +215,9 @@ class ResidentPolicies(Mapping):
             self.hashes[version] = manifest_hash
             self._refresh_whole(raw)
             held = self._held_bytes()
-            log.info("version %d held: resident v%d, deltas of %d versions %.1f MiB on the device, %.1f MiB on "
-                     "the host", version, self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20),
-                     held.get("cpu", 0) / (1 << 20))
+            log.info("version %d held in %.2f s (%.2f s reading it into the model): resident v%d, deltas of %d versions "
+                     "%.1f MiB on the device, %.1f MiB on the host", version, time.perf_counter() - t0, load_s,
+                     self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20), held.get("cpu", 0) / (1 << 20))
 
     def _rebase(self, name: str, newest: torch.Tensor, step: TensorDelta | None) -> None:
         """Re-express every held version's delta of tensor `name` against `newest` (the version being

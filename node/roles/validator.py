@@ -143,6 +143,7 @@ class ValidatorNode:
         await asyncio.shield(task)  # a cancelled judging round leaves the hold to finish for the next
 
     async def _fetch_and_hold(self, version: int) -> None:
+        t0 = time.monotonic()
         state = await local_version0(self.spec, self.store, self.hashes.get(version)) if version == 0 else None
         local = state is not None  # checked against the signed manifest's shard hashes (node/roles/version0.py)
         if state is None:
@@ -152,8 +153,12 @@ class ValidatorNode:
             self.hashes[version] = self.store.manifest(self.spec.run_id, version).manifest.manifest_hash()
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
+        t_fetched = time.monotonic()
         async with self._hold_lock:
+            t_hold = time.monotonic()
             await asyncio.to_thread(self._hold, version, state, bytes.fromhex(self.hashes[version]), local)
+        log.info("version %d: fetched in %.2f s, held %.2f s after (%.2f s behind other holds)", version,
+                 t_fetched - t0, time.monotonic() - t_fetched, t_hold - t_fetched)
         if self.spec.model.fp8 != "off":
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)
