@@ -95,20 +95,29 @@ class InternalTensors(IndexedTensors):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._plain:
             return self.sd[self._plain[name]]
+        parts = self.pieces(name)
+        shape, dtype = self.index[name]
+        out = torch.empty(shape, dtype=dtype, device=parts[0][1].device)  # where the version's tensors are
+        for at, t in parts:
+            out[at].copy_(t)
+        return out
+
+    def pieces(self, name: str) -> list[tuple[tuple, torch.Tensor]]:
+        """The HF tensors internal tensor `name` is made of, each with where it lands in it (an index:
+        () for the whole tensor, (expert, rows) for a stacked expert's projection)."""
+        if name in self._plain:
+            return [((), self.sd[self._plain[name]])]
         if name not in self.index:
             raise KeyError(name)
         prefix, kind = name.rsplit(".", 1)
         by_e = self._experts[prefix]
-        shape, dtype = self.index[name]
-        out: torch.Tensor | None = None
-        for e in range(shape[0]):
-            kinds = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        kinds = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        out = []
+        for e in range(self.index[name][0][0]):
             at = 0
             for k in kinds:
                 t = self.sd[by_e[e][k]]
-                if out is None:
-                    out = torch.empty(shape, dtype=dtype, device=t.device)  # where the version's tensors are
-                out[e, at : at + t.shape[0]].copy_(t)
+                out.append(((e, slice(at, at + t.shape[0])), t))
                 at += t.shape[0]
         return out
 
