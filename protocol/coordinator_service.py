@@ -73,7 +73,10 @@ class CoordinatorService:
         self.limbo_s = pipeline.JUDGE_LIMBO_S
         """How long a unit may wait for a verdict while validators skip it (`pipeline.drop_unjudged`)."""
         self.ended = asyncio.Event()
-        """Set a grace period after the trainer reported the run's last step (the launcher then exits 0)."""
+        """Set a grace period after the trainer reported the run's last step, or once every member has left
+        after it, whichever comes first (the launcher then exits 0)."""
+        self._everyone_left = asyncio.Event()
+        """Set when the run has ended and no member is left in the view (`_note_departures`)."""
         """Callbacks (validator, verdicts) for observers such as the status page."""
 
     @property
@@ -233,7 +236,8 @@ class CoordinatorService:
 
     async def _on_run_end(self, o: Opened) -> Ok:
         """The trainer's last step is done: record it, tell everyone (again with every heartbeat), and
-        set `ended` once members have had `dead_after_missed` heartbeat intervals to hear it."""
+        set `ended` once members have had `dead_after_missed` heartbeat intervals to hear it, or sooner
+        once every member has left (each heard it: nobody is left to tell)."""
         self._require(o.signer, "trainer", [self.spec.trainer] if self.spec.trainer else [])
         if self.state.store.get_meta("ended_at_step") is None:
             with self.state.store as db:
@@ -242,7 +246,12 @@ class CoordinatorService:
             await self.gossip(RunEnd(step=o.message.step))
 
             async def close_after_grace() -> None:
-                await asyncio.sleep(self.spec.heartbeat_interval_s * self.spec.dead_after_missed)
+                self._note_departures()
+                try:
+                    await asyncio.wait_for(self._everyone_left.wait(),
+                                           self.spec.heartbeat_interval_s * self.spec.dead_after_missed)
+                except TimeoutError:  # a member that neither left nor died yet: its grace is over
+                    pass
                 self.ended.set()
             self._tasks.append(asyncio.create_task(close_after_grace(), name="coordinator-end"))
         return Ok()
@@ -308,6 +317,12 @@ class CoordinatorService:
             released = self.state.leave(o.signer, time.time(), stamp_ms=o.timestamp_ms)
             self._pipeline_moved()
             log.info("member %s left (%s); %d leases back in the pool", o.signer, msg.reason, len(released))
+            self._note_departures()
+
+    def _note_departures(self) -> None:
+        """After the run's end, the last member leaving (or ejected dead) ends the coordinator's grace."""
+        if not self.state.view.members and self.state.store.get_meta("ended_at_step") is not None:
+            self._everyone_left.set()
 
     async def _tell_to_join_again(self, peer_id: str, beat: Heartbeat, exc: NotMember) -> None:
         """A heartbeat from a non-member: gossip a signed `JoinAgain` naming it (the member joins again), and
@@ -337,6 +352,7 @@ class CoordinatorService:
                 if dead or released:
                     self._pipeline_moved()
                     log.info("sweep: dead %s; work back in the pool %s", dead, released)
+                    self._note_departures()
                 pipeline.drop_unjudged(self.state, self.selector, time.time(), self.limbo_s)
             except Exception:
                 log.exception("sweep failed")

@@ -14,9 +14,17 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests' shared helpers (cli_run
 torch.set_num_threads(int(os.environ.get("PRIMERL_TEST_THREADS", "1")))
 
 
+def expected_s(item) -> float:
+    """A slow test's `slow(seconds=N)`: about how long it took beside a CPU hog (0 where unsaid)."""
+    slow = item.get_closest_marker("slow")
+    return slow.kwargs.get("seconds", 0) if slow else 0
+
+
 def pytest_collection_modifyitems(config, items):
-    # slow-marked tests last; the sort is stable, so each module's order (and its fixtures' reuse) stays
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    # slow-marked tests last, the longest of them first: two workers end together when the last tests to
+    # start are short ones (longest-processing-time-first); a 60 s test started last held one worker a minute
+    # after the other had run out. The sort is stable, so each module's order (and its fixtures' reuse) stays
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is not None, -expected_s(item)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

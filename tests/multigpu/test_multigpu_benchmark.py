@@ -26,7 +26,7 @@ def test_train_flops_count_the_published_active_parameters():
     assert train_flops_per_token(cfg, seq=4096) > train_flops_per_token(cfg, seq=0)  # causal attention adds
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 @pytest.mark.timeout(2400)  # up to two runs of four sections, each under its own hang guard (--timeout)
 def test_every_section_runs_on_two_cpu_ranks_and_matches_one_process(tmp_path):
     out = tmp_path / "mg.json"

@@ -42,7 +42,7 @@ def test_a_role_placed_on_gpu_i_sees_only_that_gpu_as_cuda0(tmp_path):
     assert cpu.env == {} and "cpu" in cpu.argv
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 @pytest.mark.timeout(1500)  # two sims, each under its own hang guard (--timeout)
 def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_stage(tmp_path):
     # the limits only catch a hang: a run takes ~40 s alone and several times that on a loaded machine

@@ -19,7 +19,7 @@ from protocol.store import CoordinatorStore
 CHEATERS = ("inference-1", "inference-2", "inference-3")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_junk_units_never_reach_a_step_and_their_senders_are_banned(tmp_path):
     # The vocabulary junk is banned only once a batch the trainer drops holds it, which a loaded machine
     # may put after any fixed step: the run stops once 5 steps are done and the three cheaters have left

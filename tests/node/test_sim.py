@@ -88,7 +88,7 @@ def test_a_run_that_reaches_the_reward_target_stops_a_few_steps_later(tmp_path):
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_churn_and_a_cheater_lose_nothing_and_ban_only_the_cheater(tmp_path):
     s = run_sim(tmp_path, inference_nodes=3, steps=12, batch_groups=8, group_size=4, churn=True, cheaters=1,
                 seed=1)

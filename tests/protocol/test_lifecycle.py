@@ -45,6 +45,32 @@ def test_the_trainers_last_step_ends_the_run_for_every_member_and_the_coordinato
     run(body())
 
 
+def test_the_coordinator_ends_once_every_member_has_left_without_waiting_out_its_grace(tmp_path):
+    async def body():
+        ck, tk = NodeKey.generate(), NodeKey.generate()
+        spec = make_spec(ck, run_id="end-left", trainer=tk.peer_id, heartbeat_interval_s=0.5, dead_after_missed=100)
+        grace = spec.heartbeat_interval_s * spec.dead_after_missed  # 50 s
+        coord = await start_coordinator(tmp_path, ck, spec)
+        trainer = await start_member(spec, coord.host.addrs[0], role="trainer", key=tk)
+        other = await start_member(spec, coord.host.addrs[0], role="inference")
+        stop = RunStop()
+        CoordinatorClient(other, stop=stop)
+        try:
+            await mesh_formed(coord, [trainer, other])  # the end and the leaves are gossiped
+            t0 = time.monotonic()
+            await CoordinatorClient(trainer, retry=ONCE).end_run(3)
+            await eventually(stop.is_set, WAIT_S, "the member told the run ended")
+            await trainer.leave("trainer stopping")
+            await eventually(lambda: tk.peer_id not in coord.state.view.members, WAIT_S, "the trainer's leave heard")
+            assert not coord.ended.is_set()  # a member is left that may not have heard it yet
+            await other.leave("the run ended")
+            await asyncio.wait_for(coord.ended.wait(), WAIT_S)
+            assert time.monotonic() - t0 < grace
+        finally:
+            await stop_all(coord, [trainer, other])
+    run(body())
+
+
 def test_a_banned_member_stops_with_its_exit_code_and_cannot_join_again(tmp_path):
     async def body():
         ck = NodeKey.generate()

@@ -8,7 +8,7 @@ from node.train_local import LocalRunConfig, run
 from node.rl.trainer import TrainerConfig
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 def test_train_local_learns_reversal(tmp_path):
     """A short version of the README's run: reward rises from <= 0.3 at the first RL step."""
     cfg = LocalRunConfig(task="reverse", steps=120, prompts=32, samples=8, seed=0,

@@ -83,7 +83,7 @@ def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_pat
 
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=55)
 def test_sigterm_mid_run_stops_every_rank_cleanly(tmp_path):
     """The sim's stop (SIGTERM to every rank while the trainer is mid-run): rank 0 finishes its step,
     sends the stop order, and every rank and torchrun exit 0 within the sim's 20 s grace."""

@@ -43,6 +43,7 @@ def _rollouts(model, tok, prompts_of=None):
                          reward=0.0, proof=p) for i, (c, p) in enumerate(zip(comps, proofs))]
 
 
+@pytest.mark.slow(seconds=55)
 def test_smollm2_honest_generations_pass_and_tampering_is_caught(smol):
     from verification.calibration.perturb import perturb
 

@@ -68,6 +68,7 @@ def _verify(claims, ref, chunk=32):
     return [v for i in range(0, len(claims), chunk) for v in verify_claims(claims[i:i + chunk], ref)]
 
 
+@pytest.mark.slow(seconds=50)
 def test_honest_smollm2_rollouts_at_batch_sizes_1_to_32_are_all_accepted(smol):
     model, tok = smol
     ref = _reference(tok, {0: model})

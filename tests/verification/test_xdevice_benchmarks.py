@@ -97,7 +97,7 @@ def test_device_calibration_writes_candidates_not_thresholds(tmp_path, capsys):
     assert r["shapes"]["tiny"]["params"] > 0 and r["provenance"]["torch"] == torch.__version__
 
 
-@pytest.mark.slow  # 41-133 s on the shared 2 cores (load 11-14): the device script's three steps, tiny, on the CPU
+@pytest.mark.slow(seconds=60)  # 41-133 s on the shared 2 cores (load 11-14): the device script's three steps, tiny, on the CPU
 def test_xdevice_script_runs_every_step_on_the_cpu(tmp_path):
     env = {**os.environ, "DEVICE": "cpu", "TINY": "1", "OUT": str(tmp_path), "PY": sys.executable}
     subprocess.run(["bash", "benchmarks/xdevice_h200.sh"], cwd=ROOT, env=env, check=True, timeout=600,

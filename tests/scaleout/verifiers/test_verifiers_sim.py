@@ -12,7 +12,7 @@ pytest.importorskip("verifiers.v1", reason="verifiers is not installed: pip inst
 from node.sim import run_sim  # noqa: E402
 
 
-@pytest.mark.slow  # a whole network of processes: runs after the fast tests
+@pytest.mark.slow(seconds=60)  # a whole network of processes: runs after the fast tests
 def test_a_multi_turn_verifiers_env_trains_through_every_role_with_nothing_lost_or_rejected(tmp_path):
     s = run_sim(tmp_path, inference_nodes=1, steps=3, task="verifiers:digit-reverse-feedback", batch_groups=8,
                 group_size=4, seed=3)
