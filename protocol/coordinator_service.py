@@ -66,6 +66,7 @@ class CoordinatorService:
         self.selector = selector
         """work id -> whether it needs a validator's verdict before it may enter a batch."""
         self.on_verdicts: list = []
+        """Callbacks (validator, verdicts) for observers such as the status page."""
         self.lease_policy: pipeline.LeasePolicy | None = pipeline.LeasePolicy()
         """What an identity may hold, by its record (None: only the per-peer cap, as before)."""
         self.judging = pipeline.JudgingPolicy()
@@ -77,7 +78,6 @@ class CoordinatorService:
         after it, whichever comes first (the launcher then exits 0)."""
         self._everyone_left = asyncio.Event()
         """Set when the run has ended and no member is left in the view (`_note_departures`)."""
-        """Callbacks (validator, verdicts) for observers such as the status page."""
 
     @property
     def spec(self) -> RunSpec:
