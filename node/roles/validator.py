@@ -93,7 +93,8 @@ class ValidatorNode:
         self._holding: dict[int, asyncio.Task] = {}
         """Version -> its fetch and hold in progress (one per version, whoever asked first)."""
         self._hold_lock = asyncio.Lock()
-        """Holds run one at a time, in the order asked (the first builds the resident model)."""
+        """Holds run one at a time, in the order asked (the first builds the resident model), and never
+        while a round recomputes with the resident model."""
 
     async def run(self, stop: asyncio.Event) -> None:
         client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
@@ -235,7 +236,9 @@ class ValidatorNode:
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
                                  decode=self.tok.decode, tasks=prompt_ids, reward=reward)
             t_verify = time.time()
-            verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
+            async with self._hold_lock:  # a version held meanwhile (announced: `_prefetch`) would change the
+                # weights under the recomputation: a hold waits for the round, and the round for a hold
+                verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
             self._round_verify_s = time.time() - t_verify
             for (wid, _), v in zip(flat, verdicts):
                 if v.accepted or (wid in failed and (wid not in borderline or v.severity == Severity.BORDERLINE)):

@@ -67,3 +67,35 @@ def test_an_announced_version_is_held_before_any_unit_needs_it_once_whoever_asks
     assert sorted(node.policies) == [0, 1] and sorted(holds) == [0, 1], holds  # each held once, no unit asked
     held, _ = node.policies[1]
     assert torch.equal(held.model.norm.weight, model.model.norm.weight)
+
+
+def test_a_version_announced_while_a_round_recomputes_is_held_only_after_the_round(tmp_path):
+    """Holding changes the resident model's weights: a hold that an announcement starts waits for the round
+    in progress (which holds `_hold_lock` while it recomputes), so no claim is checked against weights
+    changing under it."""
+    import asyncio
+
+    from node.rl.parallel.publish import publish_model
+    from protocol.messages import PolicyAnnounce
+
+    key = NodeKey.from_seed(b"\x08" * 32)
+    spec = RunSpec(run_id="r", coordinator=NodeKey.generate().peer_id, environment="reverse", trainer=key.peer_id,
+                   shardcast_sources=["http://127.0.0.1:9"])
+    node = ValidatorNode(NodeKey.generate(), spec, "", tmp_path)
+    h0 = publish_model(fresh_model(spec), None, node.store, key, "r", 0, None, None).manifest.manifest_hash()
+    holds = []
+    real_hold = node._hold
+    node._hold = lambda v, *a, **kw: (holds.append(v), real_hold(v, *a, **kw))[1]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with node._hold_lock:  # a round recomputing
+            await node._on_announce(PolicyAnnounce(version=0, manifest_hash=h0))
+            deadline = loop.time() + 60
+            while node._fetched_at == float("-inf") and loop.time() < deadline:  # fetched: now at the lock
+                await asyncio.sleep(0.02)
+            assert node._fetched_at > float("-inf") and holds == []
+        await asyncio.wait_for(node._policy(0), 60)
+
+    asyncio.run(main())
+    assert holds == [0] and sorted(node.policies) == [0]
