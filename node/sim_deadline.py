@@ -22,13 +22,12 @@ STEP_ALLOWANCE_S = 6.0
 """Time the timeout allows per trainer step (64 groups x 8 samples, 4 inference nodes, churn, a cheater):
 measured on cpu-2core 2.0 s/step up to the target (step 261 at 532 s) and 2.8 s/step over 500 steps on
 a quiet machine, 4.5 s/step on a loaded one (step 334 at 1,500 s); 6 s leaves a third of margin."""
-MEASURED = {"machine": "cpu-2core", "load": "5-25, median 14, shared with other jobs", "target_step": 189,
-            "target_s": 1622, "run_steps": 199, "run_s": 1694}
-"""The last measured `make run` (benchmarks/results/sim-make-run-s7-cpu-2core.json, session 7, the merged
-code of session 6), quoted in the start-up estimate: 7.6 CPU-s per step over the run, so at least 3.8 s a
-step on 2 free cores (steps 150-189 took 3.7 s each at load 7-9, steps 50-100 10.2 s at load 13-24). The
-run before it (issue 28, load 10-30) reached the target at step 183 after 2,224 s; the 532 s at step 261
-committed earlier was measured before the security changes of the wave before issue 28."""
+MEASURED = {"machine": "cpu-2core", "load": "1.5-6.5, the sim's own processes only", "target_step": 164,
+            "target_s": 370, "run_steps": 175, "run_s": 408}
+"""The last measured `make run` (benchmarks/results/sim-make-run-s10-quiet-cpu-2core.json, session 10, at
+509cfc9), quoted in the start-up estimate: 3.7 CPU-s per step over the run (inference nodes 1.6, validator
+0.9, trainer 0.6, coordinator 0.5, relay 0.1), 2.4 s between steps. Before: session 7 at load 5-25 reached
+step 189 after 1,622 s at 7.6 CPU-s per step; issue 28 was filed on step 184 after 2,448 s."""
 MEASURED_LOADED = {"load": "~30", "target_step": 227, "target_s": 3176}
 """The same on a machine shared with other jobs (benchmarks/results/sim-make-run-cpu-2core-loaded.json)."""
 PROGRESS_EVERY = 25
@@ -87,7 +86,8 @@ def plan(steps: int, stop_after_target: int | None, timeout_s: float, load: tupl
            if stop_after_target is not None and steps >= m["target_step"] else pace * steps)
     return (f"sim: trains {until}. Measured with the defaults on {m['machine']} (load {m['load']}): target at step "
             f"{m['target_step']} ({m['target_s'] / 60:.0f} min), {m['run_steps']} steps in {m['run_s'] / 60:.0f} min; "
-            f"expect about {est / 60:.0f} min here, less on a quiet machine (progress lines say how it goes).{busy} "
+            f"expect about {est / 60:.0f} min here, more while other jobs share the machine (progress lines say how "
+            f"it goes).{busy} "
             f"It gives up "
             f"after {timeout_s / 60:.0f} min ({START_ALLOWANCE_S:.0f} s + {STEP_ALLOWANCE_S:.0f} s per step), later "
             f"if its measured pace needs it, or when no step finishes for {STALL_S / 60:.0f} min.")

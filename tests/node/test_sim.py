@@ -50,7 +50,7 @@ def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting
     said = plan(500, 10, timeout_for(500), load=(1.0, 2))
     assert "10 steps after" in said and "at most 500 steps" in said and "gives up after 53 min" in said
     assert "measured pace" in said and "no step finishes for 10 min" in said
-    assert "expect about 28 min" in said  # measured: target at step 189 after 1,622 s; + 10 steps at 8.5 s
+    assert "expect about 7 min" in said  # measured: target at step 164 after 370 s; + 10 steps at 2.3 s
     assert "for 20 steps" in plan(20, None, timeout_for(20), load=(1.0, 2)) and "busy" not in said
     assert "busy (load average 30 on 2 cores)" in plan(500, 10, timeout_for(500), load=(30.0, 2))
 
