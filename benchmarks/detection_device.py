@@ -36,6 +36,7 @@ import torch
 from benchmarks import device_rollouts as D
 from benchmarks import weak_tamper
 from verification.checks import THRESHOLDS
+from verification.pooled import POOLED
 
 log = logging.getLogger("bench.detection_device")
 
@@ -66,15 +67,31 @@ def engine_for(case: str, base, fp8: str, args):
 
 
 def case_claims(case: str, precision: str, base, ref, args) -> list:
+    """`--rollouts` claims of `case`, every `--group` consecutive ones one submission (a shared work id)."""
     work = [(s, D.R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
     eng = engine_for(case, base, D.PRECISIONS[precision][1], args)
     claims = D.claims_of(eng, work, base.config)
     eng.close()
-    return D.relabel(claims, 1, ref.hidden_size) if case == "stale_version" else claims
+    claims = D.relabel(claims, 1, ref.hidden_size) if case == "stale_version" else claims
+    return [c.model_copy(update={"work_id": 5000 + i // args.group}) for i, c in enumerate(claims)]
 
 
-def judged(claims, ref) -> dict:
-    return weak_tamper.judged(claims, ref, details=3)
+def judged(claims, ref, evidence_to=None, tags: dict | None = None) -> dict:
+    """weak_tamper.judged per rollout, and per submission (a work id: rejected when any claim of it is);
+    each claim's evidence appended to `evidence_to` (a file) as one JSON line with `tags`."""
+    evidence: list = []
+    out = weak_tamper.judged(claims, ref, details=3, evidence=evidence)
+    units: dict[int, bool] = {}
+    for c, v in zip(claims, out.pop("verdicts")):
+        units[c.work_id] = units.get(c.work_id, False) or not v.accepted
+    out["submissions"] = len(units)
+    out["submissions_rejected"] = round(sum(units.values()) / max(1, len(units)), 4)
+    if evidence_to is not None:
+        with open(evidence_to, "a") as f:
+            for c, e in zip(claims, evidence):
+                f.write(json.dumps({**(tags or {}), "work_id": c.work_id, "tokens_claimed": len(c.token_ids),
+                                    **asdict(e)}) + "\n")
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -90,13 +107,17 @@ def run(args: argparse.Namespace) -> dict:
     for i in range(len(cases_for(precisions[0]))):  # case by case across precisions: time runs out evenly
         for precision in precisions:
             case, base, ref = cases_for(precision)[i], bases[precision], refs[precision]
+            if args.cases and case.partition("/")[0] not in args.cases and case not in args.cases:
+                continue
             if time.perf_counter() - t0 > args.seconds:
                 out[precision][case] = {"skipped": "out of time (--seconds)"}
                 continue
             t = time.perf_counter()
             try:
-                out[precision][case] = {**judged(case_claims(case, precision, base, ref, args), ref),
-                                        "seconds": round(time.perf_counter() - t, 1)}
+                tags = {"precision": precision, "case": case, "shape": args.shape, "engine_device": args.device,
+                        "judge_device": args.device, "batch": args.batch}
+                out[precision][case] = {**judged(case_claims(case, precision, base, ref, args), ref, args.evidence,
+                                                 tags), "seconds": round(time.perf_counter() - t, 1)}
             except Exception as exc:  # one device run measures what it can: a failing case is recorded
                 log.exception("%s %s failed", precision, case)
                 out[precision][case] = {"error": repr(exc)[:500]}
@@ -108,10 +129,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def report(args: argparse.Namespace, out: dict, t0: float) -> dict:
-    rate = {p: {c: r.get("rejected") for c, r in cases.items()} for p, cases in out.items()}
+    rate = {p: {c: r.get("submissions_rejected") for c, r in cases.items()} for p, cases in out.items()}
     return {"bench": "detection_device", "command": "python -m benchmarks.detection_device " + " ".join(sys.argv[1:]),
             "device": args.device, "engine": args.engine, "shape": D.shape_facts(args.shape),
             "provenance": D.provenance(args.device), "rollouts_per_case": args.rollouts, "engine_batch": args.batch,
+            "rollouts_per_submission": args.group, "pooled": {p: asdict(POOLED[p]) for p in out if p in POOLED},
             "seconds": round(time.perf_counter() - t0, 1),
             "honest_rejected": {p: r.get("honest") for p, r in rate.items()},
             "detection": {p: {c: v for c, v in r.items() if c != "honest"} for p, r in rate.items()},
@@ -137,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=None, choices=list(D.SHAPES),
                     help="device_rollouts.SHAPES (default: qwen3-moe-small on CUDA, tiny on the CPU)")
     ap.add_argument("--precisions", default="bfloat16,fp8-all-bfloat16,fp8-experts-bfloat16")
-    ap.add_argument("--rollouts", type=int, default=256, help="rollouts (submissions) per case")
+    ap.add_argument("--rollouts", type=int, default=256, help="rollouts per case")
+    ap.add_argument("--group", type=int, default=8, help="rollouts per submission (a work unit's group; the run's "
+                    "group size): detection is per submission, the pooled check judges its rollouts together")
+    ap.add_argument("--cases", type=lambda x: [c for c in x.split(",") if c], default=[],
+                    help="only these cases (names or kinds, e.g. honest,noise1pct); default all")
+    ap.add_argument("--evidence", type=Path, default=None, help="append each claim's evidence here (JSON lines; "
+                    "python -m verification.calibration.pooled reads them)")
     ap.add_argument("--batch", type=int, default=64, help="engine batch (slots)")
     ap.add_argument("--seconds", type=float, default=170.0, help="start no case after this long (the rest: skipped)")
     ap.add_argument("--out", type=Path)

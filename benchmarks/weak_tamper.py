@@ -79,10 +79,11 @@ def claims_of(engine_model, ref_model, work, max_batch: int, threads: int, versi
             for c, comp in zip(R.claims_from(comps, work), comps)]
 
 
-def judged(claims, ref, details: int = 0) -> dict:
+def judged(claims, ref, details: int = 0, evidence: list | None = None) -> dict:
     """Shares of `claims` rejected by `verify_claims` (as proof, as borderline), the reasons, and the first
-    `details` rejections' detail lines."""
-    verdicts = verify_claims(claims, ref)
+    `details` rejections' detail lines; with `evidence` (an empty list), also the verdicts under `verdicts`
+    and each claim's evidence in the list."""
+    verdicts = verify_claims(claims, ref, evidence=evidence)
     n = len(verdicts)
     out = {"rollouts": n, "rejected": round(sum(not v.accepted for v in verdicts) / n, 4),
            "proof": round(sum(v.severity == Severity.PROOF for v in verdicts) / n, 4),
@@ -90,6 +91,8 @@ def judged(claims, ref, details: int = 0) -> dict:
            "reasons": dict(Counter(v.reason.value for v in verdicts if not v.accepted))}
     if details:
         out["details"] = [v.detail[:200] for v in verdicts if not v.accepted][:details]
+    if evidence is not None:
+        out["verdicts"] = verdicts
     return out
 
 

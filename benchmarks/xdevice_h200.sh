@@ -7,6 +7,8 @@
 #   carried, git-ignored: .whl (make_wheels.sh: pydantic, zstandard, blake3, cryptography, libp2p's closure),
 #   as for benchmarks/h200_session.sh. No DeepGEMM: FP8 expert GEMMs are the Triton kernels (the default).
 #   STEPS="false_bans detection calibration" FB_S=260 DET_S=90 CAL_S=170 bash benchmarks/xdevice_h200.sh
+#   STEPS=evidence EV_S=400: each claim's evidence (small shape: every case at 3 precisions, honest at batches
+#   4 and 256; the 48-layer shape) for `python -m verification.calibration.pooled OUT/evidence.jsonl`
 #   (two calls with more room: STEPS=false_bans FB_S=540, then STEPS="detection calibration" DET_S=180 CAL_S=380)
 #   On the CPU (a tiny run of every step, for a test): DEVICE=cpu TINY=1 OUT=/tmp/x bash benchmarks/xdevice_h200.sh
 set -u
@@ -31,12 +33,14 @@ if [ "${TINY:-0}" = 1 ]; then  # seconds-sized: the CPU test of this script
   FB="--rollouts 48 --batches 8,16 --cheat-every 3 --shape tiny --precisions bfloat16,fp8-all-bfloat16 --engine builtin-cuda"
   DET="--shape tiny --rollouts 8 --batch 8 --precisions bfloat16"
   CAL="--shapes tiny --precisions bfloat16 --tf32-shape tiny --rounds 1:1,8:1"
+  EV="--shape tiny --rollouts 16 --batch 8 --precisions bfloat16" EV48="--shape tiny --rollouts 16 --batch 8 --cases honest"
 else
   FB="--rollouts ${FB_ROLLOUTS:-20000}"
   DET="--rollouts ${DET_ROLLOUTS:-128}"
   CAL=""
+  EV="--rollouts ${EV_ROLLOUTS:-256}" EV48="--shape qwen3-30b-a3b-48l-e16 --rollouts ${EV48_ROLLOUTS:-128}"
 fi
-FB_S=${FB_S:-260} DET_S=${DET_S:-90} CAL_S=${CAL_S:-170}
+FB_S=${FB_S:-260} DET_S=${DET_S:-90} CAL_S=${CAL_S:-170} EV_S=${EV_S:-400}
 # each benchmark stops starting work ~25 s before its step's timeout, so it ends and writes its JSON itself
 lead() { echo $(( $1 > 60 ? $1 - 25 : $1 * 2 / 3 )); }
 
@@ -59,6 +63,17 @@ for s in ${STEPS:-false_bans detection calibration}; do
   detection)
     step detection $DET_S $PY -m benchmarks.detection_device --device $DEVICE --seconds $(lead $DET_S) \
       --out $OUT/detection.json $DET ;;
+  evidence)  # each claim's evidence for the pooled check (verification.calibration.pooled): the small shape at
+    # three precisions and every case, its honest rollouts at decode batches 4 and 256, the 48-layer shape
+    step evidence_small $(( EV_S * 35 / 100 )) $PY -m benchmarks.detection_device --device $DEVICE \
+      --seconds $(lead $(( EV_S * 35 / 100 ))) --out $OUT/detection_evidence.json --evidence $OUT/evidence.jsonl $EV
+    for b in 4 256; do
+      step evidence_b$b $(( EV_S * 10 / 100 )) $PY -m benchmarks.detection_device --device $DEVICE --cases honest \
+        --batch $b --seconds $(lead $(( EV_S * 10 / 100 ))) --out $OUT/detection_b$b.json --evidence $OUT/evidence.jsonl $EV
+    done
+    step evidence_48l $(( EV_S * 45 / 100 )) $PY -m benchmarks.detection_device --device $DEVICE $EV48 \
+      --precisions bfloat16,fp8-all-bfloat16 --seconds $(lead $(( EV_S * 45 / 100 ))) --out $OUT/detection_48l.json \
+      --evidence $OUT/evidence.jsonl ;;
   calibration)
     step calibration $CAL_S $PY -m benchmarks.verification_calibration --device $DEVICE --seconds $(lead $CAL_S) \
       --results $OUT/calibration.json $CAL ;;

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from verification.claim import RolloutClaim
-from verification.reasons import Reason, Severity  # noqa: F401 (their home; importers use either)
+from verification.reasons import PROOF_FACTOR, Reason, Severity, graded  # noqa: F401 (their home; importers use either)
 from verification.hidden_check import ChunkStats, compare_blocks
+from verification.pooled import Evidence
 from verification.proof import Commitment, ChunkSpan
 from verification.reference import Reference
 
@@ -91,9 +92,6 @@ and on greedy choices, but their choices at temperature > 0 are not re-derived; 
 only if its spec names them (`RunSpec.engines`)."""
 
 
-PROOF_FACTOR = 2.0
-"""A recomputation check failing by this factor or more past its threshold is proof of tampering;
-nearer the line it is borderline (`Severity`)."""
 LOGPROB_OUTLIERS = 1
 """Tokens per version segment whose logprob may differ by more than `max_logprob_err` (and less than
 `PROOF_FACTOR` times it) without failing; the segment's mean check leaves them out too. Honest bf16
@@ -107,11 +105,6 @@ chunk): honest per-token errors are heavy-tailed (bf16: one token up to 0.17 nat
 stay under 0.007), so one such token in a segment of fewer than 0.17 / 0.01 = 17 tokens failed the
 mean bound then in force (0.01) although every token passed; a short segment (the tail of a
 mixed-version rollout) is judged per token."""
-
-
-def graded(excess: float) -> Severity:
-    """Severity of a numeric failure, given the largest ratio of a statistic to its threshold."""
-    return Severity.PROOF if excess >= PROOF_FACTOR else Severity.BORDERLINE
 
 
 @dataclass(frozen=True)
@@ -215,6 +208,15 @@ def _trimmed_mean(err: torch.Tensor) -> float:
     return float(kept.mean())
 
 
+def _evidence(stats: list[ChunkStats], err: torch.Tensor) -> Evidence:
+    """One segment's sums for pooling: chunks whose mantissas were read, and its tokens' logprob errors
+    without the `LOGPROB_OUTLIERS` largest (as `_trimmed_mean`; a non-finite error pools as large)."""
+    read = [s for s in stats if s.mant_err_mean < 2**63]
+    kept = err.clamp(max=1e3).sort().values[: max(0, len(err) - LOGPROB_OUTLIERS)] if len(err) > 1 else err[:0]
+    return Evidence(chunks=len(read), exp_mismatches=sum(s.exp_mismatches for s in read),
+                    mant_err=sum(s.mant_err_mean for s in read), tokens=len(kept), logprob_err=float(kept.sum()))
+
+
 def _strongest(failures: list[Failure | None]) -> Failure | None:
     """The first proof-grade failure, else the first borderline one: a borderline hidden-state
     difference does not hide a logprob or sampling failure that is proof."""
@@ -224,11 +226,12 @@ def _strongest(failures: list[Failure | None]) -> Failure | None:
 
 def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], logits: torch.Tensor,
                   hidden: torch.Tensor, spans: list[ChunkSpan], commitments: list[Commitment],
-                  chunk_offsets: list[int]) -> Failure | None:
+                  chunk_offsets: list[int], evidence: Evidence | None = None) -> Failure | None:
     """Checks of the sampled tokens `token_idx` of one version, given the validator's logits and
     hidden rows for them ([len(token_idx), V] and [len(token_idx), H], rows in token order).
     `spans` index into those rows; `chunk_offsets` give each span's rollout-wide chunk number.
-    Every check runs; the strongest failure is returned (`_strongest`)."""
+    Every check runs; the strongest failure is returned (`_strongest`). What was measured is added
+    to `evidence` (the submission's pooled check, `verification.pooled`)."""
     from verification.proof import chunk_blocks
 
     t = THRESHOLDS[ref.precision]
@@ -239,6 +242,8 @@ def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], log
     claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32, device=logits.device)
     ours = token_logprobs(logits, claimed_tok, claim.sampling.temperature)
     err = (claimed_lp - ours).abs().nan_to_num(nan=float("inf"))
+    if evidence is not None:
+        evidence.add(_evidence(stats, err))
     over = err > t.max_logprob_err
     r = int(err.argmax())
     # one token near the line is honest bf16 noise (LOGPROB_OUTLIERS); more, or one far past it, is not

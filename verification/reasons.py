@@ -32,3 +32,13 @@ class Reason(str, Enum):
     ENGINE_NOT_ALLOWED = "engine_not_allowed"
     ROUTES_MALFORMED = "routes_malformed"
     ROUTES_MISMATCH = "routes_mismatch"
+
+
+PROOF_FACTOR = 2.0
+"""A recomputation check failing by this factor or more past its threshold is proof of tampering;
+nearer the line it is borderline (`Severity`)."""
+
+
+def graded(excess: float) -> Severity:
+    """Severity of a numeric failure, given the largest ratio of a statistic to its threshold."""
+    return Severity.PROOF if excess >= PROOF_FACTOR else Severity.BORDERLINE

@@ -20,6 +20,7 @@ from protocol.identity import NodeKey
 from protocol.messages import BUILTIN_ONLY
 from verification.checks import Failure, Reason, Severity, check_segment, check_task, check_termination
 from verification.claim import RolloutClaim
+from verification.pooled import Evidence, check_pooled
 from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
 from verification.reference import Reference
 from verification.routing import check_routes, route_positions
@@ -90,7 +91,7 @@ def _segments(claim: RolloutClaim) -> list[tuple[int, int, int]]:
     return out
 
 
-def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | None:
+def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence) -> Failure | None:
     """A rollout whose tokens came from several versions: one forward per version segment, each
     attending to the KV the earlier versions wrote, then every segment checked against its version."""
     try:
@@ -102,7 +103,7 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference) -> Failure | No
         for v in p.tokens:
             rows = torch.tensor(p.tokens[v], device=logits.device)
             f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
-                              p.commitments[v], p.chunk_offsets[v])
+                              p.commitments[v], p.chunk_offsets[v], ev)
             if f is not None:
                 return f
         if p.routes is not None:
@@ -140,7 +141,7 @@ def _logit_groups(members: list[int], claims: list[RolloutClaim], vocab_size: in
 
 
 def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans: list[_Plan | None],
-                  failures: list[Failure | None], ref: Reference) -> None:
+                  failures: list[Failure | None], ref: Reference, evidence: list[Evidence]) -> None:
     """Prefill `members` (claims of version v, all with routes or all without) together and record each
     one's failure, if any: logits only from each completion's first producing position (the prompt's rows
     are never checked); claims with routes are recomputed along them (`_check_forced_routes`)."""
@@ -162,7 +163,7 @@ def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans:
         rows = torch.tensor(p.tokens[v], device=logits.device)
         try:
             failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
-                                        p.commitments[v], p.chunk_offsets[v])
+                                        p.commitments[v], p.chunk_offsets[v], evidence[i])
             if failures[i] is None and p.routes is not None:
                 failures[i] = _check_forced_routes(claim, p.routes, routes, ref.precision)
         except Exception as exc:
@@ -181,11 +182,33 @@ def _check_forced_routes(claim: RolloutClaim, claimed: torch.Tensor, extra: list
     return check_routes(claim, claimed, own, precision, logits)
 
 
+def _pool(claims: list[RolloutClaim], failures: list[Failure | None], evidence: list[Evidence],
+          precision: str) -> None:
+    """The pooled check of each submission (the claims sharing a work id): when their summed evidence
+    is past `verification.pooled`'s bounds, every claim of it that passed alone fails with it."""
+    units: dict[int, list[int]] = {}
+    for i, claim in enumerate(claims):
+        units.setdefault(claim.work_id, []).append(i)
+    for members in units.values():
+        pooled = Evidence()
+        for i in members:
+            pooled.add(evidence[i])
+        f = check_pooled(pooled, precision, len(members))
+        if f is None:
+            continue
+        for i in members:
+            failures[i] = failures[i] or Failure(f.reason, f.detail, severity=f.severity)
+
+
 def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None,
-                  engines: tuple[str, ...] = BUILTIN_ONLY) -> list[Verdict]:
+                  engines: tuple[str, ...] = BUILTIN_ONLY, evidence: list[Evidence] | None = None) -> list[Verdict]:
     """One verdict per claim, in order; signed when `key` is given. `engines`: those the run spec
     accepts (`RunSpec.engines`); a claim naming another is rejected before anything is recomputed,
-    so claiming vLLM cannot dodge the sampling check in a run that does not accept vLLM."""
+    so claiming vLLM cannot dodge the sampling check in a run that does not accept vLLM. The claims
+    of one work id are one submission, also judged together (`_pool`); `evidence`, an empty list,
+    receives what each claim's recomputation measured (benchmarks, calibration)."""
+    evidence = evidence if evidence is not None else []
+    evidence[:] = [Evidence() for _ in claims]
     failures: list[Failure | None] = [None] * len(claims)
     plans: list[_Plan | None] = [None] * len(claims)
     for i, claim in enumerate(claims):
@@ -209,13 +232,14 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
             if len(p.tokens) == 1:
                 by_version.setdefault(next(iter(p.tokens)), []).append(i)
             else:
-                failures[i] = _verify_mixed(claims[i], p, ref)
+                failures[i] = _verify_mixed(claims[i], p, ref, evidence[i])
     for v, members in sorted(by_version.items()):
         for routed in (False, True):  # a prefill is forced along claimed routes for all its rows or none
             same = [i for i in members if (plans[i].routes is not None) == routed]
             budget = getattr(ref, "logits_bytes", None) or PREFILL_LOGITS_BYTES  # a GPU reference sizes its own
             for group in _logit_groups(same, claims, ref.vocab_size, budget) if same else []:
-                _verify_group(v, group, claims, plans, failures, ref)
+                _verify_group(v, group, claims, plans, failures, ref, evidence)
+    _pool(claims, failures, evidence, ref.precision)
     verdicts = []
     for claim, f in zip(claims, failures):
         v = Verdict(work_id=claim.work_id, claim_digest=claim.digest(), accepted=f is None,

@@ -1,0 +1,116 @@
+"""Bounds of the pooled check (`verification.pooled.POOLED`) from claims' evidence, and what they catch.
+
+    python -m verification.calibration.pooled EVIDENCE.jsonl [...] [--out verification/calibration/pooled.json]
+
+Input: JSON lines as `benchmarks.detection_device --evidence` writes them (one per claim: its tags
+`precision`, `case`, `shape`, `engine_device`, `judge_device`, its `work_id`, and the `Evidence` sums).
+A path is (shape, engine device, judge device, engine batch); the honest claims (`case` "honest") of each path and
+precision give, per statistic, the path's mean per chunk (token) and its per-chunk (per-token)
+standard deviation, estimated from the claims' own means (var = mean over claims of n x (claim mean -
+path mean)^2, so chunks of one rollout may correlate). Per precision: centre = HARDWARE_MARGIN x the
+largest path mean, width = Z x the largest standard deviation. Then every case's submissions (claims
+sharing a work id) are judged by those bounds: honest ones must pass, the share of each tamper caught
+is reported. Prints one JSON line; `--out` also writes it (the record `POOLED` cites).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from verification.pooled import HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, Z, Evidence, PooledBound, PooledThresholds
+
+STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_err", "chunks"),
+         ("logprob_err_mean", "logprob_err", "tokens"))
+
+
+def read(paths: list[Path]) -> list[dict]:
+    return [json.loads(x) for p in paths for x in p.read_text().splitlines() if x.strip()]
+
+
+def path_of(row: dict) -> str:
+    return f"{row['shape']}:{row['engine_device']}->{row['judge_device']}:b{row.get('batch', '?')}"
+
+
+def moments(rows: list[dict], total: str, count: str) -> tuple[float, float]:
+    """(mean per unit, per-unit standard deviation) of `total`/`count` over claims, weighted by count."""
+    n = sum(r[count] for r in rows)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(r[total] for r in rows) / n
+    var = sum(r[count] * (r[total] / r[count] - mean) ** 2 for r in rows if r[count]) / max(1, len(rows))
+    return mean, math.sqrt(var)
+
+
+def calibrate(rows: list[dict]) -> dict:
+    honest: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["case"] == "honest":
+            honest[r["precision"]][path_of(r)].append(r)
+    out = {}
+    for precision, paths in honest.items():
+        per_path = {p: {name: moments(rs, total, count) for name, total, count in STATS} for p, rs in paths.items()}
+        bounds = {}
+        for name, _, _ in STATS:
+            worst_mean = max(per_path, key=lambda p: per_path[p][name][0])
+            worst_sd = max(per_path, key=lambda p: per_path[p][name][1])
+            bounds[name] = {"centre": round(HARDWARE_MARGIN * per_path[worst_mean][name][0], 5),
+                            "width": round(Z * per_path[worst_sd][name][1], 5),
+                            "centre_set_by": worst_mean, "width_set_by": worst_sd}
+        out[precision] = {"bounds": bounds, "paths": {p: {k: [round(x, 5) for x in v] for k, v in m.items()}
+                                                      for p, m in per_path.items()},
+                          "honest_claims": {p: len(rs) for p, rs in paths.items()}}
+    return out
+
+
+def thresholds(bounds: dict) -> PooledThresholds:
+    return PooledThresholds(**{k: PooledBound(v["centre"], v["width"]) for k, v in bounds.items()})
+
+
+def caught(rows: list[dict], cal: dict) -> dict:
+    """Per precision, path and case: submissions, and the share the pooled bounds reject."""
+    units: dict[tuple, Evidence] = defaultdict(Evidence)
+    for r in rows:
+        units[(r["precision"], path_of(r), r["case"], r["work_id"])].add(
+            Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")}))
+    tally: dict = defaultdict(lambda: [0, 0])
+    for (precision, path, case, _), ev in units.items():
+        if precision not in cal:
+            continue
+        t = thresholds(cal[precision]["bounds"])
+        m = ev.means()
+        over = ev.chunks >= MIN_CHUNKS and (m["exp_per_chunk"] > t.exp_per_chunk.at(ev.chunks)
+                                            or m["mant_err_mean"] > t.mant_err_mean.at(ev.chunks)
+                                            or (ev.tokens >= MIN_TOKENS
+                                                and m["logprob_err_mean"] > t.logprob_err_mean.at(ev.tokens)))
+        cell = tally[(precision, path, case)]
+        cell[0] += 1
+        cell[1] += bool(over)
+    out: dict = defaultdict(dict)
+    for (precision, path, case), (n, k) in sorted(tally.items()):
+        out[f"{precision} {path}"][case] = {"submissions": n, "rejected": round(k / n, 4)}
+    return dict(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("evidence", type=Path, nargs="+")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    rows = read(args.evidence)
+    cal = calibrate(rows)
+    result = {"bench": "pooled_calibration", "inputs": [str(p) for p in args.evidence], "claims": len(rows),
+              "hardware_margin": HARDWARE_MARGIN, "z": Z, "min_chunks": MIN_CHUNKS, "min_tokens": MIN_TOKENS,
+              "calibration": cal, "pooled_rejections": caught(rows, cal)}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
