@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=lambda x: [c for c in x.split(",") if c], default=[],
                     help="only these cases (names or kinds, e.g. honest,noise1pct); default all")
     ap.add_argument("--evidence", type=Path, default=None, help="append each claim's evidence here (JSON lines; "
-                    "python -m verification.calibration.pooled reads them)")
+                    "python -m benchmarks.pooled_calibration reads them)")
     ap.add_argument("--batch", type=int, default=64, help="engine batch (slots)")
     ap.add_argument("--seconds", type=float, default=170.0, help="start no case after this long (the rest: skipped)")
     ap.add_argument("--out", type=Path)

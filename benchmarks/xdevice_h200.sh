@@ -8,7 +8,7 @@
 #   as for benchmarks/h200_session.sh. No DeepGEMM: FP8 expert GEMMs are the Triton kernels (the default).
 #   STEPS="false_bans detection calibration" FB_S=260 DET_S=90 CAL_S=170 bash benchmarks/xdevice_h200.sh
 #   STEPS=evidence EV_S=400: each claim's evidence (small shape: every case at 3 precisions, honest at batches
-#   4 and 256; the 48-layer shape) for `python -m verification.calibration.pooled OUT/evidence.jsonl`
+#   4 and 256; the 48-layer shape) for `python -m benchmarks.pooled_calibration OUT/evidence.jsonl`
 #   (two calls with more room: STEPS=false_bans FB_S=540, then STEPS="detection calibration" DET_S=180 CAL_S=380)
 #   On the CPU (a tiny run of every step, for a test): DEVICE=cpu TINY=1 OUT=/tmp/x bash benchmarks/xdevice_h200.sh
 set -u
@@ -63,7 +63,7 @@ for s in ${STEPS:-false_bans detection calibration}; do
   detection)
     step detection $DET_S $PY -m benchmarks.detection_device --device $DEVICE --seconds $(lead $DET_S) \
       --out $OUT/detection.json $DET ;;
-  evidence)  # each claim's evidence for the pooled check (verification.calibration.pooled): the small shape at
+  evidence)  # each claim's evidence for the pooled check (benchmarks.pooled_calibration): the small shape at
     # three precisions and every case, its honest rollouts at decode batches 4 and 256, the 48-layer shape
     step evidence_small $(( EV_S * 35 / 100 )) $PY -m benchmarks.detection_device --device $DEVICE \
       --seconds $(lead $(( EV_S * 35 / 100 ))) --out $OUT/detection_evidence.json --evidence $OUT/evidence.jsonl $EV

@@ -80,7 +80,7 @@ MIN_TOKENS = 64
 """The logprob mean is pooled only over at least this many tokens."""
 
 POOLED: dict[str, PooledThresholds] = {}
-"""Per engine precision (the keys of `checks.THRESHOLDS`), from `python -m verification.calibration.pooled`
+"""Per engine precision (the keys of `checks.THRESHOLDS`), from `python -m benchmarks.pooled_calibration`
 over honest evidence of every path measured (verification/calibration/pooled.json): a precision absent
 here is not pooled."""
 

@@ -1,6 +1,6 @@
 """Bounds of the pooled check (`verification.pooled.POOLED`) from claims' evidence, and what they catch.
 
-    python -m verification.calibration.pooled EVIDENCE.jsonl [...] [--out verification/calibration/pooled.json]
+    python -m benchmarks.pooled_calibration EVIDENCE.jsonl [...] [--out verification/calibration/pooled.json]
 
 Input: JSON lines as `benchmarks.detection_device --evidence` writes them (one per claim: its tags
 `precision`, `case`, `shape`, `engine_device`, `judge_device`, its `work_id`, and the `Evidence` sums).
@@ -30,6 +30,22 @@ STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_
 
 def read(paths: list[Path]) -> list[dict]:
     return [json.loads(x) for p in paths for x in p.read_text().splitlines() if x.strip()]
+
+
+def fixture_evidence(directory: Path) -> list[dict]:
+    """Evidence rows of a cross-device fixture's claims (benchmarks/cross_device_files: generated on
+    another device, judged here on the CPU as the validator role judges them), all honest."""
+    from benchmarks.cross_device_files import read_fixture, reference
+    from verification.validator import verify_claims
+
+    fx = read_fixture(directory)
+    evidence: list = []
+    verify_claims(fx.claims, reference(fx, "cpu"), None, fx.spec.engines, evidence=evidence)
+    src = fx.provenance.get("device_name", fx.provenance.get("device", "?")).replace(" ", "-")
+    return [{"precision": fx.spec.model.dtype if fx.spec.model.fp8 == "off" else f"fp8-{fx.spec.model.fp8}-"
+             f"{fx.spec.model.dtype}", "case": "honest", "shape": f"fixture-{directory.name}", "engine_device": src,
+             "judge_device": "cpu", "batch": case.split("/")[1] if "/" in case else "?", "work_id": c.work_id,
+             "tokens_claimed": len(c.token_ids), **vars(e)} for c, e, case in zip(fx.claims, evidence, fx.cases)]
 
 
 def path_of(row: dict) -> str:
@@ -98,12 +114,15 @@ def caught(rows: list[dict], cal: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("evidence", type=Path, nargs="+")
+    ap.add_argument("evidence", type=Path, nargs="*")
+    ap.add_argument("--fixture", type=Path, action="append", default=[],
+                    help="also a cross-device fixture's claims judged here on the CPU (tests/fixtures/cross_device)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = read(args.evidence)
+    rows = read(args.evidence) + [r for d in args.fixture for r in fixture_evidence(d)]
     cal = calibrate(rows)
-    result = {"bench": "pooled_calibration", "inputs": [str(p) for p in args.evidence], "claims": len(rows),
+    result = {"bench": "pooled_calibration", "inputs": [str(p) for p in args.evidence + args.fixture],
+              "claims": len(rows),
               "hardware_margin": HARDWARE_MARGIN, "z": Z, "min_chunks": MIN_CHUNKS, "min_tokens": MIN_TOKENS,
               "calibration": cal, "pooled_rejections": caught(rows, cal)}
     if args.out:
