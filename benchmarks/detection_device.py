@@ -36,7 +36,7 @@ import torch
 from benchmarks import device_rollouts as D
 from benchmarks import weak_tamper
 from verification.checks import THRESHOLDS
-from verification.pooled import POOLED
+from verification.pooled import POOLED, POOLED_DETAIL
 
 log = logging.getLogger("bench.detection_device")
 
@@ -82,14 +82,16 @@ def judged(claims, ref, evidence_to=None, tags: dict | None = None) -> dict:
     evidence: list = []
     out = weak_tamper.judged(claims, ref, details=3, evidence=evidence)
     units: dict[int, bool] = {}
-    for c, v in zip(claims, out.pop("verdicts")):
+    verdicts = out.pop("verdicts")
+    for c, v in zip(claims, verdicts):
         units[c.work_id] = units.get(c.work_id, False) or not v.accepted
     out["submissions"] = len(units)
     out["submissions_rejected"] = round(sum(units.values()) / max(1, len(units)), 4)
     if evidence_to is not None:
         with open(evidence_to, "a") as f:
-            for c, e in zip(claims, evidence):
+            for c, e, v in zip(claims, evidence, verdicts):
                 f.write(json.dumps({**(tags or {}), "work_id": c.work_id, "tokens_claimed": len(c.token_ids),
+                                    "passed_alone": v.accepted or v.detail.startswith(POOLED_DETAIL),
                                     **asdict(e)}) + "\n")
     return out
 

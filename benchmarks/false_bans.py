@@ -66,6 +66,7 @@ from protocol.coordinator import Coordinator
 from protocol.envelope import seal
 from protocol.identity import NodeKey
 from protocol.messages import Join, RolloutGroup, RolloutSubmission, RunSpec, Verdict
+from verification.pooled import POOLED_DETAIL
 from verification.validator import verify_claims
 
 log = logging.getLogger("bench.false_bans")
@@ -94,12 +95,30 @@ def _submit(c: Coordinator, key: NodeKey, version: int, n: int, now: float) -> l
         g = c.grant_lease(key.peer_id, now)
         body = RolloutGroup(work_id=g.work_id, rollouts=[RolloutSubmission(
             work_id=g.work_id, version_runs=[(version, 1)], token_ids=[4], logprobs=[-0.1], reward=0.0,
-            finish_reason="eos")])
+            finish_reason="eos") for _ in range(c.spec.group_size)])
         items.append((key.peer_id, body, seal(key, c.spec.run_id, body, now=now)))
     for r in c.submit_many(items, now):
         if not getattr(r, "accepted", False):
             raise RuntimeError(f"submission refused: {r!r}")
     return [b.work_id for _, b, _ in items]
+
+
+def _write_evidence(path: Path, claims: list, verdicts: list, evidence: list, tags: dict) -> None:
+    """Each claim's evidence as a JSON line (benchmarks.pooled_calibration reads them)."""
+    with open(path, "a") as f:
+        for c, v, e in zip(claims, verdicts, evidence):
+            f.write(json.dumps({**tags, "work_id": c.work_id, "tokens_claimed": len(c.token_ids),
+                                "passed_alone": v.accepted or v.detail.startswith(POOLED_DETAIL), **vars(e)}) + "\n")
+
+
+def _unit_verdict(work_id: int, key: NodeKey, claims: list) -> Verdict:
+    """A unit's verdict from its claims' (as the validator role forms it): invalid if any claim failed,
+    proof-grade if any failure is."""
+    bad = [v for v in claims if not v.accepted]
+    worst = next((v for v in bad if v.severity.value != "borderline"), bad[0] if bad else None)
+    return Verdict(work_id=work_id, submitter=key.peer_id, valid=worst is None,
+                   reason="" if worst is None else worst.reason.value[:200],
+                   severity="borderline" if worst is not None and worst.severity.value == "borderline" else "proof")
 
 
 def upper_95(k: int, n: int) -> float | None:
@@ -187,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                     "the test harness's tiny model on the CPU, qwen3-moe-small on CUDA)")
     ap.add_argument("--round-rollouts", type=int, default=64,
                     help="an honest round's rollouts with the CPU engine: max(this, batch) (served engines: batch)")
+    ap.add_argument("--group", type=int, default=8, help="rollouts per work unit (the run's group size): a unit's "
+                    "claims are one submission, judged together (verification.pooled)")
+    ap.add_argument("--evidence", type=Path, help="append each claim's evidence here (JSON lines)")
     ap.add_argument("--cheat-every", type=int, default=20, help="one round in this many is a cheater's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", type=Path, help="append every round here (JSONL)")
@@ -260,7 +282,7 @@ def run(args: argparse.Namespace) -> dict:
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="false-bans-") as tmp:
         spec = RunSpec(run_id="false-bans", coordinator=ck.peer_id, max_off_policy_steps=1,
-                       heartbeat_interval_s=3600, lease_ttl_s=86_400, batch_groups=1)
+                       heartbeat_interval_s=3600, lease_ttl_s=86_400, batch_groups=1, group_size=args.group)
         c = Coordinator(tmp, spec, synchronous="OFF", now=t0)
         c.probation_units = 0  # probation changes what is batched, not what is banned
         for key in honest:
@@ -299,9 +321,16 @@ def run(args: argparse.Namespace) -> dict:
                 else:
                     claims = roll(precision, "honest", version, work, batch, threads)
                 torch.set_num_threads(VERIFY_THREADS)
-                verdicts = verify_claims(claims, refs[precision])
+                units = -(-n // args.group)
+                claims = [x.model_copy(update={"work_id": seed - n + j // args.group}) for j, x in enumerate(claims)]
+                evidence: list = []
+                verdicts = verify_claims(claims, refs[precision], evidence=evidence)  # a unit's claims together
+                if args.evidence:
+                    _write_evidence(args.evidence, claims, verdicts, evidence, {
+                        "precision": precision, "case": kind or "honest", "shape": args.shape or "tiny",
+                        "engine_device": args.device, "judge_device": args.device, "batch": batch})
                 now = time.time()
-                wids = _submit(c, key, version, n, now)
+                wids = _submit(c, key, version, units, now)
                 rec["rejected"] = sum(not v.accepted for v in verdicts)
                 rec["reasons"] = dict(Counter(f"{v.reason.value}/{v.severity.value}" for v in verdicts if not v.accepted))
                 if rec["rejected"] and not cheat:
@@ -310,10 +339,9 @@ def run(args: argparse.Namespace) -> dict:
                             log.warning("honest rollout rejected (%s batch %d threads %d v%d): %s %s %s", precision,
                                         batch, threads, version, v.reason.value, v.severity.value, v.detail[:300])
                     rec["details"] = [v.detail[:300] for v in verdicts if not v.accepted]
-                for peer, why in judging.record_verdicts(c, "validator", [Verdict(
-                        work_id=w, submitter=key.peer_id, valid=v.accepted, reason=v.reason.value[:200],
-                        severity="borderline" if v.severity.value == "borderline" else "proof")
-                        for w, v in zip(wids, verdicts)], now):
+                for peer, why in judging.record_verdicts(c, "validator", [
+                        _unit_verdict(w, key, verdicts[u * args.group:(u + 1) * args.group])
+                        for u, w in enumerate(wids)], now):
                     c.ban(peer, why, now)
                     rec["banned"].append(peer)
                     if not cheat:

@@ -22,7 +22,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from verification.pooled import HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, Z, Evidence, PooledBound, PooledThresholds
+from verification.pooled import (HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, POOLED, Z, Evidence, PooledBound,
+                                PooledThresholds)
 
 STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_err", "chunks"),
          ("logprob_err_mean", "logprob_err", "tokens"))
@@ -83,23 +84,37 @@ def calibrate(rows: list[dict]) -> dict:
     return out
 
 
+def in_force() -> dict:
+    """`verification.pooled.POOLED` in `calibrate`'s form (to judge evidence by the bounds in force)."""
+    from dataclasses import asdict
+
+    return {p: {"bounds": asdict(t)} for p, t in POOLED.items()}
+
+
 def thresholds(bounds: dict) -> PooledThresholds:
     return PooledThresholds(**{k: PooledBound(v["centre"], v["width"]) for k, v in bounds.items()})
 
 
 def caught(rows: list[dict], cal: dict) -> dict:
-    """Per precision, path and case: submissions, and the share the pooled bounds reject."""
+    """Per precision, path and case: submissions, and the share rejected: a claim failed alone (`passed_alone`
+    false), or the pooled bounds `cal` reject the rest together (as the validator forms a unit's verdict)."""
     units: dict[tuple, Evidence] = defaultdict(Evidence)
+    failed_alone: set[tuple] = set()
     for r in rows:
-        units[(r["precision"], path_of(r), r["case"], r["work_id"])].add(
-            Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")}))
+        unit = (r["precision"], path_of(r), r["case"], r["work_id"])
+        units.setdefault(unit, Evidence())  # a unit whose claims all failed alone still counts
+        if not r.get("passed_alone", True):
+            failed_alone.add(unit)
+            continue
+        units[unit].add(Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")}))
     tally: dict = defaultdict(lambda: [0, 0])
-    for (precision, path, case, _), ev in units.items():
+    for unit, ev in units.items():
+        precision, path, case, _ = unit
         if precision not in cal:
             continue
         t = thresholds(cal[precision]["bounds"])
         m = ev.means()
-        over = ev.chunks >= MIN_CHUNKS and (m["exp_per_chunk"] > t.exp_per_chunk.at(ev.chunks)
+        over = unit in failed_alone or ev.chunks >= MIN_CHUNKS and (m["exp_per_chunk"] > t.exp_per_chunk.at(ev.chunks)
                                             or m["mant_err_mean"] > t.mant_err_mean.at(ev.chunks)
                                             or (ev.tokens >= MIN_TOKENS
                                                 and m["logprob_err_mean"] > t.logprob_err_mean.at(ev.tokens)))
@@ -124,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "pooled_calibration", "inputs": [str(p) for p in args.evidence + args.fixture],
               "claims": len(rows),
               "hardware_margin": HARDWARE_MARGIN, "z": Z, "min_chunks": MIN_CHUNKS, "min_tokens": MIN_TOKENS,
-              "calibration": cal, "pooled_rejections": caught(rows, cal)}
+              "calibration": cal, "pooled_rejections": caught(rows, cal),
+              "pooled_rejections_in_force": caught(rows, in_force())}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

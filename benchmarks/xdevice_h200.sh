@@ -57,7 +57,7 @@ for s in ${STEPS:-false_bans detection calibration}; do
   case $s in
   false_bans)
     step false_bans $FB_S $PY -m benchmarks.false_bans --device $DEVICE --minutes $(awk "BEGIN{print $(lead $FB_S) / 60}") \
-      --checkpoint $OUT/false_bans.jsonl --out $OUT/false_bans.json $FB
+      --checkpoint $OUT/false_bans.jsonl --out $OUT/false_bans.json --evidence $OUT/false_bans_evidence.jsonl $FB
     [ -s $OUT/false_bans.json ] || timeout 60 $PY -m benchmarks.false_bans --report $OUT/false_bans.jsonl \
       --out $OUT/false_bans.json >> $OUT/false_bans.log 2>&1 ;;
   detection)
@@ -72,8 +72,12 @@ for s in ${STEPS:-false_bans detection calibration}; do
         --batch $b --seconds $(lead $(( EV_S * 10 / 100 ))) --out $OUT/detection_b$b.json --evidence $OUT/evidence.jsonl $EV
     done
     step evidence_48l $(( EV_S * 45 / 100 )) $PY -m benchmarks.detection_device --device $DEVICE $EV48 \
-      --precisions bfloat16,fp8-all-bfloat16 --seconds $(lead $(( EV_S * 45 / 100 ))) --out $OUT/detection_48l.json \
-      --evidence $OUT/evidence.jsonl ;;
+      --precisions ${EV48_PRECISIONS:-bfloat16,fp8-all-bfloat16} --seconds $(lead $(( EV_S * 45 / 100 ))) \
+      --out $OUT/detection_48l.json --evidence $OUT/evidence.jsonl ;;
+  evidence_48l)  # the 48-layer shape alone (EV48_PRECISIONS), EV_S seconds
+    step evidence_48l $EV_S $PY -m benchmarks.detection_device --device $DEVICE $EV48 \
+      --precisions ${EV48_PRECISIONS:-bfloat16,fp8-all-bfloat16} --seconds $(lead $EV_S) \
+      --out $OUT/detection_48l.json --evidence $OUT/evidence.jsonl ;;
   calibration)
     step calibration $CAL_S $PY -m benchmarks.verification_calibration --device $DEVICE --seconds $(lead $CAL_S) \
       --results $OUT/calibration.json $CAL ;;

@@ -184,20 +184,21 @@ def _check_forced_routes(claim: RolloutClaim, claimed: torch.Tensor, extra: list
 
 def _pool(claims: list[RolloutClaim], failures: list[Failure | None], evidence: list[Evidence],
           precision: str) -> None:
-    """The pooled check of each submission (the claims sharing a work id): when their summed evidence
-    is past `verification.pooled`'s bounds, every claim of it that passed alone fails with it."""
+    """The pooled check of each submission (the claims sharing a work id): the claims of it that passed
+    alone, their evidence summed, must pass `verification.pooled`'s bounds together, or each fails with it
+    (a claim that failed alone has already failed its unit, and its figures would only blur the rest's)."""
     units: dict[int, list[int]] = {}
     for i, claim in enumerate(claims):
-        units.setdefault(claim.work_id, []).append(i)
+        if failures[i] is None:
+            units.setdefault(claim.work_id, []).append(i)
     for members in units.values():
         pooled = Evidence()
         for i in members:
             pooled.add(evidence[i])
         f = check_pooled(pooled, precision, len(members))
-        if f is None:
-            continue
-        for i in members:
-            failures[i] = failures[i] or Failure(f.reason, f.detail, severity=f.severity)
+        if f is not None:
+            for i in members:
+                failures[i] = Failure(f.reason, f.detail, severity=f.severity)
 
 
 def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | None = None,
