@@ -16,6 +16,7 @@ is reported. Prints one JSON line; `--out` also writes it (the record `POOLED` c
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -30,7 +31,9 @@ STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_
 
 
 def read(paths: list[Path]) -> list[dict]:
-    return [json.loads(x) for p in paths for x in p.read_text().splitlines() if x.strip()]
+    """Evidence rows of JSON-lines files (gzip-compressed when named .gz)."""
+    text = (gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text() for p in paths)
+    return [json.loads(x) for t in text for x in t.splitlines() if x.strip()]
 
 
 def fixture_evidence(directory: Path) -> list[dict]:

@@ -110,3 +110,24 @@ def test_a_tampered_rollout_is_rejected_and_the_honest_round_still_passes(fx, ju
                             Reason.ROUTES_MISMATCH), (name, v.reason, v.detail)
         assert honest[i].accepted, f"the honest original of {name} ({fx.cases[i]}) rejected: {honest[i].detail}"
     assert sum(v.accepted for v in honest) == len(honest), f"generated on {fx.generated_on}"
+
+
+def _shifted(claim: RolloutClaim, delta: float, work_id: int) -> RolloutClaim:
+    """Every sampled token's claimed logprob `delta` nats higher: a drift no single token or rollout shows."""
+    lp = [x + delta if s else x for x, s in zip(claim.logprobs, claim.sampled_mask)]
+    return claim.model_copy(update={"logprobs": lp, "work_id": work_id})
+
+
+def test_a_submission_of_small_drift_passes_rollout_by_rollout_and_fails_pooled(fx, ref):
+    # 8 single-turn rollouts of >= 32 tokens, one submission (a shared work id), as a work unit is judged
+    members = [c for c in fx.claims if all(c.sampled_mask) and len(c.token_ids) >= 32][:8]
+    assert len(members) == 8
+    honest = [c.model_copy(update={"work_id": 900_001}) for c in members]
+    drift = [_shifted(c, 0.015, 900_002) for c in members]
+    alone = [_shifted(c, 0.015, 900_100 + i) for i, c in enumerate(members)]  # each its own submission
+    verdicts = judge(fx, honest + drift + alone, ref=ref)
+    assert all(v.accepted for v in verdicts[:8]), [v.detail for v in verdicts[:8] if not v.accepted]
+    assert all(v.accepted for v in verdicts[16:]), [v.detail for v in verdicts[16:] if not v.accepted]
+    pooled = verdicts[8:16]
+    assert not any(v.accepted for v in pooled)
+    assert {v.reason for v in pooled} == {Reason.LOGPROB_MISMATCH} and pooled[0].detail.startswith("pooled over 8")

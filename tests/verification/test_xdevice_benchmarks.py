@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import detection_device, false_bans, verification_calibration
+from benchmarks import detection_device, false_bans, pooled_calibration, verification_calibration
 from node.replay import exact_float32
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,9 +60,18 @@ def test_false_bans_on_served_engines_passes_honest_and_bans_cheaters(capsys):
 @pytest.mark.slow  # 10-32 s on the shared 2 cores (load 11-14): 16 engines
 def test_detection_device_passes_honest_and_catches_engine_swaps(tmp_path, capsys):
     out = tmp_path / "det.json"
+    evidence = tmp_path / "evidence.jsonl"
     assert detection_device.main(["--shape", "tiny", "--rollouts", "8", "--batch", "8", "--out", str(out),
-                                  "--precisions", "bfloat16,fp8-all-bfloat16"]) == 0
+                                  "--precisions", "bfloat16,fp8-all-bfloat16", "--evidence", str(evidence)]) == 0
     r = _last_json(capsys)
+    assert r["rollouts_per_submission"] == 8 and set(r["pooled"]) == {"bfloat16", "fp8-all-bfloat16"}
+    # each claim's evidence, and the pooled calibration over it: honest submissions pass the bounds in force
+    assert pooled_calibration.main([str(evidence)]) == 0
+    cal = _last_json(capsys)
+    assert cal["claims"] == 8 * 2 * len(detection_device.cases_for("bfloat16"))
+    for precision in ("bfloat16", "fp8-all-bfloat16"):
+        assert cal["pooled_rejections_in_force"][f"{precision} tiny:cpu->cpu:b8"]["honest"]["rejected"] == 0.0
+        assert cal["calibration"][precision]["honest_claims"] == {"tiny:cpu->cpu:b8": 8}
     assert json.loads(out.read_text())["detection"] == r["detection"]
     assert r["honest_rejected"] == {"bfloat16": 0.0, "fp8-all-bfloat16": 0.0}
     assert set(r["detection"]["bfloat16"]) == set(detection_device.cases_for("bfloat16")) - {"honest"}
