@@ -19,7 +19,7 @@ validator role's call) against the honest weights of both versions, and its verd
 coordinator's real judging (`protocol.judging.record_verdicts` on a real `Coordinator` in a SQLite
 file, the round's submissions group-committed by `submit_many`: a proof-grade failure bans, three
 borderline ones ban, 200 valid verdicts forgive one). `HONEST_IDENTITIES` honest identities take
-turns; every `--cheat-every`-th round is a fresh cheater identity submitting `CHEAT_ROLLOUTS`
+turns; every `--cheat-every`-th round is a fresh cheater identity submitting `--cheat-units` units of `--group`
 rollouts, alternately `noise` (an engine with weight noise of 1% of each tensor's std on every
 layer) and `relabel` (version 0's tokens and proofs claimed as version 1). `--hogs` busy-looping
 processes run beside it the whole time (CPU contention). Every round is appended to `--checkpoint`
@@ -72,8 +72,8 @@ from verification.validator import verify_claims
 log = logging.getLogger("bench.false_bans")
 
 HONEST_IDENTITIES = 8
-CHEAT_ROLLOUTS = 8
-"""Rollouts a cheater identity submits in its round."""
+CHEAT_UNITS = 4
+"""Work units a cheater identity submits in its round: borderline failures ban at `STRIKES_TO_BAN` (3)."""
 CHEAT_NOISE = 1e-2
 """The `noise` cheater's weight noise, as a share of each tensor's std (all layers)."""
 VERSION_STEP = 1e-2
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="an honest round's rollouts with the CPU engine: max(this, batch) (served engines: batch)")
     ap.add_argument("--group", type=int, default=8, help="rollouts per work unit (the run's group size): a unit's "
                     "claims are one submission, judged together (verification.pooled)")
+    ap.add_argument("--cheat-units", type=int, default=CHEAT_UNITS, help="work units a cheater submits in its round")
     ap.add_argument("--evidence", type=Path, help="append each claim's evidence here (JSON lines)")
     ap.add_argument("--cheat-every", type=int, default=20, help="one round in this many is a cheater's")
     ap.add_argument("--seed", type=int, default=0)
@@ -296,7 +297,7 @@ def run(args: argparse.Namespace) -> dict:
             threads = threads if fresh else torch.get_num_threads()
             cheat = rnd % args.cheat_every == args.cheat_every - 1
             kind = ("noise", "relabel")[(rnd // args.cheat_every) % 2] if cheat else None
-            n = CHEAT_ROLLOUTS if cheat else max(batch, args.round_rollouts) if fresh else batch
+            n = args.cheat_units * args.group if cheat else max(batch, args.round_rollouts) if fresh else batch
             work = [(s, R.spec(s)) for s in range(seed, seed + n)]
             seed += n
             if cheat:
