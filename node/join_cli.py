@@ -121,7 +121,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     """Run one role until SIGINT/SIGTERM, after its memory plan (`plan_memory`) fits. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
-    from node.roles.common import check_checkpoint, stop_on_signals
+    from node.stop_signals import stop_on_signals
 
     spec = read_spec(spec_path, bootstrap) if spec_path else await fetch_spec(bootstrap)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,9 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     # checkpoint's headers (a broken or foreign checkpoint)
     plan = None if role == "relay" else \
         plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
-    if role != "relay":
+    if role != "relay":  # (a relay moves bytes: it never imports torch)
+        from node.roles.common import check_checkpoint
+
         check_checkpoint(spec)
     from shardcast.store import Store
 

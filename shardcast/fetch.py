@@ -16,10 +16,10 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from shardcast.codec import check_wire, decode_shard, unflatten
@@ -30,6 +30,9 @@ from shardcast.locks import held_async
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
 from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, ShardSchedule, Source, SourcePool
 from shardcast.store import PartialPayload, Store
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
