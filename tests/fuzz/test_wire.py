@@ -28,7 +28,9 @@ def test_coordinator_survives_fuzzed_streams_and_gossip_from_another_process(tmp
     # validated twice, arriving again through gossipsub's IHAVE/IWANT repair; at high rates
     # py-libp2p's queues may drop some on the way despite the pacing: 29-33% in some runs)
     assert cases * 0.5 <= gossip["accounted_at_coordinator"] <= cases * 1.01
-    assert r["coordinator"]["gossip"].get("dropped_by_validator", 0) > cases // 2
+    # most of what arrives is junk the topic validator drops (of what arrives: how much py-libp2p drops on
+    # the way depends on the machine's load; a fresh clone saw 899 dropped of 1,013 arrived, 2,000 sent)
+    assert r["coordinator"]["gossip"].get("dropped_by_validator", 0) > gossip["accounted_at_coordinator"] // 2
 
 
 @pytest.mark.slow
