@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from verification.pooled import (HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, POOLED, Z, Evidence, PooledBound,
-                                PooledThresholds)
+                                PooledThresholds, check_pooled)
 
 STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_err", "chunks"),
          ("logprob_err_mean", "logprob_err", "tokens"))
@@ -101,7 +101,7 @@ def thresholds(bounds: dict) -> PooledThresholds:
 def caught(rows: list[dict], cal: dict) -> dict:
     """Per precision, path and case: submissions, and the share rejected: a claim failed alone (`passed_alone`
     false), or the pooled bounds `cal` reject the rest together (as the validator forms a unit's verdict)."""
-    units: dict[tuple, Evidence] = defaultdict(Evidence)
+    units: dict[tuple, Evidence] = {}
     failed_alone: set[tuple] = set()
     for r in rows:
         unit = (r["precision"], path_of(r), r["case"], r["work_id"])
@@ -115,12 +115,8 @@ def caught(rows: list[dict], cal: dict) -> dict:
         precision, path, case, _ = unit
         if precision not in cal:
             continue
-        t = thresholds(cal[precision]["bounds"])
-        m = ev.means()
-        over = unit in failed_alone or ev.chunks >= MIN_CHUNKS and (m["exp_per_chunk"] > t.exp_per_chunk.at(ev.chunks)
-                                            or m["mant_err_mean"] > t.mant_err_mean.at(ev.chunks)
-                                            or (ev.tokens >= MIN_TOKENS
-                                                and m["logprob_err_mean"] > t.logprob_err_mean.at(ev.tokens)))
+        t = {precision: thresholds(cal[precision]["bounds"])}
+        over = unit in failed_alone or check_pooled(ev, precision, 1, t) is not None
         cell = tally[(precision, path, case)]
         cell[0] += 1
         cell[1] += bool(over)

@@ -109,9 +109,11 @@ class PooledFailure:
     severity: Severity
 
 
-def check_pooled(ev: Evidence, precision: str, rollouts: int) -> PooledFailure | None:
-    """The pooled statistic furthest past its bound, if any (None: within every bound, or not pooled)."""
-    t = POOLED.get(precision)
+def check_pooled(ev: Evidence, precision: str, rollouts: int,
+                 bounds: dict[str, PooledThresholds] | None = None) -> PooledFailure | None:
+    """The pooled statistic furthest past its bound, if any (None: within every bound, or not pooled).
+    `bounds`: other bounds than `POOLED` (a calibration judging evidence by its candidates)."""
+    t = (POOLED if bounds is None else bounds).get(precision)
     if t is None or ev.chunks < MIN_CHUNKS:
         return None
     m = ev.means()
