@@ -41,13 +41,16 @@ SHAPES: dict[str, dict] = {
                             intermediate_size=3072, std=0.02),
     "qwen3-30b-a3b-48l-e16": dict(**_QWEN3_30B_A3B, num_hidden_layers=48, num_experts=16, std=0.02),
     "qwen3-30b-a3b-8l-e16": dict(**_QWEN3_30B_A3B, num_hidden_layers=8, num_experts=16, std=0.02),
+    "qwen3-30b-a3b-8l": dict(**_QWEN3_30B_A3B, num_hidden_layers=8, num_experts=128, std=0.02, vocab=49_152),
 }
 """Named shapes. `tiny` is the test harness's model (hidden 64); `qwen3-moe-tiny` the cross-device fixture's
 (benchmarks/random_checkpoint.py's widths, expert width = hidden); `qwen3-moe-small` the 0.5B network run's
 widths; `qwen3-30b-a3b-*-e16` Qwen3-30B-A3B's layer (hidden 2048, 32 query heads of 128, 4 KV heads, top-8
 of experts 768 wide) with 16 experts instead of 128 (48 layers: ~4.6B parameters, ~9 GB in bf16).
 `std`: the weights' init std (0.1 keeps the 2-layer models' next-token distributions peaked; 0.02 is
-random_checkpoint's)."""
+random_checkpoint's). `vocab`: the LM head's width where it is not the character tokenizer's 88 (`qwen3-30b-a3b-8l`
+is the network run's 5.2B model, `random:qwen3-30b-a3b-8l`, SmolLM2's 49,152-token width; ids past the
+alphabet decode to nothing)."""
 
 PRECISIONS: dict[str, tuple[torch.dtype, str]] = {
     "float32": (torch.float32, "off"), "bfloat16": (torch.bfloat16, "off"),
@@ -58,8 +61,9 @@ PRECISIONS: dict[str, tuple[torch.dtype, str]] = {
 
 
 def config_of(shape: str) -> ModelConfig:
-    fields = {k: v for k, v in SHAPES[shape].items() if k != "std"}
-    return ModelConfig(vocab_size=R.TOK.vocab_size, max_position_embeddings=R.MAX_SEQ, **fields)
+    fields = {k: v for k, v in SHAPES[shape].items() if k not in ("std", "vocab")}
+    return ModelConfig(vocab_size=SHAPES[shape].get("vocab", R.TOK.vocab_size), max_position_embeddings=R.MAX_SEQ,
+                       **fields)
 
 
 def shape_facts(shape: str) -> dict:
@@ -154,7 +158,11 @@ def hf_weights(model: CausalLM) -> dict[str, torch.Tensor]:
 def claims_of(engine, work: list, cfg: ModelConfig) -> list:
     """Honest claims (proofs of the captured hidden states, routes attached) of `engine`'s completions of
     `work` ((task seed, SamplingSpec) pairs), as the validator role builds them from a submission."""
-    comps = R.generate(engine, work)
+    return claims_from_completions(R.generate(engine, work), work, cfg)
+
+
+def claims_from_completions(comps: list, work: list, cfg: ModelConfig) -> list:
+    """`claims_of` for completions already generated (a benchmark that times the generation apart)."""
     shape = RouteShape.of(cfg)
     return [c.model_copy(update={"routed_experts": encode_routes(comp.routed_experts.cpu(), shape)})
             for c, comp in zip(R.claims_from(comps, work), comps)]

@@ -102,6 +102,9 @@ class TorchReference(Reference):
             # the LM head only from the first position any member needs ([T, V] is most of the memory)
             base = min(logits_from[i] for i in members) if logits_from is not None else 0
             res = model(ids.to(device), routed_experts=forced, logits_at=base)
+            # the routing check runs on the host: the batch's routes and router logits come back in one transfer each
+            routes_host = res.routed_experts.cpu() if with_routes and res.routed_experts is not None else None
+            router_host = (_router_logits(res, len(members), t) if with_routes and with_router_logits else None)
             for row, i in enumerate(members):
                 n = len(sequences[i])
                 lo = logits_from[i] if logits_from is not None else 0
@@ -112,9 +115,9 @@ class TorchReference(Reference):
                 else:
                     out[i] = (logits.float().cpu().clone(), hidden.cpu().clone())
                 if with_routes:
-                    out[i] += (None if res.routed_experts is None else res.routed_experts[row, :n].cpu(),)
+                    out[i] += (None if routes_host is None else routes_host[row, :n],)
                     if with_router_logits:
-                        out[i] += (_router_logits(res, len(members), t, row, n),)
+                        out[i] += (None if router_host is None else router_host[row, :n],)
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
@@ -141,7 +144,8 @@ class TorchReference(Reference):
             logits.append(out.logits[0].float() if self.on_device else out.logits[0].float().cpu())
             hidden.append(out.hidden[0] if self.on_device else out.hidden[0].cpu())
             routes.append(None if out.routed_experts is None else out.routed_experts[0].cpu())
-            router.append(_router_logits(out, 1, end - start, 0, end - start))
+            r = _router_logits(out, 1, end - start)
+            router.append(None if r is None else r[0])
         if not with_routes:
             return torch.cat(logits), torch.cat(hidden)
         out = (torch.cat(logits), torch.cat(hidden), None if routes[0] is None else torch.cat(routes))
@@ -153,6 +157,28 @@ class TorchReference(Reference):
         params = sampling_params(spec)
         s = sample(logits, [params] * len(positions), positions)
         return Replay(s.tokens, s.logprobs, s.margins)
+
+    def measure_tokens(self, logits: list[torch.Tensor], samplings: list[SamplingSpec], positions: list[list[int]],
+                       claimed: list[list[int]]) -> list[tuple[torch.Tensor, Replay]]:
+        """`Reference.measure_tokens` over all segments' rows at once (`measure_rows`): one code path on the
+        CPU and the GPU, no host synchronisation per segment, one transfer of per-token figures back."""
+        lens = [len(c) for c in claimed]
+        rows = sum(lens)
+        if rows == 0:
+            empty = torch.zeros(0)
+            return [(empty, Replay(empty.long(), empty, empty)) for _ in claimed]
+        vocab = logits[0].shape[-1]
+        chunk = max(64, (self.logits_bytes or CPU_LOGITS_BYTES) // (MEASURE_SCRATCH_FACTOR * 4 * vocab))
+        temps = [sp.temperature for sp, n in zip(samplings, lens) for _ in range(n)]
+        top_p = [sp.top_p for sp, n in zip(samplings, lens) for _ in range(n)]
+        seeds = [token_seed(sp.seed, q) if sp.temperature > 0 else None
+                 for sp, pos in zip(samplings, positions) for q in pos]
+        lp, tok, margin = measure_rows(logits, [t for c in claimed for t in c], temps, top_p, seeds, chunk)
+        out, k = [], 0
+        for n in lens:
+            out.append((lp[k : k + n], Replay(tok[k : k + n], lp[k : k + n], margin[k : k + n])))
+            k += n
+        return out
 
     def decode(self, ids: list[int]) -> str:
         return self._decode(ids)
@@ -209,6 +235,70 @@ def prefill_batch_tokens(budget: int, vocab_size: int, on_device: bool) -> int:
     return max(256, min(65_536 if not on_device else 1 << 20, budget // (12 * vocab_size)))
 
 
+MEASURE_SCRATCH_FACTOR = 32
+"""`measure_rows` takes row chunks whose float32 [rows, V] logits are 1/32 of the reference's logits budget:
+the seeded noise of a chunk holds several int64 / float64 [rows, V] temporaries (8 bytes a word, a few alive
+at once) beside the log-softmax and the scores, on top of the logits the budget already holds."""
+
+
+def measure_rows(parts: list[torch.Tensor], claimed: list[int], temps: list[float], top_p: list[float],
+                 seeds: list[int | None], chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over the rows of `parts` (logits [n_i, V] on one device, concatenated in order): the claimed token's
+    log_softmax(logits / T) and the seeded rule's choice and margin (`sampling.sample`'s rule: top-p nucleus
+    where top_p < 1, Gumbel noise of token seed `seeds[r]` where T > 0: on a GPU `gumbel_torch`, on the host
+    `sampling.gumbel_noise`, the same bits). In chunks of `chunk_rows` rows; returns host tensors
+    (float32 [N], long [N], float32 [N]) after one transfer."""
+    from node.engine.device_sampling import gumbel_torch
+    from node.engine.sampling import gumbel_noise
+
+    device, n = parts[0].device, len(claimed)
+    temps_t = torch.tensor(temps, dtype=torch.float32)
+    divisor = torch.where(temps_t > 0, temps_t, torch.ones_like(temps_t)).to(device)
+    claimed_t = torch.tensor(claimed, dtype=torch.long).to(device)
+    top_p_t = torch.tensor(top_p, dtype=torch.float32)
+    figures = torch.empty(3, n, dtype=torch.float32, device=device)  # claimed logprob, replayed token, margin
+    for a, x in _row_chunks(parts, chunk_rows):
+        b = a + x.shape[0]
+        logp = torch.log_softmax(x.float() / divisor[a:b, None], dim=-1)
+        figures[0, a:b] = logp.gather(-1, claimed_t[a:b, None]).squeeze(-1)
+        scores = logp
+        nucleus = (top_p_t[a:b] < 1).nonzero().squeeze(-1)
+        if len(nucleus):  # only those rows: a row at top_p 1 would fall back to a full sort of the vocabulary
+            rows = nucleus.to(device)
+            scores = scores.clone()
+            scores[rows] = logp[rows].masked_fill(~top_p_mask(logp[rows], top_p_t[a:b][nucleus].to(device)),
+                                                  float("-inf"))
+        drawn = [r for r in range(a, b) if seeds[r] is not None]
+        if drawn:
+            local = torch.tensor([r - a for r in drawn], dtype=torch.long).to(device)
+            if device.type == "cuda":
+                noise = gumbel_torch(torch.tensor([seeds[r] for r in drawn], dtype=torch.int64).to(device), x.shape[-1])
+            else:
+                noise = gumbel_noise([seeds[r] for r in drawn], x.shape[-1])
+            scores = scores.index_add(0, local, noise.to(device))
+        top2 = scores.topk(2, dim=-1)
+        figures[1, a:b] = top2.indices[:, 0].float()  # exact: token ids < 2**24
+        figures[2, a:b] = top2.values[:, 0] - top2.values[:, 1]
+    host = figures.cpu()
+    return host[0], host[1].long(), host[2]
+
+
+def _row_chunks(parts: list[torch.Tensor], chunk_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows) of the concatenation of `parts`, at most `chunk_rows` rows at a time."""
+    pending, size, start = [], 0, 0
+    for x in parts:
+        lo = 0
+        while lo < x.shape[0]:
+            take = min(x.shape[0] - lo, chunk_rows - size)
+            pending.append(x[lo : lo + take])
+            size, lo = size + take, lo + take
+            if size == chunk_rows:
+                yield start, pending[0] if len(pending) == 1 else torch.cat(pending)
+                start, pending, size = start + size, [], 0
+    if pending:
+        yield start, pending[0] if len(pending) == 1 else torch.cat(pending)
+
+
 def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
     """`sampling.sample`'s rule where the logits are: the same temperature, top-p nucleus and seeded
     Gumbel noise (`device_sampling.gumbel_torch`, bit-identical to the host's splitmix64 draw), so a
@@ -230,12 +320,12 @@ def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[i
     return Replay(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])
 
 
-def _router_logits(res, b: int, t: int, row: int, n: int) -> torch.Tensor | None:
-    """[n, moe_layers, E] float32 router logits of one row of a batched forward (None: dense model);
-    the routing check uses them to tell a near-tie between experts from a wrong route."""
+def _router_logits(res, b: int, t: int) -> torch.Tensor | None:
+    """[b, t, moe_layers, E] float32 router logits of a batched forward, on the host (None: dense model); the
+    routing check uses them to tell a near-tie between experts from a wrong route."""
     if not res.router_logits:
         return None
-    return torch.stack([r.view(b, t, -1)[row, :n] for r in res.router_logits], dim=1).float().cpu()
+    return torch.stack([r.view(b, t, -1) for r in res.router_logits], dim=2).float().cpu()
 
 
 def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[str, int, list[int]], float]]:

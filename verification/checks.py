@@ -6,7 +6,7 @@ tolerances live here, named, with where they came from (verification/calibration
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +15,7 @@ from verification.reasons import PROOF_FACTOR, Reason, Severity, graded  # noqa:
 from verification.hidden_check import ChunkStats, compare_blocks
 from verification.pooled import Evidence
 from verification.proof import Commitment, ChunkSpan
-from verification.reference import Reference
+from verification.reference import Reference, Replay, token_logprobs  # noqa: F401 (token_logprobs: importers)
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -180,12 +180,6 @@ def check_task(claim: RolloutClaim, ref: Reference) -> Failure | None:
     return None
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T)[token] per row, the engine's reported logprob (T = 0 counts as 1)."""
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-
-
 def check_hidden(stats: list[ChunkStats], chunk_offset: int, t: Thresholds) -> Failure | None:
     """The failing chunk furthest past its thresholds (None: every chunk within them)."""
     worst, worst_excess = None, 0.0
@@ -224,26 +218,64 @@ def _strongest(failures: list[Failure | None]) -> Failure | None:
     return next((f for f in found if f.severity == Severity.PROOF), found[0] if found else None)
 
 
+@dataclass
+class Segment:
+    """The sampled tokens `token_idx` of one claim under one version, with the validator's recomputation of
+    them: `logits` [len(token_idx), V] and `hidden` [len(token_idx), H], rows in token order. `spans` index
+    into those rows; `chunk_offsets` give each span's rollout-wide chunk number; what is measured is added
+    to `evidence` (the submission's pooled check, `verification.pooled`)."""
+
+    claim: RolloutClaim
+    token_idx: list[int]
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    spans: list[ChunkSpan]
+    commitments: list[Commitment]
+    chunk_offsets: list[int]
+    evidence: Evidence | None = field(default=None)
+
+
 def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], logits: torch.Tensor,
                   hidden: torch.Tensor, spans: list[ChunkSpan], commitments: list[Commitment],
                   chunk_offsets: list[int], evidence: Evidence | None = None) -> Failure | None:
-    """Checks of the sampled tokens `token_idx` of one version, given the validator's logits and
-    hidden rows for them ([len(token_idx), V] and [len(token_idx), H], rows in token order).
-    `spans` index into those rows; `chunk_offsets` give each span's rollout-wide chunk number.
-    Every check runs; the strongest failure is returned (`_strongest`). What was measured is added
-    to `evidence` (the submission's pooled check, `verification.pooled`)."""
+    """`check_segments` of one segment."""
+    return check_segments([Segment(claim, token_idx, logits, hidden, spans, commitments, chunk_offsets, evidence)],
+                          ref)[0]
+
+
+def check_segments(segments: list[Segment], ref: Reference) -> list[Failure | None]:
+    """The recomputation checks of many segments (proof chunks, logprobs, seeded sampling), measured
+    together and judged one by one: every chunk of every segment through one `compare_blocks`, every token
+    row through one `Reference.measure_tokens` (on a GPU validator: batched passes over the rows where the
+    logits are, one transfer of per-token figures back), then per segment every check on those figures,
+    its strongest failure returned (`_strongest`). A segment's verdict does not depend on the others
+    measured with it."""
     from verification.proof import chunk_blocks
 
     t = THRESHOLDS[ref.precision]
-    stats = compare_blocks(chunk_blocks(hidden, spans), commitments)
-    failures = [_strongest([check_hidden([s], off, t) for s, off in zip(stats, chunk_offsets)])]
-    # the checks run where the recomputed logits are (a GPU validator's stay on its GPU)
-    claimed_tok = torch.tensor([claim.token_ids[i] for i in token_idx], device=logits.device)
-    claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32, device=logits.device)
-    ours = token_logprobs(logits, claimed_tok, claim.sampling.temperature)
+    blocks = [b for s in segments for b in chunk_blocks(s.hidden, s.spans)]
+    all_stats = compare_blocks(blocks, [c for s in segments for c in s.commitments])
+    measured = ref.measure_tokens([s.logits for s in segments], [s.claim.sampling for s in segments],
+                                  [[len(s.claim.prompt_ids) + i for i in s.token_idx] for s in segments],
+                                  [[s.claim.token_ids[i] for i in s.token_idx] for s in segments])
+    out, k = [], 0
+    for s, (ours, replay) in zip(segments, measured):
+        stats = all_stats[k : k + len(s.spans)]
+        k += len(s.spans)
+        out.append(_judge_segment(s, t, stats, ours, replay))
+    return out
+
+
+def _judge_segment(s: Segment, t: Thresholds, stats: list[ChunkStats], ours: torch.Tensor,
+                   replay: Replay) -> Failure | None:
+    """Every check of one segment on what was measured of it (host tensors); the strongest failure."""
+    claim, token_idx = s.claim, s.token_idx
+    failures = [_strongest([check_hidden([st], off, t) for st, off in zip(stats, s.chunk_offsets)])]
+    claimed_tok = torch.tensor([claim.token_ids[i] for i in token_idx])
+    claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32)
     err = (claimed_lp - ours).abs().nan_to_num(nan=float("inf"))
-    if evidence is not None:
-        evidence.add(_evidence(stats, err))
+    if s.evidence is not None:
+        s.evidence.add(_evidence(stats, err))
     over = err > t.max_logprob_err
     r = int(err.argmax())
     # one token near the line is honest bf16 noise (LOGPROB_OUTLIERS); more, or one far past it, is not
@@ -253,12 +285,10 @@ def check_segment(claim: RolloutClaim, ref: Reference, token_idx: list[int], log
                                 token=token_idx[r], severity=graded(float(err[r]) / t.max_logprob_err)))
     elif len(token_idx) >= MIN_MEAN_TOKENS and _trimmed_mean(err) > t.max_logprob_err_mean:
         failures.append(Failure(Reason.LOGPROB_MISMATCH, f"mean logprob error {_trimmed_mean(err):.4f} over "
-                                f"{len(token_idx)} tokens of version {spans[0].version}", token=token_idx[0],
+                                f"{len(token_idx)} tokens of version {s.spans[0].version}", token=token_idx[0],
                                 severity=graded(_trimmed_mean(err) / t.max_logprob_err_mean)))
     if claim.engine not in SEEDED_ENGINES and claim.sampling.temperature > 0:
         return _strongest(failures)  # drawn from the engine's own generator: the checks above are what binds it
-    positions = [len(claim.prompt_ids) + i for i in token_idx]
-    replay = ref.replay_sampling(logits, claim.sampling, positions)
     bad = (replay.tokens != claimed_tok) & (replay.margins > t.margin_noise)
     if bool(bad.any()):
         r = int(bad.nonzero()[0])

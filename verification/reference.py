@@ -24,6 +24,12 @@ class Replay:
     margins: torch.Tensor  # [N] top-1 minus top-2 perturbed score
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[token] per row, the engine's reported logprob (T = 0 counts as 1)."""
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
 class Reference(ABC):
     eos_id: int
     """Token that ends a turn."""
@@ -72,6 +78,19 @@ class Reference(ABC):
     @abstractmethod
     def replay_sampling(self, logits: torch.Tensor, sampling: SamplingSpec, positions: list[int]) -> Replay:
         """The seeded sampling rule applied to rows of `logits` [N, V] at absolute `positions`."""
+
+    def measure_tokens(self, logits: list[torch.Tensor], samplings: list[SamplingSpec], positions: list[list[int]],
+                       claimed: list[list[int]]) -> list[tuple[torch.Tensor, Replay]]:
+        """Per segment i (its recomputed `logits[i]` [n_i, V], its request's sampling, the tokens' absolute
+        positions and the claimed tokens): (log_softmax(logits / T)[claimed] [n_i], the seeded rule's
+        `Replay` there), all on the host. This one segment at a time; a Reference that can measure many
+        segments in one pass over their rows overrides it (node/replay.py `TorchReference`)."""
+        out = []
+        for x, spec, pos, toks in zip(logits, samplings, positions, claimed):
+            lp = token_logprobs(x, torch.tensor(toks, device=x.device), spec.temperature)
+            r = self.replay_sampling(x, spec, pos)
+            out.append((lp.cpu(), Replay(r.tokens.cpu(), r.logprobs.cpu(), r.margins.cpu())))
+        return out
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str:

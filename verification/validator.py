@@ -18,7 +18,7 @@ import torch
 from protocol.errors import InvalidProof
 from protocol.identity import NodeKey
 from protocol.messages import BUILTIN_ONLY
-from verification.checks import Failure, Reason, Severity, check_segment, check_task, check_termination
+from verification.checks import Failure, Reason, Segment, Severity, check_segments, check_task, check_termination
 from verification.claim import RolloutClaim
 from verification.pooled import Evidence, check_pooled
 from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
@@ -100,18 +100,30 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence) -
                                                     with_routes=p.routes is not None,
                                                     with_router_logits=p.routes is not None, logits_from=start,
                                                     replay=p.routes)
-        for v in p.tokens:
-            rows = torch.tensor(p.tokens[v], device=logits.device)
-            f = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
-                              p.commitments[v], p.chunk_offsets[v], ev)
-            if f is not None:
-                return f
+        f = next((f for f in check_segments([_segment(claim, p, v, logits, hidden, start, ev) for v in p.tokens], ref)
+                  if f is not None), None)
+        if f is not None:
+            return f
         if p.routes is not None:
             return _check_forced_routes(claim, p.routes, routes, ref.precision)
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
         return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
     return None
+
+
+def _segment(claim: RolloutClaim, p: _Plan, v: int, logits: torch.Tensor, hidden: torch.Tensor, start: int,
+             ev: Evidence) -> Segment:
+    """Version v's sampled tokens of `claim` with their rows of the recomputation (`logits` from the row that
+    produced completion token 0, `hidden` from position 0): views where the tokens are one run (a
+    single-turn, single-version rollout), gathered rows otherwise."""
+    idx = p.tokens[v]
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        rows_logits, rows_hidden = logits[idx[0] : idx[0] + len(idx)], hidden[start + idx[0] : start + idx[0] + len(idx)]
+    else:
+        rows = torch.tensor(idx, device=logits.device)
+        rows_logits, rows_hidden = logits[rows], hidden[rows + start]
+    return Segment(claim, idx, rows_logits, rows_hidden, p.spans[v], p.commitments[v], p.chunk_offsets[v], ev)
 
 
 def _router_logits(extra: list) -> torch.Tensor | None:
@@ -156,19 +168,39 @@ def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans:
         for i in members:
             failures[i] = failures[i] or Failure(Reason.MALFORMED, f"prefill failed: {exc!r}"[:500])
         return
-    for i, start, (logits, hidden, *routes) in zip(members, starts, outs):
-        if failures[i] is not None:
-            continue
-        p, claim = plans[i], claims[i]
-        rows = torch.tensor(p.tokens[v], device=logits.device)
+    # every member measured together (`check_segments`); should that fail, one by one, so that the claim it
+    # failed on is the only one that fails with it
+    todo = [(i, start, out) for i, start, out in zip(members, starts, outs) if failures[i] is None]
+    segments: dict[int, Segment] = {}
+    for i, start, (logits, hidden, *_) in todo:
         try:
-            failures[i] = check_segment(claim, ref, p.tokens[v], logits[rows], hidden[rows + start], p.spans[v],
-                                        p.commitments[v], p.chunk_offsets[v], evidence[i])
-            if failures[i] is None and p.routes is not None:
-                failures[i] = _check_forced_routes(claim, p.routes, routes, ref.precision)
+            segments[i] = _segment(claims[i], plans[i], v, logits, hidden, start, evidence[i])
         except Exception as exc:
-            log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
-            failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+            _unexpected(claims[i], exc, failures, i)
+    try:
+        failures_of = dict(zip(segments, check_segments(list(segments.values()), ref)))
+    except Exception as exc:
+        log.warning("measuring %d claims of version %d together failed (%r): one by one", len(segments), v, exc)
+        failures_of = {}
+        for i, seg in segments.items():
+            try:
+                failures_of[i] = check_segments([seg], ref)[0]
+            except Exception as exc_i:
+                _unexpected(claims[i], exc_i, failures, i)
+    for i, start, (_, _, *routes) in todo:
+        if i not in failures_of:
+            continue
+        failures[i] = failures_of[i]
+        try:
+            if failures[i] is None and plans[i].routes is not None:
+                failures[i] = _check_forced_routes(claims[i], plans[i].routes, routes, ref.precision)
+        except Exception as exc:
+            _unexpected(claims[i], exc, failures, i)
+
+
+def _unexpected(claim: RolloutClaim, exc: Exception, failures: list[Failure | None], i: int) -> None:
+    log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
+    failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
 
 
 def _check_forced_routes(claim: RolloutClaim, claimed: torch.Tensor, extra: list, precision: str) -> Failure | None:

@@ -60,7 +60,10 @@ class CharTokenizer:
         return [self.bos_id] + ids if bos else ids
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.itos[i] for i in ids if i >= 3)
+        # ids past the alphabet (a model of a real vocabulary's width over this tokenizer: the benchmarks'
+        # random shapes) decode to nothing, as the specials do
+        n = len(self.itos)
+        return "".join(self.itos[i] for i in ids if 3 <= i < n)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)

@@ -1,0 +1,177 @@
+"""How fast the validator role judges, against the inference role's engine generating the same rollouts
+on the same device (issue 24's `verify_over_generate`, measured on the roles' code alone).
+
+    python -m benchmarks.validator_speed [--device cuda] [--shape qwen3-30b-a3b-8l] [--rollouts 512]
+        [--round 128] [--group 8] [--profile FILE]
+
+The engine is the inference role's (`benchmarks.device_rollouts.build_engine`: `CudaEngine` with its
+graphs on a GPU, `Engine` on the CPU), generating `--rollouts` honest rollouts of the reverse task at its
+`--batch` slots; the judge is the validator role's: `TorchReference` over `ResidentPolicies` (one resident
+model) and `verify_claims`, in rounds of `--round` claims, `--group` claims a submission, as
+`ValidatorNode._judge` hands them over. The peer is the engine's own batched GPU prefill
+(`node.engine.verify.verify_prefill`) over the same sequences: the forward pass with nothing checked,
+what the judging could approach. Figures: generation tok/s (completion tokens over the engine's
+seconds), judging tok/s (prompt + completion tokens recomputed over the rounds' seconds, as the role's
+rounds count them), the ratio of the two, milliseconds per claim, the share of judging spent in the
+reference's prefill, and every verdict (all must be accepted). Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import json
+import logging
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import benchmarks.device_rollouts as D
+from node.engine.sampling import SamplingParams
+from node.engine.verify import verify_prefill
+from node.replay import TorchReference, env_oracle
+from node.roles.resident_policy import ResidentPolicies
+from verification.validator import verify_claims
+
+log = logging.getLogger("benchmarks.validator_speed")
+R = D.R
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def role_reference(model, device: str) -> TorchReference:
+    """The validator role's reference (`ValidatorNode._judge`): one resident model, the role's budget rules."""
+    prompt_ids, reward = env_oracle(R.TOK)
+    policies = ResidentPolicies(copy.deepcopy(model).to(device).eval(), 0, R.manifest(0))
+    return TorchReference(policies, eos_id=R.TOK.eos_id, max_seq_len=R.MAX_SEQ, decode=R.TOK.decode,
+                          tasks=prompt_ids, reward=reward)
+
+
+class _Timed:
+    """Seconds a reference spends in its prefill (synchronised on a GPU, so kernels count where they ran)."""
+
+    def __init__(self, ref: TorchReference, device: str):
+        self.ref, self.device, self.seconds = ref, device, 0.0
+        self._prefill = ref.prefill
+
+        def prefill(*args, **kwargs):
+            _sync(device)
+            t = time.perf_counter()
+            out = self._prefill(*args, **kwargs)
+            _sync(device)
+            self.seconds += time.perf_counter() - t
+            return out
+
+        ref.prefill = prefill
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = D.random_model(args.shape, torch.bfloat16, args.device)
+    cfg = model.config
+    work = [(s, R.spec(s, max_new_tokens=args.new_tokens)) for s in range(7000, 7000 + args.rollouts)]
+    engine = D.build_engine(model, "off", args.device, args.batch)
+    R.generate(engine, work[: args.batch])  # warm: the graphs' first replays, the allocator
+    _sync(args.device)
+    t = time.perf_counter()
+    comps = R.generate(engine, work)
+    _sync(args.device)
+    gen_s = time.perf_counter() - t
+    engine.close()
+    claims = D.claims_from_completions(comps, work, cfg)
+    claims = [c.model_copy(update={"work_id": 7000 + i // args.group}) for i, c in enumerate(claims)]
+    completion_tokens = sum(len(c.token_ids) for c in claims)
+    sequence_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for c in claims)
+
+    ref = role_reference(model, args.device)
+    timed = _Timed(ref, args.device)
+    verify_claims(claims[: args.round], ref)  # warm
+    timed.seconds = 0.0
+    rounds = [claims[i : i + args.round] for i in range(0, len(claims), args.round)]
+    verdicts, judge_s, profiler = [], 0.0, cProfile.Profile() if args.profile else None
+    for n, round_claims in enumerate(rounds):
+        _sync(args.device)
+        t = time.perf_counter()
+        if profiler is not None and n == len(rounds) // 2:
+            profiler.enable()
+        verdicts += verify_claims(round_claims, ref)
+        _sync(args.device)
+        if profiler is not None:
+            profiler.disable()
+        judge_s += time.perf_counter() - t
+    profile_top = None
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        args.profile.write_text(text.getvalue())
+        profile_top = args.profile.name
+
+    # the peer: the engine's batched prefill over the same sequences, nothing checked
+    seqs = [c.prompt_ids + c.token_ids for c in claims]
+    plens = [len(c.prompt_ids) for c in claims]
+    params = [SamplingParams(temperature=c.sampling.temperature, top_p=c.sampling.top_p, seed=c.sampling.seed)
+              for c in claims]
+    resident = ref.policies[0][0]
+    verify_prefill(resident, seqs[: args.round], plens[: args.round], params[: args.round])  # warm
+    _sync(args.device)
+    t = time.perf_counter()
+    for i in range(0, len(seqs), args.round):
+        verify_prefill(resident, seqs[i : i + args.round], plens[i : i + args.round], params[i : i + args.round])
+    _sync(args.device)
+    peer_s = time.perf_counter() - t
+
+    gen_tok_s = completion_tokens / gen_s
+    judge_tok_s = sequence_tokens / judge_s
+    facts = D.shape_facts(args.shape)
+    return {
+        "bench": "validator_speed", "command": "python -m benchmarks.validator_speed " + " ".join(sys.argv[1:]),
+        "provenance": D.provenance(args.device), "shape": facts["name"], "params_b": round(facts["params"] / 1e9, 3),
+        "vocab": cfg.vocab_size, "dtype": "bfloat16", "rollouts": len(claims), "round_claims": args.round,
+        "group": args.group, "engine_batch": args.batch, "completion_tokens": completion_tokens,
+        "sequence_tokens": sequence_tokens,
+        "gen_s": round(gen_s, 3), "gen_tok_s": round(gen_tok_s, 1),
+        "judge_s": round(judge_s, 3), "judge_tok_s": round(judge_tok_s, 1),
+        "judge_completion_tok_s": round(completion_tokens / judge_s, 1),
+        "verify_over_generate": round(judge_tok_s / gen_tok_s, 3),
+        "verify_over_generate_completion": round(completion_tokens / judge_s / gen_tok_s, 3),
+        "ms_per_claim": round(1000 * judge_s / len(claims), 3),
+        "prefill_share": round(timed.seconds / judge_s, 3),
+        "peer_prefill_s": round(peer_s, 3), "peer_prefill_tok_s": round(sequence_tokens / peer_s, 1),
+        "judge_over_peer_prefill": round(peer_s / judge_s, 3),
+        "accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),
+        "rejections": sorted({f"{getattr(v.reason, 'value', v.reason)}: {v.detail[:80]}" for v in verdicts
+                              if not v.accepted})[:5],
+        "profile": profile_top,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where the engine serves and the validator judges")
+    ap.add_argument("--shape", default=None, choices=list(D.SHAPES), help="default: qwen3-30b-a3b-8l on a GPU, tiny on the CPU")
+    ap.add_argument("--rollouts", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=40, help="completion tokens at most (the harness's positions: 64)")
+    ap.add_argument("--batch", type=int, default=256, help="engine slots")
+    ap.add_argument("--round", type=int, default=128, help="claims one judging round takes (the role: 16 units of 8)")
+    ap.add_argument("--group", type=int, default=8, help="claims of one submission (a work unit)")
+    ap.add_argument("--profile", type=Path, default=None, help="cProfile of one round, the top 40 by cumulative time")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    args.shape = args.shape or ("qwen3-30b-a3b-8l" if args.device.startswith("cuda") else "tiny")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    result = run(args)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
