@@ -63,6 +63,11 @@ def encode_sparse(xor: np.ndarray, word: int, level: int) -> bytes | None:
     return _HEADER.pack(MAGIC, word, index_bytes, 0, len(idx), len(idx_z), len(val_z)) + idx_z + val_z
 
 
+def sparse_count(wire: bytes) -> int:
+    """Changed words a sparse shard `encode_sparse` just made lists (its header's count)."""
+    return _HEADER.unpack_from(wire)[4]
+
+
 def _zstd_exact(data: memoryview, nbytes: int, what: str, index: int) -> np.ndarray:
     """Decompress `data` into a new array of exactly `nbytes` (the header's claim), or raise."""
     out = np.empty(nbytes, dtype=np.uint8)
@@ -118,4 +123,4 @@ def decode_sparse(index: int, wire: bytes | bytearray | memoryview, out: np.ndar
         words[idx] ^= vals
 
 
-__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse", "is_sparse"]
+__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse", "is_sparse", "sparse_count"]
