@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import device_rollouts as D
+from benchmarks import device_rollouts as D, emit
 from benchmarks import weak_tamper
 from verification.checks import THRESHOLDS
 from verification.pooled import POOLED, POOLED_DETAIL
@@ -177,11 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args.engine = args.engine or D.default_engine(args.device)
     args.shape = args.shape or ("qwen3-moe-small" if args.device.startswith("cuda") else "tiny")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    result = run(args)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
+    return emit(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ limits measured in the same run: one copy of the payload in memory (numpy, one t
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,8 @@ from shardcast.codec import layout
 from shardcast.hashing import content_hash
 from shardcast.publish import PublishOptions, publish_stream
 from shardcast.store import Store
+
+from benchmarks import emit
 
 log = logging.getLogger("benchmarks.publish_speed")
 
@@ -101,11 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    result = run(args)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
+    return emit(run(args), args.out)
 
 
 if __name__ == "__main__":

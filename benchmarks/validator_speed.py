@@ -22,7 +22,6 @@ import argparse
 import copy
 import cProfile
 import io
-import json
 import logging
 import pstats
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 import benchmarks.device_rollouts as D
+from benchmarks import emit
 from node.engine.sampling import SamplingParams
 from node.engine.verify import verify_prefill
 from node.replay import TorchReference, env_oracle
@@ -166,11 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.shape = args.shape or ("qwen3-30b-a3b-8l" if args.device.startswith("cuda") else "tiny")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    result = run(args)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
-    return 0
+    return emit(run(args), args.out)
 
 
 if __name__ == "__main__":

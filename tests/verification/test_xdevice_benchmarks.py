@@ -115,3 +115,25 @@ def test_xdevice_script_runs_every_step_on_the_cpu(tmp_path):
     for step in ("false_bans", "detection", "calibration"):
         assert f"{step} rc=0" in log, log
         assert json.loads((tmp_path / f"{step}.json").read_text())["provenance"]["device"] == "cpu"
+
+
+def test_validator_speed_judges_the_engines_rollouts_and_reports_its_figures(capsys, tmp_path):
+    from benchmarks import validator_speed
+
+    prof = tmp_path / "round.prof"
+    assert validator_speed.main(["--rollouts", "24", "--round", "8", "--batch", "8", "--profile", str(prof)]) == 0
+    r = _last_json(capsys)
+    assert (r["accepted"], r["rejected"], r["rollouts"]) == (24, 0, 24)
+    assert r["gen_tok_s"] > 0 and r["judge_tok_s"] > 0 and 0 < r["prefill_share"] < 1
+    assert r["verify_over_generate"] == round(r["judge_tok_s"] / r["gen_tok_s"], 3)
+    assert "check_segments" in prof.read_text()  # the profiled round went through the batched checks
+
+
+def test_publish_speed_publishes_a_full_version_then_deltas(capsys, tmp_path):
+    from benchmarks import publish_speed
+
+    assert publish_speed.main(["--gib", "0.02", "--versions", "2", "--store", str(tmp_path)]) == 0
+    r = _last_json(capsys)
+    assert [v["encoding"] for v in r["versions"]] == ["full", "delta", "delta"]
+    assert all(v["wire_mib"] < r["versions"][0]["wire_mib"] / 4 for v in r["versions"][1:])
+    assert r["delta_publish_s_median"] > 0 and r["copy_gb_s_one_thread"] > 0
