@@ -102,9 +102,11 @@ class TorchReference(Reference):
             # the LM head only from the first position any member needs ([T, V] is most of the memory)
             base = min(logits_from[i] for i in members) if logits_from is not None else 0
             res = model(ids.to(device), routed_experts=forced, logits_at=base)
-            # the routing check runs on the host: the batch's routes and router logits come back in one transfer each
+            # the batch's routes come back in one transfer; its router logits stay where the checks run
+            # (verification.routing.check_routes_many: a GPU validator compares them on its GPU)
             routes_host = res.routed_experts.cpu() if with_routes and res.routed_experts is not None else None
-            router_host = (_router_logits(res, len(members), t) if with_routes and with_router_logits else None)
+            router_host = (_router_logits(res, len(members), t, host=not self.on_device)
+                           if with_routes and with_router_logits else None)
             for row, i in enumerate(members):
                 n = len(sequences[i])
                 lo = logits_from[i] if logits_from is not None else 0
@@ -320,12 +322,13 @@ def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[i
     return Replay(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])
 
 
-def _router_logits(res, b: int, t: int) -> torch.Tensor | None:
-    """[b, t, moe_layers, E] float32 router logits of a batched forward, on the host (None: dense model); the
-    routing check uses them to tell a near-tie between experts from a wrong route."""
+def _router_logits(res, b: int, t: int, host: bool = True) -> torch.Tensor | None:
+    """[b, t, moe_layers, E] float32 router logits of a batched forward, on the host unless `host` is False
+    (None: dense model); the routing check uses them to tell a near-tie between experts from a wrong route."""
     if not res.router_logits:
         return None
-    return torch.stack([r.view(b, t, -1) for r in res.router_logits], dim=2).float().cpu()
+    out = torch.stack([r.view(b, t, -1) for r in res.router_logits], dim=2).float()
+    return out.cpu() if host else out
 
 
 def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[str, int, list[int]], float]]:

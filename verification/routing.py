@@ -137,16 +137,60 @@ def check_routes(claim: RolloutClaim, claimed: torch.Tensor, recomputed: torch.T
     """Claimed routes [positions, L, k] against the validator's recomputation of the same positions,
     each position under its own version (a mixed-version rollout's segments come from their own);
     `router_logits` [positions, L, E]: the recomputation's, to tell near-ties apart."""
-    if recomputed is None or claimed.shape != recomputed.shape:
-        got = None if recomputed is None else tuple(recomputed.shape)
-        return Failure(Reason.ROUTES_MALFORMED, f"routes of shape {tuple(claimed.shape)}, the model routes {got}")
-    keep = comparable(claim)
-    bad = mismatched_pairs(claimed[keep], recomputed[keep])
-    ties = 0
-    if router_logits is not None and router_logits.shape[:2] == claimed.shape[:2]:
-        near = set_gap(claimed[keep], router_logits[keep].float()) >= -ROUTER_TIE[precision]
-        ties = int((bad & near).sum())
-        bad = bad & ~near
+    return check_routes_many([(claim, claimed, recomputed, router_logits)], precision)[0]
+
+
+def check_routes_many(items: list[tuple[RolloutClaim, torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+                      precision: str, forced: bool = False) -> list[Failure | None]:
+    """`check_routes` of many (claim, claimed, recomputed, router logits) at once: the comparisons of all of
+    them in one pass where the recomputation is (a GPU validator's router logits stay on its GPU), one
+    transfer of per-pair flags back, then each claim's binomial test alone. `forced`: the recomputation ran
+    along the claimed routes, so its own choice at a pair is the top-k of its router logits there (the
+    recomputed routes are the claimed ones; a claim without router logits is compared with those)."""
+    out: list[Failure | None] = [None] * len(items)
+    groups: dict[bool, list[int]] = {}  # with usable router logits or not: compared in one pass each
+    for n, (claim, claimed, recomputed, logits) in enumerate(items):
+        if recomputed is None or claimed.shape != recomputed.shape:
+            got = None if recomputed is None else tuple(recomputed.shape)
+            out[n] = Failure(Reason.ROUTES_MALFORMED, f"routes of shape {tuple(claimed.shape)}, the model routes {got}")
+            continue
+        if forced and logits is not None and logits.shape[:2] != claimed.shape[:2]:
+            out[n] = Failure(Reason.ROUTES_MALFORMED, f"routes of shape {tuple(claimed.shape)}, router logits of "
+                             f"{tuple(logits.shape)}")
+            continue
+        groups.setdefault(logits is not None and logits.shape[:2] == claimed.shape[:2], []).append(n)
+    for with_logits, members in groups.items():
+        keeps = [comparable(items[n][0]) for n in members]
+        device = items[members[0]][3 if with_logits else 2].device  # where the router logits are: no copy of them
+        claimed = torch.cat([_kept(items[n][1], keep) for n, keep in zip(members, keeps)]).to(device)
+        if with_logits:
+            logits = torch.cat([_kept(items[n][3], keep) for n, keep in zip(members, keeps)]).to(device).float()
+            own = logits.topk(claimed.shape[-1], dim=-1).indices if forced else torch.cat(
+                [_kept(items[n][2], keep) for n, keep in zip(members, keeps)]).to(device)
+            bad = mismatched_pairs(claimed, own)
+            near = set_gap(claimed, logits) >= -ROUTER_TIE[precision]
+            flags = torch.stack([bad & ~near, bad & near]).cpu()
+        else:
+            own = torch.cat([_kept(items[n][2], keep) for n, keep in zip(members, keeps)]).to(device)
+            bad = mismatched_pairs(claimed, own)
+            flags = torch.stack([bad, torch.zeros_like(bad)]).cpu()
+        row = 0
+        for n, keep in zip(members, keeps):
+            rows = int(keep.sum())
+            out[n] = _judge_routes(items[n][0], keep, flags[0, row : row + rows], int(flags[1, row : row + rows].sum()),
+                                   precision)
+            row += rows
+    return out
+
+
+def _kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x's rows where the host mask `keep` holds (all of them, without indexing, in the common case: a
+    boolean index on a GPU tensor waits for the device)."""
+    return x if bool(keep.all()) else x[keep.to(x.device)]
+
+
+def _judge_routes(claim: RolloutClaim, keep: torch.Tensor, bad: torch.Tensor, ties: int, precision: str) -> Failure | None:
+    """One claim's binomial test on its compared pairs: `bad` [compared positions, L] counts as evidence."""
     n, evidence = bad.numel(), int(bad.sum())
     needed = evidence_needed(n, HONEST_PAIR_RATE[precision])
     if evidence < needed:

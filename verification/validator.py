@@ -23,7 +23,7 @@ from verification.claim import RolloutClaim
 from verification.pooled import Evidence, check_pooled
 from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
 from verification.reference import Reference
-from verification.routing import check_routes, route_positions
+from verification.routing import check_routes_many, route_positions
 from verification.verdict import Verdict
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence) -
         if f is not None:
             return f
         if p.routes is not None:
-            return _check_forced_routes(claim, p.routes, routes, ref.precision)
+            return _check_forced_routes([(claim, p.routes, routes)], ref.precision)[0]
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
         return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
@@ -187,15 +187,20 @@ def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans:
                 failures_of[i] = check_segments([seg], ref)[0]
             except Exception as exc_i:
                 _unexpected(claims[i], exc_i, failures, i)
-    for i, start, (_, _, *routes) in todo:
-        if i not in failures_of:
-            continue
-        failures[i] = failures_of[i]
-        try:
-            if failures[i] is None and plans[i].routes is not None:
-                failures[i] = _check_forced_routes(claims[i], plans[i].routes, routes, ref.precision)
-        except Exception as exc:
-            _unexpected(claims[i], exc, failures, i)
+    for i, f in failures_of.items():
+        failures[i] = f
+    routed = [(i, routes) for i, _, (_, _, *routes) in todo if failures[i] is None and plans[i].routes is not None]
+    try:
+        for (i, _), f in zip(routed, _check_forced_routes([(claims[i], plans[i].routes, r) for i, r in routed],
+                                                          ref.precision)):
+            failures[i] = f
+    except Exception as exc:
+        log.warning("route checks of %d claims together failed (%r): one by one", len(routed), exc)
+        for i, r in routed:
+            try:
+                failures[i] = _check_forced_routes([(claims[i], plans[i].routes, r)], ref.precision)[0]
+            except Exception as exc_i:
+                _unexpected(claims[i], exc_i, failures, i)
 
 
 def _unexpected(claim: RolloutClaim, exc: Exception, failures: list[Failure | None], i: int) -> None:
@@ -203,15 +208,14 @@ def _unexpected(claim: RolloutClaim, exc: Exception, failures: list[Failure | No
     failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
 
 
-def _check_forced_routes(claim: RolloutClaim, claimed: torch.Tensor, extra: list, precision: str) -> Failure | None:
+def _check_forced_routes(items: list[tuple[RolloutClaim, torch.Tensor, list]], precision: str) -> list[Failure | None]:
     """The recomputation ran along the claimed routes (teacher forcing: an honest near-tie decided
     the other way in the engine's decode then changes no later position); each claimed set is checked
-    against the top-k of the router logits that same pass computed at its position."""
-    logits = _router_logits(extra)
-    if logits is None or extra[0] is None:
-        return check_routes(claim, claimed, extra[0], precision, logits)
-    own = logits.topk(claimed.shape[-1], dim=-1).indices
-    return check_routes(claim, claimed, own, precision, logits)
+    against the top-k of the router logits that same pass computed at its position. `items`: (claim,
+    claimed routes, what the prefill returned after the hidden states), checked together
+    (`routing.check_routes_many`)."""
+    return check_routes_many([(c, claimed, extra[0], _router_logits(extra)) for c, claimed, extra in items], precision,
+                             forced=True)
 
 
 def _pool(claims: list[RolloutClaim], failures: list[Failure | None], evidence: list[Evidence],

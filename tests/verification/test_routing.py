@@ -276,3 +276,34 @@ def _other_set(sets: torch.Tensor) -> torch.Tensor:
     for i, s in enumerate(sets.tolist()):
         out[i] = torch.tensor(sorted(set(range(4)) - set(s)))
     return out
+
+
+def test_route_checks_of_many_claims_together_are_each_claims_own(world):
+    """`check_routes_many` (the validator's round: one pass over every claim's pairs) gives each claim the
+    verdict `check_routes` gives it alone: honest routes pass, forged ones fail with the same evidence,
+    shapes that do not match are malformed, and near-ties count as they do alone; forced or not."""
+    from verification.routing import check_routes_many
+
+    _, ref, _, claims, _ = world
+    items = []
+    for n, c in enumerate(claims[:8]):
+        c = _short(c, 10 + n)
+        _, _, routes, router = ref.prefill(0, [c.prompt_ids], with_routes=True, with_router_logits=True)[0]
+        claimed = routes.clone()
+        for p in range(n % 4 * 2):  # 0, 2, 4 or 6 pairs far from the router's choice
+            _far_swap(claimed, router, p, p % 2)
+        items.append((c, claimed, routes, router))
+    items.append((items[0][0], items[0][1], items[0][2][:-1], items[0][3]))  # a shape the model does not route
+    items.append((items[1][0], items[1][1], items[1][2], None))  # no router logits: every differing pair counts
+    alone = [check_routes(c, claimed, routes, "float32", router) for c, claimed, routes, router in items]
+    together = check_routes_many(items, "float32")
+    assert [(f is None) or (f.reason, f.severity, f.token, f.detail) for f in together] == \
+        [(f is None) or (f.reason, f.severity, f.token, f.detail) for f in alone]
+    assert any(f is None for f in together) and any(f is not None and f.reason == Reason.ROUTES_MISMATCH for f in together)
+    assert together[-2].reason == Reason.ROUTES_MALFORMED
+    # forced (the recomputation ran along the claimed routes): the router's own top-k is what a claim meets
+    forced = check_routes_many([(c, claimed, claimed, router) for c, claimed, _, router in items[:8]], "float32",
+                               forced=True)
+    own = [check_routes(c, claimed, router.topk(claimed.shape[-1], dim=-1).indices, "float32", router)
+           for c, claimed, _, router in items[:8]]
+    assert [(f is None) or (f.reason, f.detail) for f in forced] == [(f is None) or (f.reason, f.detail) for f in own]
