@@ -2,11 +2,11 @@
 on the same device (issue 24's `verify_over_generate`, measured on the roles' code alone).
 
     python -m benchmarks.validator_speed [--device cuda] [--shape qwen3-30b-a3b-8l] [--rollouts 512]
-        [--round 128] [--group 8] [--profile FILE]
+        [--round 128] [--group 8] [--profile FILE] [--new-tokens 1000 --lengths pareto]
 
 The engine is the inference role's (`benchmarks.device_rollouts.build_engine`: `CudaEngine` with its
 graphs on a GPU, `Engine` on the CPU), generating `--rollouts` honest rollouts of the reverse task at its
-`--batch` slots; the judge is the validator role's: `TorchReference` over `ResidentPolicies` (one resident
+`--batch` slots (completions of `--new-tokens`, or heavy-tailed lengths up to it with `--lengths pareto`); the judge is the validator role's: `TorchReference` over `ResidentPolicies` (one resident
 model) and `verify_claims`, in rounds of `--round` claims, `--group` claims a submission, as
 `ValidatorNode._judge` hands them over. The peer is the engine's own batched GPU prefill
 (`node.engine.verify.verify_prefill`) over the same sequences: the forward pass with nothing checked,
@@ -73,10 +73,32 @@ class _Timed:
         ref.prefill = prefill
 
 
+def completion_lengths(n: int, most: int, tail: str, seed: int = 0) -> list[int]:
+    """Each rollout's completion limit: `most` for all ("fixed"), or heavy-tailed ("pareto": 16 x (1 + a Lomax
+    draw of shape 1.2), 8 to `most`: most completions a few dozen tokens, a few up to `most`, as RL answers of
+    varying length are; the random model rarely says EOS, so each runs to its limit)."""
+    if tail == "fixed":
+        return [most] * n
+    import numpy as np
+
+    draws = 16 * (1 + np.random.default_rng(seed).pareto(1.2, size=n))
+    return [int(x) for x in np.clip(np.rint(draws), 8, most)]
+
+
 def run(args: argparse.Namespace) -> dict:
+    before = R.MAX_SEQ
+    R.MAX_SEQ = max(before, args.new_tokens + 24)  # the harness's prompts fit in 24 positions (64 - its 40)
+    try:
+        return _run(args)
+    finally:
+        R.MAX_SEQ = before  # the shared harness's, for whoever runs next in this process
+
+
+def _run(args: argparse.Namespace) -> dict:
     model = D.random_model(args.shape, torch.bfloat16, args.device)
     cfg = model.config
-    work = [(s, R.spec(s, max_new_tokens=args.new_tokens)) for s in range(7000, 7000 + args.rollouts)]
+    lengths = completion_lengths(args.rollouts, args.new_tokens, args.lengths)
+    work = [(s, R.spec(s, max_new_tokens=n)) for s, n in zip(range(7000, 7000 + args.rollouts), lengths)]
     engine = D.build_engine(model, "off", args.device, args.batch)
     R.generate(engine, work[: args.batch])  # warm: the graphs' first replays, the allocator
     _sync(args.device)
@@ -134,6 +156,9 @@ def run(args: argparse.Namespace) -> dict:
         "bench": "validator_speed", "command": "python -m benchmarks.validator_speed " + " ".join(sys.argv[1:]),
         "provenance": D.provenance(args.device), "shape": facts["name"], "params_b": round(facts["params"] / 1e9, 3),
         "vocab": cfg.vocab_size, "dtype": "bfloat16", "rollouts": len(claims), "round_claims": args.round,
+        "lengths": args.lengths, "max_seq": R.MAX_SEQ,
+        "completion_tokens_p50_max": [sorted(len(c.token_ids) for c in claims)[len(claims) // 2],
+                                      max(len(c.token_ids) for c in claims)],
         "group": args.group, "engine_batch": args.batch, "completion_tokens": completion_tokens,
         "sequence_tokens": sequence_tokens,
         "gen_s": round(gen_s, 3), "gen_tok_s": round(gen_tok_s, 1),
@@ -158,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=None, choices=list(D.SHAPES), help="default: qwen3-30b-a3b-8l on a GPU, tiny on the CPU")
     ap.add_argument("--rollouts", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=40, help="completion tokens at most (the harness's positions: 64)")
+    ap.add_argument("--lengths", choices=["fixed", "pareto"], default="fixed",
+                    help="every completion up to --new-tokens, or heavy-tailed limits up to it (completion_lengths)")
     ap.add_argument("--batch", type=int, default=256, help="engine slots")
     ap.add_argument("--round", type=int, default=128, help="claims one judging round takes (the role: 16 units of 8)")
     ap.add_argument("--group", type=int, default=8, help="claims of one submission (a work unit)")

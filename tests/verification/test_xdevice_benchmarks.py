@@ -129,6 +129,20 @@ def test_validator_speed_judges_the_engines_rollouts_and_reports_its_figures(cap
     assert "check_segments" in prof.read_text()  # the profiled round went through the batched checks
 
 
+def test_validator_speed_on_heavy_tailed_completions(capsys):
+    from benchmarks import validator_speed
+    from benchmarks.device_rollouts import R
+
+    lengths = validator_speed.completion_lengths(400, 300, "pareto")
+    assert min(lengths) >= 8 and max(lengths) == 300 and sorted(lengths)[200] < 60  # most short, some at the limit
+    assert validator_speed.main(["--rollouts", "16", "--round", "8", "--batch", "8", "--new-tokens", "120",
+                                 "--lengths", "pareto"]) == 0
+    r = _last_json(capsys)
+    assert (r["accepted"], r["rejected"], r["max_seq"]) == (16, 0, 144)
+    assert r["completion_tokens_p50_max"][0] < r["completion_tokens_p50_max"][1] <= 120
+    assert R.MAX_SEQ == 64  # the shared harness's positions restored
+
+
 def test_publish_speed_publishes_a_full_version_then_deltas(capsys, tmp_path):
     from benchmarks import publish_speed
 
