@@ -1,6 +1,9 @@
 """The whole network on this host's GPUs, measured step by step: `primerl-node sim --device cuda`.
 
-    python -m benchmarks.gpu_network [--model smollm2-135m-instruct] [--ks 0,1,2] [--steps 20] [--out DIR]
+    python -m benchmarks.gpu_network [--model random:qwen3-30b-a3b-8l] [--ks 1,0] [--steps 20] [--out DIR]
+
+Its defaults on a GPU are the RL-shaped workload: the 5.2B 8-layer Qwen3-30B-A3B shape in bf16, 32 prompts x 8
+samples a step, `reverse-text-long` (heavy-tailed completions up to 1,024 tokens), k = 1 and then k = 0.
 
 Each k in `--ks` is one run of `sim` (coordinator and relay on the CPU; trainer on GPU 0; inference
 nodes on the other GPUs with `builtin-cuda`; validator on the last GPU: node/sim_devices.py) with
@@ -268,21 +271,22 @@ def _hf_state(spec) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="tiny-moe, smollm2-135m-instruct, an HF directory, or random:SHAPE "
-                   "(benchmarks/random_checkpoint.py SHAPES, e.g. random:qwen3-30b-a3b-8l)")
+    p.add_argument("--model", default=None, help="tiny-moe, smollm2-135m-instruct, an HF directory, or random:SHAPE "
+                   "(benchmarks/random_checkpoint.py SHAPES; default: random:qwen3-30b-a3b-8l on cuda, the 5.2B "
+                   "8-layer Qwen3-30B-A3B shape; smollm2-135m-instruct on the CPU)")
     p.add_argument("--tokenizer-from", type=Path, default=None,
                    help="with --model random:SHAPE: the directory whose tokenizer files it gets (default: SmolLM2's)")
     p.add_argument("--vocab-size", type=int, default=49152, help="with --model random:SHAPE")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--task", default=None, help="default: reverse-text (real models), reverse (tiny-moe); "
-                   "reverse-text-long: heavy-tailed completion lengths up to 1,024 tokens (the RL-shaped workload)")
-    p.add_argument("--ks", default="0,1,2", help="max_off_policy_steps of each run")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on cuda, float32 on the CPU")
+    p.add_argument("--task", default=None, help="default: reverse-text-long on cuda (heavy-tailed completion lengths up "
+                   "to 1,024 tokens: the RL-shaped workload), reverse-text on the CPU, reverse with tiny-moe")
+    p.add_argument("--ks", default="1,0", help="max_off_policy_steps of each run (the k = 0 run is async_speedup's peer)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="the model's sequence limit (default 128; 1,536 with --task reverse-text-long)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state figures")
     p.add_argument("--inference-nodes", type=int, default=1)
-    p.add_argument("--batch-groups", type=int, default=8)
+    p.add_argument("--batch-groups", type=int, default=None, help="prompts per step (default: 32 on cuda, 8 on the CPU)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--fp8", choices=["off", "experts", "all"], default="off")
@@ -295,8 +299,12 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_network-"))
     out.mkdir(parents=True, exist_ok=True)
+    gpu = args.device == "cuda"  # the defaults on a GPU: the issue's RL-shaped workload (>= 256 rollouts a step)
+    args.model = args.model or ("random:qwen3-30b-a3b-8l" if gpu else "smollm2-135m-instruct")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.batch_groups = args.batch_groups or (32 if gpu else 8)
     real = args.model != "tiny-moe"
-    args.task = args.task or ("reverse-text" if real else "reverse")
+    args.task = args.task or ("reverse" if not real else "reverse-text-long" if gpu else "reverse-text")
     model_run = model_of(args, out) if real else {}
     runs = []
     for k in [int(x) for x in args.ks.split(",")]:

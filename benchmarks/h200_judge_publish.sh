@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call on an H200 for the validator's judging and the trainer's publication (issue 24): the
-# judging GPU tests, benchmarks.validator_speed (the 5.2B qwen3-30b-a3b-8l shape, 512 rollouts) and
-# benchmarks.publish_speed (the 5.2B model's 9.66 GiB bf16 payload, on the disk and on /dev/shm). With
+# judging GPU tests, benchmarks.validator_speed (the 5.2B qwen3-30b-a3b-8l shape, 512 rollouts: completions
+# of 40 tokens, then heavy-tailed ones up to 1,000 with LONG=1), benchmarks.publish_speed (the 5.2B model's
+# 9.66 GiB bf16 payload, on the disk, and on /dev/shm with SHM=1; the payload file mapped, then pwritten), and
+# with LEARN_S=N the tiny model learning `reverse` in `sim --device cuda` for at most N seconds. With
 # BEFORE=DIR (a checkout of an earlier commit carrying this one's benchmark files) validator_speed also runs
 # there first, in the same call. Carried, git-ignored: .whl (make_wheels.sh). Results come back in $OUT.
 set -u
@@ -20,11 +22,25 @@ fi
 timeout 150 python3 -m benchmarks.validator_speed --device cuda --profile $OUT/validator_speed.prof \
   --out $OUT/validator_speed-h200.json > $OUT/validator_speed.log 2>&1
 echo "validator_speed rc=$?"; tail -1 $OUT/validator_speed.log | cut -c1-1500
-for where in disk shm; do
+if [ "${LONG:-0}" = 1 ]; then
+  timeout 200 python3 -m benchmarks.validator_speed --device cuda --new-tokens 1000 --lengths pareto \
+    --profile $OUT/validator_speed-long.prof --out $OUT/validator_speed-long-h200.json > $OUT/validator_speed-long.log 2>&1
+  echo "validator_speed long rc=$?"; tail -1 $OUT/validator_speed-long.log | cut -c1-1500
+fi
+wheres=disk; [ "${SHM:-1}" = 1 ] && wheres="disk shm"
+for where in $wheres; do
   store=/tmp/publish-store; [ $where = shm ] && store=/dev/shm/publish-store
   rm -rf $store
-  timeout 120 python3 -m benchmarks.publish_speed --gib 9.66 --versions ${VERSIONS:-3} --store $store \
+  timeout ${PUB_S:-120} python3 -m benchmarks.publish_speed --gib 9.66 --versions ${VERSIONS:-3} --store $store \
     --out $OUT/publish_speed-$where-h200.json > $OUT/publish_speed-$where.log 2>&1
   echo "publish_speed $where rc=$?"; tail -1 $OUT/publish_speed-$where.log | cut -c1-900
   rm -rf $store
 done
+if [ "${LEARN_S:-0}" -gt 0 ]; then
+  rm -rf /tmp/learn
+  timeout $((LEARN_S + 30)) python3 -m node.cli sim --device cuda --inference-nodes 1 --steps 400 --stop-after-target 0 \
+    --timeout $LEARN_S --out /tmp/learn > $OUT/learn.log 2>&1
+  echo "learn rc=$?"; tail -c 1500 $OUT/learn.log
+  cp /tmp/learn/summary.json $OUT/learn-summary.json 2>/dev/null; cp /tmp/learn/report.png $OUT/learn-report.png 2>/dev/null
+  cp /tmp/learn/metrics.jsonl $OUT/learn-metrics.jsonl 2>/dev/null
+fi
