@@ -332,14 +332,20 @@ def _router_logits(res, b: int, t: int, host: bool = True) -> torch.Tensor | Non
 
 
 def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[str, int, list[int]], float]]:
-    """(prompt_ids, reward) callables over the built-in environments, as the rollout driver uses them."""
+    """(prompt_ids, reward) callables over the built-in environments, as the rollout driver uses them. A
+    validator asks both of every claim: the task a seed makes is made once (the last 4,096 kept)."""
+    from functools import lru_cache
+
     from node.envs import get_env
 
+    @lru_cache(maxsize=4096)
+    def task(env: str, seed: int):
+        return get_env(env).sample_task(seed)
+
     def prompt_ids(env: str, seed: int) -> list[int]:
-        return get_env(env).sample_task(seed).prompt_ids(tokenizer)
+        return task(env, seed).prompt_ids(tokenizer)
 
     def reward(env: str, seed: int, completion_ids: list[int]) -> float:
-        e = get_env(env)
-        return float(e.reward(e.sample_task(seed), tokenizer.decode(completion_ids)))
+        return float(get_env(env).reward(task(env, seed), tokenizer.decode(completion_ids)))
 
     return prompt_ids, reward
