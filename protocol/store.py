@@ -19,11 +19,21 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.segments import Segments
+
+log = logging.getLogger(__name__)
+
+SLOW_COMMIT_S = 0.2
+"""A commit slower than this (its fsync waiting behind other writes to the disk, e.g. a policy version's
+payload file on the same host) is counted and reported, at most once per `SLOW_REPORT_S`: every lease
+and submission waits on one."""
+SLOW_REPORT_S = 10.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -92,6 +102,7 @@ class Pruned:
 class CoordinatorStore:
     def __init__(self, directory: str | Path, synchronous: str = "FULL"):
         self.dir = Path(directory)
+        self._slow = [0, 0.0, time.monotonic()]  # slow commits since the last report: count, slowest, since
         self.segments = Segments(self.dir / "rollouts")
         self.db = sqlite3.connect(self.dir / "coordinator.sqlite3", isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -118,7 +129,18 @@ class CoordinatorStore:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        t = time.perf_counter()
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        self._timed_commit(time.perf_counter() - t)
+
+    def _timed_commit(self, seconds: float) -> None:
+        slow = self._slow
+        if seconds > SLOW_COMMIT_S:
+            slow[0], slow[1] = slow[0] + 1, max(slow[1], seconds)
+        if slow[0] and time.monotonic() - slow[2] >= SLOW_REPORT_S:
+            log.warning("coordinator store: %d commits over %.1f s in the last %.0f s (slowest %.2f s): the disk's "
+                        "writes hold up its fsyncs", slow[0], SLOW_COMMIT_S, time.monotonic() - slow[2], slow[1])
+            slow[:] = [0, 0.0, time.monotonic()]
 
     def _q(self, sql: str, *args) -> list[tuple]:
         return self.db.execute(sql, args).fetchall()
