@@ -25,6 +25,7 @@ routes (a vLLM prefix-cache hit) is sent without.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import queue
@@ -106,6 +107,8 @@ class InferenceNode:
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0
+        self.lease_s: collections.deque[float] = collections.deque(maxlen=10_000)
+        """Seconds of the last lease calls that returned grants (the coordinator's round trip), for the stop line."""
         self.on_loaded: list[Callable[[int, dict], None]] = []
         """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued, fetch_stages_s}) when a version is
         queued for the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
@@ -146,8 +149,10 @@ class InferenceNode:
         finally:
             await client.close("shutting down")
             await self._close_engine()
-            log.info("inference %s stopped: %d groups submitted, %d refused", self.key.peer_id[-8:],
-                     self.submitted, self.refused)
+            waits = sorted(self.lease_s)
+            log.info("inference %s stopped: %d groups submitted, %d refused; %d granting lease calls, median %.3f s, "
+                     "max %.3f s", self.key.peer_id[-8:], self.submitted, self.refused, len(waits),
+                     waits[len(waits) // 2] if waits else 0.0, waits[-1] if waits else 0.0)
 
     async def _follow_rank_0(self) -> None:
         """An expert-parallel rank > 0: no network; serve rank 0's orders until its stop (node.engine.ep_world).
@@ -274,7 +279,10 @@ class InferenceNode:
                 pass
             return
         try:
+            t = time.perf_counter()
             grants = await client.lease(min(self.leases_per_request, room), holds_version=self._newest_loaded)
+            if grants:
+                self.lease_s.append(time.perf_counter() - t)
         except Refused as exc:
             log.warning("lease refused: %s", exc)
             await asyncio.sleep(1.0)
