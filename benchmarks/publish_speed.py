@@ -2,15 +2,13 @@
 (issue 24's weight path: the 5.2B model's 10 GB bf16 versions took 4.3-7.8 s to publish as deltas).
 
     python -m benchmarks.publish_speed [--gib 2] [--changed 0.05] [--versions 3] [--store DIR] [--threads N]
-                                       [--writes map,pwrite]
 
 What it times is `shardcast.publish.publish_stream`, the call the trainer role makes
 (node/rl/parallel/publish.py) once its weights are in the payload buffer: a full version 0, then
 `--versions` deltas, each changing `--changed` of the bf16 words at random (an RL step in bf16 changes
 few: the 5.2B run's deltas were 1-7% of the bytes on the wire), into a real `Store` at `--store`. The
 limits measured in the same run: one copy of the payload in memory (numpy, one thread), and BLAKE3 over it
-(the raw hashes every publication computes). With `--writes map,pwrite` each way of writing the payload
-file (`PublishOptions.map_payload`) publishes the same chain into its own store. Ends with one JSON line.
+(the raw hashes every publication computes). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -65,45 +63,33 @@ def run(args: argparse.Namespace) -> dict:
     content_hash(memoryview(payload))
     hash_s = time.perf_counter() - t
     rows = []
-    modes = args.writes.split(",")
     words = payload.view(np.uint16)
     # the words every delta changes, drawn once with replacement (the share is a little under --changed): a draw
     # per version over 5e9 words took longer than the publications on the H200 host
     at = rng.integers(0, len(words), size=int(args.changed * len(words)))
+    store = Store(root / "shardcast")
+    opt = PublishOptions(threads=args.threads or PublishOptions().threads)
     try:
-        for mode in modes:  # each way of writing the payload file, into its own store, on the same payloads
-            store = Store(root / f"shardcast-{mode}")
-            opt = PublishOptions(threads=args.threads or PublishOptions().threads, map_payload=mode == "map")
-            for v in range(args.versions + 1):
-                if v:
-                    words[at] ^= rng.integers(1, 8, size=len(at), dtype=np.uint16)  # low mantissa bits: a bf16 step
-                t = time.perf_counter()
-                signed = publish_stream(store, key, "bench", v, tensors, payload, iter([total]), v - 1 if v else None, opt)
-                m = signed.manifest
-                rows.append({"writes": mode, "version": v, "encoding": m.encoding,
-                             "seconds": round(time.perf_counter() - t, 3), "wire_mib": round(m.wire_bytes / 2**20, 1)})
-                log.info("%s", rows[-1])
-            shutil.rmtree(root / f"shardcast-{mode}", ignore_errors=True)  # one mode's files at a time on the disk
+        for v in range(args.versions + 1):
+            if v:
+                words[at] ^= rng.integers(1, 8, size=len(at), dtype=np.uint16)  # low mantissa bits: a bf16 step
+            t = time.perf_counter()
+            signed = publish_stream(store, key, "bench", v, tensors, payload, iter([total]), v - 1 if v else None, opt)
+            m = signed.manifest
+            rows.append({"version": v, "encoding": m.encoding, "seconds": round(time.perf_counter() - t, 3),
+                         "wire_mib": round(m.wire_bytes / 2**20, 1)})
+            log.info("%s", rows[-1])
     finally:
         if not args.store:
             shutil.rmtree(root, ignore_errors=True)
-
-    def median_delta(mode: str) -> float | None:
-        d = [r["seconds"] for r in rows if r["encoding"] == "delta" and r["writes"] == mode]
-        return float(np.median(d)) if d else None
-
-    by_mode = {m: median_delta(m) for m in modes}
-    first = by_mode[modes[0]]
-    out = {"bench": "publish_speed", "command": "python -m benchmarks.publish_speed " + " ".join(sys.argv[1:]),
-           "host_cores": os.cpu_count(), "threads": opt.threads, "payload_gib": round(total / 2**30, 3),
-           "changed": args.changed, "store": str(root), "versions": rows,
-           "delta_publish_s_median": first, "delta_publish_s_median_by_writes": by_mode,
-           "delta_publish_gb_s": round(total / 1e9 / first, 3) if first else None,
-           "copy_gb_s_one_thread": round(total / 1e9 / copy_s, 3), "blake3_gb_s_one_thread": round(total / 1e9 / hash_s, 3),
-           "delta_over_one_copy": round(first / copy_s, 2) if first else None}
-    if len(modes) > 1 and first and by_mode[modes[1]]:
-        out[f"{modes[1]}_over_{modes[0]}"] = round(by_mode[modes[1]] / first, 3)
-    return out
+    deltas = [r["seconds"] for r in rows if r["encoding"] == "delta"]
+    return {"bench": "publish_speed", "command": "python -m benchmarks.publish_speed " + " ".join(sys.argv[1:]),
+            "host_cores": os.cpu_count(), "threads": opt.threads, "payload_gib": round(total / 2**30, 3),
+            "changed": args.changed, "store": str(root), "versions": rows,
+            "delta_publish_s_median": float(np.median(deltas)) if deltas else None,
+            "delta_publish_gb_s": round(total / 1e9 / float(np.median(deltas)), 3) if deltas else None,
+            "copy_gb_s_one_thread": round(total / 1e9 / copy_s, 3), "blake3_gb_s_one_thread": round(total / 1e9 / hash_s, 3),
+            "delta_over_one_copy": round(float(np.median(deltas)) / copy_s, 2) if deltas else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", type=int, default=3, help="deltas after the full version 0")
     ap.add_argument("--store", default=None, help="store root (default: a temporary directory, deleted after)")
     ap.add_argument("--threads", type=int, default=0, help="publication threads (default: PublishOptions')")
-    ap.add_argument("--writes", default="map,pwrite",
-                    help="how the payload file is written, each in turn (PublishOptions.map_payload): map, pwrite")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -42,13 +42,6 @@ class PublishOptions:
     delta 4.4-12 s on 8, its threads' encoding 25-59 s and writes 9-48 s in all, session 9)."""
     sparse: bool = True
     """Delta shards may use the sparse encoding (changed words only) where it is smaller than XOR."""
-    map_payload: bool = True
-    """`publish_stream` writes the payload file through a shared mapping of it, each thread copying its
-    shards' bytes, instead of `pwrite`: buffered writes to one file hold its inode lock (ext4, tmpfs), so
-    a publication's threads wrote one after another (their writes 12-41 s summed for a 9.6 GiB version on
-    12 threads, session 12), where page faults on a mapping run side by side. The file's blocks are
-    reserved first (`posix_fallocate`), so a full disk is an `OSError` before any byte is copied, never a
-    SIGBUS from a mapped page the disk cannot hold."""
 
 
 def default_threads() -> int:
@@ -153,9 +146,9 @@ def publish_stream(
     """`publish` for a payload that is still being written: `tensors` is its layout
     (`codec.layout`), `filled` yields increasing byte counts n (payload[:n] is final once n is
     yielded). As soon as a shard's range is final, a pool thread compresses and hashes it and
-    copies its raw bytes into the payload file at their offset (through a shared mapping of the file,
-    or `os.pwrite`: `PublishOptions.map_payload`), so the copy into `payload` (e.g. device-to-host,
-    tensor by tensor), the encoding and the payload file all overlap. `on_signed(signed)` is called as
+    writes its raw bytes into the payload file at their offset (`os.pwrite`: the file is written
+    by every thread at once, not by one), so the copy into `payload` (e.g. device-to-host, tensor
+    by tensor), the encoding and the payload file all overlap. `on_signed(signed)` is called as
     soon as the version is listed, before retention deletes old versions. Same store layout,
     delta/keyframe rule, signature and retention as `publish`."""
     opt = options or PublishOptions()
@@ -183,8 +176,7 @@ def _publish_stream_locked(store: Store, key: NodeKey, run_id: str, version: int
     final = store.payload_path(run_id, version)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.{os.getpid()}-{threading.get_ident()}.stream.tmp")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    mapped: np.ndarray | None = None
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     seconds, summing = {"encode": 0.0, "write": 0.0}, threading.Lock()  # over the pool's threads, for the log
 
@@ -196,13 +188,12 @@ def _publish_stream_locked(store: Store, key: NodeKey, run_id: str, version: int
                                    word=shard_word(tensors, a, b), sparse=opt.sparse)
         t1 = time.perf_counter()
         store.put_shard(run_id, version, i, wire)
-        if mapped is not None:
-            mapped[a:b] = raw  # numpy copies without the GIL
-        else:
-            view, at = memoryview(raw), a
-            while len(view):
-                n = os.pwrite(fd, view, at)
-                view, at = view[n:], at + n
+        # pwrite, not a shared mapping of the file: 12 threads copying into a mapping published a 9.6 GiB delta
+        # no faster on the H200 host (median 7.5 s against 7.2, benchmarks/results/publish_speed-map-vs-pwrite-h200.json)
+        view, at = memoryview(raw), a
+        while len(view):
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
         with summing:
             seconds["encode"] += t1 - t0
             seconds["write"] += time.perf_counter() - t1
@@ -211,9 +202,6 @@ def _publish_stream_locked(store: Store, key: NodeKey, run_id: str, version: int
     t_start = time.perf_counter()
     try:
         os.ftruncate(fd, len(payload))
-        if opt.map_payload and len(payload):
-            os.posix_fallocate(fd, 0, len(payload))
-            mapped = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(len(payload),))
         with ThreadPoolExecutor(max_workers=max(1, opt.threads)) as pool:
             futures, submitted = [], 0
             for n in filled:  # if it raises, the pool's exit still waits for the writes in flight
@@ -224,11 +212,9 @@ def _publish_stream_locked(store: Store, key: NodeKey, run_id: str, version: int
             futures += [pool.submit(one, i) for i in range(submitted, len(ranges))]
             entries = [f.result() for f in futures]
     except BaseException:
-        del mapped
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    del mapped  # unmapped: the pages stay in the page cache, where readers of the file find them
     os.close(fd)
     os.replace(tmp, final)
     manifest = Manifest(run_id=run_id, version=version, parent=parent if encoding == "delta" else None,

@@ -1,4 +1,10 @@
-"""Triton split-K decode attention (see `attention.py` for the contract)."""
+"""Triton split-K decode attention (see `attention.py` for the contract).
+
+On float32 inputs the dots run in IEEE float32 (`input_precision="ieee"`), not Triton's default TF32: a
+float32 run is judged against exact float32 (the validator's prefill runs with TF32 off,
+`node.replay.exact_float32`), whose bounds TF32's 10-bit mantissa on q, k and p was never calibrated into
+(an honest float32 node on the H200 was banned in `sim --device cuda` with TF32 here, session 13). bf16
+inputs are unaffected."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr,
                    stride_qb, stride_qh, stride_ks, stride_kl, stride_kh,
                    stride_ob, stride_oh, stride_os, stride_lb, split_len, sm_scale,
                    SPLITS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, FIXED_ITERS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, FIXED_ITERS: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -41,7 +47,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr,
         km = offs < end
         kv_off = base + offs[:, None].to(tl.int64) * stride_kl + dd[None, :]
         k = tl.load(k_ptr + kv_off, mask=km[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * sm_scale
+        if IEEE:  # float32 in full: no TF32 rounding of q and k
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        else:
+            qk = tl.dot(q, tl.trans(k)) * sm_scale
         qk = tl.where(km[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slice with no key yet
@@ -49,7 +58,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr,
         p = tl.exp(qk - safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_off, mask=km[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     has = l_sum > 0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]
@@ -75,7 +87,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), split_len, 1.0 / math.sqrt(d),
         SPLITS=splits, G=g, GP=gp, D=d, BLOCK_N=block_n,
-        FIXED_ITERS=split_len // block_n if os.environ.get("TRITON_INTERPRET") == "1" else 0, num_warps=4, num_stages=2,
+        FIXED_ITERS=split_len // block_n if os.environ.get("TRITON_INTERPRET") == "1" else 0,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
     )
     if splits == 1:
         return o[:, :, 0].to(q.dtype)

@@ -95,9 +95,10 @@ def test_layout_change_forces_a_full_version(tmp_path, key, sc):
     assert store.manifest("run", 1).manifest.encoding == "full"
 
 
-def test_streamed_publication_writes_the_same_payload_through_a_mapping_as_with_pwrite(tmp_path, key, trusted, sc):
-    """`PublishOptions.map_payload` changes how the payload file is written, nothing else: the same files,
-    hashes and wire shards either way, and a follower rebuilds the chain bit-exactly from the mapped one."""
+def test_streamed_publication_makes_the_versions_publish_makes(tmp_path, key, trusted, sc):
+    """`publish_stream` (the trainer's call: the payload final in steps, shards encoded as their range is
+    final) writes the same wire shards, hashes and payload file as `publish`, and a follower rebuilds its
+    chain bit-exactly."""
     import numpy as np
 
     from shardcast.codec import flatten
@@ -107,31 +108,27 @@ def test_streamed_publication_writes_the_same_payload_through_a_mapping_as_with_
     for v in range(3):
         s = sc.rl_step(s, v) if v else s
         states.append(s)
-    stores = {}
-    for mapped in (True, False):
-        store = stores[mapped] = Store(tmp_path / f"mapped-{mapped}")
-        opts = PublishOptions(shard_size=sc.SHARD, map_payload=mapped, threads=2)
-        for v, state in enumerate(states):
-            tensors, payload = flatten(state)
-            # the payload final in three steps, as the trainer's device-to-host copy reports it
-            filled = iter([len(payload) // 3, 2 * len(payload) // 3, len(payload)])
-            publish_stream(store, key, "run", v, tensors, payload, filled, v - 1 if v else None, opts)
+    streamed, whole = Store(tmp_path / "streamed"), Store(tmp_path / "whole")
+    opts = PublishOptions(shard_size=sc.SHARD, threads=2)
     for v, state in enumerate(states):
-        a, b = stores[True].manifest("run", v).manifest, stores[False].manifest("run", v).manifest
+        tensors, payload = flatten(state)
+        filled = iter([len(payload) // 3, 2 * len(payload) // 3, len(payload)])  # as the device-to-host copy reports
+        publish_stream(streamed, key, "run", v, tensors, payload, filled, v - 1 if v else None, opts)
+        publish(whole, key, "run", v, state, parent=v - 1 if v else None, options=opts)
+    for v in range(3):
+        a, b = streamed.manifest("run", v).manifest, whole.manifest("run", v).manifest
         assert a.encoding == b.encoding == ("delta" if v else "full")
         assert [e.model_dump() for e in a.shards] == [e.model_dump() for e in b.shards]
-        if stores[True].payload_path("run", v).exists():  # retention keeps the newest versions' payloads
-            assert np.array_equal(stores[True].payload("run", v), flatten(state)[1])
-        assert not list(stores[True].version_dir("run", v).glob(".*.tmp")), "no temporary file left behind"
+        assert not list(streamed.version_dir("run", v).glob(".*.tmp")), "no temporary file left behind"
+    assert np.array_equal(streamed.payload("run", 2), flatten(states[2])[1])
 
     async def go():
-        server, url = await sc.serve(stores[True])
+        server, url = await sc.serve(streamed)
         try:
             async with Fetcher(Store(tmp_path / "follower"), [url], trusted) as f:
                 return [(await f.fetch("run", v)).tensors() for v in range(3)]
         finally:
             await server.stop()
 
-    assert stores[True].payload_path("run", 2).exists()
     for got, want in zip(asyncio.run(go()), states):
         sc.assert_same(got, want)

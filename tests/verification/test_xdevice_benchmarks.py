@@ -148,8 +148,6 @@ def test_publish_speed_publishes_a_full_version_then_deltas(capsys, tmp_path):
 
     assert publish_speed.main(["--gib", "0.02", "--versions", "2", "--store", str(tmp_path)]) == 0
     r = _last_json(capsys)
-    assert [(v["writes"], v["encoding"]) for v in r["versions"]] == [
-        (w, e) for w in ("map", "pwrite") for e in ("full", "delta", "delta")]  # both ways of writing the payload
-    assert all(v["wire_mib"] < r["versions"][0]["wire_mib"] / 4 for v in r["versions"] if v["version"])
-    assert r["delta_publish_s_median"] == r["delta_publish_s_median_by_writes"]["map"] > 0
-    assert r["pwrite_over_map"] > 0 and r["copy_gb_s_one_thread"] > 0
+    assert [v["encoding"] for v in r["versions"]] == ["full", "delta", "delta"]
+    assert all(v["wire_mib"] < r["versions"][0]["wire_mib"] / 4 for v in r["versions"][1:])
+    assert r["delta_publish_s_median"] > 0 and r["copy_gb_s_one_thread"] > 0
