@@ -163,10 +163,18 @@ class CoordinatorService:
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
         cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
+        holds = o.message.policy_version
+
+        def ready(granted: list) -> bool:
+            # A node behind the newest version is fetching it and asks again once it holds it: its request,
+            # made for the older one, is answered at once, not held for room only the newer one can take
+            # (held, it kept a node that had just loaded a version idle for the rest of the hold, 1-3 s).
+            behind = holds is not None and holds < self.state.ledger.current_version
+            return bool(granted) or o.message.count == 0 or behind
+
         grants = await self._hold(
             lambda: pipeline.grant_leases(self.state, o.signer, o.message.count, time.time(), cap,
-                                          policy=self.lease_policy, holds_version=o.message.policy_version),
-            lambda granted: bool(granted) or o.message.count == 0)
+                                          policy=self.lease_policy, holds_version=holds), ready)
         return LeaseGrants(grants=grants)
 
     def _require(self, peer_id: str, role: str, allowed: list[str]) -> None:

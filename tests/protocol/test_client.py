@@ -124,3 +124,34 @@ def test_a_coordinator_that_fails_to_answer_is_retried_not_fatal(tmp_path):
         finally:
             await stop_all(coord, [member])
     run(body())
+
+
+def test_a_held_lease_request_is_answered_when_a_newer_version_leaves_its_node_behind(tmp_path):
+    """A lease request held for room (the pool is out) is answered, empty, as soon as a version newer than
+    the one its node holds is announced: the node is fetching that version and asks again once it holds it.
+    Held to the end instead, it kept a node that had just loaded the version idle for 1-3 s (session 13)."""
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck, batch_groups=2)  # k = 1: a pool of 3 units
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        coord.lease_policy = None
+        boot = coord.host.addrs[0]
+        worker, trainer = await start_member(spec, boot), await start_member(spec, boot, role="trainer")
+        try:
+            inference = CoordinatorClient(worker, boot, retry=Retry(tries=1))
+            leased = [g for _ in range(4) for g in await inference.lease(3, holds_version=0)]
+            assert leased and await inference.lease(1, holds_version=0) == []  # no room left for this node
+            coord.hold_s = 60.0  # longer than the client's request timeout: an answer must come from the version
+            held = asyncio.ensure_future(inference.lease(1, holds_version=0))
+            await asyncio.sleep(0)
+            assert not held.done()
+            await CoordinatorClient(trainer, boot).announce(1, "cd" * 32)
+            assert await asyncio.wait_for(held, 8) == []
+            # a node that holds the newest version is still held for room, not answered at once
+            again = asyncio.ensure_future(inference.lease(1, holds_version=1))
+            done, _ = await asyncio.wait([again], timeout=1.0)
+            assert not done, "a request from a node that holds the newest version waits for room"
+            again.cancel()
+        finally:
+            await stop_all(coord, [worker, trainer])
+    run(body())
