@@ -73,7 +73,7 @@ def micro_batches(batch: TrainBatch, tokens: int) -> list[TrainBatch]:
     b, t = batch.input_ids.shape
     if b * t <= tokens:
         return [batch]
-    last = torch.where(batch.loss_mask, torch.arange(t), -1).max(dim=1).values
+    last = torch.where(batch.loss_mask, torch.arange(t, device=batch.loss_mask.device), -1).max(dim=1).values
     lengths = (last + 1).clamp(min=1).tolist()
     return [batch.select(torch.tensor(rows)).columns(max(lengths[i] for i in rows))
             for rows in token_budget_groups(lengths, tokens)]

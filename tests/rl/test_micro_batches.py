@@ -3,6 +3,7 @@ forward takes more padded tokens than the budget, and the step equals the one-fo
 
 import copy
 
+import pytest
 import torch
 
 from node.envs.rollout import Rollout
@@ -34,6 +35,16 @@ def test_micro_batches_stay_within_the_budget_and_cover_every_loss_token_once():
     assert sum(int(m.loss_mask.sum()) for m in micros) == int(batch.loss_mask.sum())
     assert sorted(float(m.advantages[r, 0]) for m in micros for r in range(len(m))) == \
         sorted(batch.advantages[:, 0].tolist())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_micro_batches_of_a_batch_on_the_gpu():
+    """The trainer splits its batch where it is, on its GPU (the H200 run on long completions died here:
+    a position index made on the host against the batch's mask on the device, session 13)."""
+    batch = long_tailed_batch()
+    micros = micro_batches(batch.to("cuda"), 64)
+    assert [m.input_ids.shape for m in micros] == [m.input_ids.shape for m in micro_batches(batch, 64)]
+    assert all(m.input_ids.device.type == "cuda" for m in micros)
 
 
 def test_a_step_in_micro_batches_equals_the_one_forward_step_and_no_forward_exceeds_the_budget():
