@@ -288,7 +288,13 @@ class InferenceNode:
             await asyncio.sleep(1.0)
             return
         if not grants:
-            await asyncio.sleep(0.1)
+            fetching = self._fetching
+            if fetching is not None and not fetching.done() and max(self.hashes, default=-1) > self._newest_loaded:
+                # a newer version is on its way (the coordinator answers a node behind at once): ask again once
+                # it is loaded, not every 0.1 s while it is fetched
+                await asyncio.wait({fetching}, timeout=1.0)
+            else:
+                await asyncio.sleep(0.1)
             return
         self._in_flight += len(grants)
         self._inbox.put(grants)
