@@ -112,10 +112,11 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
 
 
 def throughput(rounds: list[dict], t_from: float) -> tuple[float, float, float]:
-    """(tokens per busy second, busy seconds, tokens) of the rows that started after `t_from` (a
-    validator's busy time is its recomputation, `verify_s`, without fetching versions; an inference
-    node's the seconds inside engine steps, `busy_s`)."""
-    rs = [r for r in rounds if r["t0"] >= t_from]
+    """(tokens per busy second, busy seconds, tokens) of the rows that ended after `t_from` (a row is about
+    a second of an inference node's work, longer than a steady window of fast steps may be; a validator's
+    busy time is its recomputation, `verify_s`, without fetching versions; an inference node's the seconds
+    inside engine steps, `busy_s`)."""
+    rs = [r for r in rounds if r["t1"] > t_from]
     busy = sum(r.get("verify_s", r.get("busy_s", r["t1"] - r["t0"])) for r in rs)
     tokens = sum(r["tokens"] for r in rs)
     return (tokens / busy if busy else 0.0), busy, tokens
