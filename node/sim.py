@@ -67,6 +67,7 @@ def watch(net: Network) -> tuple[str, bool]:
     churn_every = (10.0, 20.0) if steps < 60 else (20.0, 40.0)
     coordinator_restarted, next_churn, status = False, time.time() + churn_every[0], "timeout"
     reached_at, reported, checked, done_steps = None, 0, 0, 0
+    members = {net.keys[n].peer_id for n in net.keys if n != "coordinator" and n not in net.cheaters}
     interrupted = []
     # Ctrl-C / SIGTERM end the run early but still stop every child (they run in their own sessions).
     main = threading.current_thread() is threading.main_thread()
@@ -113,7 +114,9 @@ def watch(net: Network) -> tuple[str, bool]:
             if reached_at is not None and done_steps >= reached_at + cfg.stop_after_target:
                 status = "target reached"
                 break
-        if time.time() - net.view_at[0] >= VIEW_EVERY_S:
+        # every VIEW_EVERY_S, and at each look until the view holds every member (a run of fast steps may end
+        # within VIEW_EVERY_S of a view taken before its last member had joined)
+        if time.time() - net.view_at[0] >= VIEW_EVERY_S or not set(members).issubset(net.view_at[1]):
             net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
         if done_steps >= reported + PROGRESS_EVERY:
             reported = done_steps

@@ -198,6 +198,8 @@ def stop_network(net: Network, status: str) -> None:
                     p.p.wait(max(0.1, end - time.time()))
             except subprocess.TimeoutExpired:
                 pass
-    for p in procs.values():
+    # the trainer first: it stops training at once, not after every other member's shutdown (a run told to
+    # stop a few steps after its reward target trained on for seconds of fast steps while they shut down)
+    for p in sorted(procs.values(), key=lambda p: p is not procs.get("trainer")):
         p.stop()
     coord.stop()
