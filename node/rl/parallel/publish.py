@@ -192,10 +192,21 @@ def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: i
                     options: PublishOptions | None = None) -> SignedManifest:
     """What the trainer role calls to publish a version: a one-process `Trainer` streams its own
     weights; a `world.Leader` has every rank of its world stream theirs."""
-    if hasattr(trainer, "send_weights"):
-        return trainer.send_weights(store, key, run_id, version, parent, options)
+    return publish_trainer_async(trainer, store, key, run_id, version, parent, options).result()
+
+
+def publish_trainer_async(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
+                          options: PublishOptions | None = None) -> Future:
+    """`publish_trainer` that returns once every tensor's copy out of the weights is issued, with a Future
+    of the SignedManifest: the next step may change the weights at once (on a GPU its kernels queue behind
+    the copies on the same stream), while the version is encoded, signed and listed from the payload buffer
+    (the next publication waits for the buffer: `PayloadBuffer.get`)."""
+    if hasattr(trainer, "send_weights_async"):
+        return trainer.send_weights_async(store, key, run_id, version, parent, options)
     buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
-    return publish_model(trainer.model, None, store, key, run_id, version, parent, options, buffer)
+    sink = Publication(store, key, run_id, version, parent, options, buffer)
+    stream_publish(trainer.model, None, None, sink)
+    return sink.done
 
 
 _buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
