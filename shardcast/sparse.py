@@ -21,6 +21,7 @@ hash check (the full version's bytes) then proves the result, as for XOR deltas.
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 import zstandard
@@ -54,13 +55,32 @@ def encode_sparse(xor: np.ndarray, word: int, level: int) -> bytes | None:
     if word not in _UINT or len(xor) % word:
         return None
     words = xor.view(_UINT[word])
-    idx = np.flatnonzero(words != 0)  # through a mask: 2.7x faster than on the words themselves here
+    mask = _mask_scratch(len(words))
+    np.not_equal(words, 0, out=mask)
+    idx = np.flatnonzero(mask)  # through a mask: 2.7x faster than on the words themselves here
     index_bytes = 4 if len(words) < 2**31 else 8
-    gaps = np.diff(idx, prepend=-1).astype(_INT[index_bytes])
+    gaps = np.empty(len(idx), dtype=_INT[index_bytes])
+    if len(idx):
+        gaps[0] = idx[0] + 1
+        np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
     cctx = zstandard.ZstdCompressor(level=level)
     idx_z = cctx.compress(_planes(gaps).data) if len(idx) else b""
     val_z = cctx.compress(_planes(words[idx]).data) if len(idx) else b""
     return _HEADER.pack(MAGIC, word, index_bytes, 0, len(idx), len(idx_z), len(val_z)) + idx_z + val_z
+
+
+_SCRATCH = threading.local()
+
+
+def _mask_scratch(n: int) -> np.ndarray:
+    """This thread's changed-word mask of `n` entries, kept between shards: a fresh 32 MiB mask per
+    64 MiB shard is allocated by mmap (glibc's ceiling for heap allocations is 32 MiB) and page-faulted
+    in every time; with a publication's threads faulting and unmapping at once, two threads took 52 ms
+    for the pair of masks one thread makes in 6.6 (cpu-2core)."""
+    buf = getattr(_SCRATCH, "mask", None)
+    if buf is None or len(buf) < n:
+        buf = _SCRATCH.mask = np.empty(n, dtype=bool)
+    return buf[:n]
 
 
 def sparse_count(wire: bytes) -> int:
