@@ -54,10 +54,10 @@ class TorchReference(Reference):
         """A float32 run judged on a GPU recomputes its float32 matmuls without TF32 (`exact_float32`),
         whatever the process set: TF32 rounds inputs to 10 mantissa bits, which the float32 tolerances
         (calibrated on exact CPU float32) do not cover. bf16 / FP8 runs are left as they are."""
-        budget = logits_budget(device)
+        budget = logits_budget(device, self.vocab_size)
         # a prefill batch holds [tokens, vocab] logits three times over (model dtype, float32 copy, the
         # checks' log_softmax): bound them by the budget (CPU: 256 MiB, 65,536 tokens of the tiny model's
-        # 88-token vocabulary, ~1,300 of SmolLM2's 49,152; GPU: a share of free memory)
+        # 88-token vocabulary, ~1,300 of SmolLM2's 49,152; GPU: a share of free memory, at most GPU_PREFILL_TOKENS)
         self.batch_tokens = batch_tokens or prefill_batch_tokens(budget, self.vocab_size, self.on_device)
         self.logits_bytes = budget if self.on_device else None
         """Completion logits (float32) one group of claims may hold at once on a GPU (None: the CPU's
@@ -216,19 +216,27 @@ CPU_LOGITS_BYTES = 256 << 20
 GPU_LOGITS_SHARE = 0.25
 """Share of the GPU's free memory (when the reference is built) a validator's logits may take: the
 rest is the model's, the activations', and on a shared GPU the other roles'."""
+GPU_PREFILL_TOKENS = 8192
+"""...and at most the logits of this many tokens (held three times over, `prefill_batch_tokens`): an MoE
+prefill of 8k tokens already gives each of 128 experts ~512 token rows at top-8, and a quarter of an H200
+(34 GiB at Qwen3's 152k vocabulary: 18.8k tokens) left a GPU shared with a trainer and an inference node no
+room to stage versions or keep the validator's deltas (the 5.2B network, session 14: 138.7 of 139.8 GiB
+in use, deltas of 6.5-10.5 GB held on the host, a version held 8-12 s after its announcement)."""
 
 
-def logits_budget(device: torch.device) -> int:
+def logits_budget(device: torch.device, vocab_size: int) -> int:
     """Bytes of logits one prefill group may hold on `device` (sized from free memory on a GPU)."""
     if device.type != "cuda":
         return CPU_LOGITS_BYTES
     free, _ = torch.cuda.mem_get_info(device)
-    return logits_budget_of("cuda", free)
+    return logits_budget_of("cuda", free, vocab_size)
 
 
-def logits_budget_of(device: str, free_bytes: int) -> int:
+def logits_budget_of(device: str, free_bytes: int, vocab_size: int) -> int:
     """`logits_budget` on a `device` with `free_bytes` free (the memory plan's, before the model exists)."""
-    return CPU_LOGITS_BYTES if not device.startswith("cuda") else max(CPU_LOGITS_BYTES, int(GPU_LOGITS_SHARE * free_bytes))
+    if not device.startswith("cuda"):
+        return CPU_LOGITS_BYTES
+    return max(CPU_LOGITS_BYTES, min(int(GPU_LOGITS_SHARE * free_bytes), 12 * vocab_size * GPU_PREFILL_TOKENS))
 
 
 def prefill_batch_tokens(budget: int, vocab_size: int, on_device: bool) -> int:

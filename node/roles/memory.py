@@ -37,7 +37,7 @@ def role_plan(spec: RunSpec, role: str, device: str, free_bytes: int | None = No
                             checkpointed=p.get("activation_checkpointing", False),
                             longest_row=cfg.max_position_embeddings)
     if role == "validator":
-        budget = logits_budget_of(device, free)
+        budget = logits_budget_of(device, free, cfg.vocab_size)
         return plan_validator(cfg, dtype, device, free, spec.model.fp8, budget,
                               prefill_batch_tokens(budget, cfg.vocab_size, device.startswith("cuda")))
     if role == "inference" and engine in ("builtin", "builtin-cuda"):

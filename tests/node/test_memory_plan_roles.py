@@ -125,3 +125,15 @@ def test_sim_plans_every_role_on_its_device_before_any_process_starts(tmp_path):
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     plan_network_memory(write_spec(tiny).with_name("run.toml"), COORDINATOR, cfg, place("cpu", 2))
+
+
+def test_a_gpu_validators_logits_are_capped_at_a_token_count_not_a_quarter_of_the_gpu():
+    from node.replay import CPU_LOGITS_BYTES, GPU_PREFILL_TOKENS, logits_budget_of, prefill_batch_tokens
+
+    free = 137 << 30  # an H200 before the roles sharing it load
+    budget = logits_budget_of("cuda", free, 151_936)
+    assert budget == 12 * 151_936 * GPU_PREFILL_TOKENS < free // 4  # 14.9 GB, not 34 GiB
+    assert prefill_batch_tokens(budget, 151_936, on_device=True) == GPU_PREFILL_TOKENS
+    assert logits_budget_of("cuda", 4 << 30, 151_936) == 1 << 30  # a small GPU: its share still rules
+    assert logits_budget_of("cuda", free, 88) == CPU_LOGITS_BYTES  # a tiny vocabulary keeps the floor
+    assert logits_budget_of("cpu", free, 151_936) == CPU_LOGITS_BYTES
