@@ -116,7 +116,7 @@ def watch(net: Network) -> tuple[str, bool]:
                 break
         # every VIEW_EVERY_S, and at each look until the view holds every member (a run of fast steps may end
         # within VIEW_EVERY_S of a view taken before its last member had joined)
-        if time.time() - net.view_at[0] >= VIEW_EVERY_S or not set(members).issubset(net.view_at[1]):
+        if time.time() - net.view_at[0] >= VIEW_EVERY_S or not members.issubset(net.view_at[1]):
             net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
         if done_steps >= reported + PROGRESS_EVERY:
             reported = done_steps

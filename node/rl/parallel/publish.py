@@ -183,9 +183,17 @@ def publish_model(model: torch.nn.Module, groups: ParallelGroups | None, store: 
                   dtype: torch.dtype | None = None) -> SignedManifest:
     """One process (or rank 0 of a world whose other ranks call `stream_publish(..., None)`):
     publish `model` as `version` and wait for the signed manifest."""
+    return start_publish(model, groups, store, key, run_id, version, parent, options, buffer, dtype).result()
+
+
+def start_publish(model: torch.nn.Module, groups: ParallelGroups | None, store: Store, key: NodeKey, run_id: str,
+                  version: int, parent: int | None, options: PublishOptions | None, buffer: PayloadBuffer | None = None,
+                  dtype: torch.dtype | None = None) -> Future:
+    """`publish_model` that returns once every tensor's copy out of `model` is issued, with a Future of the
+    SignedManifest (the encoding goes on on a thread)."""
     sink = Publication(store, key, run_id, version, parent, options, buffer or PayloadBuffer())
     stream_publish(model, groups, dtype, sink)
-    return sink.done.result()
+    return sink.done
 
 
 def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
@@ -204,9 +212,7 @@ def publish_trainer_async(trainer, store: Store, key: NodeKey, run_id: str, vers
     if hasattr(trainer, "send_weights_async"):
         return trainer.send_weights_async(store, key, run_id, version, parent, options)
     buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
-    sink = Publication(store, key, run_id, version, parent, options, buffer)
-    stream_publish(trainer.model, None, None, sink)
-    return sink.done
+    return start_publish(trainer.model, None, store, key, run_id, version, parent, options, buffer)
 
 
 _buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
