@@ -128,6 +128,12 @@ def watch(net: Network) -> tuple[str, bool]:
             time.sleep(1.0)
             coord.start()
             coordinator_restarted = True
+    # A run that ends right after a coordinator restart may end before its members have joined it again: the
+    # last view waits for them (every 0.5 s, at most VIEW_SETTLE_S), so the audit names only a member that is gone.
+    settle = time.time() + VIEW_SETTLE_S
+    while not members.issubset(net.view_at[1]) and time.time() < settle:
+        time.sleep(0.5)
+        net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     return status, coordinator_restarted
@@ -182,6 +188,8 @@ def progress_line(done: int, steps: int, elapsed: float, reached: bool, stop_aft
 
 
 VIEW_EVERY_S = 5.0
+VIEW_SETTLE_S = 15.0
+"""How long the end of a run waits for the membership view to hold every member (rejoins after a restart)."""
 """How often the sim reads the coordinator's membership view (its status page) for `membership_at_end`."""
 
 
