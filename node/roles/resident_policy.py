@@ -1,17 +1,21 @@
 """The validator's policy versions with one resident model: the newest version's weights live in the
-model on the validator's device; every other version is held as a delta against it (the positions
-where that version's raw tensors differ, with both values), and is applied in place when a claim needs
-it, then undone. Deltas stay on the model's GPU while it has room (at most `DEVICE_DELTAS_SHARE` of the
-model's bytes there, and `DEVICE_FREE_FLOOR` left free for the roles sharing it), else on the host:
-on the host, adding a 10 GB version took 25-40 s of pageable copies each way (session 7's 5.2B run,
-where the validator was the network's critical path).
+model on the validator's device; every other held version is one step of a chain, a delta against the
+next newer held version (the positions where their raw tensors differ, with both values), so a version
+is reached by applying the steps between it and the active one in place, and undone the same way.
+Deltas stay on the model's GPU while it has room (at most `DEVICE_DELTAS_SHARE` of the model's bytes
+there, and `DEVICE_FREE_FLOOR` left free for the roles sharing it), else on the host.
+
+Why a chain: a newer version adds one step (the old newest against it) and touches nothing already
+held. Session 14's 5.2B run held every version as a delta against the newest, so each new version
+rebased every held delta; on the host that was two uploads and one download of each delta per version
+held, 9-20 s per version, and the validator was the network's critical path.
 
 Invariant: whichever version is active, the model's raw tensors (parameters and buffers, an FP8
 model's e4m3 weights and block scales included) are bit for bit those a model loaded with that version
 alone would hold, so judging is identical to keeping one model per version. A new version is read into
-the model module by module (one module's tensors copied at a time, never a second model), and every
-held delta is rebased onto it, so deltas span at most the versions still judged (RL steps in bfloat16
-change few elements: sparse; a float32 model's steps change nearly all: then a tensor is held whole).
+the model module by module (one module's tensors copied at a time, never a second model). RL steps in
+bfloat16 change few elements: a step is sparse; a float32 model's steps change nearly all: then the
+step holds the tensor whole (both versions' bits).
 """
 
 from __future__ import annotations
@@ -56,11 +60,11 @@ class TensorDelta:
     """Where one version's raw tensor differs from the resident (newest) version's."""
 
     index: torch.Tensor | None
-    """Flat positions (int32, or int64 in a tensor of 2^31 elements or more; host); None: `values` is the whole tensor."""
+    """Flat positions (int32, or int64 in a tensor of 2^31 elements or more); None: the whole tensor."""
     values: torch.Tensor
     """This version's bits at `index` (or all of them)."""
-    resident: torch.Tensor | None
-    """The newest version's bits at `index` (None when whole: `ResidentPolicies._whole` holds them)."""
+    resident: torch.Tensor
+    """The next newer held version's bits at the same positions (or all of them)."""
 
     @property
     def nbytes(self) -> int:
@@ -73,21 +77,24 @@ def _delta(own: torch.Tensor, newest: torch.Tensor, home) -> TensorDelta | None:
     changed = (own != newest).nonzero().squeeze(1)
     if changed.numel() == 0:
         return None
-    # sparse: a flat position and two values per changed element; once that exceeds the tensor's own
-    # bytes, the delta holds the tensor whole
+    # sparse: a flat position and two values per changed element; once that exceeds two copies of the
+    # tensor, the delta holds it whole (both versions' bits)
     item, index = own.element_size(), _index_dtype(own.numel())
     sparse_bytes = changed.numel() * (torch.empty((), dtype=index).element_size() + 2 * item)
-    if sparse_bytes > own.numel() * item:
-        return TensorDelta(None, own.to(home(own.numel() * item), copy=True), None)
+    if sparse_bytes > 2 * own.numel() * item:
+        at = home(2 * own.numel() * item)
+        return TensorDelta(None, own.to(at, copy=True), newest.to(at, copy=True))
     at = home(sparse_bytes)
     return TensorDelta(changed.to(index).to(at), own[changed].to(at), newest[changed].to(at))
 
 
-def _apply(flat: torch.Tensor, d: TensorDelta) -> None:
+def _apply(flat: torch.Tensor, d: TensorDelta, newer: bool = False) -> None:
+    """Write the delta's own version's bits into `flat` (`newer`: the next newer version's)."""
+    values = d.resident if newer else d.values
     if d.index is None:
-        flat.copy_(d.values.to(flat.device))
+        flat.copy_(values.to(flat.device))
     else:
-        flat[d.index.to(flat.device)] = d.values.to(flat.device)
+        flat[d.index.to(flat.device)] = values.to(flat.device)
 
 
 class ResidentPolicies(Mapping):
@@ -98,8 +105,7 @@ class ResidentPolicies(Mapping):
         self.model, self.newest, self.active = model, version, version
         self.hashes: dict[int, bytes] = {version: manifest_hash}
         self.deltas: dict[int, dict[str, TensorDelta]] = {version: {}}
-        self._whole: dict[str, torch.Tensor] = {}
-        """The newest version's bits of each tensor some delta holds whole (where `_home` put them)."""
+        """Each held version's step: its tensors against the next newer held version's (the newest: none)."""
         self._lock = threading.Lock()
         self._device = next(model.parameters()).device
         self._ring: PinnedRing | None = None
@@ -122,25 +128,45 @@ class ResidentPolicies(Mapping):
         return version in self.hashes
 
     def drop(self, version: int) -> None:
-        """Forget `version` (never the newest: its weights are the resident ones)."""
+        """Forget `version` (never the newest: its weights are the resident ones). A version between two
+        held ones joins its step to the older one's."""
         if version == self.newest:
             raise ValueError(f"version {version} is the resident one")
         with self._lock:
-            if self.active == version:
-                self._activate(self.newest)
+            older = [v for v in self.hashes if v < version]
+            if older:  # the older neighbour's step now spans to `version`'s newer neighbour
+                below = max(older)
+                self._activate(self._above(version))
+                raw = raw_tensors(self.model)
+                with torch.no_grad():
+                    for name in {*self.deltas[below], *self.deltas[version]}:
+                        newer = _bits(raw[name])
+                        own = newer.clone()
+                        for v in (version, below):
+                            if name in self.deltas[v]:
+                                _apply(own, self.deltas[v][name])
+                        d = _delta(own, newer, self._home)
+                        if d is None:
+                            self.deltas[below].pop(name, None)
+                        else:
+                            self.deltas[below][name] = d
+            elif self.active == version:
+                self._activate(self._above(version))
             del self.hashes[version], self.deltas[version]
-            self._drop_unused_whole()
+
+    def _above(self, version: int) -> int:
+        """The next newer held version."""
+        return min(v for v in self.hashes if v > version)
 
     @property
     def delta_bytes(self) -> int:
-        """Bytes the deltas hold (with the newest version's copies of tensors held whole), host and device."""
+        """Bytes the steps hold, host and device."""
         return sum(self._held_bytes().values())
 
     def _held_bytes(self) -> dict[str, int]:
-        """Bytes of deltas (and whole copies) by where they are kept: {"cpu": ..., "cuda": ...}."""
+        """Bytes of the steps by where they are kept: {"cpu": ..., "cuda": ...}."""
         out: dict[str, int] = {}
-        parts = [t for ds in self.deltas.values() for d in ds.values() for t in (d.index, d.values, d.resident)]
-        for t in [*parts, *self._whole.values()]:
+        for t in (t for ds in self.deltas.values() for d in ds.values() for t in (d.index, d.values, d.resident)):
             if t is not None:
                 out[t.device.type] = out.get(t.device.type, 0) + t.numel() * t.element_size()
         return out
@@ -162,33 +188,39 @@ class ResidentPolicies(Mapping):
             self._activate(version)
 
     def _activate(self, version: int) -> None:
+        """Walk the chain from the active version to `version`: down, each step's own bits; up, each
+        step's newer bits (the steps of the versions from `version` up to the active one, newest first)."""
         if version == self.active:
             return
         raw = raw_tensors(self.model)
+        held = sorted(self.hashes)
+        lo, hi = sorted((version, self.active))
+        steps = [v for v in held if lo <= v < hi]  # each from v to the next newer held version
+        down = version < self.active
         with torch.no_grad():
-            for name, d in self.deltas[self.active].items():  # back to the newest
-                flat = _bits(raw[name])
-                if d.index is None:
-                    flat.copy_(self._whole[name].to(flat.device))
-                else:
-                    flat[d.index.to(flat.device)] = d.resident.to(flat.device)
-            for name, d in self.deltas[version].items():
-                _apply(_bits(raw[name]), d)
+            for v in (reversed(steps) if down else steps):
+                for name, d in self.deltas[v].items():
+                    _apply(_bits(raw[name]), d, newer=not down)
         self.active = version
 
     # ---- adding a version -------------------------------------------------------------------
     def add(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes) -> None:
-        """Hold `version` (HF-named tensors, checked as `load_hf_state_dict` checks them): a newer one
-        becomes the resident weights and every held delta is rebased onto it; an older one is read in,
-        diffed, and undone."""
+        """Hold `version` (HF-named tensors, checked as `load_hf_state_dict` checks them). A newer one
+        becomes the resident weights and the old newest's step is its delta against it; an older one is
+        read in over its next newer held version, diffed against it, and undone (the older neighbour's
+        step is split at it)."""
+        if version in self.hashes:
+            return
         with self._lock:
             t0, load_s = time.perf_counter(), 0.0
-            self._activate(self.newest)
+            newer = version > self.newest
+            base = self.newest if newer else self._above(version)
+            below = None if newer else max((v for v in self.hashes if v < version), default=None)
+            self._activate(base)
             internal = InternalTensors(state, self.model.config)  # each looked up once, module by module
             check_names(self.model, {n: shape for n, (shape, _) in internal.index.items()})
-            newer = version > self.newest
-            raw = raw_tensors(self.model)
-            changes: dict[str, TensorDelta] = {}  # newer: the old newest against `version`; else `version` against newest
+            step: dict[str, TensorDelta] = {}  # newer: the old newest against `version`; else `version` against base
+            split: dict[str, TensorDelta] = {}  # older: the older neighbour's step, now against `version`
             seen: set[int] = set()
             with torch.no_grad():
                 for module_name, mod, names in _modules_of(self.model, internal):
@@ -202,22 +234,27 @@ class ResidentPolicies(Mapping):
                     for n, t in own.items():
                         after = _bits(t)
                         d = _delta(before[n], after, self._home) if newer else _delta(after, before[n], self._home)
-                        if newer:
-                            self._rebase(n, after, d)
-                        else:
-                            after.copy_(before[n])  # back to the newest version's bits
                         if d is not None:
-                            changes[n] = d
+                            step[n] = d
+                        if below is not None and (n in self.deltas[below] or d is not None):
+                            older = before[n].clone()
+                            if n in self.deltas[below]:
+                                _apply(older, self.deltas[below][n])
+                            if (s := _delta(older, after, self._home)) is not None:
+                                split[n] = s
+                        if not newer:
+                            after.copy_(before[n])  # back to the base version's bits
             if newer:
-                self.deltas[self.newest] = changes
+                self.deltas[self.newest] = step
                 self.newest = self.active = version
                 self.deltas[version] = {}
             else:
-                self.deltas[version] = changes
+                self.deltas[version] = step
+                if below is not None:
+                    self.deltas[below] = split
             self.hashes[version] = manifest_hash
-            self._refresh_whole(raw)
             held = self._held_bytes()
-            log.info("version %d held in %.2f s (%.2f s reading it into the model): resident v%d, deltas of %d versions "
+            log.info("version %d held in %.2f s (%.2f s reading it into the model): resident v%d, steps of %d versions "
                      "%.1f MiB on the device, %.1f MiB on the host", version, time.perf_counter() - t0, load_s,
                      self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20), held.get("cpu", 0) / (1 << 20))
 
@@ -248,33 +285,6 @@ class ResidentPolicies(Mapping):
                 settle(pieces)
                 return
         mod.load_state_dict({n[len(prefix):]: _cast(mod, internal[n]) for n in names}, strict=False)
-
-    def _rebase(self, name: str, newest: torch.Tensor, step: TensorDelta | None) -> None:
-        """Re-express every held version's delta of tensor `name` against `newest` (the version being
-        added, already in the model), the previous newest's bits given by `step` (None: unchanged)."""
-        for v, ds in self.deltas.items():
-            if v == self.newest or (name not in ds and step is None):
-                continue
-            full = newest.clone()
-            if step is not None:
-                _apply(full, step)
-            if name in ds:
-                _apply(full, ds[name])
-            d = _delta(full, newest, self._home)
-            if d is None:
-                ds.pop(name, None)
-            else:
-                ds[name] = d
-
-    def _refresh_whole(self, raw: dict[str, torch.Tensor]) -> None:
-        needed = {n for ds in self.deltas.values() for n, d in ds.items() if d.index is None}
-        self._whole = {}  # the newest version's bits changed: copied again (the old copies freed first)
-        for n in needed:
-            self._whole[n] = _bits(raw[n]).to(self._home(raw[n].numel() * raw[n].element_size()), copy=True)
-
-    def _drop_unused_whole(self) -> None:
-        needed = {n for ds in self.deltas.values() for n, d in ds.items() if d.index is None}
-        self._whole = {n: t for n, t in self._whole.items() if n in needed}
 
 
 def raw_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -67,6 +67,38 @@ def test_every_version_applied_in_place_is_bit_for_bit_the_model_of_that_version
         held.drop(3)  # the resident version
 
 
+def test_a_newer_version_adds_one_step_and_leaves_the_held_steps_untouched():
+    """The chain: adding a newer version stores the old newest's step and changes no step already held
+    (each was rebased onto every new version before: 9-20 s a version on the host, session 14)."""
+    vs = versions()
+    held = ResidentPolicies(alone(vs[0], "off"), 0, b"\0" * 32)
+    held.add(1, vs[1], b"\1" * 32)
+    step0 = held.deltas[0]
+    kept = {n: (d.index, d.values, d.resident) for n, d in step0.items()}
+    held.add(2, vs[2], b"\2" * 32)
+    held.add(3, vs[3], b"\3" * 32)
+    assert held.deltas[0] is step0 and {n: (d.index, d.values, d.resident) for n, d in step0.items()} == kept
+    assert set(held.deltas[2]) == {"model.embed_tokens.weight"}  # v2 -> v3 changed one tensor, sparsely
+    assert held.deltas[2]["model.embed_tokens.weight"].index.numel() == 5
+    for v in (0, 3, 1):
+        assert bits(held[v][0]) == bits(alone(vs[v], "off")), v
+
+
+def test_dropping_a_version_between_two_held_ones_joins_their_steps():
+    vs = versions()
+    held = ResidentPolicies(alone(vs[0], "off"), 0, b"\0" * 32)
+    for v in (1, 2, 3):
+        held.add(v, vs[v], bytes([v]) * 32)
+    held[1]  # active in the middle of the chain
+    held.drop(1)
+    held.drop(2)
+    assert sorted(held) == [0, 3] and sorted(held.deltas) == [0, 3]
+    for v in (0, 3, 0):
+        assert bits(held[v][0]) == bits(alone(vs[v], "off")), v
+    with pytest.raises(KeyError):
+        held[1]
+
+
 def test_a_version_with_a_missing_or_misshaped_tensor_is_refused_and_the_held_versions_stay_intact():
     vs = versions()
     held = ResidentPolicies(alone(vs[0], "off"), 0, b"\0" * 32)
