@@ -126,18 +126,27 @@ class GpuSampler:
     """nvidia-smi's utilization of every GPU every 0.5 s, into a file (nothing without nvidia-smi)."""
 
     def __init__(self, path: Path):
-        self.path, self.p = path, None
+        self.path, self.p, self.apps = path, None, None
+        self.by_role: dict[str, float] = {}
+        """Peak GPU memory (MiB, nvidia-smi's per-process figure) of each role's process, by role name."""
+        self._names: dict[str, str] = {}
 
     def __enter__(self) -> "GpuSampler":
         try:
             self.p = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
                                        "--format=csv,noheader,nounits", "-lms", "500"],
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.apps = subprocess.Popen(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                          "--format=csv,noheader,nounits", "-lms", "1000"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self._out = self.path.open("w")
+            self._apps_out = self.path.with_suffix(".apps.csv").open("w")
             self._reader = threading.Thread(target=self._stamp, daemon=True)
+            self._apps_reader = threading.Thread(target=self._stamp_apps, daemon=True)
             self._reader.start()
+            self._apps_reader.start()
         except OSError:
-            self.p = None
+            self.p = self.apps = None
         return self
 
     def _stamp(self) -> None:
@@ -146,12 +155,25 @@ class GpuSampler:
             self._out.write(f"{time.time():.2f}, {line}")
             self._out.flush()
 
+    def _stamp_apps(self) -> None:
+        """Each process's GPU memory, named by the role its command line runs (read while it lives)."""
+        for line in self.apps.stdout:
+            try:
+                pid, mib = (x.strip() for x in line.split(","))
+                name = self._names.get(pid) or self._names.setdefault(pid, role_of(pid))
+                self.by_role[name] = max(self.by_role.get(name, 0.0), float(mib))
+                self._apps_out.write(f"{time.time():.2f}, {name}, {mib}\n")
+                self._apps_out.flush()
+            except ValueError:
+                continue
+
     def __exit__(self, *exc) -> None:
-        if self.p is not None:
-            self.p.terminate()
-            self.p.wait(10)
-            self._reader.join(5)
-            self._out.close()
+        for proc, reader, out in ((self.p, "_reader", "_out"), (self.apps, "_apps_reader", "_apps_out")):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+                getattr(self, reader).join(5)
+                getattr(self, out).close()
 
     def busy(self, t_from: float = 0.0) -> dict[str, dict[str, float]]:
         """Mean utilization (nvidia-smi's share of time a kernel ran) and peak memory per GPU, from `t_from` on."""
@@ -165,6 +187,18 @@ class GpuSampler:
                 continue
         return {gpu: {"busy_share": round(statistics.mean(u for u, _ in xs) / 100, 3), "samples": len(xs),
                       "memory_gib_max": round(max(m for _, m in xs) / 1024, 1)} for gpu, xs in per.items()}
+
+
+def role_of(pid: str) -> str:
+    """The sim member a process is (its `--workdir`'s name: trainer, validator, inference-0, ...), or `pid N`
+    (a process of another namespace, or one gone)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return f"pid {pid}"
+    if "--workdir" in argv and argv.index("--workdir") + 1 < len(argv):
+        return Path(argv[argv.index("--workdir") + 1]).name
+    return f"pid {pid} ({Path(argv[0]).name if argv and argv[0] else '?'})"
 
 
 def run_one(args, k: int, model_run: dict, out: Path) -> dict:
@@ -207,6 +241,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "reward_per_step": [round(r["reward_mean"], 4) for r in rows],
         "reward_mean_steady": round(statistics.mean(r["reward_mean"] for r in steady), 4) if steady else None,
         "gpus": gpus.busy(t_steady), "gpus_whole_run": gpus.busy(),
+        "gpu_memory_gib_peak_by_role": {name: round(mib / 1024, 1) for name, mib in sorted(gpus.by_role.items())},
         **{key: summary.get(key) for key in ("rollouts_lost", "rollouts_duplicated", "rollouts_rejected",
                                               "max_off_policy_seen", "max_off_policy_steps", "honest_banned")},
         "_rows": rows, "_timeline": timeline,

@@ -176,6 +176,17 @@ def token_activation_bytes(cfg: ModelConfig, dtype: torch.dtype, train: bool, ch
     return (sum(layers) if train else max(layers)) * item
 
 
+def gpu_memory_stats(device: str | torch.device) -> dict[str, float]:
+    """This process's CUDA allocator on `device`, in GiB: what it holds (reserved), and the peaks of what
+    its tensors used and it held since start ({} off a GPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    return {"gpu_reserved_gib": round(torch.cuda.memory_reserved(device) / GIB, 2),
+            "gpu_peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
+            "gpu_peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / GIB, 2)}
+
+
 def host_or_gpu_free(device: str, limit_gib: float | None = None) -> int:
     """What `device` has free now (cpu: MemAvailable; cuda: free GPU memory), at most `limit_gib` when given."""
     from node.model.spec import available_memory

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from node.engine.fp8.model import _QuantizedWeights
+from node.engine.memory_plan import gpu_memory_stats
 from node.engine.weight_staging import PinnedRing, settle
 from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.qwen3_moe import CausalLM
@@ -255,8 +256,9 @@ class ResidentPolicies(Mapping):
             self.hashes[version] = manifest_hash
             held = self._held_bytes()
             log.info("version %d held in %.2f s (%.2f s reading it into the model): resident v%d, steps of %d versions "
-                     "%.1f MiB on the device, %.1f MiB on the host", version, time.perf_counter() - t0, load_s,
-                     self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20), held.get("cpu", 0) / (1 << 20))
+                     "%.1f MiB on the device, %.1f MiB on the host %s", version, time.perf_counter() - t0, load_s,
+                     self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20), held.get("cpu", 0) / (1 << 20),
+                     gpu_memory_stats(self._device) or "")
 
     def _read_into(self, mod: torch.nn.Module, prefix: str, names: list[str], internal: InternalTensors) -> None:
         """The module's tensors `names` from the version's (host) tensors: on a GPU through a pinned ring,

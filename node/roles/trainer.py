@@ -368,6 +368,8 @@ class TrainerNode:
         stats = trainer.train_step(batch)
         lags = [self.ledger.lag(u.group.min_version, step) for u in items]
         routed = sum(sub.routed_experts is not None for u in items for sub in u.group.rollouts)
-        return {"step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [u.work_id for u in items],
+        from node.engine.memory_plan import gpu_memory_stats
+
+        return {**gpu_memory_stats(self.device), "step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [u.work_id for u in items],
                 "router_replay": self.cfg.router_replay and batch.routed_experts is not None,
                 "routed_rollouts": routed, "train_fp8": self.cfg.fp8, **stats}
