@@ -3,7 +3,7 @@
 Rules, in order:
 1. The newest `keep_last` versions stay, with every parent a kept delta needs back to its keyframe
    (a late joiner rebuilds any kept version from what is held).
-2. A version's decoded payload (`payload.bin`, as large as the model) stays only for the newest
+2. A version's decoded payload (`payload.bin` or `payload.d/`, as large as the model) stays only for the newest
    `keep_payloads` versions: older versions keep their wire shards, which peers are served from and
    which a fetch decodes again if a local process asks for that version later. The newest payload
    always stays: the next delta (published or fetched) is decoded against it.
@@ -83,7 +83,10 @@ def drop_payload(store: Store, run_id: str, version: int) -> bool:
     with try_exclusive(lock_path(store.root, run_id, version)) as got:
         if not got:
             return False
-        path.unlink(missing_ok=True)  # a process that mapped it keeps reading its pages
+        if path.is_dir():  # a publisher's, one file per shard
+            shutil.rmtree(path, ignore_errors=True)  # a process that mapped them keeps reading their pages
+        else:
+            path.unlink(missing_ok=True)  # a process that mapped it keeps reading its pages
         return True
 
 

@@ -1,9 +1,11 @@
 """On-disk store of versions: what a node holds, serves, and decodes deltas against.
 
-Layout: `<root>/<run_id>/<version:08d>/{manifest.json, shard_00000.zst, ..., payload.bin}`.
+Layout: `<root>/<run_id>/<version:08d>/{manifest.json, shard_00000.zst, ..., payload.bin}`; a
+publisher's payload is `payload.d/raw_00000.bin, ...` instead (one file per shard, read back as one
+array: `shardcast.shard_map`).
 Invariant: every file in the store was verified before it got its final name (written to a
 temporary name, then renamed), so a server never serves a partial or unverified shard, and a
-crashed fetch leaves only whole, verified shards behind to resume from. `payload.bin` (the
+crashed fetch leaves only whole, verified shards behind to resume from. The payload (the
 reconstructed full version) exists only once all raw hashes matched.
 
 One store per host: every role of a machine (trainer, relay, inference nodes, validator) may open
@@ -26,6 +28,7 @@ import numpy as np
 from shardcast import retention
 from shardcast.locks import lock_path
 from shardcast.manifest import SignedManifest
+from shardcast.shard_map import map_shard_files
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,13 @@ class Store:
         return self.version_dir(run_id, version) / "manifest.json"
 
     def payload_path(self, run_id: str, version: int) -> Path:
-        return self.version_dir(run_id, version) / "payload.bin"
+        """The version's payload: its directory of shard files where a publisher wrote one, else `payload.bin`."""
+        d = self.payload_dir(run_id, version)
+        return d if d.is_dir() else self.version_dir(run_id, version) / "payload.bin"
+
+    def payload_dir(self, run_id: str, version: int) -> Path:
+        """Where a publisher keeps the payload as one file per shard (`shardcast.shard_map`)."""
+        return self.version_dir(run_id, version) / "payload.d"
 
     def lock(self, run_id: str, version: int) -> Path:
         """The version's lock file (`shardcast.locks`)."""
@@ -157,6 +166,9 @@ class Store:
         """The verified full payload, memory-mapped copy-on-write: reads share the page cache; a
         consumer that writes into its tensors gets private pages and never changes the file."""
         path = self.payload_path(run_id, version)
+        if path.is_dir():
+            files = sorted(path.glob("raw_*.bin"))
+            return map_shard_files(path, [f.stat().st_size for f in files])
         if path.stat().st_size == 0:
             return np.empty(0, dtype=np.uint8)  # mmap cannot map an empty file
         return np.memmap(path, dtype=np.uint8, mode="c")

@@ -91,13 +91,14 @@ def test_the_tiny_model_fits_every_role_on_this_machine_and_roles_on_one_device_
 def test_the_30b_shape_is_refused_by_the_plan_in_one_line_with_exit_2_before_anything_is_allocated(tmp_path, role):
     spec = write_spec(tmp_path, {"source": str(qwen3_30b_dir(tmp_path)), "dtype": "bfloat16"})
     code, out, err, rss_mib = run_cli("join", "--role", role, "--bootstrap", BOOTSTRAP, "--spec", str(spec),
-                                      "--workdir", str(tmp_path / "w"), "--memory-limit-gib", "200")
+                                      "--workdir", str(tmp_path / "w"), "--memory-limit-gib", "40")
     assert code == 2, (out, err)
     assert out.startswith("memory plan: ") and "GiB free" in out
     line = err.strip()
     assert "\n" not in line and "needs" in line and "is free" in line and "Traceback" not in err
-    # a 57 GiB model never built: the process held what python and torch take to start
-    assert 0 < rss_mib < 1024, rss_mib
+    # a 57 GiB model never built: the process held what python and torch take to start (about 0.5 GiB
+    # here, 1.3 GiB with the CUDA libraries of a GPU machine)
+    assert 0 < rss_mib < 4096, rss_mib
 
 
 def test_a_plan_that_fits_is_printed_and_the_memory_limit_knob_refuses_one_that_does_not(tmp_path):

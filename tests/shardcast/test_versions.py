@@ -121,6 +121,11 @@ def test_streamed_publication_makes_the_versions_publish_makes(tmp_path, key, tr
         assert [e.model_dump() for e in a.shards] == [e.model_dump() for e in b.shards]
         assert not list(streamed.version_dir("run", v).glob(".*.tmp")), "no temporary file left behind"
     assert np.array_equal(streamed.payload("run", 2), flatten(states[2])[1])
+    from shardcast.retention import drop_payload
+
+    # the payload is a file per shard (retention kept the newest two), and dropped as a whole
+    assert [v for v in range(3) if streamed.payload_dir("run", v).is_dir()] == [1, 2]
+    assert drop_payload(streamed, "run", 1) and not streamed.payload_path("run", 1).exists()
 
     async def go():
         server, url = await sc.serve(streamed)
