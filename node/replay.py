@@ -27,6 +27,18 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
                           stop_strings=tuple(spec.stop_strings))
 
 
+MixedItem = tuple[list[int], list[tuple[int, int, int]], int, "torch.Tensor | None"]
+"""One mixed-version sequence: (tokens, its (version, start, end) segments, logits_from, replay)."""
+
+
+def _mixed_result(state: dict, with_routes: bool, with_router_logits: bool) -> tuple:
+    logits, hidden, routes, router = state["logits"], state["hidden"], state["routes"], state["router"]
+    if not with_routes:
+        return torch.cat(logits), torch.cat(hidden)
+    out = (torch.cat(logits), torch.cat(hidden), None if routes[0] is None else torch.cat(routes))
+    return out + ((None if router[0] is None else torch.cat(router)),) if with_router_logits else out
+
+
 class TorchReference(Reference):
     """Recompute with our `CausalLM`. `policies` maps version -> (model, 32-byte manifest hash): one model
     per version, or one resident model that each lookup switches to that version in place (the
@@ -47,6 +59,7 @@ class TorchReference(Reference):
         self.eos_id, self.max_seq_len = eos_id, max_seq_len
         self._decode, self._tasks, self._reward = decode, tasks, reward
         device = next(any_model.parameters()).device
+        self.device, self.param_dtype = device, next(any_model.parameters()).dtype
         self.on_device = device.type == "cuda"
         """Outputs stay on the model's GPU and every check runs there (only verdict-sized data comes back);
         on the CPU they are host tensors anyway."""
@@ -129,29 +142,60 @@ class TorchReference(Reference):
         with exact_float32(self.exact_float32):
             return self._prefill_mixed(sequence, segments, with_routes, with_router_logits, logits_from, replay)
 
+    @torch.inference_mode()
+    def prefill_mixed_many(self, items: list[MixedItem], with_routes: bool = False,
+                           with_router_logits: bool = False) -> list[tuple]:
+        """`Reference.prefill_mixed_many`: every sequence whose versions rise along it (an engine's do: a swap
+        only moves forward) is computed version by version, each version's segments of all of them while
+        it is active, so a resident model (node/roles/resident_policy.py) switches once per version, not
+        twice per sequence; the same forwards, so the same results. Any other sequence alone."""
+        with exact_float32(self.exact_float32):
+            out: list[tuple | None] = [None] * len(items)
+            rising = [i for i, it in enumerate(items) if all(a[0] <= b[0] for a, b in zip(it[1], it[1][1:]))]
+            for i in sorted(set(range(len(items))) - set(rising)):
+                seq, segments, start, replay = items[i]
+                out[i] = self._prefill_mixed(seq, segments, with_routes, with_router_logits, start, replay)
+            states = {i: self._mixed_state(items[i][0]) for i in rising}
+            for version in sorted({v for i in rising for v, _, _ in items[i][1]}):
+                for i in rising:
+                    seq, segments, start, replay = items[i]
+                    for v, a, b in segments:
+                        if v == version:
+                            self._mixed_segment(states[i], v, a, b, start, replay)
+            for i in rising:
+                out[i] = _mixed_result(states[i], with_routes, with_router_logits)
+            return out  # type: ignore[return-value]
+
     def _prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]], with_routes: bool,
                        with_router_logits: bool, logits_from: int, replay: torch.Tensor | None) -> tuple:
-        model = self.policies[segments[0][0]][0]
-        cfg, param = model.config, next(model.parameters())
-        cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
-                        dtype=param.dtype, device=param.device)
-        ids = torch.tensor([sequence], device=param.device)
-        slots = torch.zeros(1, dtype=torch.long, device=param.device)
-        logits, hidden, routes, router = [], [], [], []
+        state = self._mixed_state(sequence)
         for version, start, end in segments:
-            forced = None if replay is None else replay[start:end][None].to(param.device)
-            out = self.policies[version][0](ids[:, start:end], torch.arange(start, end, device=param.device)[None],
-                                            cache, slots, routed_experts=forced,
-                                            logits_at=min(max(0, logits_from - start), end - start))
-            logits.append(out.logits[0].float() if self.on_device else out.logits[0].float().cpu())
-            hidden.append(out.hidden[0] if self.on_device else out.hidden[0].cpu())
-            routes.append(None if out.routed_experts is None else out.routed_experts[0].cpu())
-            r = _router_logits(out, 1, end - start)
-            router.append(None if r is None else r[0])
-        if not with_routes:
-            return torch.cat(logits), torch.cat(hidden)
-        out = (torch.cat(logits), torch.cat(hidden), None if routes[0] is None else torch.cat(routes))
-        return out + ((None if router[0] is None else torch.cat(router)),) if with_router_logits else out
+            self._mixed_segment(state, version, start, end, logits_from, replay)
+        return _mixed_result(state, with_routes, with_router_logits)
+
+    def _mixed_state(self, sequence: list[int]) -> dict:
+        """One sequence's KV cache and the outputs its segments append to (no version looked up: with a
+        resident model a lookup is a switch)."""
+        cfg, device = self.config, self.device
+        cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, len(sequence), cfg.head_dim,
+                        dtype=self.param_dtype, device=device)
+        return {"cache": cache, "ids": torch.tensor([sequence], device=device), "device": device,
+                "slots": torch.zeros(1, dtype=torch.long, device=device),
+                "logits": [], "hidden": [], "routes": [], "router": []}
+
+    def _mixed_segment(self, state: dict, version: int, start: int, end: int, logits_from: int,
+                       replay: torch.Tensor | None) -> None:
+        """Positions [start, end) of the sequence under `version`, attending to the KV its earlier segments wrote."""
+        device = state["device"]
+        forced = None if replay is None else replay[start:end][None].to(device)
+        out = self.policies[version][0](state["ids"][:, start:end], torch.arange(start, end, device=device)[None],
+                                        state["cache"], state["slots"], routed_experts=forced,
+                                        logits_at=min(max(0, logits_from - start), end - start))
+        state["logits"].append(out.logits[0].float() if self.on_device else out.logits[0].float().cpu())
+        state["hidden"].append(out.hidden[0] if self.on_device else out.hidden[0].cpu())
+        state["routes"].append(None if out.routed_experts is None else out.routed_experts[0].cpu())
+        r = _router_logits(out, 1, end - start)
+        state["router"].append(None if r is None else r[0])
 
     def replay_sampling(self, logits: torch.Tensor, spec: SamplingSpec, positions: list[int]) -> Replay:
         if logits.is_cuda:

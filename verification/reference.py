@@ -70,6 +70,14 @@ class Reference(ABC):
         the earlier segments' versions wrote (an in-flight sequence keeps its KV cache across a swap);
         with `with_routes`, a third and fourth element as in `prefill`; `replay` as there, for the one sequence."""
 
+    def prefill_mixed_many(self, items: list[tuple[list[int], list[tuple[int, int, int]], int, torch.Tensor | None]],
+                           with_routes: bool = False, with_router_logits: bool = False) -> list[tuple]:
+        """`prefill_mixed` of each (sequence, segments, logits_from, replay), the same results in order. A
+        Reference whose versions share one model switched in place computes them version by version
+        (node/replay.py); this one, each sequence in turn."""
+        return [self.prefill_mixed(seq, segments, with_routes, with_router_logits, start, replay)
+                for seq, segments, start, replay in items]
+
     def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
         """Claimed route bytes -> [positions, moe_layers, k] for this model; raise ValueError when
         they cannot be this model's routes of that many positions (length, expert id)."""

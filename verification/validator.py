@@ -91,15 +91,40 @@ def _segments(claim: RolloutClaim) -> list[tuple[int, int, int]]:
     return out
 
 
-def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence) -> Failure | None:
-    """A rollout whose tokens came from several versions: one forward per version segment, each
-    attending to the KV the earlier versions wrote, then every segment checked against its version."""
+def _mixed_item(claim: RolloutClaim, p: _Plan) -> tuple:
+    """(sequence, segments, logits_from, replay) of a mixed-version claim, as `Reference.prefill_mixed` takes them."""
+    start = len(claim.prompt_ids) - 1  # the position that produced completion token 0
+    return claim.prompt_ids + claim.token_ids[:-1], _segments(claim), start, p.routes
+
+
+def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: list[_Plan | None],
+                        failures: list[Failure | None], ref: Reference, evidence: list[Evidence]) -> None:
+    """Mixed-version claims (all with routes or all without) recomputed together, version by version
+    (`Reference.prefill_mixed_many`: a resident model switches once per version, not twice per claim),
+    then each checked as `_verify_mixed` checks it; should the shared recomputation fail, one by one."""
+    routed = plans[members[0]].routes is not None
     try:
-        start = len(claim.prompt_ids) - 1  # the position that produced completion token 0
-        logits, hidden, *routes = ref.prefill_mixed(claim.prompt_ids + claim.token_ids[:-1], _segments(claim),
-                                                    with_routes=p.routes is not None,
-                                                    with_router_logits=p.routes is not None, logits_from=start,
-                                                    replay=p.routes)
+        outs = ref.prefill_mixed_many([_mixed_item(claims[i], plans[i]) for i in members], with_routes=routed,
+                                      with_router_logits=routed)
+    except Exception as exc:
+        log.warning("recomputing %d mixed-version claims together failed (%r): one by one", len(members), exc)
+        for i in members:
+            failures[i] = _verify_mixed(claims[i], plans[i], ref, evidence[i])
+        return
+    for i, out in zip(members, outs):
+        failures[i] = _verify_mixed(claims[i], plans[i], ref, evidence[i], out)
+
+
+def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence, out: tuple | None = None) -> Failure | None:
+    """A rollout whose tokens came from several versions: one forward per version segment, each
+    attending to the KV the earlier versions wrote (`out`: that recomputation, done already), then every
+    segment checked against its version."""
+    try:
+        seq, segments, start, replay = _mixed_item(claim, p)
+        if out is None:
+            out = ref.prefill_mixed(seq, segments, with_routes=p.routes is not None,
+                                    with_router_logits=p.routes is not None, logits_from=start, replay=replay)
+        logits, hidden, *routes = out
         f = next((f for f in check_segments([_segment(claim, p, v, logits, hidden, start, ev) for v in p.tokens], ref)
                   if f is not None), None)
         if f is not None:
@@ -264,18 +289,25 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
             log.warning("claim %s: unexpected error in cheap checks: %r", claim.work_id, exc)
             failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
     by_version: dict[int, list[int]] = {}
+    mixed: list[int] = []
     for i, p in enumerate(plans):
         if p is not None and failures[i] is None:
             if len(p.tokens) == 1:
                 by_version.setdefault(next(iter(p.tokens)), []).append(i)
             else:
-                failures[i] = _verify_mixed(claims[i], p, ref, evidence[i])
-    for v, members in sorted(by_version.items()):
+                mixed.append(i)
+    budget = getattr(ref, "logits_bytes", None) or PREFILL_LOGITS_BYTES  # a GPU reference sizes its own
+    # newest first (a resident model holds the newest after a hold), then the mixed claims oldest version up:
+    # each version is switched to about twice a round, however many claims there are
+    for v, members in sorted(by_version.items(), reverse=True):
         for routed in (False, True):  # a prefill is forced along claimed routes for all its rows or none
             same = [i for i in members if (plans[i].routes is not None) == routed]
-            budget = getattr(ref, "logits_bytes", None) or PREFILL_LOGITS_BYTES  # a GPU reference sizes its own
             for group in _logit_groups(same, claims, ref.vocab_size, budget) if same else []:
                 _verify_group(v, group, claims, plans, failures, ref, evidence)
+    for routed in (False, True):
+        same = [i for i in mixed if (plans[i].routes is not None) == routed]
+        for group in _logit_groups(same, claims, ref.vocab_size, budget) if same else []:
+            _verify_mixed_group(group, claims, plans, failures, ref, evidence)
     _pool(claims, failures, evidence, ref.precision)
     verdicts = []
     for claim, f in zip(claims, failures):

@@ -1,0 +1,99 @@
+"""Mixed-version rollouts recomputed together (`TorchReference.prefill_mixed_many`): the same results as
+one by one, and on the validator's resident model one switch per version instead of two per rollout."""
+
+import copy
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import rollouts as R  # noqa: E402
+
+from node.model.checkpoint import state_dict_to_hf  # noqa: E402
+from node.roles.resident_policy import ResidentPolicies  # noqa: E402
+from verification.calibration.perturb import perturb  # noqa: E402
+from verification.validator import _mixed_item, _plan, verify_claims  # noqa: E402
+
+
+class CountedSwitches(Mapping):
+    """A resident model's versions, counting each lookup that changes the active one (a chain walk)."""
+
+    def __init__(self, held: ResidentPolicies):
+        self.held, self.switches = held, 0
+
+    def __getitem__(self, v):
+        self.switches += v != self.held.active
+        return self.held[v]
+
+    def __iter__(self):
+        return iter(self.held)
+
+    def __len__(self):
+        return len(self.held)
+
+
+def resident_reference(policies: Mapping):
+    from node.replay import TorchReference
+
+    prompt_ids, reward = R.env_oracle(R.TOK)
+    return TorchReference(policies, eos_id=R.TOK.eos_id, max_seq_len=R.MAX_SEQ, decode=R.TOK.decode,
+                          tasks=prompt_ids, reward=reward)
+
+
+def mixed_world(versions: int = 3):
+    """Rollouts generated across `versions` - 1 swaps, and a resident model holding those versions."""
+    model = R.tiny_model()
+    states = [model]
+    for v in range(1, versions):
+        states.append(perturb(states[-1], "noise1pct", seed=v))
+    engine = R.engine_for(copy.deepcopy(model))
+    work = [(s, R.spec(s)) for s in range(16)]
+    for s, sp in work:
+        engine.add_request(R.request(s, sp))
+    done = []
+    for v in range(1, versions):
+        for _ in range(6):
+            done += engine.step()
+        engine.load_weights({k: t.clone() for k, t in states[v].state_dict().items()}, version=v)
+    while engine.has_work():
+        done += engine.step()
+    done.sort(key=lambda c: int(c.request_id[1:]))
+    claims = R.claims_from(done, work)
+    held = ResidentPolicies(copy.deepcopy(model).eval(), 0, R.manifest(0))
+    for v in range(1, versions):
+        held.add(v, state_dict_to_hf(states[v]), R.manifest(v))
+    return states, claims, held
+
+
+def test_mixed_rollouts_recomputed_together_are_bit_for_bit_those_recomputed_alone_and_switch_once_a_version():
+    states, claims, held = mixed_world()
+    mixed = [c for c in claims if len(set(c.versions)) > 1]
+    assert len(mixed) >= 4 and any(len(set(c.versions)) == 3 for c in mixed)
+    counted = CountedSwitches(held)
+    ref = resident_reference(counted)
+    items = [_mixed_item(c, _plan(c, ref)) for c in mixed]
+    alone = [ref.prefill_mixed(*it[:2], logits_from=it[2]) for it in items]
+    switches_alone, counted.switches = counted.switches, 0
+    together = ref.prefill_mixed_many(items)
+    for a, b in zip(alone, together):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert counted.switches <= 3 < switches_alone, (counted.switches, switches_alone)
+    # a sequence whose versions do not rise (no engine makes one) is computed alone, with the same result
+    seq, segments, start, replay = items[0]
+    backwards = [(2 - v, a, b) for v, a, b in segments]
+    odd = ref.prefill_mixed_many([items[1], (seq, backwards, start, replay)])
+    assert all(torch.equal(x, y) for x, y in zip(odd[0], together[1]))
+    assert all(torch.equal(x, y) for x, y in zip(odd[1], ref.prefill_mixed(seq, backwards, logits_from=start)))
+
+
+def test_the_validator_accepts_honest_mixed_rollouts_and_rejects_a_relabelled_one_on_the_resident_model():
+    _, claims, held = mixed_world()
+    ref = resident_reference(held)
+    verdicts = verify_claims(claims, ref)
+    assert all(v.accepted for v in verdicts), [v.detail for v in verdicts if not v.accepted]
+    mixed = [c for c in claims if len(set(c.versions)) > 1]
+    cheat = R.relabel(mixed[:1], 2)[0]  # every token claimed as the newest version
+    verdicts = verify_claims([cheat, *mixed[1:3]], ref)
+    assert [v.accepted for v in verdicts] == [False, True, True], [v.detail for v in verdicts]
