@@ -138,9 +138,10 @@ class TorchReference(Reference):
     @torch.inference_mode()
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
                       with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0,
-                      replay: torch.Tensor | None = None) -> tuple:
+                      replay: torch.Tensor | None = None, free_before: int = 0) -> tuple:
         with exact_float32(self.exact_float32):
-            return self._prefill_mixed(sequence, segments, with_routes, with_router_logits, logits_from, replay)
+            return self._prefill_mixed(sequence, segments, with_routes, with_router_logits, logits_from, replay,
+                                       free_before)
 
     @torch.inference_mode()
     def prefill_mixed_many(self, items: list[MixedItem], with_routes: bool = False,
@@ -167,10 +168,11 @@ class TorchReference(Reference):
             return out  # type: ignore[return-value]
 
     def _prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]], with_routes: bool,
-                       with_router_logits: bool, logits_from: int, replay: torch.Tensor | None) -> tuple:
+                       with_router_logits: bool, logits_from: int, replay: torch.Tensor | None,
+                       free_before: int = 0) -> tuple:
         state = self._mixed_state(sequence)
         for version, start, end in segments:
-            self._mixed_segment(state, version, start, end, logits_from, replay)
+            self._mixed_segment(state, version, start, end, logits_from, None if end <= free_before else replay)
         return _mixed_result(state, with_routes, with_router_logits)
 
     def _mixed_state(self, sequence: list[int]) -> dict:

@@ -64,11 +64,13 @@ class Reference(ABC):
     @abstractmethod
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
                       with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0,
-                      replay: torch.Tensor | None = None) -> tuple:
+                      replay: torch.Tensor | None = None, free_before: int = 0) -> tuple:
         """(logits [T - logits_from, V], hidden [T, H]) of one sequence whose positions [start, end) of each
         (version, start, end) segment were computed by that version, attending to the keys and values
         the earlier segments' versions wrote (an in-flight sequence keeps its KV cache across a swap);
-        with `with_routes`, a third and fourth element as in `prefill`; `replay` as there, for the one sequence."""
+        with `with_routes`, a third and fourth element as in `prefill`; `replay` as there, for the one sequence,
+        except in segments that end at or before `free_before` (routed by the router: a later turn's prefill
+        of positions an earlier pass computed)."""
 
     def prefill_mixed_many(self, items: list[tuple[list[int], list[tuple[int, int, int]], int, torch.Tensor | None]],
                            with_routes: bool = False, with_router_logits: bool = False) -> list[tuple]:

@@ -18,7 +18,8 @@ import torch
 from protocol.errors import InvalidProof
 from protocol.identity import NodeKey
 from protocol.messages import BUILTIN_ONLY
-from verification.checks import Failure, Reason, Segment, Severity, check_segments, check_task, check_termination
+from verification.checks import (Failure, Reason, Segment, Severity, check_segments, check_task, check_termination,
+                                 turns)
 from verification.claim import RolloutClaim
 from verification.pooled import Evidence, check_pooled
 from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
@@ -91,6 +92,58 @@ def _segments(claim: RolloutClaim) -> list[tuple[int, int, int]]:
     return out
 
 
+def _turn_passes(claim: RolloutClaim) -> list[tuple[list[tuple[int, int, int]], int, int, int]] | None:
+    """The engine's passes of a multi-turn claim whose policy changed between its turns, one per turn:
+    (segments, first, end, fresh). A turn is a new request: its whole history (prompt, earlier turns,
+    tool reply) was prefilled under the version of the turn's first token, then each later token
+    decoded under its own; `first`..`end` are the turn's sampled tokens, `fresh` the first position no
+    earlier pass computed (the positions before it were routed afresh by this prefill, not replayed).
+    None when one pass over the sequence (`_segments`) is the same computation: no turn's history
+    carries a version other than the one that prefilled it."""
+    base = len(claim.prompt_ids) - 1
+    label = [claim.versions[max(0, q - base)] for q in range(base + len(claim.token_ids))]
+    passes, fresh, differs = [], 0, False
+    for first, end in turns(claim):
+        v = claim.versions[first]
+        differs |= any(x != v for x in label[: base + first + 1])
+        segments = [(v, 0, fresh), (v, fresh, base + first + 1)] if fresh else [(v, 0, base + first + 1)]
+        for q in range(base + first + 1, base + end):
+            if segments[-1][0] == label[q] and segments[-1][2] == q:
+                segments[-1] = (label[q], segments[-1][1], q + 1)
+            else:
+                segments.append((label[q], q, q + 1))
+        passes.append((segments, first, end, fresh))
+        fresh = base + end
+    return passes if differs else None
+
+
+def _recompute_turns(claim: RolloutClaim, p: _Plan, ref: Reference, passes) -> tuple:
+    """`prefill_mixed`'s result for a claim recomputed pass by pass as its engine ran it (`_turn_passes`):
+    each sampled token's logits and hidden state from its turn's pass, each position's routes from the
+    first pass that computed it (the claimed routes' rule, `node.model.routing.rollout_routes`)."""
+    base, seq = len(claim.prompt_ids) - 1, claim.prompt_ids + claim.token_ids[:-1]
+    logits = hidden = routes = router = None
+    for segments, first, end, fresh in passes:
+        with_routes = p.routes is not None
+        out = ref.prefill_mixed(seq[: base + end], segments, with_routes=with_routes, with_router_logits=with_routes,
+                                logits_from=base + first, replay=p.routes, free_before=fresh)
+        lg, hd = out[0], out[1]
+        if logits is None:
+            logits = lg.new_zeros((len(claim.token_ids), lg.shape[-1]))
+            hidden = hd.new_zeros((len(seq), hd.shape[-1]))
+        logits[first:end] = lg
+        hidden[base + first : base + end] = hd[base + first : base + end]
+        if with_routes and out[2] is not None:
+            routes = out[2].new_zeros((len(seq), *out[2].shape[1:])) if routes is None else routes
+            routes[fresh : base + end] = out[2][fresh : base + end]
+            if len(out) > 3 and out[3] is not None:
+                router = out[3].new_zeros((len(seq), *out[3].shape[1:])) if router is None else router
+                router[fresh : base + end] = out[3][fresh : base + end]
+    if p.routes is None:
+        return logits, hidden
+    return logits, hidden, routes, router
+
+
 def _mixed_item(claim: RolloutClaim, p: _Plan) -> tuple:
     """(sequence, segments, logits_from, replay) of a mixed-version claim, as `Reference.prefill_mixed` takes them."""
     start = len(claim.prompt_ids) - 1  # the position that produced completion token 0
@@ -103,6 +156,11 @@ def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: l
     (`Reference.prefill_mixed_many`: a resident model switches once per version, not twice per claim),
     then each checked as `_verify_mixed` checks it; should the shared recomputation fail, one by one."""
     routed = plans[members[0]].routes is not None
+    for i in [i for i in members if _turn_passes(claims[i]) is not None]:  # recomputed turn by turn, alone
+        failures[i] = _verify_mixed(claims[i], plans[i], ref, evidence[i])
+    members = [i for i in members if failures[i] is None and _turn_passes(claims[i]) is None]
+    if not members:
+        return
     try:
         outs = ref.prefill_mixed_many([_mixed_item(claims[i], plans[i]) for i in members], with_routes=routed,
                                       with_router_logits=routed)
@@ -121,7 +179,10 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence, o
     segment checked against its version."""
     try:
         seq, segments, start, replay = _mixed_item(claim, p)
-        if out is None:
+        passes = _turn_passes(claim)
+        if passes is not None:  # the policy changed between turns: recomputed turn by turn, as it ran
+            out = _recompute_turns(claim, p, ref, passes)
+        elif out is None:
             out = ref.prefill_mixed(seq, segments, with_routes=p.routes is not None,
                                     with_router_logits=p.routes is not None, logits_from=start, replay=replay)
         logits, hidden, *routes = out
