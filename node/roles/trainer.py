@@ -52,7 +52,7 @@ from node.recipe import Recipe
 from node.rl.advantages import group_advantages
 from node.rl.batch import TrainBatch, build_batch
 from node.rl.parallel.dims import ParallelDims
-from node.rl.parallel.publish import publish_trainer
+from node.rl.parallel.publish import publish_trainer_async
 from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
@@ -168,19 +168,20 @@ class TrainerNode:
                 t0 = time.time()
                 # Version step-1 is still being published while this batch is gathered: with k >= 1 the
                 # batch may hold rollouts of version step-2, so publication leaves the critical path
-                # (with k = 0 the batch waits for it anyway). The weights change only after it is out.
+                # (with k = 0 the batch waits for it anyway).
                 items = await self._batch(client, stop, step)
                 if items is None:
                     break
                 t_wait = time.time() - t0
-                t_ready = time.time()
-                if publishing is not None:
-                    await publishing
-                t_publish_wait = time.time() - t_ready
+                # The weights were copied out of the model when that publication started: this step trains
+                # while the version before is still encoded and announced.
                 row = await asyncio.to_thread(self._train, trainer, step, items)
-                row.update(wait_s=t_wait, publish_wait_s=t_publish_wait, t_trained=time.time(),
+                t_trained = time.time()
+                if publishing is not None:
+                    await publishing  # versions are listed and announced in order (and its payload buffer freed)
+                row.update(wait_s=t_wait, publish_wait_s=time.time() - t_trained, t_trained=t_trained,
                            tokens=sum(u.group.n_tokens for u in items), t_asked=t0)
-                publishing = asyncio.create_task(self._send_weights_and_log(client, trainer, row, metrics))
+                publishing = await self._start_publication(client, trainer, row, metrics)
                 if step % CHECKPOINT_EVERY == 0 or step == self.steps:
                     await publishing  # first: a world's ranks run one collective at a time
                     await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
@@ -254,26 +255,36 @@ class TrainerNode:
     async def _send_weights(self, client: CoordinatorClient, trainer: Trainer) -> None:
         """Publish the trainer's current version through shardcast and have the coordinator announce it
         (the one publication path: a restart re-announces a version already in the store)."""
-        v = trainer.step
-        signed = self.store.manifest(self.spec.run_id, v)
-        if signed is None:
-            signed = await asyncio.to_thread(  # streamed: a world's ranks never gather the model
-                publish_trainer, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
-                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
-        await client.announce(v, signed.manifest.manifest_hash())
-        self.ledger.current_version = v
+        await (await self._start_publication(client, trainer))
 
-    async def _send_weights_and_log(self, client: CoordinatorClient, trainer: Trainer, row: dict, metrics) -> None:
-        """Publish the version this step made, then write the step's metrics row (`t_asked`: batch asked
-        for; `publish_s`: its publication; `step_s`: batch asked for -> published; `t`: published)."""
-        t = time.time()
-        await self._send_weights(client, trainer)
-        now = time.time()
-        row.update(publish_s=now - t, step_s=now - row["t_asked"], t=now)
-        metrics.write(json.dumps(row) + "\n")
-        metrics.flush()
-        log.info("step %d: reward %.3f, lag max %d, waited %.2fs, published in %.2fs", row["step"], row["reward_mean"],
-                 max(row["lags"]), row["wait_s"], row["publish_s"])
+    async def _start_publication(self, client: CoordinatorClient, trainer: Trainer, row: dict | None = None,
+                                 metrics=None) -> asyncio.Task:
+        """Copy the current version out of the weights (streamed: a world's ranks never gather the model)
+        and return the task that finishes its publication, announces it and writes the step's metrics row
+        (`t_asked`: batch asked for; `publish_s`: its publication; `step_s`: batch asked for -> published;
+        `t`: published). The weights may change as soon as this returns."""
+        v, t = trainer.step, time.time()
+        signed = self.store.manifest(self.spec.run_id, v)
+        listed = None
+        if signed is None:
+            listed = await asyncio.to_thread(
+                publish_trainer_async, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
+                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
+
+        async def finish() -> None:
+            done = signed if listed is None else await asyncio.wrap_future(listed)
+            await client.announce(v, done.manifest.manifest_hash())
+            self.ledger.current_version = v
+            if row is None:
+                return
+            now = time.time()
+            row.update(publish_s=now - t, step_s=now - row["t_asked"], t=now)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            log.info("step %d: reward %.3f, lag max %d, waited %.2fs, published in %.2fs", row["step"],
+                     row["reward_mean"], max(row["lags"]), row["wait_s"], row["publish_s"])
+
+        return asyncio.create_task(finish())
 
     async def _batch(self, client: CoordinatorClient, stop: asyncio.Event, step: int) -> list[AcceptedGroup] | None:
         want = self.spec.batch_groups
