@@ -29,7 +29,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_PROT_NONE, _MAP_FIXED, _MAP_NORESERVE = 0, 0x10, 0x4000
+_PROT_NONE, _MAP_FIXED, _MAP_NORESERVE = 0, 0x10, 0x4000  # Linux's values (Python's mmap names none of them)
 
 
 def shard_file(directory: Path, index: int) -> Path:
@@ -73,5 +73,6 @@ def map_shard_files(directory: Path, sizes: list[int]) -> np.ndarray:
         _libc.munmap(base, total)
         raise
     owner = (ctypes.c_uint8 * total).from_address(base)
-    weakref.finalize(owner, _libc.munmap, base, total)
+    # not at interpreter exit: a daemon thread may still read the pages then (the process's end unmaps them)
+    weakref.finalize(owner, _libc.munmap, base, total).atexit = False
     return np.frombuffer(owner, dtype=np.uint8)

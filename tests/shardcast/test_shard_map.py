@@ -41,3 +41,23 @@ def test_a_missing_or_resized_shard_file_is_an_os_error_not_a_crash(tmp_path):
     with pytest.raises(OSError):
         map_shard_files(tmp_path, sizes)
     assert map_shard_files(tmp_path, []).size == 0
+
+
+def test_the_files_stay_mapped_while_a_tensor_views_them_and_are_unmapped_after(tmp_path):
+    import gc
+
+    import torch
+
+    sizes = [mmap.PAGESIZE, mmap.PAGESIZE]
+    data = write_shards(tmp_path, sizes)
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(str(tmp_path) in line for line in f)
+
+    view = torch.from_numpy(map_shard_files(tmp_path, sizes))[mmap.PAGESIZE - 2 : mmap.PAGESIZE + 2]
+    gc.collect()
+    assert mapped() == 2 and view.tolist() == data[mmap.PAGESIZE - 2 : mmap.PAGESIZE + 2].tolist()
+    del view
+    gc.collect()
+    assert mapped() == 0
