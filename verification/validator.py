@@ -92,6 +92,12 @@ def _segments(claim: RolloutClaim) -> list[tuple[int, int, int]]:
     return out
 
 
+MAX_TURN_PASSES = 16
+"""Most turns of one claim recomputed each with its own prefill of the history (`_turn_passes`): the cost
+grows with turns x length, so a claim of hundreds of one-token turns across a version change is refused
+(a strike, not a ban: an honest env may play long games) rather than recomputed quadratically."""
+
+
 def _turn_passes(claim: RolloutClaim) -> list[tuple[list[tuple[int, int, int]], int, int, int]] | None:
     """The engine's passes of a multi-turn claim whose policy changed between its turns, one per turn:
     (segments, first, end, fresh). A turn is a new request: its whole history (prompt, earlier turns,
@@ -180,6 +186,9 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence, o
     try:
         seq, segments, start, replay = _mixed_item(claim, p)
         passes = _turn_passes(claim)
+        if passes is not None and len(passes) > MAX_TURN_PASSES:
+            return Failure(Reason.MALFORMED, f"{len(passes)} turns across a version change: at most "
+                           f"{MAX_TURN_PASSES} are recomputed", severity=Severity.BORDERLINE)
         if passes is not None:  # the policy changed between turns: recomputed turn by turn, as it ran
             out = _recompute_turns(claim, p, ref, passes)
         elif out is None:

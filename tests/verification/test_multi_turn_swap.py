@@ -99,3 +99,24 @@ def test_with_router_replay_the_routes_of_a_turn_swapped_rollout_pass_and_forged
         worst = torch.arange(shape.num_experts - shape.top_k, shape.num_experts).expand(n, shape.moe_layers, -1)
         forged.append(c.model_copy(update={"routed_experts": encode_routes(worst, shape)}))
     assert sum(not v.accepted for v in verify_claims(forged, ref)) >= len(forged) // 2
+
+
+def test_a_claim_of_many_tiny_turns_across_a_version_change_is_refused_not_recomputed_quadratically():
+    from verification.checks import Reason, Severity
+    from verification.validator import MAX_TURN_PASSES
+
+    claims, model, newer = two_turn_claims(swap=True)
+    c = claims[0]
+    n = 2 * (MAX_TURN_PASSES + 1)  # one-token turns, each ended by a stop token, a version change after the first
+    tokens = [STOPS[0]] * n
+    versions = [0] + [1] * (n - 1)
+    sampled = [i % 2 == 0 for i in range(n)]
+    (proof,) = prove_rollouts([(torch.randn(n // 2, model.config.hidden_size),
+                                [v for v, m in zip(versions, sampled) if m])], {v: R.manifest(v) for v in (0, 1)})
+    _, reward = env_oracle(R.TOK)
+    hostile = c.model_copy(update={"token_ids": tokens, "logprobs": [0.0] * n, "versions": versions,
+                                   "sampled": sampled, "finish_reason": "stop", "proof": proof,
+                                   "reward": reward(R.ENV, c.task_seed, tokens)})
+    (v,) = verify_claims([hostile], R.reference({0: model, 1: newer}))
+    assert not v.accepted and v.reason == Reason.MALFORMED and v.severity == Severity.BORDERLINE, (v.reason, v.detail)
+    assert "turns across a version change" in v.detail
