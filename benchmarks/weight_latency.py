@@ -97,7 +97,8 @@ def host_store_bytes(run_dir: Path) -> dict:
 
 
 def _dir_bytes(d: Path) -> int:
-    return sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file()) if d.is_dir() else 0
+    """Disk blocks of the files under `d` (a publisher's payload is a directory of shard files)."""
+    return sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0
 
 
 def stage_model(gib: float):

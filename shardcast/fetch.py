@@ -196,7 +196,7 @@ class Fetcher:
     async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
         loop = asyncio.get_running_loop()
         self.pool.new_version()
-        payload = self.store.open_partial_payload(m.run_id, m.version, m.total_bytes)
+        payload = self.store.open_partial_payload(m.run_id, m.version, m.total_bytes, m.shard_size)
         try:
             return await self._fetch_into(m, parent, payload, loop)
         except BaseException:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import threading
 import weakref
 from pathlib import Path
@@ -28,7 +29,7 @@ import numpy as np
 from shardcast import retention
 from shardcast.locks import lock_path
 from shardcast.manifest import SignedManifest
-from shardcast.shard_map import map_shard_files
+from shardcast.shard_map import map_shard_files, shard_file
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,12 @@ class Store:
     def put_payload(self, run_id: str, version: int, payload: np.ndarray) -> None:
         _atomic_write(self.payload_path(run_id, version), memoryview(payload))
 
-    def open_partial_payload(self, run_id: str, version: int, total: int) -> "PartialPayload":
-        """A file a fetch writes verified shard ranges into (`PartialPayload.write`), renamed to
-        `payload.bin` by `commit_partial_payload` once every raw hash matched."""
+    def open_partial_payload(self, run_id: str, version: int, total: int,
+                             shard_size: int | None = None) -> "PartialPayload":
+        """What a fetch writes verified shard ranges into (`PartialPayload.write`): with `shard_size`, a
+        directory of one file per shard (renamed to `payload.d`: a fetch's decode threads each write their
+        own file, as a publisher's do), else one file (renamed to `payload.bin`); by
+        `commit_partial_payload` once every raw hash matched."""
         self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
         for stale in self.version_dir(run_id, version).glob(".payload.*.partial"):
             # Left by a killed or failed fetch (its shards are reused, not this). A partial still
@@ -108,17 +112,26 @@ class Store:
             # rename fail (found by benchmarks.chaos; tests/chaos/test_regressions.py).
             owner = stale.name.split(".")[2].split("-")[0]
             if str(stale) not in _live_partials and (owner == str(os.getpid()) or not _pid_alive(owner)):
-                stale.unlink(missing_ok=True)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
         _partial_seq[0] += 1
-        path = self.payload_path(run_id, version).with_name(f".payload.{os.getpid()}-{_partial_seq[0]}.partial")
-        return PartialPayload(path, total)
+        path = self.version_dir(run_id, version) / f".payload.{os.getpid()}-{_partial_seq[0]}.partial"
+        return PartialPayload(path, total, shard_size)
 
     def commit_partial_payload(self, run_id: str, version: int, partial: "PartialPayload") -> np.ndarray:
         """Give a fully verified partial payload its final name (atomic rename); the payload,
-        memory-mapped read-only. No fsync: it would wait for the disk; the page cache already
-        makes the renamed file's content visible, and resume re-verifies shards, not this file."""
+        memory-mapped copy-on-write. No fsync: it would wait for the disk; the page cache already
+        makes the renamed files' content visible, and resume re-verifies shards, not these files."""
         partial.close()
-        os.replace(partial.path, self.payload_path(run_id, version))
+        if partial.shard_size is None:
+            os.replace(partial.path, self.version_dir(run_id, version) / "payload.bin")
+        else:
+            final = self.payload_dir(run_id, version)
+            if final.exists():  # (none should: a complete version is not fetched again)
+                shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial.path, final)
         return self.payload(run_id, version)
 
     # -- reads ------------------------------------------------------------------------------
@@ -181,41 +194,61 @@ class Store:
 
 
 class PartialPayload:
-    """The payload file of a fetch in flight: decoded, verified shard ranges are `pwrite`n into it.
+    """The payload of a fetch in flight: decoded, verified shard ranges are written into it, at their
+    offset of one file (`pwrite`) or, with `shard_size`, each whole shard as its own file of a directory
+    (`shardcast.shard_map`'s layout: decode threads writing one file serialise on its inode lock).
 
-    Written with pwrite from a buffer the decoder reuses, not through a file-backed mapping: no
-    page fault per 4 KiB, and a full disk is an `OSError` from the write (a mapping's first write
-    to a page the disk cannot hold is a SIGBUS, which kills the process)."""
+    Written from a buffer the decoder reuses, not through a file-backed mapping: no page fault per
+    4 KiB, and a full disk is an `OSError` from the write (a mapping's first write to a page the disk
+    cannot hold is a SIGBUS, which kills the process)."""
 
-    def __init__(self, path: Path, total: int):
-        self.path, self.total = path, total
+    def __init__(self, path: Path, total: int, shard_size: int | None = None):
+        self.path, self.total, self.shard_size = path, total, shard_size
         self._writers = 0
         self._idle = threading.Condition()
         """close() waits for writes in flight: a decode thread a cancelled fetch left running must not
-        pwrite to a descriptor number the process has since reused for another file."""
-        self._fd = [os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)]  # a box the finalizer can share
+        write through a descriptor number the process has since reused for another file."""
+        if shard_size is None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            path.mkdir()
+            fd = os.open(path, os.O_RDONLY)  # the directory: shard files are created relative to it
+        self._fd = [fd]  # a box the finalizer can share
         _live_partials.add(str(path))
         self._finalizer = weakref.finalize(self, _close_partial, self._fd, str(path))
-        try:
-            os.ftruncate(self._fd[0], total)  # sparse: blocks are allocated by the writes
-        except OSError:
-            self.discard()
-            raise
+        if shard_size is None:
+            try:
+                os.ftruncate(self._fd[0], total)  # sparse: blocks are allocated by the writes
+            except OSError:
+                self.discard()
+                raise
 
     def write(self, offset: int, data: np.ndarray | memoryview) -> None:
-        """Write `data` at `offset` (thread-safe: pwrite has no shared file position)."""
+        """Write `data` at `offset` (thread-safe: pwrite has no shared file position; a shard's own file
+        is written by one thread). With `shard_size`, `data` is one whole shard."""
         view = memoryview(data).cast("B")
         if offset < 0 or offset + len(view) > self.total:
             raise ValueError(f"write of {len(view)} bytes at {offset} outside a payload of {self.total}")
+        if self.shard_size is not None and (offset % self.shard_size or
+                                            len(view) != min(self.shard_size, self.total - offset)):
+            raise ValueError(f"write of {len(view)} bytes at {offset}: not one whole shard of {self.shard_size}")
         with self._idle:
             if self._fd[0] < 0:
                 raise ValueError(f"{self.path.name} is closed")
             fd = self._fd[0]
             self._writers += 1
         try:
-            while len(view):
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
+            if self.shard_size is not None:
+                out = os.open(shard_file(Path(), offset // self.shard_size), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                              0o644, dir_fd=fd)
+                fd, offset = out, 0
+            try:
+                while len(view):
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
+            finally:
+                if self.shard_size is not None:
+                    os.close(fd)
         finally:
             with self._idle:
                 self._writers -= 1
@@ -229,7 +262,10 @@ class PartialPayload:
     def discard(self) -> None:
         """A failed fetch: close and delete (its verified shards stay in the store for a resume)."""
         self.close()
-        self.path.unlink(missing_ok=True)
+        if self.shard_size is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            self.path.unlink(missing_ok=True)
 
 
 def _close_partial(fd: list[int], path: str) -> None:

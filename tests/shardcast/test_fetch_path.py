@@ -57,7 +57,8 @@ def test_failed_fetch_keeps_verified_shards_drops_the_partial_and_resumes(tmp_pa
     got, (honest,) = _fetch(tmp_path, lambda: [sc.HostileSource(origin_store, "honest")], trusted)
     assert honest.shard_requests == n - len(held)
     sc.assert_same(got.tensors(), sc.make_state(0))
-    assert client.payload_path("run", 0).read_bytes() == origin_store.payload_path("run", 0).read_bytes()
+    assert client.payload_path("run", 0).is_dir()  # a file per shard, each written by its decode thread
+    assert np.array_equal(client.payload("run", 0), origin_store.payload("run", 0))
 
 
 def test_writing_into_the_fetched_tensors_never_changes_the_stored_version(tmp_path, origin_store, trusted, sc):
@@ -68,7 +69,8 @@ def test_writing_into_the_fetched_tensors_never_changes_the_stored_version(tmp_p
     tensors["model.embed_tokens.weight"].fill_(7.0)  # a consumer loading in place, say
     assert torch.all(tensors["model.embed_tokens.weight"] == 7.0)
     client = Store(tmp_path / "client")
-    assert client.payload_path("run", 0).read_bytes() == origin_store.payload_path("run", 0).read_bytes()
+    assert client.payload_path("run", 0).is_dir()  # a file per shard, each written by its decode thread
+    assert np.array_equal(client.payload("run", 0), origin_store.payload("run", 0))
     assert np.array_equal(client.payload("run", 0), origin_store.payload("run", 0))
 
 
@@ -108,3 +110,19 @@ def test_closing_a_partial_payload_waits_for_a_write_in_flight(tmp_path, monkeyp
     assert part.path.read_bytes() == b"\x07" * (1 << 20)
     with pytest.raises(ValueError):
         part.write(0, np.zeros(1, np.uint8))
+
+
+def test_a_partial_payload_of_shard_files_takes_whole_shards_only_and_commits_to_one_array(tmp_path):
+    store = Store(tmp_path)
+    part = store.open_partial_payload("r", 0, 10_000, shard_size=4096)
+    data = np.arange(10_000, dtype=np.uint32).astype(np.uint8)
+    for bad in ((100, data[:4096]), (0, data[:100]), (8192, data[:4096])):  # misaligned, short, past the end
+        with pytest.raises(ValueError):
+            part.write(*bad)
+    for start in (8192, 0, 4096):  # in any order, as decode threads finish
+        part.write(start, data[start : start + 4096])
+    got = store.commit_partial_payload("r", 0, part)
+    assert np.array_equal(got, data) and store.payload_path("r", 0).is_dir()
+    assert not list(store.version_dir("r", 0).glob(".payload.*"))
+    with pytest.raises(ValueError, match="closed"):
+        part.write(0, data[:4096])  # a decode thread left running writes nothing once committed

@@ -64,7 +64,7 @@ def test_processes_sharing_a_store_download_a_version_once_and_hold_it_once(tmp_
     assert [g["payload"] for g in got] == [want] * 3, "every process reads the exact published version"
     assert sum(g["downloaded"] for g in got) == wire and served == wire, "one download for the host, not one each"
     files = sorted(p.name for p in (shared / "run" / "00000000").iterdir())
-    assert files == sorted(["manifest.json", "payload.bin", *(p.name for p in origin.version_dir("run", 0).glob("shard_*"))]), \
+    assert files == sorted(["manifest.json", "payload.d", *(p.name for p in origin.version_dir("run", 0).glob("shard_*"))]), \
         "one copy: no second payload, no temp or partial file left behind"
 
 
