@@ -62,20 +62,11 @@ def test_replayed_or_expired_gossip_is_refused_and_counted_with_one_log_line_not
             for _ in range(REPLAYS):  # the same signed bytes again: a new gossip message each time
                 await b.publish(member.topic, sealed)
             # a gossip message is sent once: a burst that went out while the one-peer mesh was re-forming is
-            # lost, not refused (a fresh clone's run counted 1 of 150), so more replays follow until enough
-            # have reached the coordinator (each one that does is refused and counted)
-            refused = lambda: coordinator.refused.get("ReplayedMessage", 0) - before  # noqa: E731
-            deadline = time.monotonic() + 2 * WAIT_S
-            while refused() < REPLAYS * 0.9:
-                assert time.monotonic() < deadline, f"timed out waiting for the replays refused ({refused()})"
-                seen = refused()
-                for _ in range(20):  # a second without a new refusal: send ten more
-                    await asyncio.sleep(0.05)
-                    if refused() != seen:
-                        break
-                else:
-                    for _ in range(10):
-                        await b.publish(member.topic, sealed)
+            # lost, not refused (a fresh clone's run counted 1 of 150), so replays go on until enough have
+            # reached the coordinator (each one that does is refused and counted)
+            await publish_until(b, member.topic, sealed,
+                                lambda: coordinator.refused.get("ReplayedMessage", 0) - before >= REPLAYS * 0.9,
+                                "the replays refused", timeout=2 * WAIT_S)
             # history older than the clock window (140 s in the walk-through): dropped before forwarding
             for i in range(REPLAYS):
                 await b.publish(member.topic, seal(b.key, "quiet", Heartbeat(seq=2 + i, role="inference", addrs=[]),
