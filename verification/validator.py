@@ -129,8 +129,8 @@ def _recompute_turns(claim: RolloutClaim, p: _Plan, ref: Reference, passes) -> t
     first pass that computed it (the claimed routes' rule, `node.model.routing.rollout_routes`)."""
     base, seq = len(claim.prompt_ids) - 1, claim.prompt_ids + claim.token_ids[:-1]
     logits = hidden = routes = router = None
+    with_routes = p.routes is not None
     for segments, first, end, fresh in passes:
-        with_routes = p.routes is not None
         out = ref.prefill_mixed(seq[: base + end], segments, with_routes=with_routes, with_router_logits=with_routes,
                                 logits_from=base + first, replay=p.routes, free_before=fresh)
         lg, hd = out[0], out[1]
@@ -162,9 +162,10 @@ def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: l
     (`Reference.prefill_mixed_many`: a resident model switches once per version, not twice per claim),
     then each checked as `_verify_mixed` checks it; should the shared recomputation fail, one by one."""
     routed = plans[members[0]].routes is not None
-    for i in [i for i in members if _turn_passes(claims[i]) is not None]:  # recomputed turn by turn, alone
+    turned = [i for i in members if _turn_passes(claims[i]) is not None]
+    for i in turned:  # the policy changed between its turns: recomputed turn by turn, alone
         failures[i] = _verify_mixed(claims[i], plans[i], ref, evidence[i])
-    members = [i for i in members if failures[i] is None and _turn_passes(claims[i]) is None]
+    members = [i for i in members if i not in turned]
     if not members:
         return
     try:
@@ -181,17 +182,19 @@ def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: l
 
 def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence, out: tuple | None = None) -> Failure | None:
     """A rollout whose tokens came from several versions: one forward per version segment, each
-    attending to the KV the earlier versions wrote (`out`: that recomputation, done already), then every
-    segment checked against its version."""
+    attending to the KV the earlier versions wrote (`out`: that one-pass recomputation, done already by
+    `_verify_mixed_group`), or turn by turn where the policy changed between turns; then every segment
+    checked against its version."""
+    start = len(claim.prompt_ids) - 1  # the position that produced completion token 0
     try:
-        seq, segments, start, replay = _mixed_item(claim, p)
-        passes = _turn_passes(claim)
+        passes = None if out is not None else _turn_passes(claim)
         if passes is not None and len(passes) > MAX_TURN_PASSES:
             return Failure(Reason.MALFORMED, f"{len(passes)} turns across a version change: at most "
                            f"{MAX_TURN_PASSES} are recomputed", severity=Severity.BORDERLINE)
         if passes is not None:  # the policy changed between turns: recomputed turn by turn, as it ran
             out = _recompute_turns(claim, p, ref, passes)
         elif out is None:
+            seq, segments, _, replay = _mixed_item(claim, p)
             out = ref.prefill_mixed(seq, segments, with_routes=p.routes is not None,
                                     with_router_logits=p.routes is not None, logits_from=start, replay=replay)
         logits, hidden, *routes = out
