@@ -30,12 +30,14 @@ from node.sim import run_sim
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
 
-PARAM_TOLERANCE = 1e-4
-"""Largest |distributed - one process| per tensor over that tensor's largest |value|, after one
-step (4 AdamW updates: 2 passes x 2 minibatches). Adam divides by sqrt(v), so float noise in tiny
-gradients moves a few elements by up to ~lr (1e-3) and leaves the rest at ~1e-7 (measured: see
-docs/scale-out.md); a wrong minibatch, learning rate or loss term moves the weights by ~lr over
-whole tensors, well above this."""
+STEP_TOLERANCE = 1e-3
+"""Largest |distributed - one process| over |one process - before| per tensor (L2 norms), after a
+step (4 AdamW updates: 2 passes x 2 minibatches). Float noise in the gradients' reduction order
+(gloo's sum of two ranks against one process's sum) is amplified by Adam's 1/sqrt(v) on elements
+whose gradient is tiny, so a few elements move by up to ~lr: measured up to 1.07e-4 of a tensor's
+largest value on one CI machine and ~1e-6 on another, which is why the bound is on the norm of the
+difference against the norm of the step and not on one element (measured 2e-5 at most). A wrong
+minibatch, learning rate or loss term moves whole tensors by ~lr: errors near 1."""
 
 
 def one_process_step(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
@@ -53,9 +55,11 @@ def one_process_step(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torc
     return published(out, spec, 1), state_dict_to_hf(model), metrics
 
 
-def relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
-    assert sorted(got) == sorted(want)
-    return {n: float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-12)) for n in want}
+def step_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                before: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor: how far `got` is from `want`, as a share of how far `want` moved from `before`."""
+    assert sorted(got) == sorted(want) == sorted(before)
+    return {n: float((got[n] - want[n]).norm() / (want[n] - before[n]).norm().clamp(min=1e-30)) for n in want}
 
 
 @pytest.mark.slow  # a whole network of processes: runs after the fast tests
@@ -72,11 +76,11 @@ def test_dp2_ep2_trainer_trains_a_sim_and_publishes_the_one_process_step(tmp_pat
     from sim_reads import published
 
     v1, reference, metrics = one_process_step(tmp_path)
-    before = relative_errors(published(tmp_path, RunSpec.model_validate_json(
-        (tmp_path / "coordinator" / "spec.json").read_bytes()), 0), reference)
-    assert max(before.values()) > 10 * PARAM_TOLERANCE  # the step moved the weights well beyond the tolerance
-    errors = relative_errors(v1, reference)
-    assert max(errors.values()) < PARAM_TOLERANCE, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    v0 = published(tmp_path, RunSpec.model_validate_json((tmp_path / "coordinator" / "spec.json").read_bytes()), 0)
+    moved = [n for n in reference if not torch.equal(reference[n], v0[n])]
+    assert len(moved) > 0.9 * len(reference), sorted(set(reference) - set(moved))  # the step moved (nearly) every tensor
+    errors = step_errors(v1, reference, v0)
+    assert max(errors.values()) < STEP_TOLERANCE, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
     row = json.loads((tmp_path / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["lr"] == pytest.approx(metrics["lr"])
     assert row["mismatch_kl"] == pytest.approx(metrics["mismatch_kl"], rel=1e-4, abs=1e-7)
@@ -161,14 +165,15 @@ def test_world_checkpoint_resumes_in_another_layout_to_the_one_process_step(tmp_
     model, cfg, batches = _check_setup()
     one = Trainer(model, cfg)
     for step, batch in enumerate(batches):
+        before = {n: t.clone() for n, t in state_dict_to_hf(one.model).items()}
         torch.manual_seed(minibatch_seed(SEED, step))
         one.train_step(batch)
         saved = Trainer.load(tmp_path / f"s{step + 1}", cfg)
         assert saved.distributed_checkpoint is not None  # sharded: each rank wrote only its part
         saved.load_pending_optimizer_state()
         assert saved.step == one.step == step + 1
-        errors = relative_errors(state_dict_to_hf(saved.model), state_dict_to_hf(one.model))
-        assert max(errors.values()) < PARAM_TOLERANCE, (step, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
+        errors = step_errors(state_dict_to_hf(saved.model), state_dict_to_hf(one.model), before)
+        assert max(errors.values()) < STEP_TOLERANCE, (step, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
         # the AdamW moments the distributed trainer saved are the one-process ones
         mine = {n: p for n, p in saved.model.named_parameters()}
         for name, p in one.model.named_parameters():
