@@ -73,6 +73,23 @@ def reference(model: CausalLM, batch: TrainBatch, cfg: TrainerConfig):
     return float(loss), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+STEP_TOLERANCE = 1e-3
+"""Largest `step_errors` value a parallel trainer's step may show against the one-process step. Float noise in
+the gradients' reduction order (gloo's sum over ranks against one process's sum) is amplified by Adam's
+1/sqrt(v) on elements whose gradient is tiny, so a few elements move by up to ~lr: one CI machine moved one
+element by 1.07e-4 of its tensor's largest value (another ~1e-6), which is why the bound is on the norm of the
+difference against the norm of the step, not on one element (measured at most 2e-5 on cpu-2core). A wrong
+minibatch, learning rate or loss term moves whole tensors by ~lr: errors near 1."""
+
+
+def step_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                before: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor: |got - want| over |want - before| (L2 norms): how far a parallel step's result `got` is from
+    the one-process step's `want`, as a share of how far that step moved the weights from `before`."""
+    assert sorted(got) == sorted(want) == sorted(before)
+    return {n: float((got[n].cpu() - want[n]).norm() / (want[n] - before[n]).norm().clamp(min=1e-30)) for n in want}
+
+
 def run_layout(dims: ParallelDims, device: str, router_replay: bool = False, micro_batch_tokens: int | None = None) -> dict:
     """`micro_batch_tokens`: the parallel side in micro-batches of that many padded tokens, against the
     one-process whole-batch step (the load-balancing loss off: micro-batches share it by rows, an approximation)."""

@@ -32,6 +32,9 @@ class Reason(str, Enum):
     ENGINE_NOT_ALLOWED = "engine_not_allowed"
     ROUTES_MALFORMED = "routes_malformed"
     ROUTES_MISMATCH = "routes_mismatch"
+    UNJUDGED = "unjudged"
+    """The validator could not recompute the claim (it ran out of memory): no evidence either way, so the
+    role gives its unit no verdict (offered again) and the submitter no strike (`Severity.NONE`)."""
 
 
 PROOF_FACTOR = 2.0

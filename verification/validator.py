@@ -1,8 +1,10 @@
 """Verifying a batch of rollout claims: cheap checks first, then one prefill per policy version.
 
 Invariant: every claim gets exactly one verdict, and nothing a claim holds can raise out of
-`verify_claims` (a bad claim is a `malformed` rejection, never a crash). Claims that share a policy
-version are prefilled together; a rollout whose tokens came from several versions is checked
+`verify_claims` (a bad claim is a `malformed` rejection, never a crash; one the validator ran out of
+memory recomputing is `unjudged`, no evidence against its submitter). Claims that share a policy
+version are prefilled together, and where that fails, in halves down to one claim, so a claim that
+makes the reference fail fails alone; a rollout whose tokens came from several versions is checked
 segment by segment, each against its own version. Claimed routed experts (router replay) are read
 with the cheap checks and compared with the experts the same prefill routed to
 (`verification.routing`).
@@ -11,6 +13,7 @@ with the cheap checks and compared with the experts the same prefill routed to
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -172,9 +175,8 @@ def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: l
         outs = ref.prefill_mixed_many([_mixed_item(claims[i], plans[i]) for i in members], with_routes=routed,
                                       with_router_logits=routed)
     except Exception as exc:
-        log.warning("recomputing %d mixed-version claims together failed (%r): one by one", len(members), exc)
-        for i in members:
-            failures[i] = _verify_mixed(claims[i], plans[i], ref, evidence[i])
+        _halves_after(exc, "recomputing mixed-version claims", members, claims, failures,
+                      lambda half: _verify_mixed_group(half, claims, plans, failures, ref, evidence))
         return
     for i, out in zip(members, outs):
         failures[i] = _verify_mixed(claims[i], plans[i], ref, evidence[i], out)
@@ -206,8 +208,40 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence, o
             return _check_forced_routes([(claim, p.routes, routes)], ref.precision)[0]
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
-        return Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+        return _failure_of(exc)
     return None
+
+
+def _resource_error(exc: BaseException) -> bool:
+    """The validator ran out of memory (its GPU's or the host's): nothing the claim did."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+
+
+def _failure_of(exc: Exception, what: str = "claim could not be checked") -> Failure:
+    """A claim's failure where recomputing or checking it raised: `unjudged` (no strike) if the validator ran
+    out of memory, else `malformed`: the claim made the reference fail."""
+    if _resource_error(exc):
+        return Failure(Reason.UNJUDGED, f"out of memory: {exc!r}"[:500], severity=Severity.NONE)
+    return Failure(Reason.MALFORMED, f"{what}: {exc!r}"[:500])
+
+
+def _halves_after(exc: Exception, what: str, members: list[int], claims: list[RolloutClaim],
+                  failures: list[Failure | None], retry: Callable[[list[int]], None]) -> None:
+    """A recomputation of `members` together raised: each half is tried again (`retry`), down to one claim,
+    whose failure it then is (`_failure_of`). So one claim that makes the reference fail fails alone, not
+    every claim recomputed beside it (other submitters' too), and a group too large for the memory left is
+    judged in smaller ones: at most 2 log2(n) more recomputations for one such claim among n."""
+    if _resource_error(exc) and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the failed group's blocks back to the device (other roles share it)
+    if len(members) > 1:
+        log.warning("%s: %d claims together failed (%r): in halves", what, len(members), exc)
+        mid = len(members) // 2
+        retry(members[:mid])
+        retry(members[mid:])
+        return
+    i = members[0]
+    log.warning("claim %s: %s failed: %r", claims[i].work_id, what, exc)
+    failures[i] = failures[i] or _failure_of(exc, f"{what} failed")
 
 
 def _segment(claim: RolloutClaim, p: _Plan, v: int, logits: torch.Tensor, hidden: torch.Tensor, start: int,
@@ -262,9 +296,8 @@ def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans:
         outs = ref.prefill(v, seqs, with_routes=with_routes, with_router_logits=with_routes, logits_from=starts,
                            replay=[plans[i].routes for i in members] if with_routes else None)
     except Exception as exc:
-        log.warning("prefill of version %d failed: %r", v, exc)
-        for i in members:
-            failures[i] = failures[i] or Failure(Reason.MALFORMED, f"prefill failed: {exc!r}"[:500])
+        _halves_after(exc, f"prefill of version {v}", members, claims, failures,
+                      lambda half: _verify_group(v, half, claims, plans, failures, ref, evidence))
         return
     # every member measured together (`check_segments`); should that fail, one by one, so that the claim it
     # failed on is the only one that fails with it
@@ -303,7 +336,7 @@ def _verify_group(v: int, members: list[int], claims: list[RolloutClaim], plans:
 
 def _unexpected(claim: RolloutClaim, exc: Exception, failures: list[Failure | None], i: int) -> None:
     log.warning("claim %s: unexpected error in recomputation checks: %r", claim.work_id, exc)
-    failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+    failures[i] = _failure_of(exc)
 
 
 def _check_forced_routes(items: list[tuple[RolloutClaim, torch.Tensor, list]], precision: str) -> list[Failure | None]:
@@ -360,7 +393,7 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
             plans[i] = p
         except Exception as exc:  # a claim must never take the validator down
             log.warning("claim %s: unexpected error in cheap checks: %r", claim.work_id, exc)
-            failures[i] = Failure(Reason.MALFORMED, f"claim could not be checked: {exc!r}"[:500])
+            failures[i] = _failure_of(exc)
     by_version: dict[int, list[int]] = {}
     mixed: list[int] = []
     for i, p in enumerate(plans):

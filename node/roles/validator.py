@@ -50,7 +50,7 @@ from protocol.identity import NodeKey
 from protocol.messages import PolicyAnnounce, RunSpec, Verdict
 from protocol.work import AcceptedGroup, OpenedUnit, UnreadableUnit, sampling_seed
 from shardcast.store import Store
-from verification.checks import Severity
+from verification.checks import Reason, Severity
 from verification.claim import RolloutClaim, SamplingSpec
 from verification.validator import verify_claims
 
@@ -240,12 +240,19 @@ class ValidatorNode:
                 # weights under the recomputation: a hold waits for the round, and the round for a hold
                 verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
             self._round_verify_s = time.time() - t_verify
+            unjudged = set()
             for (wid, _), v in zip(flat, verdicts):
+                if v.reason == Reason.UNJUDGED:  # out of memory recomputing it: no evidence either way
+                    unjudged.add(wid)
+                    continue
                 if v.accepted or (wid in failed and (wid not in borderline or v.severity == Severity.BORDERLINE)):
                     continue  # passed, or the group's verdict already holds a failure at least as strong
                 failed[wid] = (submitters[wid], f"{getattr(v.reason, 'value', v.reason)}: {v.detail}"[:500])
                 # the group is borderline only if every failing claim in it is
                 (borderline.add if v.severity == Severity.BORDERLINE else borderline.discard)(wid)
+            for wid in unjudged - set(failed):  # a failure of another of its claims stands; else judged later
+                log.warning("work %d: not judged (the validator ran out of memory recomputing it); offered again", wid)
+                skipped.add(wid)
         self._prune()
         out = []
         for item in items:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.parallel_parity import STEP_TOLERANCE, step_errors
 from node.model.checkpoint import load_hf_state_dict, state_dict_to_hf
 from node.model.qwen3_moe import CausalLM
 from node.roles.common import fresh_model
@@ -29,15 +30,6 @@ from node.rl.trainer import Trainer
 from node.sim import run_sim
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
-
-STEP_TOLERANCE = 1e-3
-"""Largest |distributed - one process| over |one process - before| per tensor (L2 norms), after a
-step (4 AdamW updates: 2 passes x 2 minibatches). Float noise in the gradients' reduction order
-(gloo's sum of two ranks against one process's sum) is amplified by Adam's 1/sqrt(v) on elements
-whose gradient is tiny, so a few elements move by up to ~lr: measured up to 1.07e-4 of a tensor's
-largest value on one CI machine and ~1e-6 on another, which is why the bound is on the norm of the
-difference against the norm of the step and not on one element (measured 2e-5 at most). A wrong
-minibatch, learning rate or loss term moves whole tensors by ~lr: errors near 1."""
 
 
 def one_process_step(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
@@ -53,13 +45,6 @@ def one_process_step(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, torc
     torch.manual_seed(minibatch_seed(int(spec.recipe["seed"]), 0))  # Trainer draws from the global generator
     metrics = Trainer(model, role.cfg).train_step(batch)
     return published(out, spec, 1), state_dict_to_hf(model), metrics
-
-
-def step_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                before: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per tensor: how far `got` is from `want`, as a share of how far `want` moved from `before`."""
-    assert sorted(got) == sorted(want) == sorted(before)
-    return {n: float((got[n] - want[n]).norm() / (want[n] - before[n]).norm().clamp(min=1e-30)) for n in want}
 
 
 @pytest.mark.slow  # a whole network of processes: runs after the fast tests
