@@ -115,9 +115,9 @@ def encode_shard(index: int, raw: np.ndarray, parent_raw: np.ndarray | None, lev
     A delta is zstd(raw XOR parent) or, when `sparse`, the changed `word`-byte words alone
     (`shardcast.sparse`): those alone where at most SPARSE_BELOW of the words changed, else the smaller
     of the two; both decode to the same raw bytes and carry the same raw hash."""
-    wire = encode_sparse(raw, parent_raw, word, level) if parent_raw is not None and sparse else None
+    body = raw if parent_raw is None else xor_into(_scratch(len(raw)), raw, parent_raw)
+    wire = encode_sparse(body, word, level) if parent_raw is not None and sparse else None
     if wire is None or sparse_count(wire) / max(1, len(raw) // word) > SPARSE_BELOW:
-        body = raw if parent_raw is None else xor_into(_scratch(len(raw)), raw, parent_raw)  # only where zstd(XOR) is tried
         dense = zstandard.ZstdCompressor(level=level).compress(memoryview(body))
         wire = dense if wire is None or len(dense) <= len(wire) else wire
     entry = ShardEntry(index=index, raw_size=len(raw), wire_size=len(wire), wire_hash=content_hash(wire), raw_hash=content_hash(memoryview(raw)))

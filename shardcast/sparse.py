@@ -49,45 +49,23 @@ def _unplanes(flat: np.ndarray, n: int, dtype) -> np.ndarray:
     return np.ascontiguousarray(flat.reshape(width, n).T).view(dtype).reshape(n)
 
 
-CHUNK_WORDS = 1 << 18
-"""Words compared per pass of `changed_words`: the two 512 KiB ranges (bf16) and their mask stay in a
-core's cache between the compare, the index scan and the gather, where whole-shard passes read the
-shard's 64 MiB pair three times from memory (and wrote a 64 MiB XOR first)."""
-
-
-def changed_words(raw: np.ndarray, parent_raw: np.ndarray, word: int) -> tuple[np.ndarray, np.ndarray]:
-    """(indices, XOR values) of the `word`-byte words where `raw` and `parent_raw` (uint8, same length,
-    a whole number of words) differ, indices increasing."""
-    new, old = raw.view(_UINT[word]), parent_raw.view(_UINT[word])
-    mask = _mask_scratch(min(len(new), CHUNK_WORDS))
-    idx, vals = [], []
-    for s in range(0, len(new), CHUNK_WORDS):
-        a, b = new[s:s + CHUNK_WORDS], old[s:s + CHUNK_WORDS]
-        m = mask[:len(a)]
-        np.not_equal(a, b, out=m)
-        i = np.flatnonzero(m)  # through a mask: 2.7x faster than on the words themselves here
-        if len(i):
-            vals.append(np.bitwise_xor(a[i], b[i]))
-            idx.append(i + s if s else i)
-    if not idx:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=_UINT[word])
-    return (idx[0], vals[0]) if len(idx) == 1 else (np.concatenate(idx), np.concatenate(vals))
-
-
-def encode_sparse(raw: np.ndarray, parent_raw: np.ndarray, word: int, level: int) -> bytes | None:
-    """Sparse wire bytes of the delta from `parent_raw` to `raw` (uint8, same length), or None where the
+def encode_sparse(xor: np.ndarray, word: int, level: int) -> bytes | None:
+    """Sparse wire bytes for a shard whose raw XOR parent is `xor` (uint8), or None where the
     shard length is not a whole number of `word`-byte words."""
-    if word not in _UINT or len(raw) % word or len(parent_raw) != len(raw):
+    if word not in _UINT or len(xor) % word:
         return None
-    idx, vals = changed_words(raw, parent_raw, word)
-    index_bytes = 4 if len(raw) // word < 2**31 else 8
+    words = xor.view(_UINT[word])
+    mask = _mask_scratch(len(words))
+    np.not_equal(words, 0, out=mask)
+    idx = np.flatnonzero(mask)  # through a mask: 2.7x faster than on the words themselves here
+    index_bytes = 4 if len(words) < 2**31 else 8
     gaps = np.empty(len(idx), dtype=_INT[index_bytes])
     if len(idx):
         gaps[0] = idx[0] + 1
         np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
     cctx = zstandard.ZstdCompressor(level=level)
     idx_z = cctx.compress(_planes(gaps).data) if len(idx) else b""
-    val_z = cctx.compress(_planes(vals).data) if len(idx) else b""
+    val_z = cctx.compress(_planes(words[idx]).data) if len(idx) else b""
     return _HEADER.pack(MAGIC, word, index_bytes, 0, len(idx), len(idx_z), len(val_z)) + idx_z + val_z
 
 
@@ -95,9 +73,10 @@ _SCRATCH = threading.local()
 
 
 def _mask_scratch(n: int) -> np.ndarray:
-    """This thread's changed-word mask of `n` entries, kept between chunks and shards (a fresh mask per
-    shard was page-faulted in every time: with a publication's threads faulting and unmapping at once,
-    two threads took 52 ms for the pair of whole-shard masks one thread made in 6.6, cpu-2core)."""
+    """This thread's changed-word mask of `n` entries, kept between shards: a fresh 32 MiB mask per
+    64 MiB shard is allocated by mmap (glibc's ceiling for heap allocations is 32 MiB) and page-faulted
+    in every time; with a publication's threads faulting and unmapping at once, two threads took 52 ms
+    for the pair of masks one thread makes in 6.6 (cpu-2core)."""
     buf = getattr(_SCRATCH, "mask", None)
     if buf is None or len(buf) < n:
         buf = _SCRATCH.mask = np.empty(n, dtype=bool)
@@ -164,4 +143,4 @@ def decode_sparse(index: int, wire: bytes | bytearray | memoryview, out: np.ndar
         words[idx] ^= vals
 
 
-__all__ = ["MAGIC", "InvalidSparseDelta", "changed_words", "decode_sparse", "encode_sparse", "is_sparse", "sparse_count"]
+__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse", "is_sparse", "sparse_count"]
