@@ -110,17 +110,19 @@ def xor_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def encode_shard(index: int, raw: np.ndarray, parent_raw: np.ndarray | None, level: int = DEFAULT_ZSTD_LEVEL,
-                 word: int = 2, sparse: bool = True) -> tuple[ShardEntry, bytes]:
+                 word: int = 2, sparse: bool = True, raw_hash: str | None = None) -> tuple[ShardEntry, bytes]:
     """Wire bytes of one shard (delta against `parent_raw` if given) and its manifest entry.
     A delta is zstd(raw XOR parent) or, when `sparse`, the changed `word`-byte words alone
     (`shardcast.sparse`): those alone where at most SPARSE_BELOW of the words changed, else the smaller
-    of the two; both decode to the same raw bytes and carry the same raw hash."""
+    of the two; both decode to the same raw bytes and carry the same raw hash (`raw_hash`: already
+    computed by the caller, from these bytes)."""
     body = raw if parent_raw is None else xor_into(_scratch(len(raw)), raw, parent_raw)
     wire = encode_sparse(body, word, level) if parent_raw is not None and sparse else None
     if wire is None or sparse_count(wire) / max(1, len(raw) // word) > SPARSE_BELOW:
         dense = zstandard.ZstdCompressor(level=level).compress(memoryview(body))
         wire = dense if wire is None or len(dense) <= len(wire) else wire
-    entry = ShardEntry(index=index, raw_size=len(raw), wire_size=len(wire), wire_hash=content_hash(wire), raw_hash=content_hash(memoryview(raw)))
+    entry = ShardEntry(index=index, raw_size=len(raw), wire_size=len(wire), wire_hash=content_hash(wire),
+                       raw_hash=raw_hash or content_hash(memoryview(raw)))
     return entry, wire
 
 

@@ -131,9 +131,10 @@ class Fetcher:
 
         await asyncio.gather(*(one(s) for s in self.pool.alive()))
 
-    async def manifest(self, run_id: str, version: int) -> Manifest:
-        """The verified manifest: from the store if held, else the first source with a valid one."""
-        held = self.store.manifest(run_id, version)
+    async def manifest(self, run_id: str, version: int, wire: bool = False) -> Manifest:
+        """The verified manifest: from the store if held (with `wire`, only a whole one: a local manifest
+        lists no wire shards to fetch), else the first source with a valid, whole one."""
+        held = self.store.manifest(run_id, version) if wire else self.store.held_manifest(run_id, version)
         if held is not None:
             return held.verified(self.trusted)
         errors: list[ShardcastError] = []
@@ -143,6 +144,8 @@ class Fetcher:
                 m = signed.verified(self.trusted)
                 if (m.run_id, m.version) != (run_id, version):
                     raise InvalidManifest(f"asked for {run_id} v{version}, got {m.run_id} v{m.version}")
+                if not m.wire_complete:  # a server serves only whole manifests (`Store.manifest`)
+                    raise InvalidManifest(f"{run_id} v{version}: the served manifest lists no wire shards")
             except (InvalidSignature, UnknownPublisher, InvalidManifest) as exc:
                 src.drop(f"bad manifest: {exc}", lied=True)
                 errors.append(exc)
@@ -164,7 +167,7 @@ class Fetcher:
         held = await self._held(run_id, version, manifest_hash)
         if held is not None:
             return held
-        m = await self.manifest(run_id, version)
+        m = await self.manifest(run_id, version, wire=True)
         _check_announced(m, manifest_hash)
         parent_payload = None
         if m.encoding == "delta":
@@ -185,8 +188,8 @@ class Fetcher:
             return self._complete(run_id, version, manifest_hash)
 
     def _complete(self, run_id: str, version: int, manifest_hash: str | None) -> FetchedVersion | None:
-        """Under the version's lock: its payload and verified manifest when both are held."""
-        signed = self.store.manifest(run_id, version)
+        """Under the version's lock: its payload and verified manifest (whole or local) when both are held."""
+        signed = self.store.held_manifest(run_id, version)
         if signed is None or not self.store.payload_path(run_id, version).exists():
             return None
         m = signed.verified(self.trusted)

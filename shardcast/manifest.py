@@ -4,6 +4,12 @@ Invariant: a fetcher accepts bytes only if they hash to what a manifest says, an
 manifest only if a trusted publisher signed its canonical bytes. A manifest that parses is
 also internally consistent (shard sizes tile the payload, tensors lie inside it), so a hostile
 one cannot make a fetcher allocate or index beyond what it declares.
+
+A version is published in two steps (`shardcast.publish.publish_stream`): first its content alone
+(tensors, shard sizes and raw hashes: a *local* manifest, no wire encoding yet), which processes
+sharing the publisher's store can load at once; then the wire shards and the whole manifest, which
+fetchers elsewhere need. `manifest_hash`, what the coordinator announces, is the hash of the content
+without the wire fields, so it is the same for both; the wire fields are covered by the signature.
 """
 
 from __future__ import annotations
@@ -47,10 +53,11 @@ class ShardEntry(BaseModel):
     """Position of the shard; shard i covers payload bytes [i*shard_size, i*shard_size+raw_size)."""
     raw_size: int = Field(ge=0)
     """Bytes of the full-version payload this shard covers."""
-    wire_size: int = Field(ge=0)
-    """Bytes sent on the wire (zstd frame of the raw bytes, or of raw XOR parent for a delta)."""
-    wire_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
-    """Hash of the wire bytes: checked on arrival, before decompressing."""
+    wire_size: int | None = Field(default=None, ge=0)
+    """Bytes sent on the wire (zstd frame of the raw bytes, or of raw XOR parent for a delta); None in a
+    local manifest (the wire shards not encoded yet)."""
+    wire_hash: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """Hash of the wire bytes: checked on arrival, before decompressing; None in a local manifest."""
     raw_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
     """Hash of the reconstructed full-version bytes: checked after decoding (and after un-XOR)."""
 
@@ -97,8 +104,10 @@ class Manifest(BaseModel):
             want = min(self.shard_size, self.total_bytes - i * self.shard_size)
             if s.index != i or s.raw_size != want:
                 raise ValueError(f"shard {i}: index {s.index}, raw_size {s.raw_size}; expected {i}, {want}")
+            if (s.wire_size is None) != (s.wire_hash is None):
+                raise ValueError(f"shard {i}: a wire size without a wire hash, or the other way")
             # zstd's worst case is raw + raw/128 + a small header; anything larger is a lie.
-            if s.wire_size > want + (want >> 7) + 1024:
+            if s.wire_size is not None and s.wire_size > want + (want >> 7) + 1024:
                 raise ValueError(f"shard {i}: wire_size {s.wire_size} exceeds zstd's bound")
         for t in self.tensors:
             if t.offset + t.nbytes > self.total_bytes or any(d < 0 for d in t.shape):
@@ -110,12 +119,30 @@ class Manifest(BaseModel):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
 
     def manifest_hash(self) -> str:
-        """Content hash announced over gossip (`PolicyAnnounce.manifest_hash`)."""
-        return content_hash(self.canonical_bytes())
+        """Hash of the version's content, announced over gossip (`PolicyAnnounce.manifest_hash`): the
+        canonical bytes without the shards' wire fields, so a local manifest and the whole one it becomes
+        hash the same (the signature covers the wire fields)."""
+        doc = self.model_dump(mode="json")
+        doc["shards"] = [{k: v for k, v in s.items() if k not in _WIRE_FIELDS} for s in doc["shards"]]
+        return content_hash(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+
+    @property
+    def wire_complete(self) -> bool:
+        """Whether every shard's wire size and hash are here (what a fetcher from elsewhere needs)."""
+        return all(s.wire_hash is not None for s in self.shards)
+
+    def with_wire(self, shards: list[ShardEntry]) -> "Manifest":
+        """This manifest with the wire fields of `shards` (same indices, sizes and raw hashes)."""
+        if [(s.index, s.raw_size, s.raw_hash) for s in shards] != [(s.index, s.raw_size, s.raw_hash) for s in self.shards]:
+            raise ValueError("the wire shards are not this manifest's")
+        return self.model_copy(update={"shards": shards})
 
     @property
     def wire_bytes(self) -> int:
-        return sum(s.wire_size for s in self.shards)
+        return sum(s.wire_size or 0 for s in self.shards)
+
+
+_WIRE_FIELDS = ("wire_size", "wire_hash")
 
 
 class SignedManifest(BaseModel):

@@ -73,6 +73,11 @@ class Store:
     def manifest_path(self, run_id: str, version: int) -> Path:
         return self.version_dir(run_id, version) / "manifest.json"
 
+    def local_manifest_path(self, run_id: str, version: int) -> Path:
+        """A version's local manifest (content, no wire fields: `shardcast.manifest`), written beside its
+        payload before the wire shards; never served (peers get `manifest.json`, once it is whole)."""
+        return self.version_dir(run_id, version) / "manifest.local.json"
+
     def payload_path(self, run_id: str, version: int) -> Path:
         """The version's payload: its directory of shard files where a publisher wrote one, else `payload.bin`."""
         d = self.payload_dir(run_id, version)
@@ -91,6 +96,11 @@ class Store:
         m = signed.manifest
         self.version_dir(m.run_id, m.version).mkdir(parents=True, exist_ok=True)
         _atomic_write(self.manifest_path(m.run_id, m.version), signed.to_json())
+
+    def put_local_manifest(self, signed: SignedManifest) -> None:
+        m = signed.manifest
+        self.version_dir(m.run_id, m.version).mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.local_manifest_path(m.run_id, m.version), signed.to_json())
 
     def put_shard(self, run_id: str, version: int, index: int, wire: bytes | bytearray | memoryview) -> None:
         self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
@@ -163,8 +173,21 @@ class Store:
         return retention.run_bytes(self, run_id)
 
     def manifest(self, run_id: str, version: int) -> SignedManifest | None:
+        """The whole (wire) manifest: what peers are served and fetch with."""
         p = self.manifest_path(run_id, version)
         return SignedManifest.from_json(p.read_bytes()) if p.exists() else None
+
+    def held_manifest(self, run_id: str, version: int) -> SignedManifest | None:
+        """The whole manifest, else the local one (a version whose wire shards are still being encoded):
+        what a process reading the payload from this store needs."""
+        signed = self.manifest(run_id, version)
+        if signed is not None:
+            return signed
+        p = self.local_manifest_path(run_id, version)
+        try:
+            return SignedManifest.from_json(p.read_bytes())
+        except FileNotFoundError:
+            return None
 
     def held_shards(self, run_id: str, version: int) -> list[int]:
         d = self.version_dir(run_id, version)

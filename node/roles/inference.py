@@ -210,7 +210,7 @@ class InferenceNode:
             return
         t_fetched = time.time()
         if manifest_hash is None:
-            signed = self.store.manifest(self.spec.run_id, version)
+            signed = self.store.held_manifest(self.spec.run_id, version)  # whole, or local beside the trainer
             manifest_hash = signed.manifest.manifest_hash()
         self.hashes[version] = manifest_hash
         async with self._loading:

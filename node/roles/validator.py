@@ -151,7 +151,7 @@ class ValidatorNode:
             state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3)
         self._fetched_at = time.monotonic()
         if version not in self.hashes:
-            self.hashes[version] = self.store.manifest(self.spec.run_id, version).manifest.manifest_hash()
+            self.hashes[version] = self.store.held_manifest(self.spec.run_id, version).manifest.manifest_hash()
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
         t_fetched = time.monotonic()

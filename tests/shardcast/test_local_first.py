@@ -1,0 +1,97 @@
+"""A streamed version is listed beside its publisher before its wire shards are encoded
+(`shardcast.publish.publish_stream`, step 1: the payload and a signed local manifest), so a process sharing
+the store reads it at once, under the hash the coordinator announces; peers elsewhere are told it is not there
+until the wire shards and the whole manifest are (step 2), then fetch it bit for bit. A source that serves a
+manifest without wire fields is refused as lying."""
+
+import asyncio
+
+import pytest
+
+from shardcast.codec import flatten
+from shardcast.errors import InvalidManifest, InvalidSignature, VersionNotFound
+from shardcast.fetch import Fetcher
+from shardcast.manifest import SignedManifest
+from shardcast.publish import PublishOptions, publish_stream
+from shardcast.store import Store
+
+
+def _stream(store, key, sc, v, state, on_signed=None):
+    tensors, payload = flatten(state)
+    filled = iter([len(payload) // 2, len(payload)])
+    return publish_stream(store, key, "run", v, tensors, payload, filled, v - 1 if v else None,
+                          PublishOptions(shard_size=sc.SHARD, threads=2), on_signed=on_signed)
+
+
+def test_a_version_is_read_beside_its_publisher_before_its_wire_shards_and_fetched_elsewhere_after(tmp_path, key,
+                                                                                                   trusted, sc):
+    states = [sc.make_state(0), sc.rl_step(sc.make_state(0), 1)]
+    trainer = Store(tmp_path / "trainer")
+    _stream(trainer, key, sc, 0, states[0])
+    seen = {}
+
+    async def body():
+        server, url = await sc.serve(trainer)
+        loop = asyncio.get_running_loop()
+
+        async def while_listed_locally(local: SignedManifest):
+            seen["local"] = local
+            seen["whole_yet"] = trainer.manifest("run", 1) is not None
+            seen["wire_shards_yet"] = trainer.held_shards("run", 1)
+            async with Fetcher(trainer, [url], trusted) as beside:  # a role sharing the trainer's store
+                seen["beside"] = (await beside.fetch("run", 1, local.manifest.manifest_hash())).tensors()
+            async with Fetcher(Store(tmp_path / "elsewhere-early"), [url], trusted) as elsewhere:
+                with pytest.raises(VersionNotFound):
+                    await elsewhere.fetch("run", 1)
+
+        def on_signed(local):  # called on the publishing thread: step 2 waits for the checks
+            asyncio.run_coroutine_threadsafe(while_listed_locally(local), loop).result(60)
+
+        try:
+            whole = await asyncio.to_thread(_stream, trainer, key, sc, 1, states[1], on_signed)
+            async with Fetcher(Store(tmp_path / "elsewhere"), [url], trusted) as elsewhere:
+                got = (await elsewhere.fetch("run", 1, seen["local"].manifest.manifest_hash())).tensors()
+            return whole, got
+        finally:
+            await server.stop()
+
+    whole, got = asyncio.run(asyncio.wait_for(body(), 120))
+    local = seen["local"].manifest
+    assert not local.wire_complete and not seen["whole_yet"] and seen["wire_shards_yet"] == []
+    sc.assert_same(seen["beside"], states[1])
+    assert whole.manifest.wire_complete and whole.manifest.encoding == "delta"
+    assert whole.manifest.manifest_hash() == local.manifest_hash()  # what the coordinator announced
+    assert [(s.raw_size, s.raw_hash) for s in whole.manifest.shards] == [(s.raw_size, s.raw_hash) for s in local.shards]
+    sc.assert_same(got, states[1])
+
+
+def test_the_signature_covers_the_wire_fields_the_announced_hash_leaves_out(tmp_path, key, trusted, sc):
+    store = Store(tmp_path / "s")
+    whole = _stream(store, key, sc, 0, sc.make_state(0))
+    shards = list(whole.manifest.shards)
+    shards[0] = shards[0].model_copy(update={"wire_hash": "0" * 64})
+    forged = whole.model_copy(update={"manifest": whole.manifest.model_copy(update={"shards": shards})})
+    assert forged.manifest.manifest_hash() == whole.manifest.manifest_hash()
+    with pytest.raises(InvalidSignature):
+        forged.verified(trusted)
+    assert whole.verified(trusted) == whole.manifest
+
+
+def test_a_source_serving_a_manifest_without_wire_fields_is_refused(tmp_path, key, trusted, sc):
+    origin = Store(tmp_path / "origin")
+    locals_ = []
+    _stream(origin, key, sc, 0, sc.make_state(0), on_signed=locals_.append)
+    # a lying source: the signed local manifest where the whole one belongs
+    origin.manifest_path("run", 0).write_bytes(locals_[0].to_json())
+
+    async def body():
+        source = sc.HostileSource(origin, "honest")
+        url = await source.start()
+        try:
+            async with Fetcher(Store(tmp_path / "follower"), [url], trusted) as f:
+                with pytest.raises(InvalidManifest, match="no wire shards"):
+                    await f.fetch("run", 0)
+        finally:
+            await source.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
