@@ -4,7 +4,9 @@
     python -m benchmarks.publish_speed [--gib 2] [--changed 0.05] [--versions 3] [--store DIR] [--threads N] [--scaling]
 
 What it times is `shardcast.publish.publish_stream`, the call the trainer role makes
-(node/rl/parallel/publish.py) once its weights are in the payload buffer: a full version 0, then
+(node/rl/parallel/publish.py) once its weights are in the payload buffer, to the version listed beside the
+publisher (`listed_s`: what the coordinator announces then; processes sharing the store read it) and to the
+whole version (`seconds`: wire shards encoded, what peers elsewhere fetch): a full version 0, then
 `--versions` deltas, each changing `--changed` of the bf16 words at random (an RL step in bf16 changes
 few: the 5.2B run's deltas were 1-7% of the bytes on the wire), into a real `Store` at `--store`. The
 limits measured in the same run: one copy of the payload in memory (numpy, one thread), and BLAKE3 over it
@@ -73,19 +75,22 @@ def run(args: argparse.Namespace) -> dict:
         for v in range(args.versions + 1):
             if v:
                 words[at] ^= rng.integers(1, 8, size=len(at), dtype=np.uint16)  # low mantissa bits: a bf16 step
-            t = time.perf_counter()
-            signed = publish_stream(store, key, "bench", v, tensors, payload, iter([total]), v - 1 if v else None, opt)
+            t, listed = time.perf_counter(), []
+            signed = publish_stream(store, key, "bench", v, tensors, payload, iter([total]), v - 1 if v else None, opt,
+                                    on_signed=lambda _: listed.append(time.perf_counter() - t))
             m = signed.manifest
-            rows.append({"version": v, "encoding": m.encoding, "seconds": round(time.perf_counter() - t, 3),
-                         "wire_mib": round(m.wire_bytes / 2**20, 1)})
+            rows.append({"version": v, "encoding": m.encoding, "listed_s": round(listed[0], 3),
+                         "seconds": round(time.perf_counter() - t, 3), "wire_mib": round(m.wire_bytes / 2**20, 1)})
             log.info("%s", rows[-1])
     finally:
         if not args.store:
             shutil.rmtree(root, ignore_errors=True)
     deltas = [r["seconds"] for r in rows if r["encoding"] == "delta"]
+    listed = [r["listed_s"] for r in rows if r["encoding"] == "delta"]
     return {"bench": "publish_speed", "command": "python -m benchmarks.publish_speed " + " ".join(sys.argv[1:]),
             "host_cores": os.cpu_count(), "threads": opt.threads, "payload_gib": round(total / 2**30, 3),
             "changed": args.changed, "store": str(root), "versions": rows,
+            "delta_listed_s_median": float(np.median(listed)) if listed else None,
             "delta_publish_s_median": float(np.median(deltas)) if deltas else None,
             "delta_publish_gb_s": round(total / 1e9 / float(np.median(deltas)), 3) if deltas else None,
             "copy_gb_s_one_thread": round(total / 1e9 / copy_s, 3), "blake3_gb_s_one_thread": round(total / 1e9 / hash_s, 3),

@@ -211,10 +211,10 @@ def world_main(args) -> None:
             for v in range(2, 2 + args.iters):
                 step(v)
                 if pending is not None:
-                    pending.result()
+                    pending.whole.result()  # the whole publication: wire shards too
                     rows_ov.append(dict(leader.last_publish))
                 pending = leader.send_weights_async(store, key, "ts", v, None, opts)
-            pending.result()
+            pending.whole.result()
             rows_ov.append(dict(leader.last_publish))
             per = (time.perf_counter() - t) / args.iters
             result["publish_overlapped"] = rows_ov

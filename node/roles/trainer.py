@@ -261,28 +261,34 @@ class TrainerNode:
                                  metrics=None) -> asyncio.Task:
         """Copy the current version out of the weights (streamed: a world's ranks never gather the model)
         and return the task that finishes its publication, announces it and writes the step's metrics row
-        (`t_asked`: batch asked for; `publish_s`: its publication; `step_s`: batch asked for -> published;
-        `t`: published). The weights may change as soon as this returns."""
+        (`t_asked`: batch asked for; `publish_s`: copied out -> listed beside the trainer and announced; `wire_s`:
+        its wire shards after that; `step_s`: batch asked for -> announced; `t`: announced). The weights may
+        change as soon as this returns."""
         v, t = trainer.step, time.time()
-        signed = self.store.manifest(self.spec.run_id, v)
-        listed = None
+        signed = self.store.manifest(self.spec.run_id, v)  # whole: published before a restart
+        publishing = None
         if signed is None:
-            listed = await asyncio.to_thread(
+            publishing = await asyncio.to_thread(
                 publish_trainer_async, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
                 PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
 
         async def finish() -> None:
-            done = signed if listed is None else await asyncio.wrap_future(listed)
+            # announced once listed beside the trainer (roles sharing its store load it then), before the wire
+            # shards peers elsewhere fetch (they ask again until those are listed too)
+            done = signed if publishing is None else await asyncio.wrap_future(publishing.listed)
             await client.announce(v, done.manifest.manifest_hash())
             self.ledger.current_version = v
+            listed_at = time.time()
+            if publishing is not None:
+                await asyncio.wrap_future(publishing.whole)  # one publication at a time, in order
             if row is None:
                 return
             now = time.time()
-            row.update(publish_s=now - t, step_s=now - row["t_asked"], t=now)
+            row.update(publish_s=listed_at - t, wire_s=now - listed_at, step_s=listed_at - row["t_asked"], t=listed_at)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-            log.info("step %d: reward %.3f, lag max %d, waited %.2fs, published in %.2fs", row["step"],
-                     row["reward_mean"], max(row["lags"]), row["wait_s"], row["publish_s"])
+            log.info("step %d: reward %.3f, lag max %d, waited %.2fs, announced after %.2fs (wire shards %.2fs more)",
+                     row["step"], row["reward_mean"], max(row["lags"]), row["wait_s"], row["publish_s"], row["wire_s"])
 
         return asyncio.create_task(finish())
 

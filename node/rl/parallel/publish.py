@@ -110,7 +110,20 @@ class Publication:
     buffer: PayloadBuffer
     """The pinned payload buffer the gathered tensors are copied into (reused across versions)."""
     done: Future = field(default_factory=Future)
-    """Gets the SignedManifest once the version is listed (or the error that stopped it)."""
+    """Gets the local SignedManifest once the version is listed beside the publisher (processes sharing the
+    store read it; the coordinator may announce it), or the error that stopped it."""
+    whole: Future = field(default_factory=Future)
+    """Gets the whole SignedManifest once the wire shards are listed too (peers elsewhere fetch it)."""
+
+
+@dataclass
+class Publishing:
+    """A publication in flight (`shardcast.publish.publish_stream`'s two steps)."""
+
+    listed: Future
+    """The local SignedManifest: processes sharing the store read the version; announce it then."""
+    whole: Future
+    """The whole SignedManifest: peers elsewhere fetch it."""
 
 
 def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None,
@@ -139,17 +152,18 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
                 yield n
 
         def encode():
-            done = sink.done
-            try:  # the waiter gets the version once it is listed; retention runs after
-                publish_stream(sink.store, sink.key, sink.run_id, sink.version, tensors, payload,
-                               filled(), sink.parent, sink.options, on_signed=done.set_result)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            done, whole = sink.done, sink.whole
+            try:  # `done` once the version is listed locally, `whole` once its wire shards are (retention after)
+                whole.set_result(publish_stream(sink.store, sink.key, sink.run_id, sink.version, tensors, payload,
+                                                filled(), sink.parent, sink.options, on_signed=done.set_result))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiters
                 if not done.done():
                     done.set_exception(exc)
                 else:
-                    log.warning("v%d: retention after publishing failed: %s", sink.version, exc)
+                    log.warning("v%d: listed locally, then its wire shards or retention failed: %s", sink.version, exc)
+                whole.set_exception(exc)
 
-        sink.buffer.busy = sink.done
+        sink.buffer.busy = sink.done  # step 2 reads the stored payload, not the buffer
         threading.Thread(target=encode, name=f"publish-v{sink.version}", daemon=True).start()
     failed: BaseException | None = None
     try:
@@ -182,31 +196,31 @@ def publish_model(model: torch.nn.Module, groups: ParallelGroups | None, store: 
                   version: int, parent: int | None, options: PublishOptions | None, buffer: PayloadBuffer | None = None,
                   dtype: torch.dtype | None = None) -> SignedManifest:
     """One process (or rank 0 of a world whose other ranks call `stream_publish(..., None)`):
-    publish `model` as `version` and wait for the signed manifest."""
-    return start_publish(model, groups, store, key, run_id, version, parent, options, buffer, dtype).result()
+    publish `model` as `version` and wait for the whole signed manifest."""
+    return start_publish(model, groups, store, key, run_id, version, parent, options, buffer, dtype).whole.result()
 
 
 def start_publish(model: torch.nn.Module, groups: ParallelGroups | None, store: Store, key: NodeKey, run_id: str,
                   version: int, parent: int | None, options: PublishOptions | None, buffer: PayloadBuffer | None = None,
-                  dtype: torch.dtype | None = None) -> Future:
-    """`publish_model` that returns once every tensor's copy out of `model` is issued, with a Future of the
-    SignedManifest (the encoding goes on on a thread)."""
+                  dtype: torch.dtype | None = None) -> Publishing:
+    """`publish_model` that returns once every tensor's copy out of `model` is issued (the publication goes
+    on on a thread)."""
     sink = Publication(store, key, run_id, version, parent, options, buffer or PayloadBuffer())
     stream_publish(model, groups, dtype, sink)
-    return sink.done
+    return Publishing(sink.done, sink.whole)
 
 
 def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                     options: PublishOptions | None = None) -> SignedManifest:
     """What the trainer role calls to publish a version: a one-process `Trainer` streams its own
-    weights; a `world.Leader` has every rank of its world stream theirs."""
-    return publish_trainer_async(trainer, store, key, run_id, version, parent, options).result()
+    weights; a `world.Leader` has every rank of its world stream theirs. Returns the whole manifest."""
+    return publish_trainer_async(trainer, store, key, run_id, version, parent, options).whole.result()
 
 
 def publish_trainer_async(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
-                          options: PublishOptions | None = None) -> Future:
-    """`publish_trainer` that returns once every tensor's copy out of the weights is issued, with a Future
-    of the SignedManifest: the next step may change the weights at once (on a GPU its kernels queue behind
+                          options: PublishOptions | None = None) -> Publishing:
+    """`publish_trainer` that returns once every tensor's copy out of the weights is issued: the next step
+    may change the weights at once (on a GPU its kernels queue behind
     the copies on the same stream), while the version is encoded, signed and listed from the payload buffer
     (the next publication waits for the buffer: `PayloadBuffer.get`)."""
     if hasattr(trainer, "send_weights_async"):

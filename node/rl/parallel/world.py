@@ -43,7 +43,7 @@ from node.rl.parallel.load import read_own_shards
 from node.distributed.control import (LeaderLost, ModelMismatch, KeepAlive, check_same,  # noqa: F401 (re-exported)
                                       control_group, exchange)
 from node.rl.parallel.dims import ParallelDims, ParallelGroups, init_distributed, shutdown_distributed
-from node.rl.parallel.publish import PayloadBuffer, Publication, stream_publish
+from node.rl.parallel.publish import PayloadBuffer, Publication, Publishing, stream_publish
 from node.rl.parallel.state import scatter_optimizer_state, scatter_weights
 from node.rl.parallel.trainer import DistributedTrainer, RankWork, minibatch_seed, plan_world
 from node.rl.trainer import Trainer, TrainerConfig
@@ -184,7 +184,7 @@ class Leader:
         self.step = 0
         self.buffer = PayloadBuffer()
         self.last_publish: dict[str, float] = {}
-        """Timings of the last publication: gather_s (the world busy), total_s (signed)."""
+        """Timings of the last publication: gather_s (the world busy), total_s (listed beside the publisher)."""
         self._stopped = False  # touched only on the collectives thread
         self._closing = threading.Event()
         self._keepalive = KeepAlive(lambda: self.collectives.submit(self._send, Order("keepalive")))
@@ -252,11 +252,12 @@ class Leader:
         return metrics
 
     def send_weights_async(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
-                      options: PublishOptions | None = None) -> Future:
+                      options: PublishOptions | None = None) -> Publishing:
         """Stream the weights into `store` as `version`. Returns once the world has gathered them
-        (the next order, e.g. the next step, may run while rank 0 encodes); the Future gets the
-        SignedManifest."""
+        (the next order, e.g. the next step, may run while rank 0 encodes): its `listed` Future gets the
+        local SignedManifest (timings written), its `whole` one the whole manifest."""
         done: Future = Future()  # set by rank 0's publication sink
+        whole: Future = Future()
         signed: Future = Future()  # what the caller gets: resolved only once the timings are written
         started = time.perf_counter()
         timings: dict[str, float] = {}
@@ -275,16 +276,16 @@ class Leader:
         done.add_done_callback(stamp)
 
         def send() -> float:
-            self.rank.publication = Publication(store, key, run_id, version, parent, options, self.buffer, done)
+            self.rank.publication = Publication(store, key, run_id, version, parent, options, self.buffer, done, whole)
             return self._send(Order("publish"))
 
         timings["gather_s"] = self.collectives.submit(send).result()
         self.last_publish = timings
-        return signed
+        return Publishing(signed, whole)
 
     def send_weights(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
                 options: PublishOptions | None = None) -> SignedManifest:
-        return self.send_weights_async(store, key, run_id, version, parent, options).result()
+        return self.send_weights_async(store, key, run_id, version, parent, options).whole.result()
 
     def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
         """A distributed checkpoint: every rank writes its shards of the weights and AdamW state
