@@ -6,21 +6,18 @@ units pass. `OutOfMemoryReference` is a named fake (this machine has no GPU to r
 from __future__ import annotations
 
 import asyncio
-import time
 
 import torch
 
-from node.engine import Engine
 from node.replay import TorchReference
 from node.roles import validator as validator_role
 from node.roles.common import fresh_model
-from node.roles.inference import InferenceNode
 from node.roles.resident_policy import ResidentPolicies
 from node.roles.validator import ValidatorNode
-from protocol.envelope import seal
 from protocol.identity import NodeKey
-from protocol.messages import LeaseGrant, RunSpec, StoredWork
+from protocol.messages import RunSpec
 from protocol.work import open_unit
+from role_rollouts import rolled_out, stored
 
 
 class OutOfMemoryReference(TorchReference):
@@ -33,17 +30,10 @@ class OutOfMemoryReference(TorchReference):
 
 def test_units_the_validator_runs_out_of_memory_on_are_offered_again_and_pass_once_it_has_room(tmp_path, monkeypatch):
     spec = RunSpec(run_id="oom", coordinator="c", environment="reverse", group_size=2, recipe={"hidden": 64})
-    key = NodeKey.generate()
-    node = InferenceNode(key, spec, "", tmp_path / "inference")
     model = fresh_model(spec)
     manifest = "cd" * 32
-    node.engine = Engine(model, max_batch=8, eos_id=node.tok.eos_id, decode=node.tok.decode, capture_hidden=True)
-    node.hashes, node._newest_loaded = {0: manifest}, 0
-    grants = [LeaseGrant(work_id=w, holder=key.peer_id, policy_version=0, task_index=200 + w, seed=5 * w + 3,
-                         deadline=time.time() + 60) for w in range(3)]
-    units = [open_unit(StoredWork(work_id=g.work_id, task_index=grant.task_index, seed=grant.seed,
-                                  envelope=seal(key, spec.run_id, g)), spec.run_id, spec.group_size)
-             for grant, g in zip(grants, node._roll_out(grants))]
+    key, grants, groups = rolled_out(spec, model, manifest, tmp_path / "inference", 3, task0=200, seed=lambda w: 5 * w + 3)
+    units = [open_unit(item, spec.run_id, spec.group_size) for item in stored(key, spec, grants, groups)]
     validator = ValidatorNode(NodeKey.generate(), spec, "", tmp_path / "validator")
     validator.hashes, validator.policies = {0: manifest}, ResidentPolicies(model, 0, bytes.fromhex(manifest))
 

@@ -133,36 +133,24 @@ def test_engine_fields_are_backward_compatible_on_the_wire():
 def test_validator_role_bans_a_vllm_claim_only_where_the_run_does_not_accept_vllm(tmp_path):
     """Through the roles: an inference node's signed groups, relabelled, judged by the validator role."""
     import asyncio
-    import time
 
-    from node.engine import Engine
     from node.roles.common import fresh_model
-    from node.roles.inference import InferenceNode
     from node.roles.resident_policy import ResidentPolicies
     from node.roles.validator import ValidatorNode
-    from protocol.envelope import seal
     from protocol.identity import NodeKey
-    from protocol.messages import LeaseGrant, StoredWork
+    from protocol.messages import StoredWork
     from protocol.work import open_unit
+    from role_rollouts import rolled_out, stored as signed_groups
 
     spec = RunSpec(run_id="r", coordinator="c", environment="reverse", group_size=2, recipe={"hidden": 64})
-    key = NodeKey.generate()
-    node = InferenceNode(key, spec, "", tmp_path / "inference")
     model = fresh_model(spec)
     manifest = "ab" * 32
-    node.engine = Engine(model, max_batch=8, eos_id=node.tok.eos_id, decode=node.tok.decode, capture_hidden=True)
-    node.hashes, node._newest_loaded = {0: manifest}, 0
-    grants = [LeaseGrant(work_id=w, holder=key.peer_id, policy_version=0, task_index=100 + w, seed=7 * w + 1,
-                         deadline=time.time() + 60) for w in range(3)]
-    groups = node._roll_out(grants)
+    key, grants, groups = rolled_out(spec, model, manifest, tmp_path / "inference", 3)
 
     def stored(engine: str) -> list[StoredWork]:
-        out = []
-        for grant, g in zip(grants, groups):
-            g = g.model_copy(update={"rollouts": [r.model_copy(update={"engine": engine}) for r in g.rollouts]})
-            out.append(StoredWork(work_id=g.work_id, task_index=grant.task_index, seed=grant.seed,
-                                  envelope=seal(key, spec.run_id, g)))
-        return out
+        relabelled = [g.model_copy(update={"rollouts": [r.model_copy(update={"engine": engine}) for r in g.rollouts]})
+                      for g in groups]
+        return signed_groups(key, spec, grants, relabelled)
 
     def judge(run_spec: RunSpec, items: list[StoredWork]):
         v = ValidatorNode(NodeKey.generate(), run_spec, "", tmp_path / "validator")
