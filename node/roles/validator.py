@@ -56,6 +56,11 @@ from verification.validator import verify_claims
 
 log = logging.getLogger(__name__)
 
+PREFETCH_FOR_S = 15.0
+"""How long a version announced is tried again (in fetches of 3 attempts, ~1.2 s each, so a judging round
+that needs it meanwhile waits for one of them only) until held, while no newer one is announced. A version is
+announced once listed beside the trainer, before its wire shards exist (`shardcast.publish.publish_stream`):
+a validator on another host is told it is not there until they are (seconds for a 10 GB version)."""
 UNJUDGEABLE_AFTER_S = 60.0
 """How long a unit's policy version may stay unfetchable before the unit fails as unjudgeable (a
 borderline verdict: a strike against its submitter, `protocol.judging.STRIKES_TO_BAN`). Counted only
@@ -129,10 +134,16 @@ class ValidatorNode:
             asyncio.create_task(self._prefetch(msg.version))
 
     async def _prefetch(self, version: int) -> None:
-        try:
-            await self._policy(version)
-        except Exception as exc:  # noqa: BLE001 - a unit that needs it asks again (and defers, as before)
-            log.warning("policy v%d not held ahead of its units: %s", version, exc)
+        until = time.monotonic() + PREFETCH_FOR_S
+        while True:
+            try:
+                await self._policy(version)
+                return
+            except Exception as exc:  # noqa: BLE001 - a unit that needs it asks again (and defers, as before)
+                if time.monotonic() > until or version < max(self.hashes):
+                    log.warning("policy v%d not held ahead of its units: %s", version, exc)
+                    return
+            await asyncio.sleep(0.5)
 
     async def _policy(self, version: int) -> None:
         if self.policies is not None and version in self.policies:
