@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POLL_S = 2.0
 """How often upstream version lists are read; gossip announcements can wake the relay sooner."""
+EAGER_POLL_S = 0.25
+EAGER_FOR_S = 10.0
+"""After a wake (an announcement) that found nothing new upstream, the lists are read every EAGER_POLL_S for
+up to EAGER_FOR_S: a version is announced once listed beside its publisher, before its wire shards are on
+its server (`shardcast.publish.publish_stream`: seconds for a 10 GB version)."""
 
 
 async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: float = DEFAULT_POLL_S,
@@ -25,6 +30,7 @@ async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: floa
     """Fetch every new upstream version of `run_id` until `stop` is set; apply retention."""
     stop = stop or asyncio.Event()
     wake = wake or asyncio.Event()
+    eager = 0  # fast rounds left after a wake
     while not stop.is_set():
         # A round can wait a long time (a source that vanished mid-version is given NO_HOLDER_TIMEOUT_S
         # to come back), so it runs as a task that a stop cancels: shutdown never waits on upstream.
@@ -38,11 +44,16 @@ async def mirror(fetcher: Fetcher, run_id: str, keep_last: int = 4, poll_s: floa
                 await asyncio.gather(round_, return_exceptions=True)
         if round_.cancelled():
             break
-        round_.result()  # an unexpected error still surfaces
+        if round_.result():  # an unexpected error still surfaces
+            eager = 0  # mirrored what was announced
+        wait = min(poll_s, EAGER_POLL_S) if eager > 0 else poll_s
+        eager = max(0, eager - 1)
         try:
-            await asyncio.wait_for(_first(stop, wake), poll_s)
+            await asyncio.wait_for(_first(stop, wake), wait)
         except asyncio.TimeoutError:
             pass
+        if wake.is_set():
+            eager = int(EAGER_FOR_S / EAGER_POLL_S)
         wake.clear()
 
 
@@ -53,12 +64,15 @@ def versions_to_mirror(upstream: list[int], held: list[int]) -> list[int]:
     return sorted(v for v in set(upstream) if v > newest_held)
 
 
-async def _mirror_round(fetcher: Fetcher, run_id: str, keep_last: int, poll_s: float) -> None:
+async def _mirror_round(fetcher: Fetcher, run_id: str, keep_last: int, poll_s: float) -> int:
+    """Versions mirrored this round."""
+    mirrored = 0
     try:
         upstream = await fetcher.versions(run_id)
         for v in versions_to_mirror(upstream, fetcher.store.complete_versions(run_id)):
             await fetcher.fetch(run_id, v)
             log.info("relay: mirrored %s v%d", run_id, v)
+            mirrored += 1
             fetcher.store.retain(run_id, keep_last)
     except ShardcastError as exc:
         # An upstream that lies or vanishes must not kill the relay; try again next round.
@@ -67,6 +81,7 @@ async def _mirror_round(fetcher: Fetcher, run_id: str, keep_last: int, poll_s: f
         # A full (or failing) disk: keep serving what is held, try again next round
         # (found by benchmarks.chaos: the relay died on ENOSPC).
         log.warning("relay: cannot store %s: %s; retrying in %.1fs", run_id, exc, poll_s)
+    return mirrored
 
 
 async def _first(*waitables: asyncio.Event | asyncio.Future) -> None:

@@ -148,6 +148,49 @@ def test_relay_mirrors_new_versions_as_they_appear(tmp_path, origin_store, key, 
     sc.assert_same(got.tensors(), sc.rl_step(sc.make_state(0), 2))
 
 
+def test_a_relay_woken_before_the_wire_shards_mirrors_the_version_once_they_are_listed(tmp_path, origin_store, key,
+                                                                                        trusted, sc):
+    """An announcement comes once a version is listed beside its publisher, before its wire shards are on its
+    server (`publish_stream`): the woken relay finds nothing new, reads the lists again every EAGER_POLL_S, and
+    mirrors the version once it is whole, long before its own poll (60 s here) comes round."""
+    from shardcast.codec import flatten
+    from shardcast.publish import publish_stream
+
+    async def go():
+        origin, origin_url = await sc.serve(origin_store)
+        relay_store = Store(tmp_path / "relay")
+        stop, wake = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        try:
+            async with Fetcher(relay_store, [origin_url], trusted) as upstream:
+                task = asyncio.create_task(mirror(upstream, "run", poll_s=60.0, stop=stop, wake=wake))
+                while relay_store.complete_versions("run") != [0]:
+                    await asyncio.sleep(0.01)
+                tensors, payload = flatten(sc.rl_step(sc.make_state(0), 1))
+                listed = asyncio.Event()
+
+                def on_signed(_local):  # the gossip announcement, then a round before the wire shards exist
+                    loop.call_soon_threadsafe(wake.set)
+                    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.5), loop).result(30)
+                    loop.call_soon_threadsafe(listed.set)
+
+                await asyncio.to_thread(publish_stream, origin_store, key, "run", 1, tensors, payload,
+                                        iter([len(payload)]), 0, PublishOptions(shard_size=sc.SHARD), on_signed)
+                assert listed.is_set()
+                await asyncio.wait_for(_until(lambda: relay_store.complete_versions("run") == [0, 1]), 20)
+                stop.set()
+                await asyncio.wait_for(task, 10)
+        finally:
+            await origin.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+async def _until(ready) -> None:
+    while not ready():
+        await asyncio.sleep(0.01)
+
+
 def test_busy_source_answers_503_and_clients_still_finish(tmp_path, origin_store, trusted, sc):
     """A server with one upload slot turns extra requests away; busy is not broken: no source is
     dropped and every client completes."""
