@@ -21,7 +21,7 @@ import torch
 from benchmarks.random_checkpoint import SHAPES
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.rl.batch import TrainBatch, micro_batches
+from node.rl.batch import TrainBatch
 from node.rl.loss import policy_loss
 from node.rl.trainer import Trainer, TrainerConfig
 
@@ -62,12 +62,12 @@ def phases(trainer: Trainer, batch: TrainBatch, device: str) -> dict[str, float]
     if not (cfg.updates_per_batch == 1 and cfg.minibatches == 1):
         with torch.no_grad():
             for rows in torch.arange(len(batch)).chunk(cfg.minibatches):
-                for micro in micro_batches(batch.select(rows), cfg.micro_batch_tokens):
+                for micro in trainer.micro_batches(batch.select(rows)):
                     timed("nograd_pass_s", lambda: trainer.logprobs(micro)[0])
     for _ in range(cfg.updates_per_batch):
         for rows in torch.randperm(len(batch)).chunk(cfg.minibatches):
             trainer.optimizer.zero_grad(set_to_none=True)
-            for micro in micro_batches(batch.select(rows), cfg.micro_batch_tokens):
+            for micro in trainer.micro_batches(batch.select(rows)):
                 def forward():
                     logp, aux = trainer.logprobs(micro)
                     return policy_loss(logp, micro.inference_logprobs, micro.advantages, micro.loss_mask,
@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=60)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cuda", help="cuda, or cpu with a few --layers (a smoke run)")
+    p.add_argument("--overhead-tokens", type=int, default=TrainerConfig().micro_batch_overhead_tokens,
+                   help="micro-batches grouped to pad least for this cost a micro-batch (-1: the fewest micro-batches)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     shape = {**SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {})}
@@ -98,11 +100,16 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.device(args.device):
         model = CausalLM(cfg).to(torch.bfloat16)
-    trainer = Trainer(model, TrainerConfig(lr=1e-5))  # the recipe's defaults: updates and minibatches per step
+    overhead = None if args.overhead_tokens < 0 else args.overhead_tokens
+    # the recipe's defaults: updates and minibatches per step
+    trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_overhead_tokens=overhead))
     batch = long_tail_batch(args.rows, args.prompt, args.vocab_size)
     tokens = args.rows * args.prompt + int(batch.loss_mask.sum())  # each row's prompt and completion
-    log.info("batch: %d rows x %d positions, %d loss tokens, %d micro-batches", *batch.input_ids.shape,
-             int(batch.loss_mask.sum()), len(micro_batches(batch, trainer.cfg.micro_batch_tokens)))
+    micros = trainer.micro_batches(batch)
+    padded = sum(m.input_ids.numel() for m in micros)
+    log.info("batch: %d rows x %d positions, %d loss tokens, %d micro-batches of %d padded positions in all "
+             "(no-grad pass; grouped for %s tokens a micro-batch)", *batch.input_ids.shape, int(batch.loss_mask.sum()),
+             len(micros), padded, overhead)
     trainer.train_step(batch)  # warm: allocator, kernels, AdamW states
     steps = []
     for _ in range(args.steps):
@@ -124,6 +131,7 @@ def main() -> None:
               "layers": cfg.num_hidden_layers, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
               "updates_per_batch": trainer.cfg.updates_per_batch, "minibatches": trainer.cfg.minibatches,
               "rows": args.rows, "positions": int(batch.input_ids.shape[1]), "tokens": tokens,
+              "overhead_tokens": overhead, "nograd_micro_batches": len(micros), "nograd_padded_positions": padded,
               "loss_tokens": int(batch.loss_mask.sum()), "step_s": round(step_s, 3),
               "tok_s": round(tokens / step_s, 1), **{k: round(v, 3) for k, v in parts.items()},
               "phases_over_step": round(sum(parts.values()) / step_s, 3),

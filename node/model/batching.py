@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -31,3 +32,29 @@ def token_budget_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+def padded_groups(lengths: Sequence[int], budget: int, overhead: int) -> list[list[int]]:
+    """Indices of `lengths` sorted by length (ties in order), cut into runs whose padded size (members x the
+    longest member) stays within `budget` (a sequence longer than that alone), where the cuts minimise the
+    padded tokens plus `overhead` tokens per run (what one more forward costs beyond its tokens). Greedy
+    filling (`token_budget_groups`) makes the fewest runs but pads short sequences up to long ones in the run
+    where the lengths jump: on a long-tailed RL batch (`benchmarks.trainer_profile`'s, 256 rows) 47.5k padded
+    positions for 29.3k real tokens in 3 runs, against 37.4k in 4 (35.6k in 5). Exact (dynamic programming
+    over the sorted lengths: each run ends where the cost of the runs before it plus its own is least)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    sorted_len = np.array([max(1, lengths[i]) for i in order], dtype=np.int64)
+    best = np.zeros(n + 1, dtype=np.float64)  # best[j]: least cost of the first j sorted sequences
+    start = np.zeros(n + 1, dtype=np.int64)  # where the last run of that best split starts
+    for j in range(1, n + 1):
+        longest = int(sorted_len[j - 1])
+        first = max(0, j - max(1, budget // longest))  # the most members a run ending here may hold
+        cost = best[first:j] + (j - np.arange(first, j)) * longest + overhead
+        k = int(np.argmin(cost))  # the first minimum: the longest such run
+        best[j], start[j] = cost[k], first + k
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[start[j]:j])
+        j = int(start[j])
+    return groups[::-1]

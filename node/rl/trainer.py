@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.rl.batch import TrainBatch, micro_batches
+from node.rl.batch import MICRO_BATCH_OVERHEAD_TOKENS, TrainBatch, micro_batches
 from node.rl.fp8 import apply_fp8_training
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.recipe import Recipe
@@ -59,6 +59,9 @@ class TrainerConfig:
     micro_batch_tokens: int = MICRO_BATCH_TOKENS
     """Padded tokens (rows x longest row) one forward/backward takes at most: a minibatch of long
     completions is split into micro-batches whose gradients add up to the minibatch's (one optimizer step)."""
+    micro_batch_overhead_tokens: int | None = MICRO_BATCH_OVERHEAD_TOKENS
+    """What one more micro-batch is taken to cost, in padded tokens: the rows are grouped to pad least for it
+    (`node.rl.batch.micro_batches`; None: the fewest micro-batches)."""
     loss: LossConfig = field(default_factory=LossConfig)
 
     @classmethod
@@ -90,6 +93,10 @@ class Trainer:
         logp = token_logprobs(out.logits, batch.targets[:, start:], self.cfg.temperature)
         return torch.nn.functional.pad(logp, (start, 0)), out.aux_loss
 
+    def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """The pieces one forward/backward takes at a time (`node.rl.batch.micro_batches` by this config)."""
+        return micro_batches(batch, self.cfg.micro_batch_tokens, self.cfg.micro_batch_overhead_tokens)
+
     def learning_rate(self) -> float:
         if self.cfg.decay_steps <= 0:
             return self.cfg.lr
@@ -113,7 +120,7 @@ class Trainer:
             n_all, kl = max(1, int(batch.loss_mask.sum())), 0.0
             with torch.no_grad():
                 for rows in torch.arange(len(batch)).chunk(self.cfg.minibatches):
-                    for micro in micro_batches(batch.select(rows), self.cfg.micro_batch_tokens):
+                    for micro in self.micro_batches(batch.select(rows)):
                         out = policy_loss(self.logprobs(micro)[0], micro.inference_logprobs, micro.advantages,
                                           micro.loss_mask, self.cfg.loss)
                         kl += out.mismatch_kl * int(micro.loss_mask.sum()) / n_all
@@ -138,7 +145,7 @@ class Trainer:
         each: each one's token-mean loss weighted by its share of the minibatch's loss tokens, so the
         gradients add up to the whole minibatch's (its load-balancing loss by its share of rows)."""
         aux_coef = self.model.config.router_aux_loss_coef
-        micros = micro_batches(mb, self.cfg.micro_batch_tokens)
+        micros = self.micro_batches(mb)
         n_all = max(1, int(mb.loss_mask.sum()))
         stats = dict.fromkeys(("loss", "masked_share", "mismatch_kl", "aux_loss"), 0.0)
         for micro in micros:
