@@ -13,7 +13,8 @@ import torch
 
 from node.engine.fp8.model import fp8_mode_of
 from node.engine.sampling import SamplingParams, sample, token_seed, top_p_mask
-from node.model.batching import right_pad, token_budget_groups
+from node.model.batching import padded_groups, right_pad
+from node.rl.batch import MICRO_BATCH_OVERHEAD_TOKENS
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
@@ -101,8 +102,9 @@ class TorchReference(Reference):
         model = self.policies[version][0]
         device = next(model.parameters()).device
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
-        # batches of similar length, bounded in padded tokens (right padding; causal, so exact)
-        for members in token_budget_groups([len(s) for s in sequences], self.batch_tokens):
+        # batches of similar length, bounded in padded tokens (right padding; causal, so exact), grouped to pad
+        # least (a long-tailed round's longest rows would pad the shorter ones beside them up to their length)
+        for members in padded_groups([len(s) for s in sequences], self.batch_tokens, MICRO_BATCH_OVERHEAD_TOKENS):
             ids = right_pad([sequences[i] for i in members])
             t = ids.shape[1]
             forced = None
