@@ -5,7 +5,7 @@
 Times `node.replay.TorchReference.prefill` (what `verify_claims` calls in the validator role) over `--rows`
 sequences of a 60-token prompt and a Pareto-tailed completion (median ~30, at most 960: the batch of
 `benchmarks.trainer_profile`), random weights of `--shape` in bf16, with the role's grouping
-(`node.model.batching.padded_groups`, `MICRO_BATCH_OVERHEAD_TOKENS` a group) and with the fewest groups
+(`node.model.batching.padded_groups`, `GROUP_OVERHEAD_TOKENS` a group) and with the fewest groups
 (`token_budget_groups`, what ran before) under the same padded-token budget, interleaved, best of `--repeat`.
 The peer is the fewest-groups run in the same process. Ends with one JSON line.
 """
@@ -21,10 +21,9 @@ import torch
 import node.replay as replay
 from benchmarks import emit
 from benchmarks.random_checkpoint import SHAPES
-from node.model.batching import padded_groups, token_budget_groups
+from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, token_budget_groups
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.rl.batch import MICRO_BATCH_OVERHEAD_TOKENS
 
 
 def fewest(lengths, budget, _overhead):
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref.prefill(0, seqs, logits_from=[59] * len(seqs))
                 sync()
                 took = time.perf_counter() - t
-                groups = grouping(lengths, ref.batch_tokens, MICRO_BATCH_OVERHEAD_TOKENS)
+                groups = grouping(lengths, ref.batch_tokens, GROUP_OVERHEAD_TOKENS)
                 row = runs.setdefault(name, {"seconds": took, "groups": len(groups),
                                              "padded_positions": sum(len(x) * max(lengths[i] for i in x) for x in groups)})
                 row["seconds"] = round(min(row["seconds"], took), 4)
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                  + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
                  "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                  "shape": args.shape, "rows": args.rows, "real_positions": sum(lengths), "batch_tokens": ref.batch_tokens,
-                 "overhead_tokens": MICRO_BATCH_OVERHEAD_TOKENS, **runs,
+                 "overhead_tokens": GROUP_OVERHEAD_TOKENS, **runs,
                  "speedup": round(runs["fewest_groups"]["seconds"] / runs["padded_groups"]["seconds"], 2)}, args.out)
 
 

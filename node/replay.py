@@ -13,8 +13,7 @@ import torch
 
 from node.engine.fp8.model import fp8_mode_of
 from node.engine.sampling import SamplingParams, sample, token_seed, top_p_mask
-from node.model.batching import padded_groups, right_pad
-from node.rl.batch import MICRO_BATCH_OVERHEAD_TOKENS
+from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, right_pad
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
@@ -104,7 +103,7 @@ class TorchReference(Reference):
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
         # batches of similar length, bounded in padded tokens (right padding; causal, so exact), grouped to pad
         # least (a long-tailed round's longest rows would pad the shorter ones beside them up to their length)
-        for members in padded_groups([len(s) for s in sequences], self.batch_tokens, MICRO_BATCH_OVERHEAD_TOKENS):
+        for members in padded_groups([len(s) for s in sequences], self.batch_tokens, GROUP_OVERHEAD_TOKENS):
             ids = right_pad([sequences[i] for i in members])
             t = ids.shape[1]
             forced = None

@@ -34,6 +34,14 @@ def token_budget_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
+GROUP_OVERHEAD_TOKENS = 2048
+"""What one more forward of a group is taken to cost beyond its padded tokens, in tokens (`padded_groups`, for the
+trainer's micro-batches and the validator's recomputation): on the H200 the 5.2B trainer's forward + backward
+cost ~21 us a padded token (benchmarks.trainer_profile, session 15), so this is ~40 ms a micro-batch, an
+assumption (the kernels' fixed cost, not measured): on that benchmark's long-tailed batch, 4 micro-batches of
+37.4k padded positions instead of 3 of 47.5k (1024 would make 7 of 32.7k)."""
+
+
 def padded_groups(lengths: Sequence[int], budget: int, overhead: int) -> list[list[int]]:
     """Indices of `lengths` sorted by length (ties in order), cut into runs whose padded size (members x the
     longest member) stays within `budget` (a sequence longer than that alone), where the cuts minimise the

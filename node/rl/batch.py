@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from node.envs.rollout import Rollout
-from node.model.batching import padded_groups, token_budget_groups
+from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, token_budget_groups
 
 
 @dataclass
@@ -66,20 +66,12 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 
     return TrainBatch(input_ids, targets, loss_mask, logprobs, adv, experts)
 
 
-MICRO_BATCH_OVERHEAD_TOKENS = 2048
-"""What one more micro-batch is taken to cost beyond its padded tokens, in tokens (`padded_groups`): on the
-H200 the 5.2B trainer's forward + backward cost ~21 us a padded token (benchmarks.trainer_profile, session 15),
-so this is ~40 ms a micro-batch, an assumption (its kernels' fixed cost, not measured): on that benchmark's
-long-tailed batch, 4 micro-batches of 37.4k padded positions instead of 3 of 47.5k (1024 would make 7 of
-32.7k). None: the fewest micro-batches (`token_budget_groups`)."""
-
-
 def micro_batches(batch: TrainBatch, tokens: int,
-                  overhead: int | None = MICRO_BATCH_OVERHEAD_TOKENS) -> list[TrainBatch]:
+                  overhead: int | None = GROUP_OVERHEAD_TOKENS) -> list[TrainBatch]:
     """`batch` itself when its padded tokens (rows x positions) fit `tokens`; else its rows in groups of
     similar length whose padded tokens stay within `tokens` (a row longer than that alone), chosen to pad
-    least for `overhead` tokens a group (`node.model.batching.padded_groups`), each cut after its last loss
-    position: the pieces one forward/backward takes at a time."""
+    least for `overhead` tokens a group (`node.model.batching.padded_groups`; None: the fewest groups), each
+    cut after its last loss position: the pieces one forward/backward takes at a time."""
     b, t = batch.input_ids.shape
     if b * t <= tokens:
         return [batch]

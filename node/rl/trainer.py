@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from node.model.batching import GROUP_OVERHEAD_TOKENS
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.rl.batch import MICRO_BATCH_OVERHEAD_TOKENS, TrainBatch, micro_batches
+from node.rl.batch import TrainBatch, micro_batches
 from node.rl.fp8 import apply_fp8_training
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.recipe import Recipe
@@ -59,7 +60,7 @@ class TrainerConfig:
     micro_batch_tokens: int = MICRO_BATCH_TOKENS
     """Padded tokens (rows x longest row) one forward/backward takes at most: a minibatch of long
     completions is split into micro-batches whose gradients add up to the minibatch's (one optimizer step)."""
-    micro_batch_overhead_tokens: int | None = MICRO_BATCH_OVERHEAD_TOKENS
+    micro_batch_overhead_tokens: int | None = GROUP_OVERHEAD_TOKENS
     """What one more micro-batch is taken to cost, in padded tokens: the rows are grouped to pad least for it
     (`node.rl.batch.micro_batches`; None: the fewest micro-batches)."""
     loss: LossConfig = field(default_factory=LossConfig)
