@@ -13,7 +13,8 @@ and versions.jsonl, written by `join --trace-versions`):
 
 - trainer: the step period (`step_s`: between two publications), waiting for the batch (`wait_s`:
   generation, verification and queueing upstream), waiting for the previous version's publication to
-  finish (`publish_wait_s`; it overlaps the batch), compute (`train_s`), publication (`publish_s`);
+  finish (`publish_wait_s`; it overlaps the batch), compute (`train_s`), publication to its announcement
+  (`publish_s`) and its wire shards after (`wire_s`);
 - weight latency of version v: trainer step end -> the first rollout round on each inference node that
   sampled with v (the round's start, or when v was queued if the round was already running: the engine
   swaps between two decode steps), split into announce, fetch + verify, load, with the fetch's work in
@@ -231,6 +232,8 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "wait_s": med([r["wait_s"] for r in steady]),
         "publish_wait_s": med([r.get("publish_wait_s", 0.0) for r in steady]),
         "train_s": med([r["train_s"] for r in steady]), "publish_s": med([r["publish_s"] for r in steady]),
+        # the wire shards for other hosts, after the announcement (the trainer role's rows since session 16)
+        "wire_s": med([r["wire_s"] for r in steady if "wire_s" in r]),
         "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,
         "weight_latency_stages_s": {s: med(v) for s, v in stages.items()},
         "store_disk": disk,

@@ -58,6 +58,7 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     for run in result["runs"]:
         assert run["steps"] == 3 and run["steady_steps"] == 2
         assert run["step_s"] > 0 and run["train_s"] > 0 and run["publish_s"] > 0 and run["wait_s"] >= 0
+        assert run["wire_s"] is not None and run["wire_s"] >= 0  # the wire shards after the announcement
         assert run["weight_latency_s"] is not None and run["weight_latency_s"] > 0
         assert run["gen_tok_s_busy"] > 0 and run["verify_tok_s_busy"] > 0 and run["verify_over_generate"] > 0
         assert run["max_off_policy_seen"] <= run["k"]
