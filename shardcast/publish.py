@@ -90,35 +90,13 @@ def publish(
 def _publish_locked(store: Store, key: NodeKey, run_id: str, version: int, state: dict[str, torch.Tensor],
                     parent: int | None, opt: PublishOptions) -> SignedManifest:
     tensors, payload = flatten(state)
-    parent_payload, keyframe, encoding = None, version, "full"
-    if parent is not None:
-        pm = store.manifest(run_id, parent)
-        if pm is not None and store.payload_path(run_id, parent).exists():
-            pm_ = pm.manifest
-            same_layout = [t.model_dump() for t in pm_.tensors] == [t.model_dump() for t in tensors] and pm_.shard_size == opt.shard_size
-            if same_layout and version - pm_.keyframe < opt.keyframe_every:
-                parent_payload, keyframe, encoding = store.payload(run_id, parent), pm_.keyframe, "delta"
-            elif not same_layout:
-                log.warning("v%d: layout differs from parent v%d; publishing a full version", version, parent)
-        else:
-            log.warning("v%d: parent v%d not held; publishing a full version", version, parent)
-
-    ranges = shard_ranges(len(payload), opt.shard_size)
-
-    def one(i: int):
-        a, b = ranges[i]
-        return encode_shard(i, payload[a:b], None if parent_payload is None else np.asarray(parent_payload[a:b]), opt.zstd_level,
-                            word=shard_word(tensors, a, b), sparse=opt.sparse)
-
-    with ThreadPoolExecutor(max_workers=max(1, opt.threads)) as pool:
-        entries = []
-        for entry, wire in pool.map(one, range(len(ranges))):
-            store.put_shard(run_id, version, entry.index, wire)
-            entries.append(entry)
+    parent, keyframe, encoding = _delta_parent(store, run_id, version, tensors, parent, opt)
+    parent_payload = store.payload(run_id, parent) if parent is not None else None
+    entries, _ = _encode_wire(store, run_id, version, tensors, payload, parent_payload, opt)
     manifest = Manifest(
         run_id=run_id,
         version=version,
-        parent=parent if encoding == "delta" else None,
+        parent=parent,
         encoding=encoding,
         keyframe=keyframe,
         shard_size=opt.shard_size,
@@ -175,16 +153,21 @@ def publish_stream(
 
 def _delta_parent(store: Store, run_id: str, version: int, tensors: list, parent: int | None,
                   opt: PublishOptions) -> tuple[int | None, int, str]:
-    """(parent, keyframe, encoding) of a streamed version: a delta where the parent's payload is held with
-    the same layout and the keyframe is recent enough, else a full version."""
-    if parent is not None:
-        pm = store.held_manifest(run_id, parent)
-        if pm is not None and store.payload_path(run_id, parent).exists():
-            pm_ = pm.manifest
-            same_layout = [t.model_dump() for t in pm_.tensors] == [t.model_dump() for t in tensors] and pm_.shard_size == opt.shard_size
-            if same_layout and version - pm_.keyframe < opt.keyframe_every:
-                return parent, pm_.keyframe, "delta"
-    return None, version, "full"
+    """(parent, keyframe, encoding) of a version: a delta where the parent's payload is held (whole or listed
+    locally) with the same layout and the keyframe is recent enough, else a full version (parent None)."""
+    if parent is None:
+        return None, version, "full"
+    pm = store.held_manifest(run_id, parent)
+    if pm is None or not store.payload_path(run_id, parent).exists():
+        log.warning("v%d: parent v%d not held; publishing a full version", version, parent)
+        return None, version, "full"
+    pm_ = pm.manifest
+    if [t.model_dump() for t in pm_.tensors] != [t.model_dump() for t in tensors] or pm_.shard_size != opt.shard_size:
+        log.warning("v%d: layout differs from parent v%d; publishing a full version", version, parent)
+        return None, version, "full"
+    if version - pm_.keyframe >= opt.keyframe_every:
+        return None, version, "full"
+    return parent, pm_.keyframe, "delta"
 
 
 def _list_content_locked(store: Store, key: NodeKey, run_id: str, version: int, tensors: list, payload: np.ndarray,
@@ -242,21 +225,21 @@ def _list_content_locked(store: Store, key: NodeKey, run_id: str, version: int, 
     return local, parent
 
 
-def _publish_wire(store: Store, key: NodeKey, local: Manifest, opt: PublishOptions) -> SignedManifest:
-    """Step 2 of `publish_stream`: every wire shard encoded from the stored payload (the parent's too, for
-    a delta: both mapped, so the caller's buffer is free), then the whole manifest signed and listed."""
-    run_id, version = local.run_id, local.version
-    payload = store.payload(run_id, version)
-    parent_payload = store.payload(run_id, local.parent) if local.parent is not None else None
-    ranges = shard_ranges(local.total_bytes, local.shard_size)
+def _encode_wire(store: Store, run_id: str, version: int, tensors: list, payload: np.ndarray,
+                 parent_payload: np.ndarray | None, opt: PublishOptions,
+                 raw_hashes: list[str] | None = None) -> tuple[list[ShardEntry], dict[str, float]]:
+    """Every wire shard of `payload` (a delta against `parent_payload` when given) encoded on the pool and
+    stored; their entries in order and the seconds the threads spent encoding and writing (`raw_hashes`:
+    already known, not computed again)."""
+    ranges = shard_ranges(len(payload), opt.shard_size)
     seconds, summing = {"encode": 0.0, "write": 0.0}, threading.Lock()
 
     def one(i: int) -> ShardEntry:
         a, b = ranges[i]
         t0 = time.perf_counter()
         entry, wire = encode_shard(i, payload[a:b], None if parent_payload is None else np.asarray(parent_payload[a:b]),
-                                   opt.zstd_level, word=shard_word(local.tensors, a, b), sparse=opt.sparse,
-                                   raw_hash=local.shards[i].raw_hash)
+                                   opt.zstd_level, word=shard_word(tensors, a, b), sparse=opt.sparse,
+                                   raw_hash=None if raw_hashes is None else raw_hashes[i])
         t1 = time.perf_counter()
         store.put_shard(run_id, version, i, wire)
         with summing:
@@ -264,9 +247,18 @@ def _publish_wire(store: Store, key: NodeKey, local: Manifest, opt: PublishOptio
             seconds["write"] += time.perf_counter() - t1
         return entry
 
-    t_start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, opt.threads)) as pool:
-        entries = list(pool.map(one, range(len(ranges))))
+        return list(pool.map(one, range(len(ranges)))), seconds
+
+
+def _publish_wire(store: Store, key: NodeKey, local: Manifest, opt: PublishOptions) -> SignedManifest:
+    """Step 2 of `publish_stream`: every wire shard encoded from the stored payload (the parent's too, for
+    a delta: both mapped, so the caller's buffer is free), then the whole manifest signed and listed."""
+    run_id, version = local.run_id, local.version
+    parent_payload = store.payload(run_id, local.parent) if local.parent is not None else None
+    t_start = time.perf_counter()
+    entries, seconds = _encode_wire(store, run_id, version, local.tensors, store.payload(run_id, version),
+                                    parent_payload, opt, [s.raw_hash for s in local.shards])
     signed = SignedManifest.sign(local.with_wire(entries), key)
     store.put_manifest(signed)
     log.info("published %s v%d streamed (%s, %d shards, %.1f MiB raw -> %.1f MiB wire): wire shards in %.2f s after "

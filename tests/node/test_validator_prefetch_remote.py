@@ -39,16 +39,28 @@ def test_a_validator_elsewhere_holds_a_version_announced_before_its_wire_shards(
         validator = ValidatorNode(NodeKey.generate(), spec, "", tmp_path / "validator")  # a store of its own
         validator.hashes, validator.policies = {0: h0}, ResidentPolicies(copy.deepcopy(model), 0, bytes.fromhex(h0))
         loop = asyncio.get_running_loop()
-        first_try = []
+        tries: list[BaseException | None] = []  # each fetch and hold the prefetch made: its error, or None
+        tried = asyncio.Condition()
+        real = validator._fetch_and_hold
+
+        async def fetch_and_hold(version):
+            try:
+                await real(version)
+                outcome = None
+            except Exception as exc:  # noqa: BLE001 - recorded, then raised as before
+                outcome = exc
+            async with tried:
+                tries.append(outcome)
+                tried.notify_all()
+            if outcome is not None:
+                raise outcome
+
+        validator._fetch_and_hold = fetch_and_hold
 
         async def announced(local):
             await validator._on_announce(PolicyAnnounce(version=1, manifest_hash=local.manifest.manifest_hash()))
-            while 1 not in validator._holding:
-                await asyncio.sleep(0.01)
-            try:  # its first fetch and hold, before the wire shards are listed: told the version is not there
-                await asyncio.shield(validator._holding[1])
-            except Exception as exc:  # noqa: BLE001 - the failure is what is recorded
-                first_try.append(exc)
+            async with tried:  # its first fetch and hold, before the wire shards are listed
+                await tried.wait_for(lambda: tries)
 
         def on_signed(local):  # on the publishing thread: the wire shards wait for the validator's first try
             asyncio.run_coroutine_threadsafe(announced(local), loop).result(60)
@@ -57,13 +69,14 @@ def test_a_validator_elsewhere_holds_a_version_announced_before_its_wire_shards(
         try:
             await asyncio.to_thread(publish_stream, trainer, trainer_key, "remote", 1, tensors, payload,
                                     iter([len(payload)]), 0, PublishOptions(), on_signed)
-            while validator.policies.newest != 1:  # the prefetch asks again and holds it
-                await asyncio.sleep(0.05)
+            async with tried:  # the prefetch asks again and holds it
+                await tried.wait_for(lambda: tries[-1] is None)
         finally:
             await server.stop()
-        return validator, first_try
+        return validator, tries
 
-    validator, first_try = asyncio.run(asyncio.wait_for(body(), 90))
-    assert len(first_try) == 1 and "could not fetch policy v1" in str(first_try[0])
+    validator, tries = asyncio.run(asyncio.wait_for(body(), 90))
+    assert "could not fetch policy v1" in str(tries[0]) and tries[-1] is None  # told it is not there, then held
+    assert validator.policies.newest == 1
     got = state_dict_to_hf(validator.policies[1][0])  # the resident model switched to v1: its bits exactly
     assert sorted(got) == sorted(v1) and all(torch.equal(got[k], v1[k]) for k in v1)

@@ -161,34 +161,54 @@ def test_a_relay_woken_before_the_wire_shards_mirrors_the_version_once_they_are_
         relay_store = Store(tmp_path / "relay")
         stop, wake = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
+        seen: list[list[int]] = []  # each version list the relay read upstream
+        progress = asyncio.Condition()  # notified each time the relay read a list or mirrored a version
         try:
             async with Fetcher(relay_store, [origin_url], trusted) as upstream:
-                task = asyncio.create_task(mirror(upstream, "run", poll_s=60.0, stop=stop, wake=wake))
-                while relay_store.complete_versions("run") != [0]:
-                    await asyncio.sleep(0.01)
-                tensors, payload = flatten(sc.rl_step(sc.make_state(0), 1))
-                listed = asyncio.Event()
+                real_versions, real_fetch = upstream.versions, upstream.fetch
 
-                def on_signed(_local):  # the gossip announcement, then a round before the wire shards exist
-                    loop.call_soon_threadsafe(wake.set)
-                    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.5), loop).result(30)
-                    loop.call_soon_threadsafe(listed.set)
+                async def versions(run_id):
+                    got = await real_versions(run_id)
+                    async with progress:
+                        seen.append(got)
+                        progress.notify_all()
+                    return got
+
+                async def fetch(*args, **kwargs):
+                    got = await real_fetch(*args, **kwargs)
+                    async with progress:
+                        progress.notify_all()
+                    return got
+
+                upstream.versions, upstream.fetch = versions, fetch
+                task = asyncio.create_task(mirror(upstream, "run", poll_s=60.0, stop=stop, wake=wake))
+                async with progress:
+                    await progress.wait_for(lambda: relay_store.complete_versions("run") == [0])
+                tensors, payload = flatten(sc.rl_step(sc.make_state(0), 1))
+
+                woken: list[list[int]] = []
+
+                async def announced():  # the gossip announcement, then the relay's round before the wire shards
+                    async with progress:
+                        before = len(seen)
+                        wake.set()
+                        await progress.wait_for(lambda: len(seen) > before)
+                        woken.append(seen[before])
+
+                def on_signed(_local):
+                    asyncio.run_coroutine_threadsafe(announced(), loop).result(30)
 
                 await asyncio.to_thread(publish_stream, origin_store, key, "run", 1, tensors, payload,
                                         iter([len(payload)]), 0, PublishOptions(shard_size=sc.SHARD), on_signed)
-                assert listed.is_set()
-                await asyncio.wait_for(_until(lambda: relay_store.complete_versions("run") == [0, 1]), 20)
+                assert woken == [[0]]  # the woken round found nothing new: v1's wire shards were not listed yet
+                async with progress:  # long before its 60 s poll
+                    await asyncio.wait_for(progress.wait_for(lambda: relay_store.complete_versions("run") == [0, 1]), 20)
                 stop.set()
                 await asyncio.wait_for(task, 10)
         finally:
             await origin.stop()
 
     asyncio.run(asyncio.wait_for(go(), 60))
-
-
-async def _until(ready) -> None:
-    while not ready():
-        await asyncio.sleep(0.01)
 
 
 def test_busy_source_answers_503_and_clients_still_finish(tmp_path, origin_store, trusted, sc):
