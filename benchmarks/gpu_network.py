@@ -409,8 +409,7 @@ def model_of(args, out: Path) -> dict:
                                   dtype=getattr(__import__("torch"), args.dtype)))
         log.info("random checkpoint written in %.1f s: %s", time.time() - t0, source)
     spec = ModelSpec(source=source, dtype=args.dtype, max_seq_len=max_len)
-    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash},
-            "recipe": {"warmup_target": 0.0}}
+    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash}}
 
 
 def _params_b(args, model_run: dict) -> float | None:

@@ -97,7 +97,7 @@ def main() -> None:
     before, before_samples = held_out(loaded.model, loaded.tokenizer, args.task, args.eval_n)
     log.info("eval before RL: %.4f on %d held-out tasks; e.g. %s", before, args.eval_n, before_samples[:3])
     run = pretrained_run(args.model)
-    recipe = {**run["recipe"], "lr": args.lr, "temperature": 1.0, "updates_per_batch": 1, "minibatches": 1}
+    recipe = {"lr": args.lr, "temperature": 1.0, "updates_per_batch": 1, "minibatches": 1}
     t_sim = time.time()
     summary = run_sim(args.out, inference_nodes=args.inference_nodes, steps=args.steps, task=args.task,
                       batch_groups=args.batch_groups, group_size=args.group_size, timeout_s=args.minutes * 60,

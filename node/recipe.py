@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from node.model.tiny import TinyMoE
 from protocol.messages import RunSpec
+from protocol.model_spec import TINY_MOE
 
 _TINY = TinyMoE.model_fields
 """The tiny MoE's shape fields: default, bounds and docstring live on `TinyMoE` (node/model/tiny.py)."""
@@ -41,7 +42,8 @@ class Recipe(BaseModel):
     temperature: float = Field(1.0, gt=0, le=10.0)
     """Sampling temperature of inference nodes; the trainer and validators use it too."""
     warmup_target: float = Field(0.25, ge=0, le=1)
-    """Greedy reward the trainer's supervised warm-up reaches before version 0."""
+    """Greedy reward the trainer's supervised warm-up reaches before version 0 (tiny-moe only: a run of a
+    checkpoint starts from its weights, its default is 0 and a value above 0 is refused, `for_model`)."""
     seed: int = _TINY["seed"]  # the model's initialisation seed; the warm-up's tasks derive from it too
     updates_per_batch: int = Field(2, ge=1, le=64)
     """Passes over each batch (each a trust-region-masked update)."""
@@ -84,8 +86,21 @@ class Recipe(BaseModel):
 
     @classmethod
     def of(cls, spec: RunSpec) -> "Recipe":
-        """The run spec's recipe (defaults for what it does not set)."""
-        return cls.parse(spec.recipe)
+        """The run spec's recipe (defaults for what it does not set, the model's among them)."""
+        return cls.parse(spec.recipe).for_model(spec.model.source)
+
+    def for_model(self, source: str) -> "Recipe":
+        """This recipe as a run of `source` follows it. The supervised warm-up teaches tiny-moe's random
+        initialisation on the CPU engine in seconds; a checkpoint (pretrained, or random weights written as
+        one) starts from its own weights: its warm-up is 0, and a `warmup_target` set above 0 is refused
+        (InvalidRecipe), where it would copy the whole model to the CPU and train it there in one process."""
+        if source == TINY_MOE:
+            return self
+        if "warmup_target" in self.model_fields_set and self.warmup_target > 0:
+            raise InvalidRecipe(f"recipe.warmup_target = {self.warmup_target}: the supervised warm-up is for "
+                                f"{TINY_MOE}'s random initialisation; model {source!r} is a checkpoint and starts "
+                                "from its own weights (drop the key or set it to 0)")
+        return self.model_copy(update={"warmup_target": 0.0})
 
     def wire(self) -> dict[str, float | int | str]:
         """The keys set explicitly, as the run spec carries them (flags as 1/0)."""

@@ -100,6 +100,7 @@ class RunConfig(BaseModel):
         if not self.trainer:
             raise ValueError("`trainer` is required: the node id of the trainer (`primerl-node keygen`); "
                              "members accept weights signed by that key only")
+        self.recipe.for_model(self.model.source)  # a warm-up asked of a checkpoint is refused here, at launch
         if self.verification_rate > 0 and not self.validators:
             raise ValueError(f"verification_rate = {self.verification_rate} needs `validators` (their node ids): "
                              "only the validators the spec names may judge work; or set verification_rate = 0")

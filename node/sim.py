@@ -246,8 +246,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def pretrained_run(source: str | None) -> dict:
-    """run_sim's model and recipe for `--model`: a real checkpoint gets its weights hash pinned in the
-    spec (every member checks version 0 against it) and no supervised warm-up (it is pretrained)."""
+    """run_sim's model for `--model`: a real checkpoint gets its weights hash pinned in the spec (every
+    member checks version 0 against it); its recipe has no warm-up (`Recipe.for_model`)."""
     if source is None or source == "tiny-moe":
         return {}
     from node.model.spec import load_model
@@ -255,8 +255,7 @@ def pretrained_run(source: str | None) -> dict:
 
     # float32, asked for: the sim's CPU engines then agree bit for bit with the validator's prefill
     spec = ModelSpec(source=source, dtype="float32", max_seq_len=PRETRAINED_MAX_SEQ)
-    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash},
-            "recipe": {"warmup_target": 0.0}}
+    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash}}
 
 
 PRETRAINED_MAX_SEQ = 128

@@ -49,8 +49,6 @@ class ClusterLayout(BaseModel):
     """vLLM tensor-parallel degree per replica."""
     vllm_ep: bool = True
     """vLLM expert parallelism across the node's GPUs."""
-    quantization: Literal["none", "fp8"] = "fp8"
-    """vLLM weight quantisation on inference nodes."""
     all2all_backend: str = "deepep_low_latency"
     """vLLM all-to-all for expert parallelism."""
     spec: str = "/shared/run/spec.json"
@@ -91,8 +89,8 @@ class ClusterLayout(BaseModel):
         """`join --vllm KEY=VALUE` settings (contrib/vllm/settings.py VLLMSettings) for a vLLM fleet."""
         if self.engine != "vllm":
             return []
-        opts = {"data_parallel": self.vllm_dp, "tensor_parallel": self.vllm_tp, "quantization": self.quantization,
-                "expert_parallel": str(self.vllm_ep).lower()}
+        # no dtype or quantization: the run's spec sets them (contrib/vllm/node_engine.SPEC_OWNED)
+        opts = {"data_parallel": self.vllm_dp, "tensor_parallel": self.vllm_tp, "expert_parallel": str(self.vllm_ep).lower()}
         if self.vllm_ep:
             opts["all2all_backend"] = self.all2all_backend
         return [f"--vllm {k}={v}" for k, v in opts.items()]

@@ -31,8 +31,10 @@ CHECKPOINTS_KEPT = 2
 """Checkpoint directories written for vLLM that stay on disk (the loaded version and the one before)."""
 NODE_OWNED = ("model", "load_format")
 """VLLMSettings the node sets itself (the checkpoint it serves and how it is loaded)."""
-DTYPE = "float32"
-"""vLLM's dtype: the run's policies are float32, which the validator recomputes in (its thresholds)."""
+SPEC_OWNED = {"dtype": "model.dtype", "quantization": "model.fp8"}
+"""VLLMSettings the run's signed spec sets (the field that does): validators recompute in the spec's dtype and
+precision and judge by its thresholds, so a node serving another would be judged against numbers it does not
+compute (a bf16 run's validator judged `quantization=fp8` rollouts by bf16 bounds)."""
 
 
 def write_hf_checkpoint(state: Mapping[str, torch.Tensor], hf_config: dict, directory: Path,
@@ -64,10 +66,13 @@ class VLLMNodeEngine:
             vllm_python()
         except VLLMUnavailable as exc:
             raise EngineUnavailable(str(exc)) from exc
-        settings: dict[str, object] = {"dtype": DTYPE, "max_num_seqs": setup.max_batch,
+        settings: dict[str, object] = {"dtype": setup.dtype, "max_num_seqs": setup.max_batch,
                                        "max_model_len": setup.max_seq_len}
         for option in setup.options:
             name, sep, value = option.partition("=")
+            if name in SPEC_OWNED:
+                raise EngineUnavailable(f"--vllm {option!r}: the run's spec sets {name} ({SPEC_OWNED[name]}: "
+                                        f"dtype {setup.dtype}, fp8 {setup.fp8}); validators recompute that way")
             if not sep or name in NODE_OWNED or name not in VLLMSettings.model_fields:
                 raise EngineUnavailable(f"--vllm {option!r}: expected KEY=VALUE with KEY a VLLMSettings field "
                                         f"other than {', '.join(NODE_OWNED)}")

@@ -82,6 +82,9 @@ class EngineSetup:
     """Where an in-process engine serves (`join --device cpu|cuda[:i]`)."""
     fp8: str = "off"
     """FP8 weights: off | experts (routed experts only) | all (`join --fp8`, or the run spec's `model.fp8`)."""
+    dtype: str = "float32"
+    """The weights' dtype, the run spec's `model.dtype` (engines of their own processes serve in it; an
+    in-process engine's `model` is made in it)."""
     ep: int = 1
     """Expert-parallel processes of one host serving together (`join --ep`; engines with `expert_parallel`)."""
     model_dir: Path | None = None

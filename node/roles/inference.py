@@ -103,7 +103,8 @@ class InferenceNode:
             max_seq_len=cfg.max_position_embeddings, eos_id=self.tok.eos_id, encode=self.tok.encode,
             decode=self.tok.decode, bos_id=self.tok.bos_id, capture_experts=self.routes is not None,
             workdir=workdir, salt=spec.run_id, options=list(vllm or []), device=device, fp8=fp8, ep=ep,
-            model_dir=resolve(spec.model.source), gpu_memory_share=gpu_memory_share, min_batch=spec.group_size)
+            dtype=spec.model.dtype, model_dir=resolve(spec.model.source), gpu_memory_share=gpu_memory_share,
+            min_batch=spec.group_size)
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0

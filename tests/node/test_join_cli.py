@@ -146,3 +146,24 @@ def test_an_inference_node_whose_fp8_differs_from_the_run_spec_is_refused_at_joi
     assert main([*argv, "--fp8", "all"]) == 2
     with pytest.raises(SystemExit, match="--fp8 applies to --role inference only"):  # the validator reads the spec
         main(["join", "--role", "validator", "--bootstrap", "/ip4/127.0.0.1/tcp/1", "--fp8", "experts"])
+
+
+def test_a_checkpoint_run_has_no_warm_up_and_one_asked_of_it_is_refused_at_launch_and_at_join(tmp_path):
+    # a warm-up copies the model to the CPU and trains it in one process: seconds for tiny-moe, a 61 GB
+    # copy for Qwen3-30B-A3B; the default of 0.25 applied to every source before
+    write_config(tmp_path / "tiny.toml")
+    tiny = RunConfig.load(tmp_path / "tiny.toml").run_spec("12D3KooWcoordinator")
+    assert Recipe.of(tiny).warmup_target == DEFAULT.warmup_target > 0
+    write_config(tmp_path / "ckpt.toml", model=str(tmp_path))
+    ckpt = RunConfig.load(tmp_path / "ckpt.toml").run_spec("12D3KooWcoordinator")
+    assert "warmup_target" not in ckpt.recipe and Recipe.of(ckpt).warmup_target == 0.0
+    assert Recipe.of(ckpt).steps == 3  # the rest of the recipe as set
+    write_config(tmp_path / "zero.toml", model=str(tmp_path), recipe={"warmup_target": 0.0})
+    assert Recipe.of(RunConfig.load(tmp_path / "zero.toml").run_spec("12D3KooWcoordinator")).warmup_target == 0.0
+    write_config(tmp_path / "warm.toml", model=str(tmp_path), recipe={"warmup_target": 0.5})
+    with pytest.raises(InvalidRunConfig, match="recipe.warmup_target = 0.5: the supervised warm-up is for tiny-moe"):
+        RunConfig.load(tmp_path / "warm.toml")
+    with pytest.raises(InvalidRecipe, match="starts from its own weights"):  # a spec signed elsewhere, at join
+        Recipe.of(ckpt.model_copy(update={"recipe": {"warmup_target": 0.5}}))
+    warm_tiny = tiny.model_copy(update={"recipe": {"warmup_target": 0.5}})
+    assert Recipe.of(warm_tiny).warmup_target == 0.5

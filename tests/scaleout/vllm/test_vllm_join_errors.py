@@ -54,7 +54,10 @@ def _fake_vllm_python(tmp_path) -> str:
 
 @pytest.mark.parametrize("option, says", [("nonsense", "expected KEY=VALUE"), ("model=/x", "expected KEY=VALUE"),
                                           ("no_such_field=1", "expected KEY=VALUE"),
-                                          ("data_parallel=zero", "data_parallel")])
+                                          ("data_parallel=zero", "data_parallel"),
+                                          # the spec's: a bf16 run's validator judged fp8 rollouts by bf16 bounds
+                                          ("quantization=fp8", "the run's spec sets quantization (model.fp8"),
+                                          ("dtype=bfloat16", "the run's spec sets dtype (model.dtype: dtype float32")])
 def test_a_bad_vllm_setting_is_refused_at_start(tmp_path, capfd, monkeypatch, option, says):
     monkeypatch.setenv("PRIMERL_VLLM_PYTHON", _fake_vllm_python(tmp_path))
     spec = tmp_path / "spec.json"
@@ -73,7 +76,10 @@ def test_vllm_settings_from_join_are_typed_and_override_the_nodes_defaults(tmp_p
     monkeypatch.setenv("PRIMERL_VLLM_PYTHON", _fake_vllm_python(tmp_path))
     spec = RunSpec(run_id="r", coordinator=COORDINATOR, environment="reverse", engines=("builtin", "vllm"), group_size=4)
     node = InferenceNode(NodeKey.generate(), spec, BOOTSTRAP, tmp_path / "node", engine="vllm",
-                         vllm=["data_parallel=2", "quantization=fp8", "expert_parallel=true", "max_num_seqs=64"])
+                         vllm=["data_parallel=2", "expert_parallel=true", "max_num_seqs=64"])
     assert node.engine_settings["data_parallel"] == 2 and node.engine_settings["expert_parallel"] is True
-    assert node.engine_settings["quantization"] == "fp8" and node.engine_settings["max_num_seqs"] == 64
-    assert node.engine_settings["dtype"] == "float32"  # the node's default where not overridden
+    assert node.engine_settings["max_num_seqs"] == 64
+    assert node.engine_settings["dtype"] == "float32"  # the spec's (tiny-moe's default)
+    bf16 = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": "bfloat16"})})
+    node = InferenceNode(NodeKey.generate(), bf16, BOOTSTRAP, tmp_path / "node2", engine="vllm")
+    assert node.engine_settings["dtype"] == "bfloat16"  # a checkpoint's default: the node serves what validators judge
