@@ -9,6 +9,10 @@ Rules, in order:
    always stays: the next delta (published or fetched) is decoded against it.
 3. With a byte budget (`max_bytes`), while the run's files take more than it: payloads other than
    the newest go first, then the oldest versions, never the newest nor the chain it needs.
+4. A version listed only locally (its publication's second step, the wire shards, raised) and older than
+   the newest whole version is stranded: the publisher has moved on and never finishes it. It goes like
+   any version outside rule 1 (a kept delta built on it keeps it). A local-only version newer than every
+   whole one may be in its second step now, and stays.
 Invariant: nothing a process holds the version lock of (a fetch or publish in flight) is deleted;
 retention skips it and a later pass takes it. Deleting a version renames its directory away first,
 so another process sees a version whole or not at all.
@@ -90,13 +94,26 @@ def drop_payload(store: Store, run_id: str, version: int) -> bool:
         return True
 
 
+def stranded(store: Store, run_id: str, held: list[int]) -> list[int]:
+    """Rule 4's versions: a local manifest, no whole one, older than the newest of `held` (the whole versions)."""
+    if not held:
+        return []
+    out = []
+    for p in (store.root / run_id).iterdir():
+        if p.name.isdigit() and int(p.name) < held[-1] and not (p / "manifest.json").exists() \
+                and (p / "manifest.local.json").exists():
+            out.append(int(p.name))
+    return out
+
+
 def retain(store: Store, run_id: str, keep_last: int) -> list[int]:
     """Apply the rules above; the versions deleted (payload drops are logged, not returned)."""
     if keep_last < 1:
         raise ValueError("keep_last must be >= 1")
     held = store.versions(run_id)
     keep = needed_by(store, run_id, set(held[-keep_last:]))
-    doomed = [v for v in held if v not in keep and delete_version(store, run_id, v)]
+    doomed = [v for v in sorted(held + stranded(store, run_id, held))
+              if v not in keep and delete_version(store, run_id, v)]
     kept = [v for v in held if v not in doomed]
     with_payload = [v for v in kept if store.payload_path(run_id, v).exists()]
     dropped = [v for v in with_payload[: max(0, len(with_payload) - max(1, store.keep_payloads))]

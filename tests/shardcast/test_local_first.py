@@ -95,3 +95,38 @@ def test_a_source_serving_a_manifest_without_wire_fields_is_refused(tmp_path, ke
             await source.stop()
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+@pytest.mark.parametrize("keyframe_every", [1, 8])
+def test_a_version_whose_wire_shards_failed_goes_once_a_newer_one_is_whole_unless_a_delta_needs_it(
+        tmp_path, key, sc, monkeypatch, keyframe_every):
+    import shardcast.publish as publish
+
+    real = publish._publish_wire
+
+    def wire(store_, key_, local, opt):  # step 2 of v1 fails (a full disk, a crash between the steps)
+        if local.version == 1:
+            raise OSError(28, "No space left on device")
+        return real(store_, key_, local, opt)
+
+    monkeypatch.setattr(publish, "_publish_wire", wire)
+    store = Store(tmp_path / "s")
+    opts = PublishOptions(shard_size=sc.SHARD, threads=2, keep_last=2, keyframe_every=keyframe_every)
+
+    def stream(v, on_signed=None):
+        tensors, payload = flatten(sc.rl_step(sc.make_state(0), v))
+        return publish_stream(store, key, "run", v, tensors, payload, iter([len(payload)]), v - 1 if v else None,
+                              opts, on_signed=on_signed)
+
+    stream(0)
+    with pytest.raises(OSError):
+        stream(1)
+    assert store.manifest("run", 1) is None and store.held_manifest("run", 1) is not None  # listed locally only
+    during = []  # another process's retention while v2 is listed locally, its wire shards not yet encoded
+    whole = stream(2, on_signed=lambda local: during.append(Store(store.root).retain("run", keep_last=1)))
+    assert during == [[]] and whole.manifest.wire_complete  # v2 in its step 2 was left alone, v1 then newest too
+    if keyframe_every == 1:  # v2 is a keyframe: v1 is stranded, and goes with v2's own retention
+        assert not store.version_dir("run", 1).exists() and store.held_manifest("run", 1) is None
+    else:  # v2 is a delta against v1's payload: v1 stays while v2 is kept
+        assert whole.manifest.parent == 1 and store.version_dir("run", 1).exists()
+    assert store.versions("run") == [0, 2]
