@@ -388,10 +388,9 @@ def main() -> None:
 
 
 def model_of(args, out: Path) -> dict:
-    """run_sim's model spec (weights hash pinned) and recipe for `--model`: a registry name, an HF directory,
+    """run_sim's model spec (weights hash pinned) for `--model`: a registry name, an HF directory,
     or `random:SHAPE` (benchmarks/random_checkpoint.py, written under OUT with `--tokenizer-from`'s tokenizer)."""
-    from node.model.spec import load_model
-    from protocol.model_spec import ModelSpec
+    from node.model_cli import pinned_model
 
     source = args.model
     # the long-tailed task's prompts hold its text and its completions run up to 1,024 tokens
@@ -408,8 +407,7 @@ def model_of(args, out: Path) -> dict:
                                   max_seq_len=max_len, device="cuda:0" if args.device == "cuda" else "cpu",
                                   dtype=getattr(__import__("torch"), args.dtype)))
         log.info("random checkpoint written in %.1f s: %s", time.time() - t0, source)
-    spec = ModelSpec(source=source, dtype=args.dtype, max_seq_len=max_len)
-    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash}}
+    return {"model": pinned_model(source, args.dtype, max_len).model_dump()}
 
 
 def _params_b(args, model_run: dict) -> float | None:

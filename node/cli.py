@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "join": ("node.join_cli", "join a run as inference | trainer | validator | relay"),
     "keygen": ("protocol.cli", "create an Ed25519 node key; prints the node id (libp2p PeerID)"),
     "shardcast": ("shardcast.cli", "publish, serve, relay and fetch signed policy versions"),
+    "model": ("node.model_cli", "a checkpoint's [model] table for run.toml, its weights hash pinned (`model pin DIR`)"),
     "verify": ("node.validator_cli", "verify rollout claims against a checkpoint; print signed verdicts"),
     "train-local": ("node.train_local", "synchronous RL in one process (engine + trainer) on a built-in task"),
 }

@@ -250,12 +250,10 @@ def pretrained_run(source: str | None) -> dict:
     member checks version 0 against it); its recipe has no warm-up (`Recipe.for_model`)."""
     if source is None or source == "tiny-moe":
         return {}
-    from node.model.spec import load_model
-    from protocol.model_spec import ModelSpec
+    from node.model_cli import pinned_model
 
     # float32, asked for: the sim's CPU engines then agree bit for bit with the validator's prefill
-    spec = ModelSpec(source=source, dtype="float32", max_seq_len=PRETRAINED_MAX_SEQ)
-    return {"model": {**spec.model_dump(), "weights_hash": load_model(spec).weights_hash}}
+    return {"model": pinned_model(source, "float32", PRETRAINED_MAX_SEQ).model_dump()}
 
 
 PRETRAINED_MAX_SEQ = 128

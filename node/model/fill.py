@@ -81,6 +81,17 @@ def check_against(shards: CheckpointShards, shapes: dict[str, tuple[int, ...]], 
             raise InvalidCheckpoint(f"{name}: shape {shards.shape(name)} in checkpoint, model expects {shape}")
 
 
+def checkpoint_digest(shards: CheckpointShards, cfg: ModelConfig, dtype: torch.dtype) -> str:
+    """Version 0's hash of the checkpoint in `dtype`, what `build_from_shards` (and `node.model.spec.load_model`)
+    gives, read and hashed one tensor at a time: no model is built (the trainer's ranks, `model pin`)."""
+    shapes = checkpoint_shapes(meta_model(cfg, dtype))
+    check_against(shards, shapes, cfg.tie_word_embeddings)
+    digest = WeightsDigest()
+    for name in shapes:
+        digest.add(name, shards.value(name, dtype))
+    return digest.hexdigest(expected=set(shapes))
+
+
 @torch.no_grad()
 def build_from_shards(cfg: ModelConfig, shards: CheckpointShards, dtype: torch.dtype, device: str | torch.device,
                       prepare: Callable[[CausalLM], CausalLM] | None = None) -> tuple[CausalLM, str]:

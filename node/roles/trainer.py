@@ -211,7 +211,7 @@ class TrainerNode:
     def _start_from_checkpoint(self, leader, directory: Path):  # noqa: ANN001, ANN202 (world.Leader)
         """Version 0 checked against the spec's pin (read tensor by tensor, no model built), then every
         rank fills its shards from the files: no process holds the whole model."""
-        from node.rl.parallel.load import checkpoint_digest
+        from node.model.fill import checkpoint_digest
 
         cfg = model_config(self.spec)
         pinned = self.spec.model.weights_hash

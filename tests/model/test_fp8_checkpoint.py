@@ -81,7 +81,7 @@ def test_a_bf16_checkpoint_served_in_fp8_is_quantised_per_tensor_as_the_full_mod
     plain, plain_digest = build_from_shards(CFG, shards, torch.bfloat16, "cpu")
     assert plain_digest == digest  # hashed as read (bf16), before quantisation
     from node.model.spec import weights_hash
-    from node.rl.parallel.load import checkpoint_digest
+    from node.model.fill import checkpoint_digest
 
     # one hash, however it is taken: of a built model, while filling, or by the trainer's rank 0 from the files
     assert weights_hash(plain) == plain_digest == checkpoint_digest(shards, CFG, torch.bfloat16)
@@ -192,3 +192,31 @@ def test_a_run_of_an_fp8_checkpoint_serves_it_as_stored_unless_the_run_toml_says
                                (ckpts["all"], {"fp8": "off"}, "off"), (ckpts["all"], {"fp8": "experts"}, "experts")]:
         cfg = RunConfig.model_validate({**base, "model": {"source": str(source), **table}})
         assert cfg.run_spec(trainer).model.fp8 == fp8, (source.name, table)
+
+
+def test_model_pin_prints_the_model_table_whose_hash_every_member_checks_version_0_against(ckpts, tmp_path, capfd):
+    import shutil
+    import tomllib
+
+    from node.cli import main
+    from protocol.model_spec import ModelSpec
+
+    assert main(["model", "pin", str(ckpts["all"]), "--max-seq-len", "64"]) == 0
+    table = tomllib.loads(capfd.readouterr().out)["model"]
+    spec = ModelSpec(**table)
+    assert (spec.source, spec.dtype, spec.fp8, spec.max_seq_len) == (str(ckpts["all"]), "bfloat16", "all", 64)
+    # what a member computes while it loads version 0 (and refuses to start on, if it differs)
+    assert spec.weights_hash == build_from_shards(CFG, CheckpointShards(ckpts["all"]), torch.bfloat16, "cpu")[1]
+    assert main(["model", "pin", str(ckpts["off"]), "--dtype", "float32"]) == 0
+    plain = ModelSpec(**tomllib.loads(capfd.readouterr().out)["model"])
+    assert plain.fp8 == "off" and plain.dtype == "float32"
+    assert plain.weights_hash == build_from_shards(CFG, CheckpointShards(ckpts["off"]), torch.float32, "cpu")[1]
+    broken = tmp_path / "broken"  # a shard the index lists is gone: one line, exit 2, nothing hashed
+    shutil.copytree(ckpts["off"], broken)
+    gone = sorted(broken.glob("model-*.safetensors"))[0]
+    gone.unlink()
+    assert main(["model", "pin", str(broken)]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.startswith("primerl-node model: error:") and gone.name in err and len(err.splitlines()) == 1, err
+    assert main(["model", "pin", "tiny-moe"]) == 2
+    assert "nothing to pin" in capfd.readouterr().err

@@ -7,8 +7,7 @@ the one-process tensor. `read_own_shards` reads exactly that range from the safe
 the rank's local tensor in its dtype. No rank, rank 0 included, ever holds a whole parameter of the
 model beyond one expert's projection, so start-up memory per rank is its shards plus one tensor.
 
-`checkpoint_digest` (rank 0, when the run pins version 0's hash) reads the checkpoint tensor by
-tensor and hashes it as `node.model.spec.load_model` would, without building a model.
+Rank 0 checks the checkpoint against the run's pin first (`node.model.fill.checkpoint_digest`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from torch.distributed.tensor import DTensor
 from node.model.config import ModelConfig
 from node.model.fill import check_against, checkpoint_shapes, meta_model
 from node.model.shards import CheckpointShards
-from node.model.weights_digest import WeightsDigest
 from node.rl.parallel.apply import is_expert_param
 from node.rl.parallel.dims import ParallelGroups
 
@@ -66,13 +64,3 @@ def read_own_shards(model: torch.nn.Module, groups: ParallelGroups, shards: Chec
                 inter = local.shape[1] // 2
                 local[i, :inter].copy_(shards.value(f"{prefix}.{e}.gate_proj.weight", local.dtype))
                 local[i, inter:].copy_(shards.value(f"{prefix}.{e}.up_proj.weight", local.dtype))
-
-
-def checkpoint_digest(shards: CheckpointShards, cfg: ModelConfig, dtype: torch.dtype) -> str:
-    """Version 0's hash of the checkpoint in `dtype` (node/model/weights_digest.py), one tensor at a time."""
-    shapes = checkpoint_shapes(meta_model(cfg, dtype))
-    check_against(shards, shapes, cfg.tie_word_embeddings)
-    digest = WeightsDigest()
-    for name in shapes:
-        digest.add(name, shards.value(name, dtype))
-    return digest.hexdigest(expected=set(shapes))
