@@ -29,7 +29,7 @@ from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, Invali
 from shardcast.locks import held_async
 from shardcast.manifest import Manifest, SignedManifest, TrustedPublishers
 from shardcast.sources import DEFAULT_MAX_ATTEMPTS, DEFAULT_PER_SOURCE, ShardSchedule, Source, SourcePool
-from shardcast.store import PartialPayload, Store
+from shardcast.store import PartialPayload, PayloadFiles, Store
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,16 @@ N peers that list each other made 4 N^2 requests per second at ~0.5 ms of CPU ea
 server, measured here): 256/s at N = 8 (6% of a 2-core host), 1,024/s at N = 16 (25%)."""
 
 
+class PayloadTensors(dict):
+    """A version's tensors over its payload's mapping (name -> tensor, no copy), and `files`: where that
+    payload lies in the store, for an engine of its own process that maps it itself (vLLM) instead of
+    being handed a copy."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], files: PayloadFiles | None):
+        super().__init__(tensors)
+        self.files = files
+
+
 @dataclass
 class FetchedVersion:
     manifest: Manifest
@@ -64,10 +74,12 @@ class FetchedVersion:
     """Where this fetch's time went, summed over its workers (they overlap: seconds of work, not of wall):
     `download_s`, `verify_s` (wire hash), `decode_s` (zstd or sparse, XOR, raw hash), `write_s` (payload
     file and shard file), and `wall_s` (the fetch as a whole, its parent's excluded)."""
+    files: PayloadFiles | None = None
+    """The payload's files in the store (None: a payload held in memory only)."""
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> PayloadTensors:
         """Tensors over the payload (no copy), keyed by parameter name, for `load_weights`."""
-        return unflatten(self.manifest.tensors, self.payload)
+        return PayloadTensors(unflatten(self.manifest.tensors, self.payload), self.files)
 
 
 class Fetcher:
@@ -194,7 +206,7 @@ class Fetcher:
             return None
         m = signed.verified(self.trusted)
         _check_announced(m, manifest_hash)
-        return FetchedVersion(m, self.store.payload(run_id, version), 0)
+        return FetchedVersion(m, self.store.payload(run_id, version), 0, files=self.store.payload_files(m))
 
     async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
         loop = asyncio.get_running_loop()
@@ -319,7 +331,7 @@ class Fetcher:
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
         stages = {k: round(v, 4) for k, v in spent.items()}
         stages["wall_s"] = round(time.perf_counter() - t_start, 4)
-        return FetchedVersion(m, verified, downloaded, stages)
+        return FetchedVersion(m, verified, downloaded, stages, files=self.store.payload_files(m))
 
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
     if manifest_hash is not None and m.manifest_hash() != manifest_hash:

@@ -22,13 +22,14 @@ import os
 import shutil
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from shardcast import retention
 from shardcast.locks import lock_path
-from shardcast.manifest import SignedManifest
+from shardcast.manifest import Manifest, SignedManifest
 from shardcast.shard_map import map_shard_files, shard_file
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,20 @@ def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not stay full of our half-written temp files
         raise
+
+
+@dataclass(frozen=True)
+class PayloadFiles:
+    """A held version's payload on this host, as a process of its own maps it (an engine in another
+    interpreter: contrib/vllm's worker extension): `path` is `payload.d` (one file per shard, `shard_map`'s
+    layout, `shard_sizes` bytes each) or `payload.bin` (one file, `shard_sizes` None); `tensors` are the
+    manifest's entries (name, dtype, shape, offset, nbytes into the payload). Hold `lock` shared while the
+    files are read: retention leaves a version alone while anyone holds it."""
+
+    path: Path
+    shard_sizes: list[int] | None
+    tensors: list[dict]
+    lock: Path
 
 
 class Store:
@@ -208,6 +223,12 @@ class Store:
         if path.stat().st_size == 0:
             return np.empty(0, dtype=np.uint8)  # mmap cannot map an empty file
         return np.memmap(path, dtype=np.uint8, mode="c")
+
+    def payload_files(self, m: Manifest) -> PayloadFiles:
+        """Where version `m`'s payload lies (it must be held): what another process needs to map it."""
+        path = self.payload_path(m.run_id, m.version)
+        return PayloadFiles(path=path, shard_sizes=[s.raw_size for s in m.shards] if path.is_dir() else None,
+                            tensors=[t.model_dump() for t in m.tensors], lock=self.lock(m.run_id, m.version))
 
     # -- retention -------------------------------------------------------------------------
     def retain(self, run_id: str, keep_last: int) -> list[int]:

@@ -28,6 +28,7 @@ import torch
 from contrib.vllm.server import VLLMServer, VLLMServerError
 from contrib.vllm.settings import VLLMSettings
 from node.engine import Completion, Request, SamplingParams
+from shardcast.store import PayloadFiles
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,20 @@ class VLLMEngine:
         return [out[r.request_id] for r in requests]
 
     def load_weights(self, checkpoint_dir: str | Path, version: int) -> None:
-        """Load an HF-safetensors checkpoint (a shardcast-fetched version) in place. Requests in
-        flight are frozen, not dropped, and continue under the new weights."""
+        """Load an HF-safetensors checkpoint in place. Requests in flight are frozen, not dropped, and
+        continue under the new weights."""
+        self._swap(version, "primerl_load_weights", path=str(checkpoint_dir))
+
+    def load_payload(self, files: PayloadFiles, version: int) -> None:
+        """Load a version held in this host's shardcast store in place, the workers reading its payload
+        files themselves (`PayloadFiles`; the caller keeps them from retention): no copy is written."""
+        self._swap(version, "primerl_load_payload", path=str(files.path), shard_sizes=files.shard_sizes,
+                   tensors=files.tensors)
+
+    def _swap(self, version: int, method: str, **kwargs) -> None:
         self.server.post("/pause?mode=keep")
         try:
-            self.server.rpc("primerl_load_weights", path=str(checkpoint_dir))
+            self.server.rpc(method, **kwargs)
             self.server.post("/update_weight_version", {"new_version": str(version)})
             self.version = version
         finally:

@@ -2,8 +2,10 @@
 
 The server starts without weights (config.json only, `load_format=dummy`) while the node joins and
 fetches; start-up takes tens of seconds, and WORKDIR/engine.ready marks its end. Every policy version
-the node fetches is written as an HF checkpoint (beside, then renamed: a crash never leaves a half
-written one under its name) and loaded in place; the last `CHECKPOINTS_KEPT` stay on disk.
+the node fetches is loaded in place from the shardcast store's payload files, which vLLM's workers map
+themselves (no copy: a 30B version is 61 GB in bf16). A version from elsewhere (version 0 from the
+member's checkpoint) is written as an HF checkpoint (beside, then renamed: a crash never leaves a half
+written one under its name) and loaded from it; the last `CHECKPOINTS_KEPT` of those stay on disk.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from node.engine import Request, SamplingParams
 from node.engine.registry import EngineSetup, EngineUnavailable
 from node.model.checkpoint import CONFIG, copy_companions, save_tensors
 from node.model.streamed_weights import headers
+from shardcast.locks import held
 
 SHARD_BYTES = 2 << 30
 """Largest safetensors file a written version is split into (what one shard costs on the host)."""
@@ -111,8 +114,16 @@ class VLLMNodeEngine:
         return self.engine.server
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write `version` as an HF checkpoint and load it in place (sequences in flight are kept, or
-        rerun by the adapter where vLLM recomputed their KV under the new weights)."""
+        """Load `version` in place (sequences in flight are kept, or rerun by the adapter where vLLM recomputed
+        their KV under the new weights). A version held in this host's shardcast store (what a fetch returns:
+        `shardcast.fetch.PayloadTensors`) is read by vLLM's workers from the store's payload files, under the
+        version's lock: no copy. Anything else (version 0 read from the member's checkpoint) is written as an
+        HF checkpoint first, shard by shard."""
+        files = getattr(state_dict, "files", None)
+        if files is not None:
+            with held(files.lock, exclusive=False):  # retention leaves the files while vLLM reads them
+                self.engine.load_payload(files, version)
+            return
         self.engine.load_weights(write_hf_checkpoint(state_dict, self.setup.hf_config, self.root / f"v{version}",
                                                      self.setup.model_dir), version)
         written = sorted((int(d.name[1:]) for d in self.root.glob("v*") if d.name[1:].isdigit()), reverse=True)

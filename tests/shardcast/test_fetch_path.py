@@ -126,3 +126,31 @@ def test_a_partial_payload_of_shard_files_takes_whole_shards_only_and_commits_to
     assert not list(store.version_dir("r", 0).glob(".payload.*"))
     with pytest.raises(ValueError, match="closed"):
         part.write(0, data[:4096])  # a decode thread left running writes nothing once committed
+
+
+def test_a_fetched_version_says_where_its_payload_files_are_for_a_process_that_maps_them(tmp_path, origin_store,
+                                                                                          trusted, sc):
+    # an engine in its own interpreter (vLLM's workers) maps the store's files itself instead of being handed a copy
+    from shardcast.shard_map import map_shard_files
+
+    from shardcast.server import ShardServer
+
+    got, _ = _fetch(tmp_path, lambda: [ShardServer(origin_store)], trusted)
+    tensors = got.tensors()
+    files = tensors.files
+    assert files.lock == Store(tmp_path / "client").lock("run", 0) and files.path.exists()
+    mapped = (map_shard_files(files.path, files.shard_sizes) if files.shard_sizes is not None
+              else np.memmap(files.path, dtype=np.uint8, mode="r"))
+    assert [t["name"] for t in files.tensors] == list(tensors)
+    for t in files.tensors:
+        raw = torch.from_numpy(np.array(mapped[t["offset"]: t["offset"] + t["nbytes"]]))
+        assert torch.equal(raw.view(getattr(torch, t["dtype"])).reshape(t["shape"]).view(torch.uint8),
+                           tensors[t["name"]].reshape(t["shape"]).view(torch.uint8)), t["name"]
+    again = asyncio.run(_held(tmp_path, trusted))  # read back from the store, not fetched: the same files
+    assert again.files == files
+    sc.assert_same(dict(again.tensors()), got.tensors())
+
+
+async def _held(tmp_path, trusted):
+    async with Fetcher(Store(tmp_path / "client"), [], trusted, offline=True) as f:
+        return await f.fetch("run", 0)

@@ -6,6 +6,7 @@ Runs only with PRIMERL_VLLM_PYTHON set (`make test-vllm` sets it to .venv-vllm/b
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
@@ -171,3 +172,41 @@ def test_weights_swap_mid_run_keeps_sequences_and_is_verifiable(setup):
     ours = Engine(models[1], max_batch=4, max_seq_len=MAX_SEQ, eos_id=TOK.eos_id).generate(_requests(2, 16))
     assert [c.token_ids for c in fresh] == [c.token_ids for c in ours]
     assert all(set(c.versions) == {1} for c in fresh)
+
+
+@pytest.mark.parametrize("layout", ["payload.bin", "payload.d"])
+def test_a_version_held_in_the_shardcast_store_loads_from_its_payload_files(setup, tmp_path, layout):
+    # the vLLM node's path for every fetched version: the workers map the store's payload (one file, or
+    # one file per shard as a publisher or a sharded fetch leaves it), no checkpoint written in between
+    from node.model.checkpoint import state_dict_to_hf
+    from protocol.identity import NodeKey
+    from shardcast.codec import flatten
+    from shardcast.fetch import Fetcher
+    from shardcast.manifest import TrustedPublishers
+    from shardcast.publish import PublishOptions, publish, publish_stream
+    from shardcast.store import Store
+
+    engine, models, _ = setup
+    version = 2 if layout == "payload.bin" else 3
+    model = tiny(version)
+    key, store = NodeKey.from_seed(b"p" * 32), Store(tmp_path / "store")
+    state = state_dict_to_hf(model)
+    opts = PublishOptions(shard_size=1 << 20, threads=2)
+    if layout == "payload.bin":
+        publish(store, key, "run", version, state, options=opts)
+    else:
+        tensors, payload = flatten(state)
+        publish_stream(store, key, "run", version, tensors, payload, iter([len(payload)]), None, opts)
+
+    async def fetched():
+        async with Fetcher(store, [], TrustedPublishers([key.peer_id]), offline=True) as f:
+            return await f.fetch("run", version)
+
+    got = asyncio.run(fetched())
+    assert got.files is not None and got.files.path.name == layout
+    assert (got.files.shard_sizes is not None) == (layout == "payload.d")
+    engine.load_payload(got.files, version)
+    fresh = engine.generate(_requests(2, 16))
+    ours = Engine(model, max_batch=4, max_seq_len=MAX_SEQ, eos_id=TOK.eos_id).generate(_requests(2, 16))
+    assert [c.token_ids for c in fresh] == [c.token_ids for c in ours]
+    assert all(set(c.versions) == {version} for c in fresh)

@@ -47,4 +47,7 @@ def test_builtin_and_vllm_nodes_train_one_run_and_both_engines_work_is_accepted(
     assert (node / "engine.ready").exists() and (node / "vllm.log").stat().st_size > 0
     loaded = [json.loads(x)["version"] for x in (node / "versions.jsonl").read_text().splitlines()]
     assert loaded and loaded == sorted(loaded)
+    # every version came through shardcast (tiny-moe: version 0 too) and vLLM's workers read it from the
+    # store's payload files: the node wrote no copy of any as a checkpoint of its own
+    assert not list((node / "vllm").glob("v[0-9]*")), sorted(p.name for p in (node / "vllm").iterdir())
     assert not _vllm_servers_of(tmp_path)
