@@ -11,6 +11,7 @@ written one under its name) and loaded from it; the last `CHECKPOINTS_KEPT` of t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 from collections.abc import Mapping
@@ -27,6 +28,8 @@ from node.engine.registry import EngineSetup, EngineUnavailable
 from node.model.checkpoint import CONFIG, copy_companions, save_tensors
 from node.model.streamed_weights import headers
 from shardcast.locks import held
+
+log = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 << 30
 """Largest safetensors file a written version is split into (what one shard costs on the host)."""
@@ -122,8 +125,10 @@ class VLLMNodeEngine:
         files = getattr(state_dict, "files", None)
         if files is not None:
             with held(files.lock, exclusive=False):  # retention leaves the files while vLLM reads them
-                self.engine.load_payload(files, version)
-            return
+                if files.path.exists():  # (retention may have dropped this payload since the fetch: then a copy)
+                    self.engine.load_payload(files, version)
+                    return
+            log.info("v%d: its payload left the store since the fetch; written out for vLLM instead", version)
         self.engine.load_weights(write_hf_checkpoint(state_dict, self.setup.hf_config, self.root / f"v{version}",
                                                      self.setup.model_dir), version)
         written = sorted((int(d.name[1:]) for d in self.root.glob("v*") if d.name[1:].isdigit()), reverse=True)

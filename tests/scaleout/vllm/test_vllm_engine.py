@@ -174,10 +174,9 @@ def test_weights_swap_mid_run_keeps_sequences_and_is_verifiable(setup):
     assert all(set(c.versions) == {1} for c in fresh)
 
 
-@pytest.mark.parametrize("layout", ["payload.bin", "payload.d"])
-def test_a_version_held_in_the_shardcast_store_loads_from_its_payload_files(setup, tmp_path, layout):
-    # the vLLM node's path for every fetched version: the workers map the store's payload (one file, or
-    # one file per shard as a publisher or a sharded fetch leaves it), no checkpoint written in between
+def _in_store(tmp_path, model, version: int, layout: str):
+    """`model` published into a store as `version` (`publish`: payload.bin; `publish_stream`, the trainer's:
+    payload.d) and fetched back from it, as the role's `fetch_policy` returns a version."""
     from node.model.checkpoint import state_dict_to_hf
     from protocol.identity import NodeKey
     from shardcast.codec import flatten
@@ -186,9 +185,6 @@ def test_a_version_held_in_the_shardcast_store_loads_from_its_payload_files(setu
     from shardcast.publish import PublishOptions, publish, publish_stream
     from shardcast.store import Store
 
-    engine, models, _ = setup
-    version = 2 if layout == "payload.bin" else 3
-    model = tiny(version)
     key, store = NodeKey.from_seed(b"p" * 32), Store(tmp_path / "store")
     state = state_dict_to_hf(model)
     opts = PublishOptions(shard_size=1 << 20, threads=2)
@@ -202,11 +198,44 @@ def test_a_version_held_in_the_shardcast_store_loads_from_its_payload_files(setu
         async with Fetcher(store, [], TrustedPublishers([key.peer_id]), offline=True) as f:
             return await f.fetch("run", version)
 
-    got = asyncio.run(fetched())
-    assert got.files is not None and got.files.path.name == layout
-    assert (got.files.shard_sizes is not None) == (layout == "payload.d")
-    engine.load_payload(got.files, version)
+    return store, asyncio.run(fetched())
+
+
+def _serves(engine, model, version: int) -> None:
     fresh = engine.generate(_requests(2, 16))
     ours = Engine(model, max_batch=4, max_seq_len=MAX_SEQ, eos_id=TOK.eos_id).generate(_requests(2, 16))
     assert [c.token_ids for c in fresh] == [c.token_ids for c in ours]
     assert all(set(c.versions) == {version} for c in fresh)
+
+
+@pytest.mark.parametrize("layout", ["payload.bin", "payload.d"])
+def test_a_version_held_in_the_shardcast_store_loads_from_its_payload_files(setup, tmp_path, layout):
+    # the vLLM node's path for every fetched version: the workers map the store's payload (one file, or
+    # one file per shard as a publisher or a sharded fetch leaves it), no checkpoint written in between
+    engine, _, _ = setup
+    version = 2 if layout == "payload.bin" else 3
+    model = tiny(version)
+    _, got = _in_store(tmp_path, model, version, layout)
+    assert got.files is not None and got.files.path.name == layout
+    assert (got.files.shard_sizes is not None) == (layout == "payload.d")
+    engine.load_payload(got.files, version)
+    _serves(engine, model, version)
+
+
+def test_a_payload_retention_dropped_after_the_fetch_is_written_out_for_vllm_instead(setup, tmp_path):
+    from types import SimpleNamespace
+
+    from contrib.vllm.node_engine import VLLMNodeEngine
+    from shardcast.retention import drop_payload
+
+    engine, models, _ = setup
+    version, model = 4, tiny(4)
+    store, got = _in_store(tmp_path, model, version, "payload.d")
+    tensors = got.tensors()  # views over the mapping, which outlives the files
+    assert drop_payload(store, "run", version) and not got.files.path.exists()  # wire shards stay
+    node = VLLMNodeEngine.__new__(VLLMNodeEngine)  # the role's engine over this module's server (no second start)
+    node.engine, node.root = engine, tmp_path / "vllm"
+    node.setup = SimpleNamespace(hf_config=models[0].config.to_hf_dict(), model_dir=None)
+    node.load_weights(tensors, version)
+    assert (tmp_path / "vllm" / f"v{version}" / "model.safetensors").exists()
+    _serves(engine, model, version)
