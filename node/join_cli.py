@@ -24,6 +24,7 @@ from protocol.coordinator import RETAIN_VERSIONS, Coordinator
 from protocol.coordinator_service import CoordinatorService
 from protocol.errors import BannedPeer
 from protocol.identity import NodeKey
+from protocol.model_spec import TINY_MOE
 from protocol.transport import PeerHost
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     lock = StateLock(state).acquire()  # before anything in the state is read or written
     key = NodeKey.load_or_create(key_path)
     spec = cfg.run_spec(key.peer_id)
+    if spec.model.source != TINY_MOE and spec.model.weights_hash is None:
+        log.warning("run.toml's [model] pins no weights_hash: members will not check that their version 0 is the "
+                    "checkpoint this run names; `primerl-node model pin %s` prints the table with it", spec.model.source)
     (state / "spec.json").write_text(spec.model_dump_json())
     stop = stop_on_signals()
     listen_free(cfg.listen)
