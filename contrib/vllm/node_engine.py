@@ -26,7 +26,7 @@ from contrib.vllm.settings import VLLMSettings
 from node.engine import Request, SamplingParams
 from node.engine.registry import EngineSetup, EngineUnavailable
 from node.model.checkpoint import CONFIG, copy_companions, save_tensors
-from node.model.streamed_weights import headers
+from node.model.streamed_weights import StreamedWeights, headers
 from shardcast.locks import held
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,9 @@ class VLLMNodeEngine:
         """Load `version` in place (sequences in flight are kept, or rerun by the adapter where vLLM recomputed
         their KV under the new weights). A version held in this host's shardcast store (what a fetch returns:
         `shardcast.fetch.PayloadTensors`) is read by vLLM's workers from the store's payload files, under the
-        version's lock: no copy. Anything else (version 0 read from the member's checkpoint) is written as an
-        HF checkpoint first, shard by shard."""
+        version's lock: no copy. Version 0 read from the member's own checkpoint (`StreamedWeights`) is read
+        by vLLM from those files as they are, unless they hold FP8 weights (which vLLM would take for its own
+        scheme); anything else is written as an HF checkpoint first, shard by shard."""
         files = getattr(state_dict, "files", None)
         if files is not None:
             with held(files.lock, exclusive=False):  # retention leaves the files while vLLM reads them
@@ -129,11 +130,25 @@ class VLLMNodeEngine:
                     self.engine.load_payload(files, version)
                     return
             log.info("v%d: its payload left the store since the fetch; written out for vLLM instead", version)
+        if isinstance(state_dict, StreamedWeights) and state_dict.shards.quantization is None:
+            return self._load_checkpoint_as_it_is(state_dict, version)
         self.engine.load_weights(write_hf_checkpoint(state_dict, self.setup.hf_config, self.root / f"v{version}",
                                                      self.setup.model_dir), version)
         written = sorted((int(d.name[1:]) for d in self.root.glob("v*") if d.name[1:].isdigit()), reverse=True)
         for old in written[CHECKPOINTS_KEPT:]:
             shutil.rmtree(self.root / f"v{old}", ignore_errors=True)
+
+    def _load_checkpoint_as_it_is(self, weights: StreamedWeights, version: int) -> None:
+        """Version 0 from the member's own checkpoint, read by vLLM's workers from its files (no copy: a 30B
+        checkpoint is 61 GB in bf16, and a host with one disk of 64 GB could not hold it twice). vLLM casts
+        to the spec's dtype as the node's own read does. The check that pinned these files (their bytes
+        hashed against the run's manifest) is kept by reading them again once vLLM has: a file changed in
+        between is `InvalidCheckpoint`, as the node's own loader would raise it."""
+        self.engine.load_weights(weights.shards.directory, version)
+        for name in weights:
+            weights[name]  # noqa: B018 (a pinned lookup re-hashes the bytes it reads)
+        log.info("v%d loaded by vLLM from the checkpoint %s as it is (no copy written)", version,
+                 weights.shards.directory)
 
     def add_request(self, request: Request) -> None:
         self.engine.add_request(request)
