@@ -151,3 +151,21 @@ def test_the_trainers_plan_matches_what_the_5b_trainer_held_on_an_h200():
     plan = plan_trainer(cfg, torch.bfloat16, "cuda:0", 136 * GIB, 16_384, 1 << 30, longest_row=1536)
     assert plan.micro_batch_tokens == 16_384
     assert abs(plan.total / GIB - 73.0) < 0.02 * 73.0, plan.describe()
+
+
+def test_model_plan_tells_a_joiner_what_each_role_would_hold_on_a_device_that_is_not_here(tmp_path):
+    # an H200's worth, asked on this CPU machine: a 30B node fits on one, its trainer does not, 8 ranks do
+    spec = write_spec(tmp_path, {"source": str(qwen3_30b_dir(tmp_path)), "fp8": "all"})
+    code, out, err, _ = run_cli("model", "plan", "--spec", str(spec), "--device", "cuda", "--free-gib", "139")
+    lines = out.splitlines()
+    assert [line.split(":")[1].strip().split(" on ")[0] for line in lines] == ["inference node", "validator", "trainer"]
+    assert all("139.00 GiB free" in line for line in lines), out
+    assert code == 2 and "the trainer needs" in err and "inference" not in err and len(err.strip().splitlines()) == 1, err
+    code, out, err, _ = run_cli("model", "plan", "--spec", str(spec), "--free-gib", "139", "--role", "trainer", "--dp", "8")
+    assert code == 0 and "FSDP world 8" in out, err
+    code, out, err, _ = run_cli("model", "plan", "--spec", str(spec), "--device", "cpu", "--free-gib", "20",
+                                "--role", "inference")
+    assert code == 2 and "the inference node needs" in err, err
+    (tmp_path / "junk.json").write_text("{not a spec")
+    code, _, err, _ = run_cli("model", "plan", "--spec", str(tmp_path / "junk.json"), "--free-gib", "139")
+    assert code == 2 and err.startswith("primerl-node model: error: --spec") and "Traceback" not in err, err
