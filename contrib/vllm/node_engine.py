@@ -3,9 +3,10 @@
 The server starts without weights (config.json only, `load_format=dummy`) while the node joins and
 fetches; start-up takes tens of seconds, and WORKDIR/engine.ready marks its end. Every policy version
 the node fetches is loaded in place from the shardcast store's payload files, which vLLM's workers map
-themselves (no copy: a 30B version is 61 GB in bf16). A version from elsewhere (version 0 from the
-member's checkpoint) is written as an HF checkpoint (beside, then renamed: a crash never leaves a half
-written one under its name) and loaded from it; the last `CHECKPOINTS_KEPT` of those stay on disk.
+themselves (no copy: a 30B version is 61 GB in bf16); version 0 from the member's own checkpoint is read
+from its files as they are. Anything else (an FP8 checkpoint served dequantised, a payload dropped since
+its fetch) is written as an HF checkpoint (beside, then renamed: a crash never leaves a half written one
+under its name) and loaded from it; the last `CHECKPOINTS_KEPT` of those stay on disk.
 """
 
 from __future__ import annotations
