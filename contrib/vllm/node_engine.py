@@ -88,6 +88,11 @@ class VLLMNodeEngine:
             checked = VLLMSettings(model="-", load_format="dummy", **settings)
         except ValidationError as exc:
             raise EngineUnavailable(f"--vllm: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
+        if not checked.enforce_eager:
+            # the worker extension captures each token's hidden state with forward hooks, which vLLM's compiled
+            # and graph-captured forwards skip: the node would submit rollouts without proofs and be banned
+            raise EngineUnavailable("--vllm enforce_eager=false: vLLM's compiled forwards skip the hooks that capture "
+                                    "the hidden states every rollout's proof is made of; the node serves eager only")
         return {name: getattr(checked, name) for name in settings}
 
     @classmethod

@@ -57,7 +57,8 @@ def _fake_vllm_python(tmp_path) -> str:
                                           ("data_parallel=zero", "data_parallel"),
                                           # the spec's: a bf16 run's validator judged fp8 rollouts by bf16 bounds
                                           ("quantization=fp8", "the run's spec sets quantization (model.fp8"),
-                                          ("dtype=bfloat16", "the run's spec sets dtype (model.dtype: dtype float32")])
+                                          ("dtype=bfloat16", "the run's spec sets dtype (model.dtype: dtype float32"),
+                                          ("enforce_eager=false", "skip the hooks that capture")])
 def test_a_bad_vllm_setting_is_refused_at_start(tmp_path, capfd, monkeypatch, option, says):
     monkeypatch.setenv("PRIMERL_VLLM_PYTHON", _fake_vllm_python(tmp_path))
     spec = tmp_path / "spec.json"
