@@ -19,6 +19,20 @@ def test_interpolation_passes_through_every_point_and_only_those():
     assert (evaluate(interpolate(x, y2), x)[:, 5] != y[:, 5]).all()
 
 
+
+def test_evaluation_reduced_every_other_step_is_horner_reduced_every_step():
+    """`evaluate` reduces every second Horner step; each value equals the plain rule's, in exact integers."""
+    rng = np.random.default_rng(1)
+    for c, n, m in [(64, 128, 128), (7, 2, 5), (3, 1, 4), (5, 33, 17)]:
+        coeffs = rng.integers(0, P, (c, n))
+        x = rng.integers(0, P, (c, m))
+        coeffs[0], x[0] = P - 1, P - 1  # the largest residues: the largest intermediate values
+        want = np.zeros((c, m), dtype=np.int64)
+        for j in range(n - 1, -1, -1):  # Horner in int64, reduced at every step
+            want = (want * x + coeffs[:, j : j + 1]) % P
+        assert (evaluate(coeffs, x) == want).all()
+        assert (evaluate(coeffs + P, x - P) == want).all()  # residues of any representative
+
 def test_modulus_is_the_largest_that_keeps_indices_distinct():
     assert injective_modulus(np.array([1, 2, 70000])) == P
     x = np.array([5, 5 + P, 11])  # collide mod P
