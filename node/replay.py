@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from node.engine.fp8.model import fp8_mode_of
-from node.engine.sampling import SamplingParams, sample, token_seed, top_p_mask
+from node.engine.sampling import SamplingParams, sample, token_seeds, top_p_mask
 from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, right_pad
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
@@ -220,8 +220,8 @@ class TorchReference(Reference):
         chunk = max(64, (self.logits_bytes or CPU_LOGITS_BYTES) // (MEASURE_SCRATCH_FACTOR * 4 * vocab))
         temps = [sp.temperature for sp, n in zip(samplings, lens) for _ in range(n)]
         top_p = [sp.top_p for sp, n in zip(samplings, lens) for _ in range(n)]
-        seeds = [token_seed(sp.seed, q) if sp.temperature > 0 else None
-                 for sp, pos in zip(samplings, positions) for q in pos]
+        seeds = [s for sp, pos in zip(samplings, positions)
+                 for s in (token_seeds(sp.seed, pos) if sp.temperature > 0 else [None] * len(pos))]
         lp, tok, margin = measure_rows(logits, [t for c in claimed for t in c], temps, top_p, seeds, chunk)
         out, k = [], 0
         for n in lens:
@@ -370,7 +370,7 @@ def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[i
         top_p = torch.full((logp.shape[0],), spec.top_p, dtype=torch.float32, device=device)
         scores = scores.masked_fill(~top_p_mask(logp, top_p), float("-inf"))
     if spec.temperature > 0:
-        seeds = torch.tensor([token_seed(spec.seed, p) for p in positions], dtype=torch.int64, device=device)
+        seeds = torch.tensor(token_seeds(spec.seed, positions), dtype=torch.int64, device=device)
         scores = scores + gumbel_torch(seeds, logits.shape[-1])
     top2 = scores.topk(2, dim=-1)
     tokens = top2.indices[:, 0]
