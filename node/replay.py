@@ -121,15 +121,22 @@ class TorchReference(Reference):
             routes_host = res.routed_experts.cpu() if with_routes and res.routed_experts is not None else None
             router_host = (_router_logits(res, len(members), t, host=not self.on_device)
                            if with_routes and with_router_logits else None)
-            for row, i in enumerate(members):
-                n = len(sequences[i])
-                lo = logits_from[i] if logits_from is not None else 0
-                # a copy, not a view: a view would keep the whole batch's [B, T, V] logits alive
-                logits, hidden = res.logits[row, lo - base : n - base], res.hidden[row, :n]
-                if self.on_device:
-                    out[i] = (logits.to(torch.float32, copy=True), hidden.clone())
-                else:
-                    out[i] = (logits.float().cpu().clone(), hidden.cpu().clone())
+            lens = [len(sequences[i]) for i in members]
+            los = [logits_from[i] - base if logits_from is not None else 0 for i in members]
+            ends = [max(lo, n - base) for n, lo in zip(lens, los)]
+            # copies, not views: a view would keep the whole batch's [B, T, V] logits alive
+            if self.on_device:  # every member's rows in one gather each, views of them (2 kernels, not 2 a member)
+                logits = _rows(res.logits, los, ends).to(torch.float32)
+                hidden = _rows(res.hidden, [0] * len(lens), lens)
+                rows, a, h = [], 0, 0
+                for lo, end, n in zip(los, ends, lens):
+                    rows.append((logits[a : a + end - lo], hidden[h : h + n]))
+                    a, h = a + end - lo, h + n
+            else:  # on the host one copy each (a fresh [sum, V] gather pays its first touch: slower at a 49k vocabulary)
+                rows = [(res.logits[row, lo:end].to(torch.float32, copy=True), res.hidden[row, :n].clone())
+                        for row, (lo, end, n) in enumerate(zip(los, ends, lens))]
+            for row, (i, n) in enumerate(zip(members, lens)):
+                out[i] = rows[row]
                 if with_routes:
                     out[i] += (None if routes_host is None else routes_host[row, :n],)
                     if with_router_logits:
@@ -375,6 +382,17 @@ def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[i
     top2 = scores.topk(2, dim=-1)
     tokens = top2.indices[:, 0]
     return Replay(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])
+
+
+def _rows(x: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
+    """Rows [starts[b], ends[b]) of each batch row b of `x` [B, T, ...], concatenated in order: one gather."""
+    b, t = x.shape[:2]
+    lens = torch.tensor([e - s for s, e in zip(starts, ends)])
+    first = torch.tensor([row * t + s for row, s in enumerate(starts)])
+    # flat index of every row kept: its batch row's first kept index, plus its place among that row's kept ones
+    offsets = torch.repeat_interleave(first - (torch.cumsum(lens, 0) - lens), lens)
+    flat = offsets + torch.arange(int(lens.sum()))
+    return x.reshape(b * t, *x.shape[2:]).index_select(0, flat.to(x.device))
 
 
 def _router_logits(res, b: int, t: int, host: bool = True) -> torch.Tensor | None:
