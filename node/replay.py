@@ -316,10 +316,12 @@ def measure_rows(parts: list[torch.Tensor], claimed: list[int], temps: list[floa
     from node.engine.sampling import gumbel_noise
 
     device, n = parts[0].device, len(claimed)
-    temps_t = torch.tensor(temps, dtype=torch.float32)
-    divisor = torch.where(temps_t > 0, temps_t, torch.ones_like(temps_t)).to(device)
-    claimed_t = torch.tensor(claimed, dtype=torch.long).to(device)
-    top_p_t = torch.tensor(top_p, dtype=torch.float32)
+    temps_t, top_p_t = torch.tensor(temps, dtype=torch.float32), torch.tensor(top_p, dtype=torch.float32)
+    # every row's inputs in one transfer of floats (divisor, top-p) and one of integers (claimed token, token
+    # seed), not a few a chunk: a copy from pageable host memory waits for the work queued on the device
+    floats = torch.stack([torch.where(temps_t > 0, temps_t, torch.ones_like(temps_t)), top_p_t]).to(device)
+    ints = torch.tensor([claimed, [0 if s is None else s for s in seeds]], dtype=torch.long).to(device)
+    divisor, claimed_t = floats[0], ints[0]
     figures = torch.empty(3, n, dtype=torch.float32, device=device)  # claimed logprob, replayed token, margin
     for a, x in _row_chunks(parts, chunk_rows):
         b = a + x.shape[0]
@@ -327,13 +329,21 @@ def measure_rows(parts: list[torch.Tensor], claimed: list[int], temps: list[floa
         figures[0, a:b] = logp.gather(-1, claimed_t[a:b, None]).squeeze(-1)
         scores = logp
         nucleus = (top_p_t[a:b] < 1).nonzero().squeeze(-1)
-        if len(nucleus):  # only those rows: a row at top_p 1 would fall back to a full sort of the vocabulary
+        if len(nucleus) == b - a:  # every row (a run's spec sets one top-p): no rows gathered, the same values
+            scores = logp.masked_fill(~top_p_mask(logp, floats[1, a:b]), float("-inf"))
+        elif len(nucleus):  # only those rows: a row at top_p 1 would fall back to a full sort of the vocabulary
             rows = nucleus.to(device)
             scores = scores.clone()
             scores[rows] = logp[rows].masked_fill(~top_p_mask(logp[rows], top_p_t[a:b][nucleus].to(device)),
                                                   float("-inf"))
         drawn = [r for r in range(a, b) if seeds[r] is not None]
-        if drawn:
+        if len(drawn) == b - a:  # every row sampled: the noise added to all, as index_add adds it row by row
+            if device.type == "cuda":
+                noise = gumbel_torch(ints[1, a:b], x.shape[-1])
+            else:
+                noise = gumbel_noise(seeds[a:b], x.shape[-1])
+            scores = scores + noise
+        elif drawn:
             local = torch.tensor([r - a for r in drawn], dtype=torch.long).to(device)
             if device.type == "cuda":
                 noise = gumbel_torch(torch.tensor([seeds[r] for r in drawn], dtype=torch.int64).to(device), x.shape[-1])
