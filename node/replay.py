@@ -51,6 +51,7 @@ class TorchReference(Reference):
         any_model = policies[max(policies)][0]  # the newest: a resident model (node/roles/resident_policy.py) holds it
         self.config = any_model.config
         self.hidden_size = any_model.config.hidden_size
+        self._route_shape = RouteShape.of(self.config)  # every version's: one architecture (per claim it cost ~3 us)
         self.vocab_size = any_model.config.vocab_size
         # an FP8-served model (node/engine/fp8/model.py) is judged by the thresholds of its FP8 mode on its base
         # dtype ("fp8-experts-bfloat16"); a plain one by its dtype's
@@ -84,7 +85,7 @@ class TorchReference(Reference):
         return None if p is None else p[1]
 
     def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
-        shape = RouteShape.of(self.config)
+        shape = self._route_shape
         if shape is None:
             raise InvalidRoutes("routes claimed for a dense model")
         return decode_routes(data, positions, shape)
