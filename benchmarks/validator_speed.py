@@ -13,9 +13,9 @@ model) and `verify_claims`, in rounds of `--round` claims, `--group` claims a su
 what the judging could approach. Figures: generation tok/s (completion tokens over the engine's
 seconds), judging tok/s (prompt + completion tokens recomputed over the rounds' seconds, as the role's
 rounds count them), the ratio of the two, milliseconds per claim, the share of judging spent in the
-reference's prefill, the garbage collector's seconds inside the timed rounds (`gc_s`: a full pass over the
-process's heap lands in a round or not by chance; `ms_per_claim_without_gc` leaves it out), and every verdict
-(all must be accepted). Ends with one JSON line.
+reference's prefill, the garbage collector's seconds inside the timed judging rounds and generation (`gc_s`,
+`gen_gc_s`: a full pass over the process's heap lands in one or the other, or neither, by the allocations before
+it; the `_without_gc` figures leave them out), and every verdict (all must be accepted). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -127,10 +127,14 @@ def _run(args: argparse.Namespace) -> dict:
     engine = D.build_engine(model, "off", args.device, args.batch)
     R.generate(engine, work[: args.batch])  # warm: the graphs' first replays, the allocator
     _sync(args.device)
+    gen_collections = _Collections()
     t = time.perf_counter()
+    gen_collections.on = True
     comps = R.generate(engine, work)
     _sync(args.device)
+    gen_collections.on = False
     gen_s = time.perf_counter() - t
+    gen_collections.close()
     engine.close()
     claims = D.claims_from_completions(comps, work, cfg)
     claims = [c.model_copy(update={"work_id": 7000 + i // args.group}) for i, c in enumerate(claims)]
@@ -199,6 +203,9 @@ def _run(args: argparse.Namespace) -> dict:
         "prefill_share": round(timed.seconds / judge_s, 3),
         "gc_s": round(collections.seconds, 3), "gc_full_passes": collections.full,
         "ms_per_claim_without_gc": round(1000 * (judge_s - collections.seconds) / len(claims), 3),
+        "gen_gc_s": round(gen_collections.seconds, 3), "gen_gc_full_passes": gen_collections.full,
+        "verify_over_generate_without_gc": round((sequence_tokens / (judge_s - collections.seconds))
+                                                 / (completion_tokens / (gen_s - gen_collections.seconds)), 3),
         "peer_prefill_s": round(peer_s, 3), "peer_prefill_tok_s": round(sequence_tokens / peer_s, 1),
         "judge_over_peer_prefill": round(peer_s / judge_s, 3),
         "accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),
