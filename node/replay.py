@@ -226,8 +226,8 @@ class TorchReference(Reference):
             return [(empty, Replay(empty.long(), empty, empty)) for _ in claimed]
         vocab = logits[0].shape[-1]
         chunk = max(64, (self.logits_bytes or CPU_LOGITS_BYTES) // (MEASURE_SCRATCH_FACTOR * 4 * vocab))
-        temps = [sp.temperature for sp, n in zip(samplings, lens) for _ in range(n)]
-        top_p = [sp.top_p for sp, n in zip(samplings, lens) for _ in range(n)]
+        temps = [t for sp, n in zip(samplings, lens) for t in [sp.temperature] * n]
+        top_p = [p for sp, n in zip(samplings, lens) for p in [sp.top_p] * n]
         seeds = [s for sp, pos in zip(samplings, positions)
                  for s in (token_seeds(sp.seed, pos) if sp.temperature > 0 else [None] * len(pos))]
         lp, tok, margin = measure_rows(logits, [t for c in claimed for t in c], temps, top_p, seeds, chunk)

@@ -264,10 +264,12 @@ def check_segments(segments: list[Segment], ref: Reference) -> list[Failure | No
     t = THRESHOLDS[ref.precision]
     blocks = [b for s in segments for b in chunk_blocks(s.hidden, s.spans)]
     all_stats = compare_blocks(blocks, [c for s in segments for c in s.commitments])
-    claimed = [[s.claim.token_ids[i] for i in s.token_idx] for s in segments]
+    claimed = [token_figures.picked(s.claim.token_ids, s.token_idx) for s in segments]
     measured = ref.measure_tokens([s.logits for s in segments], [s.claim.sampling for s in segments],
-                                  [[len(s.claim.prompt_ids) + i for i in s.token_idx] for s in segments], claimed)
-    figures = token_figures.of_segments(claimed, [[s.claim.logprobs[i] for i in s.token_idx] for s in segments],
+                                  [token_figures.positions(len(s.claim.prompt_ids), s.token_idx) for s in segments],
+                                  claimed)
+    figures = token_figures.of_segments(claimed, [token_figures.picked(s.claim.logprobs, s.token_idx)
+                                                  for s in segments],
                                         [ours for ours, _ in measured], [r.tokens for _, r in measured],
                                         [r.margins for _, r in measured], t.max_logprob_err, t.margin_noise)
     out, k = [], 0

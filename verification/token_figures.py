@@ -36,6 +36,21 @@ class TokenFigures:
     """Whether any `sampling_bad` holds."""
 
 
+def picked(values: list, idx: list[int]) -> list:
+    """values[i] for i in idx (ascending and distinct, as a segment's tokens are): a slice where they are one run
+    (a single-turn, single-version rollout's), not a Python step per token."""
+    if idx and idx[-1] - idx[0] + 1 == len(idx):
+        return values[idx[0] : idx[-1] + 1]
+    return [values[i] for i in idx]
+
+
+def positions(prompt_len: int, idx: list[int]) -> list[int]:
+    """The absolute positions of completion tokens idx (ascending and distinct) after a prompt of prompt_len."""
+    if idx and idx[-1] - idx[0] + 1 == len(idx):
+        return list(range(prompt_len + idx[0], prompt_len + idx[-1] + 1))
+    return [prompt_len + i for i in idx]
+
+
 def of_segments(claimed_tok: list[list[int]], claimed_lp: list[list[float]], ours: list[torch.Tensor],
                 replayed_tok: list[torch.Tensor], margins: list[torch.Tensor], max_logprob_err: float,
                 margin_noise: float) -> list[TokenFigures]:

@@ -41,3 +41,16 @@ def test_a_segment_with_a_nan_or_infinite_recomputation_has_an_infinite_worst_er
     (fig,) = token_figures.of_segments([[1, 2]], [[-0.5, -0.1]], [torch.tensor([float("nan"), -0.1])],
                                        [torch.tensor([1, 2])], [torch.tensor([1.0, 1.0])], 0.25, 0.094)
     assert fig.worst == float("inf") and fig.over == 1 and not fig.any_sampling_bad
+
+
+def test_a_segments_tokens_and_positions_picked_by_slice_are_those_picked_one_by_one():
+    rng = random.Random(1)
+    values = [rng.random() for _ in range(60)]
+    for _ in range(300):
+        start = rng.randrange(60)
+        if rng.random() < 0.5:  # one run (a single-turn rollout), else ascending with gaps (tool tokens between)
+            idx = list(range(start, rng.randrange(start, 61)))
+        else:
+            idx = sorted(rng.sample(range(60), rng.randrange(0, 20)))
+        assert token_figures.picked(values, idx) == [values[i] for i in idx]
+        assert token_figures.positions(7, idx) == [7 + i for i in idx]
