@@ -133,7 +133,7 @@ class TorchReference(Reference):
                 for lo, end, n in zip(los, ends, lens):
                     rows.append((logits[a : a + end - lo], hidden[h : h + n]))
                     a, h = a + end - lo, h + n
-            else:  # on the host one copy each (a fresh [sum, V] gather pays its first touch: slower at a 49k vocabulary)
+            else:  # on the host one copy each (a fresh [sum, V] gather pays its first touch: slower at 49k words)
                 rows = [(res.logits[row, lo:end].to(torch.float32, copy=True), res.hidden[row, :n].clone())
                         for row, (lo, end, n) in enumerate(zip(los, ends, lens))]
             for row, (i, n) in enumerate(zip(members, lens)):

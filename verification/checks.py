@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verification import token_figures
 from verification.claim import RolloutClaim
 from verification.reasons import PROOF_FACTOR, Reason, Severity, graded  # noqa: F401 (their home; importers use either)
-from verification import token_figures
 from verification.hidden_check import ChunkStats, compare_blocks
 from verification.pooled import Evidence
 from verification.proof import Commitment, ChunkSpan

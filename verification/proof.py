@@ -80,7 +80,8 @@ class Commitment:
         """`from_bytes` of each chunk, the same results and the same first error; from `PARSE_TOGETHER` chunks
         of one valid size (a long rollout's) parsed as one array."""
         size = len(chunks[0]) if chunks else 0
-        if len(chunks) < PARSE_TOGETHER or size < 4 or size % 2 or size > 2 + 2 * topk or any(len(c) != size for c in chunks):
+        if (len(chunks) < PARSE_TOGETHER or size < 4 or size % 2 or size > 2 + 2 * topk
+                or any(len(c) != size for c in chunks)):
             return [cls.from_bytes(c, topk) for c in chunks]
         words = np.frombuffer(b"".join(chunks), dtype=">u2").astype(np.int64).reshape(len(chunks), size // 2)
         moduli = words[:, 0]

@@ -25,7 +25,8 @@ def _row_by_row(parts, claimed, temps, top_p, seeds, chunk_rows):
         nucleus = (top_p_t[a:b] < 1).nonzero().squeeze(-1)
         if len(nucleus):
             scores = scores.clone()
-            scores[nucleus] = logp[nucleus].masked_fill(~top_p_mask(logp[nucleus], top_p_t[a:b][nucleus]), float("-inf"))
+            cut = ~top_p_mask(logp[nucleus], top_p_t[a:b][nucleus])
+            scores[nucleus] = logp[nucleus].masked_fill(cut, float("-inf"))
         drawn = [r for r in range(a, b) if seeds[r] is not None]
         if drawn:
             local = torch.tensor([r - a for r in drawn], dtype=torch.long)

@@ -102,7 +102,8 @@ def test_chunk_proofs_parsed_together_are_each_parsed_alone_and_fail_on_the_same
     for _ in range(400):
         words = int(rng.choice([2, 3, 65, 129]))
         n = int(rng.choice([0, 1, 3, 8, 12]))
-        bad = {int(rng.integers(n)): kinds[int(rng.integers(len(kinds)))] for _ in range(int(rng.integers(3)))} if n else {}
+        bad = {int(rng.integers(n)): kinds[int(rng.integers(len(kinds)))] for _ in range(int(rng.integers(3)))
+               } if n else {}
         chunks = []
         for i in range(n):
             w = rng.integers(0, P, words).astype(">u2")
