@@ -417,7 +417,8 @@ def _router_logits(res, b: int, t: int, host: bool = True) -> torch.Tensor | Non
 
 def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[str, int, list[int]], float]]:
     """(prompt_ids, reward) callables over the built-in environments, as the rollout driver uses them. A
-    validator asks both of every claim: the task a seed makes is made once (the last 4,096 kept)."""
+    validator asks both of every claim: the task a seed makes, and its prompt's tokens, are made once (the last
+    4,096 kept), not once for each claim of a work unit (one task, `group` rollouts of it)."""
     from functools import lru_cache
 
     from node.envs import get_env
@@ -426,8 +427,12 @@ def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[st
     def task(env: str, seed: int):
         return get_env(env).sample_task(seed)
 
+    @lru_cache(maxsize=4096)
+    def prompt(env: str, seed: int) -> tuple[int, ...]:  # tokenized once for the claims of a work unit, not each
+        return tuple(task(env, seed).prompt_ids(tokenizer))
+
     def prompt_ids(env: str, seed: int) -> list[int]:
-        return task(env, seed).prompt_ids(tokenizer)
+        return list(prompt(env, seed))
 
     def reward(env: str, seed: int, completion_ids: list[int]) -> float:
         return float(get_env(env).reward(task(env, seed), tokenizer.decode(completion_ids)))
