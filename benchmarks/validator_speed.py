@@ -13,7 +13,9 @@ model) and `verify_claims`, in rounds of `--round` claims, `--group` claims a su
 what the judging could approach. Figures: generation tok/s (completion tokens over the engine's
 seconds), judging tok/s (prompt + completion tokens recomputed over the rounds' seconds, as the role's
 rounds count them), the ratio of the two, milliseconds per claim, the share of judging spent in the
-reference's prefill, and every verdict (all must be accepted). Ends with one JSON line.
+reference's prefill, the garbage collector's seconds inside the timed judging rounds and generation (`gc_s`,
+`gen_gc_s`: a full pass over the process's heap lands in one or the other, or neither, by the allocations before
+it; the `_without_gc` figures leave them out), and every verdict (all must be accepted). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import gc
 import io
 import logging
 import pstats
@@ -73,6 +76,28 @@ class _Timed:
         ref.prefill = prefill
 
 
+class _Collections:
+    """Seconds the garbage collector ran, and its full (generation 2) passes, while `on`: a full pass scans the
+    whole heap (~0.1 s at this benchmark's ~380k objects on the 2-core CPU machine) and lands in whichever timed
+    round crosses its threshold, so a round's time holds it or not by the allocations before it."""
+
+    def __init__(self):
+        self.on, self.seconds, self.full, self._t = False, 0.0, 0, 0.0
+        gc.callbacks.append(self._phase)
+
+    def _phase(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._t = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._t
+        self.full += info["generation"] == 2
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._phase)
+
+
 def completion_lengths(n: int, most: int, tail: str, seed: int = 0) -> list[int]:
     """Each rollout's completion limit: `most` for all ("fixed"), or heavy-tailed ("pareto": 16 x (1 + a Lomax
     draw of shape 1.2), 8 to `most`: most completions a few dozen tokens, a few up to `most`, as RL answers of
@@ -102,10 +127,14 @@ def _run(args: argparse.Namespace) -> dict:
     engine = D.build_engine(model, "off", args.device, args.batch)
     R.generate(engine, work[: args.batch])  # warm: the graphs' first replays, the allocator
     _sync(args.device)
+    gen_collections = _Collections()
     t = time.perf_counter()
+    gen_collections.on = True
     comps = R.generate(engine, work)
     _sync(args.device)
+    gen_collections.on = False
     gen_s = time.perf_counter() - t
+    gen_collections.close()
     engine.close()
     claims = D.claims_from_completions(comps, work, cfg)
     claims = [c.model_copy(update={"work_id": 7000 + i // args.group}) for i, c in enumerate(claims)]
@@ -118,16 +147,20 @@ def _run(args: argparse.Namespace) -> dict:
     timed.seconds = 0.0
     rounds = [claims[i : i + args.round] for i in range(0, len(claims), args.round)]
     verdicts, judge_s, profiler = [], 0.0, cProfile.Profile() if args.profile else None
+    collections = _Collections()
     for n, round_claims in enumerate(rounds):
         _sync(args.device)
         t = time.perf_counter()
+        collections.on = True
         if profiler is not None and n == len(rounds) // 2:
             profiler.enable()
         verdicts += verify_claims(round_claims, ref)
         _sync(args.device)
         if profiler is not None:
             profiler.disable()
+        collections.on = False
         judge_s += time.perf_counter() - t
+    collections.close()
     profile_top = None
     if profiler is not None:
         text = io.StringIO()
@@ -168,6 +201,11 @@ def _run(args: argparse.Namespace) -> dict:
         "verify_over_generate_completion": round(completion_tokens / judge_s / gen_tok_s, 3),
         "ms_per_claim": round(1000 * judge_s / len(claims), 3),
         "prefill_share": round(timed.seconds / judge_s, 3),
+        "gc_s": round(collections.seconds, 3), "gc_full_passes": collections.full,
+        "ms_per_claim_without_gc": round(1000 * (judge_s - collections.seconds) / len(claims), 3),
+        "gen_gc_s": round(gen_collections.seconds, 3), "gen_gc_full_passes": gen_collections.full,
+        "verify_over_generate_without_gc": round((sequence_tokens / (judge_s - collections.seconds))
+                                                 / (completion_tokens / (gen_s - gen_collections.seconds)), 3),
         "peer_prefill_s": round(peer_s, 3), "peer_prefill_tok_s": round(sequence_tokens / peer_s, 1),
         "judge_over_peer_prefill": round(peer_s / judge_s, 3),
         "accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),

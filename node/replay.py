@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from node.engine.fp8.model import fp8_mode_of
-from node.engine.sampling import SamplingParams, sample, token_seed, top_p_mask
+from node.engine.sampling import SamplingParams, sample, token_seeds, top_p_mask
 from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, right_pad
 from node.model.cache import KVCache
 from node.model.qwen3_moe import CausalLM
@@ -51,6 +51,7 @@ class TorchReference(Reference):
         any_model = policies[max(policies)][0]  # the newest: a resident model (node/roles/resident_policy.py) holds it
         self.config = any_model.config
         self.hidden_size = any_model.config.hidden_size
+        self._route_shape = RouteShape.of(self.config)  # every version's: one architecture (per claim it cost ~3 us)
         self.vocab_size = any_model.config.vocab_size
         # an FP8-served model (node/engine/fp8/model.py) is judged by the thresholds of its FP8 mode on its base
         # dtype ("fp8-experts-bfloat16"); a plain one by its dtype's
@@ -84,7 +85,7 @@ class TorchReference(Reference):
         return None if p is None else p[1]
 
     def decode_routes(self, data: bytes, positions: int) -> torch.Tensor:
-        shape = RouteShape.of(self.config)
+        shape = self._route_shape
         if shape is None:
             raise InvalidRoutes("routes claimed for a dense model")
         return decode_routes(data, positions, shape)
@@ -121,15 +122,22 @@ class TorchReference(Reference):
             routes_host = res.routed_experts.cpu() if with_routes and res.routed_experts is not None else None
             router_host = (_router_logits(res, len(members), t, host=not self.on_device)
                            if with_routes and with_router_logits else None)
-            for row, i in enumerate(members):
-                n = len(sequences[i])
-                lo = logits_from[i] if logits_from is not None else 0
-                # a copy, not a view: a view would keep the whole batch's [B, T, V] logits alive
-                logits, hidden = res.logits[row, lo - base : n - base], res.hidden[row, :n]
-                if self.on_device:
-                    out[i] = (logits.to(torch.float32, copy=True), hidden.clone())
-                else:
-                    out[i] = (logits.float().cpu().clone(), hidden.cpu().clone())
+            lens = [len(sequences[i]) for i in members]
+            los = [logits_from[i] - base if logits_from is not None else 0 for i in members]
+            ends = [max(lo, n - base) for n, lo in zip(lens, los)]
+            # copies, not views: a view would keep the whole batch's [B, T, V] logits alive
+            if self.on_device:  # every member's rows in one gather each, views of them (2 kernels, not 2 a member)
+                logits = _rows(res.logits, los, ends).to(torch.float32)
+                hidden = _rows(res.hidden, [0] * len(lens), lens)
+                rows, a, h = [], 0, 0
+                for lo, end, n in zip(los, ends, lens):
+                    rows.append((logits[a : a + end - lo], hidden[h : h + n]))
+                    a, h = a + end - lo, h + n
+            else:  # on the host one copy each (a fresh [sum, V] gather pays its first touch: slower at 49k words)
+                rows = [(res.logits[row, lo:end].to(torch.float32, copy=True), res.hidden[row, :n].clone())
+                        for row, (lo, end, n) in enumerate(zip(los, ends, lens))]
+            for row, (i, n) in enumerate(zip(members, lens)):
+                out[i] = rows[row]
                 if with_routes:
                     out[i] += (None if routes_host is None else routes_host[row, :n],)
                     if with_router_logits:
@@ -218,10 +226,10 @@ class TorchReference(Reference):
             return [(empty, Replay(empty.long(), empty, empty)) for _ in claimed]
         vocab = logits[0].shape[-1]
         chunk = max(64, (self.logits_bytes or CPU_LOGITS_BYTES) // (MEASURE_SCRATCH_FACTOR * 4 * vocab))
-        temps = [sp.temperature for sp, n in zip(samplings, lens) for _ in range(n)]
-        top_p = [sp.top_p for sp, n in zip(samplings, lens) for _ in range(n)]
-        seeds = [token_seed(sp.seed, q) if sp.temperature > 0 else None
-                 for sp, pos in zip(samplings, positions) for q in pos]
+        temps = [t for sp, n in zip(samplings, lens) for t in [sp.temperature] * n]
+        top_p = [p for sp, n in zip(samplings, lens) for p in [sp.top_p] * n]
+        seeds = [s for sp, pos in zip(samplings, positions)
+                 for s in (token_seeds(sp.seed, pos) if sp.temperature > 0 else [None] * len(pos))]
         lp, tok, margin = measure_rows(logits, [t for c in claimed for t in c], temps, top_p, seeds, chunk)
         out, k = [], 0
         for n in lens:
@@ -309,10 +317,12 @@ def measure_rows(parts: list[torch.Tensor], claimed: list[int], temps: list[floa
     from node.engine.sampling import gumbel_noise
 
     device, n = parts[0].device, len(claimed)
-    temps_t = torch.tensor(temps, dtype=torch.float32)
-    divisor = torch.where(temps_t > 0, temps_t, torch.ones_like(temps_t)).to(device)
-    claimed_t = torch.tensor(claimed, dtype=torch.long).to(device)
-    top_p_t = torch.tensor(top_p, dtype=torch.float32)
+    temps_t, top_p_t = torch.tensor(temps, dtype=torch.float32), torch.tensor(top_p, dtype=torch.float32)
+    # every row's inputs in one transfer of floats (divisor, top-p) and one of integers (claimed token, token
+    # seed), not a few a chunk: a copy from pageable host memory waits for the work queued on the device
+    floats = torch.stack([torch.where(temps_t > 0, temps_t, torch.ones_like(temps_t)), top_p_t]).to(device)
+    ints = torch.tensor([claimed, [0 if s is None else s for s in seeds]], dtype=torch.long).to(device)
+    divisor, claimed_t = floats[0], ints[0]
     figures = torch.empty(3, n, dtype=torch.float32, device=device)  # claimed logprob, replayed token, margin
     for a, x in _row_chunks(parts, chunk_rows):
         b = a + x.shape[0]
@@ -320,13 +330,21 @@ def measure_rows(parts: list[torch.Tensor], claimed: list[int], temps: list[floa
         figures[0, a:b] = logp.gather(-1, claimed_t[a:b, None]).squeeze(-1)
         scores = logp
         nucleus = (top_p_t[a:b] < 1).nonzero().squeeze(-1)
-        if len(nucleus):  # only those rows: a row at top_p 1 would fall back to a full sort of the vocabulary
+        if len(nucleus) == b - a:  # every row (a run's spec sets one top-p): no rows gathered, the same values
+            scores = logp.masked_fill(~top_p_mask(logp, floats[1, a:b]), float("-inf"))
+        elif len(nucleus):  # only those rows: a row at top_p 1 would fall back to a full sort of the vocabulary
             rows = nucleus.to(device)
             scores = scores.clone()
             scores[rows] = logp[rows].masked_fill(~top_p_mask(logp[rows], top_p_t[a:b][nucleus].to(device)),
                                                   float("-inf"))
         drawn = [r for r in range(a, b) if seeds[r] is not None]
-        if drawn:
+        if len(drawn) == b - a:  # every row sampled: the noise added to all, as index_add adds it row by row
+            if device.type == "cuda":
+                noise = gumbel_torch(ints[1, a:b], x.shape[-1])
+            else:
+                noise = gumbel_noise(seeds[a:b], x.shape[-1])
+            scores = scores + noise
+        elif drawn:
             local = torch.tensor([r - a for r in drawn], dtype=torch.long).to(device)
             if device.type == "cuda":
                 noise = gumbel_torch(torch.tensor([seeds[r] for r in drawn], dtype=torch.int64).to(device), x.shape[-1])
@@ -370,11 +388,22 @@ def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[i
         top_p = torch.full((logp.shape[0],), spec.top_p, dtype=torch.float32, device=device)
         scores = scores.masked_fill(~top_p_mask(logp, top_p), float("-inf"))
     if spec.temperature > 0:
-        seeds = torch.tensor([token_seed(spec.seed, p) for p in positions], dtype=torch.int64, device=device)
+        seeds = torch.tensor(token_seeds(spec.seed, positions), dtype=torch.int64, device=device)
         scores = scores + gumbel_torch(seeds, logits.shape[-1])
     top2 = scores.topk(2, dim=-1)
     tokens = top2.indices[:, 0]
     return Replay(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])
+
+
+def _rows(x: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
+    """Rows [starts[b], ends[b]) of each batch row b of `x` [B, T, ...], concatenated in order: one gather."""
+    b, t = x.shape[:2]
+    lens = torch.tensor([e - s for s, e in zip(starts, ends)])
+    first = torch.tensor([row * t + s for row, s in enumerate(starts)])
+    # flat index of every row kept: its batch row's first kept index, plus its place among that row's kept ones
+    offsets = torch.repeat_interleave(first - (torch.cumsum(lens, 0) - lens), lens)
+    flat = offsets + torch.arange(int(lens.sum()))
+    return x.reshape(b * t, *x.shape[2:]).index_select(0, flat.to(x.device))
 
 
 def _router_logits(res, b: int, t: int, host: bool = True) -> torch.Tensor | None:
@@ -388,7 +417,8 @@ def _router_logits(res, b: int, t: int, host: bool = True) -> torch.Tensor | Non
 
 def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[str, int, list[int]], float]]:
     """(prompt_ids, reward) callables over the built-in environments, as the rollout driver uses them. A
-    validator asks both of every claim: the task a seed makes is made once (the last 4,096 kept)."""
+    validator asks both of every claim: the task a seed makes, and its prompt's tokens, are made once (the last
+    4,096 kept), not once for each claim of a work unit (one task, `group` rollouts of it)."""
     from functools import lru_cache
 
     from node.envs import get_env
@@ -397,8 +427,12 @@ def env_oracle(tokenizer) -> tuple[Callable[[str, int], list[int]], Callable[[st
     def task(env: str, seed: int):
         return get_env(env).sample_task(seed)
 
+    @lru_cache(maxsize=4096)
+    def prompt(env: str, seed: int) -> tuple[int, ...]:  # tokenized once for the claims of a work unit, not each
+        return tuple(task(env, seed).prompt_ids(tokenizer))
+
     def prompt_ids(env: str, seed: int) -> list[int]:
-        return task(env, seed).prompt_ids(tokenizer)
+        return list(prompt(env, seed))
 
     def reward(env: str, seed: int, completion_ids: list[int]) -> float:
         return float(get_env(env).reward(task(env, seed), tokenizer.decode(completion_ids)))

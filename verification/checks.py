@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verification import token_figures
 from verification.claim import RolloutClaim
 from verification.reasons import PROOF_FACTOR, Reason, Severity, graded  # noqa: F401 (their home; importers use either)
 from verification.hidden_check import ChunkStats, compare_blocks
@@ -198,15 +199,23 @@ def check_hidden(stats: list[ChunkStats], chunk_offset: int, t: Thresholds) -> F
 def _trimmed_mean(err: torch.Tensor) -> float:
     """Mean of the per-token errors without the `LOGPROB_OUTLIERS` largest (systematic drift moves
     them all; one heavy-tailed honest token would otherwise decide a short segment's mean)."""
-    kept = err.sort().values[: max(1, len(err) - LOGPROB_OUTLIERS)]
-    return float(kept.mean())
+    return _trimmed_mean_of_sorted(err.sort().values)
 
 
-def _evidence(stats: list[ChunkStats], err: torch.Tensor) -> Evidence:
+def _trimmed_mean_of_sorted(ascending: torch.Tensor) -> float:
+    return float(ascending[: max(1, len(ascending) - LOGPROB_OUTLIERS)].mean())
+
+
+def _evidence(stats: list[ChunkStats], err: torch.Tensor, ascending: torch.Tensor | None = None) -> Evidence:
     """One segment's sums for pooling: chunks whose mantissas were read, and its tokens' logprob errors
-    without the `LOGPROB_OUTLIERS` largest (as `_trimmed_mean`; a non-finite error pools as large)."""
+    without the `LOGPROB_OUTLIERS` largest (as `_trimmed_mean`; a non-finite error pools as large).
+    `ascending`: `err` sorted, where no error exceeds that clamp (the same values, sorted once for both)."""
     read = [s for s in stats if s.mant_err_mean < 2**63]
-    kept = err.clamp(max=1e3).sort().values[: max(0, len(err) - LOGPROB_OUTLIERS)] if len(err) > 1 else err[:0]
+    if len(err) > 1:
+        ascending = ascending if ascending is not None else err.clamp(max=1e3).sort().values
+        kept = ascending[: max(0, len(err) - LOGPROB_OUTLIERS)]
+    else:
+        kept = err[:0]
     return Evidence(chunks=len(read), exp_mismatches=sum(s.exp_mismatches for s in read),
                     mant_err=sum(s.mant_err_mean for s in read), tokens=len(kept), logprob_err=float(kept.sum()))
 
@@ -255,44 +264,49 @@ def check_segments(segments: list[Segment], ref: Reference) -> list[Failure | No
     t = THRESHOLDS[ref.precision]
     blocks = [b for s in segments for b in chunk_blocks(s.hidden, s.spans)]
     all_stats = compare_blocks(blocks, [c for s in segments for c in s.commitments])
+    claimed = [token_figures.picked(s.claim.token_ids, s.token_idx) for s in segments]
     measured = ref.measure_tokens([s.logits for s in segments], [s.claim.sampling for s in segments],
-                                  [[len(s.claim.prompt_ids) + i for i in s.token_idx] for s in segments],
-                                  [[s.claim.token_ids[i] for i in s.token_idx] for s in segments])
+                                  [token_figures.positions(len(s.claim.prompt_ids), s.token_idx) for s in segments],
+                                  claimed)
+    figures = token_figures.of_segments(claimed, [token_figures.picked(s.claim.logprobs, s.token_idx)
+                                                  for s in segments],
+                                        [ours for ours, _ in measured], [r.tokens for _, r in measured],
+                                        [r.margins for _, r in measured], t.max_logprob_err, t.margin_noise)
     out, k = [], 0
-    for s, (ours, replay) in zip(segments, measured):
+    for s, (_, replay), fig in zip(segments, measured, figures):
         stats = all_stats[k : k + len(s.spans)]
         k += len(s.spans)
-        out.append(_judge_segment(s, t, stats, ours, replay))
+        out.append(_judge_segment(s, t, stats, fig, replay))
     return out
 
 
-def _judge_segment(s: Segment, t: Thresholds, stats: list[ChunkStats], ours: torch.Tensor,
+def _judge_segment(s: Segment, t: Thresholds, stats: list[ChunkStats], fig: token_figures.TokenFigures,
                    replay: Replay) -> Failure | None:
     """Every check of one segment on what was measured of it (host tensors); the strongest failure."""
-    claim, token_idx = s.claim, s.token_idx
+    claim, token_idx, err = s.claim, s.token_idx, fig.err
     failures = [_strongest([check_hidden([st], off, t) for st, off in zip(stats, s.chunk_offsets)])]
-    claimed_tok = torch.tensor([claim.token_ids[i] for i in token_idx])
-    claimed_lp = torch.tensor([claim.logprobs[i] for i in token_idx], dtype=torch.float32)
-    err = (claimed_lp - ours).abs().nan_to_num(nan=float("inf"))
+    # sorted once for the pooled sums and the mean: the same values where the pooled clamp changes none
+    ascending = err.sort().values if fig.worst <= 1e3 else None
     if s.evidence is not None:
-        s.evidence.add(_evidence(stats, err))
-    over = err > t.max_logprob_err
-    r = int(err.argmax())
+        s.evidence.add(_evidence(stats, err, ascending))
     # one token near the line is honest bf16 noise (LOGPROB_OUTLIERS); more, or one far past it, is not
-    if int(over.sum()) > LOGPROB_OUTLIERS or float(err[r]) >= PROOF_FACTOR * t.max_logprob_err:
-        failures.append(Failure(Reason.LOGPROB_MISMATCH, f"claimed logprob {claimed_lp[r].item():.4f}, recomputed "
-                                f"{ours[r].item():.4f} ({int(over.sum())} tokens over {t.max_logprob_err})",
-                                token=token_idx[r], severity=graded(float(err[r]) / t.max_logprob_err)))
-    elif len(token_idx) >= MIN_MEAN_TOKENS and _trimmed_mean(err) > t.max_logprob_err_mean:
-        failures.append(Failure(Reason.LOGPROB_MISMATCH, f"mean logprob error {_trimmed_mean(err):.4f} over "
-                                f"{len(token_idx)} tokens of version {s.spans[0].version}", token=token_idx[0],
-                                severity=graded(_trimmed_mean(err) / t.max_logprob_err_mean)))
+    if fig.over > LOGPROB_OUTLIERS or fig.worst >= PROOF_FACTOR * t.max_logprob_err:
+        r = int(err.argmax())
+        failures.append(Failure(Reason.LOGPROB_MISMATCH, f"claimed logprob {fig.claimed_lp[r].item():.4f}, recomputed "
+                                f"{fig.ours[r].item():.4f} ({fig.over} tokens over {t.max_logprob_err})",
+                                token=token_idx[r], severity=graded(fig.worst / t.max_logprob_err)))
+    elif len(token_idx) >= MIN_MEAN_TOKENS:
+        mean = _trimmed_mean_of_sorted(ascending if ascending is not None else err.sort().values)
+        if mean > t.max_logprob_err_mean:
+            failures.append(Failure(Reason.LOGPROB_MISMATCH, f"mean logprob error {mean:.4f} over "
+                                    f"{len(token_idx)} tokens of version {s.spans[0].version}", token=token_idx[0],
+                                    severity=graded(mean / t.max_logprob_err_mean)))
     if claim.engine not in SEEDED_ENGINES and claim.sampling.temperature > 0:
         return _strongest(failures)  # drawn from the engine's own generator: the checks above are what binds it
-    bad = (replay.tokens != claimed_tok) & (replay.margins > t.margin_noise)
-    if bool(bad.any()):
+    if fig.any_sampling_bad:
+        bad = fig.sampling_bad
         r = int(bad.nonzero()[0])
         failures.append(Failure(Reason.SAMPLING_MISMATCH, f"seeded sampling gives token {int(replay.tokens[r])} "
-                                f"(margin {replay.margins[r].item():.3f}), claimed {int(claimed_tok[r])}",
+                                f"(margin {replay.margins[r].item():.3f}), claimed {int(fig.claimed_tok[r])}",
                                 token=token_idx[r], severity=graded(float(replay.margins[bad].max()) / t.margin_noise)))
     return _strongest(failures)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from verification.checks import PROOF_FACTOR, Failure, Reason, Severity
@@ -91,16 +92,25 @@ def comparable(claim: RolloutClaim) -> torch.Tensor:
     """[positions] bool: positions whose engine pass ran the version the recomputation runs them
     under. False only at tool-reply positions of a multi-turn rollout whose version changed between
     its turns (see the module docstring)."""
+    mask = _incomparable(claim)
+    return torch.ones(route_positions(claim), dtype=torch.bool) if mask is None else torch.from_numpy(mask)
+
+
+def _incomparable(claim: RolloutClaim) -> np.ndarray | None:
+    """`comparable`'s mask, None where every position is comparable (a rollout of one version, or with no
+    tool tokens: what nearly every claim is, told without a pass over its positions)."""
+    versions = claim.versions
+    if claim.sampled is None or all(claim.sampled) or versions.count(versions[0]) == len(versions):
+        return None
+    # position p was labelled with the version of completion token j = max(0, p - base) and computed by the
+    # version of the first sampled token at or after j (the last token's, after the last sampled one)
+    v = np.asarray(versions)
+    sampled = np.flatnonzero(np.asarray(claim.sampled))
+    after = np.searchsorted(sampled, np.arange(len(v)))
+    ran = np.where(after < len(sampled), v[sampled[np.minimum(after, len(sampled) - 1)]], v[-1]) if len(sampled) \
+        else np.full(len(v), v[-1])
     base = len(claim.prompt_ids) - 1
-    mask = claim.sampled_mask
-    label = [claim.versions[max(0, p - base)] for p in range(route_positions(claim))]
-    # the version that computed position p: that of the first sampled token at or after p + 1
-    ran, nxt = [0] * len(claim.token_ids), claim.versions[-1]
-    for i in range(len(claim.token_ids) - 1, -1, -1):
-        if mask[i]:
-            nxt = claim.versions[i]
-        ran[i] = nxt
-    return torch.tensor([label[p] == ran[max(0, p - base)] for p in range(len(label))], dtype=torch.bool)
+    return (v == ran)[np.maximum(0, np.arange(route_positions(claim)) - base)]
 
 
 def mismatched_pairs(claimed: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
@@ -160,33 +170,42 @@ def check_routes_many(items: list[tuple[RolloutClaim, torch.Tensor, torch.Tensor
             continue
         groups.setdefault(logits is not None and logits.shape[:2] == claimed.shape[:2], []).append(n)
     for with_logits, members in groups.items():
-        keeps = [comparable(items[n][0]) for n in members]
+        masks = [_incomparable(items[n][0]) for n in members]  # None: every position compared
         device = items[members[0]][3 if with_logits else 2].device  # where the router logits are: no copy of them
-        claimed = torch.cat([_kept(items[n][1], keep) for n, keep in zip(members, keeps)]).to(device)
+
+        def kept(col: int) -> torch.Tensor:
+            return torch.cat([_kept(items[n][col], mask) for n, mask in zip(members, masks)]).to(device)
+
+        claimed = kept(1)
         if with_logits:
-            logits = torch.cat([_kept(items[n][3], keep) for n, keep in zip(members, keeps)]).to(device).float()
-            own = logits.topk(claimed.shape[-1], dim=-1).indices if forced else torch.cat(
-                [_kept(items[n][2], keep) for n, keep in zip(members, keeps)]).to(device)
+            logits = kept(3).float()
+            own = logits.topk(claimed.shape[-1], dim=-1).indices if forced else kept(2)
             bad = mismatched_pairs(claimed, own)
             near = set_gap(claimed, logits) >= -ROUTER_TIE[precision]
             flags = torch.stack([bad & ~near, bad & near]).cpu()
         else:
-            own = torch.cat([_kept(items[n][2], keep) for n, keep in zip(members, keeps)]).to(device)
+            own = kept(2)
             bad = mismatched_pairs(claimed, own)
             flags = torch.stack([bad, torch.zeros_like(bad)]).cpu()
+        # each claim's (evidence, near-ties) from running sums over the positions: one pass, not two sums a claim
+        total, layers = flags.shape[1], flags.shape[2]
+        sums = torch.cat([torch.zeros(2, 1, dtype=torch.long), flags.sum(-1).cumsum(1)], 1).tolist()
         row = 0
-        for n, keep in zip(members, keeps):
-            rows = int(keep.sum())
-            out[n] = _judge_routes(items[n][0], keep, flags[0, row : row + rows], int(flags[1, row : row + rows].sum()),
-                                   precision)
+        for n, mask in zip(members, masks):
+            rows = route_positions(items[n][0]) if mask is None else int(mask.sum())
+            a, b = min(row, total), min(row + rows, total)
+            evidence, ties = sums[0][b] - sums[0][a], sums[1][b] - sums[1][a]
+            # `_judge_routes` passes a claim short of the evidence needed: asked only of the others
+            if evidence >= evidence_needed((b - a) * layers, HONEST_PAIR_RATE[precision]):
+                out[n] = _judge_routes(items[n][0], comparable(items[n][0]), flags[0, a:b], ties, precision)
             row += rows
     return out
 
 
-def _kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """x's rows where the host mask `keep` holds (all of them, without indexing, in the common case: a
-    boolean index on a GPU tensor waits for the device)."""
-    return x if bool(keep.all()) else x[keep.to(x.device)]
+def _kept(x: torch.Tensor, mask: np.ndarray | None) -> torch.Tensor:
+    """x's rows where the host mask holds (all of them, without indexing, where it is None: a boolean index
+    on a GPU tensor waits for the device)."""
+    return x if mask is None else x[torch.from_numpy(mask).to(x.device)]
 
 
 def _judge_routes(claim: RolloutClaim, keep: torch.Tensor, bad: torch.Tensor, ties: int, precision: str) -> Failure | None:

@@ -25,7 +25,7 @@ from verification.checks import (Failure, Reason, Segment, Severity, check_segme
                                  turns)
 from verification.claim import RolloutClaim
 from verification.pooled import Evidence, check_pooled
-from verification.proof import ChunkSpan, Commitment, chunk_spans, decode_rollout_proof
+from verification.proof import ChunkSpan, Commitment, VersionRun, chunk_spans, decode_rollout_proof
 from verification.reference import Reference
 from verification.routing import check_routes_many, route_positions
 from verification.verdict import Verdict
@@ -48,16 +48,18 @@ class _Plan:
 def _plan(claim: RolloutClaim, ref: Reference) -> _Plan | Failure:
     if max(claim.prompt_ids + claim.token_ids) >= ref.vocab_size:
         return Failure(Reason.MALFORMED, f"token id outside the vocabulary of {ref.vocab_size}")
-    idx = [i for i, s in enumerate(claim.sampled_mask) if s]
-    versions = [claim.versions[i] for i in idx]
+    if claim.sampled is None:  # every token sampled (single-turn)
+        idx, versions = list(range(len(claim.token_ids))), claim.versions
+    else:
+        idx = [i for i, s in enumerate(claim.sampled) if s]
+        versions = [claim.versions[i] for i in idx]
     try:
         runs = decode_rollout_proof(claim.proof, ref.hidden_size)
-        commitments = [Commitment.from_bytes(c) for r in runs for c in r.chunks]
+        commitments = Commitment.many_from_bytes([c for r in runs for c in r.chunks])
     except InvalidProof as exc:
         return Failure(Reason.MALFORMED, str(exc))
     spans = chunk_spans(versions)
-    run_versions = [v for r in runs for v in [r.version] * r.n_tokens]
-    if run_versions != versions or len(commitments) != len(spans):
+    if not _runs_match(runs, versions) or len(commitments) != len(spans):
         return Failure(Reason.MALFORMED, "proof runs do not match the claimed per-token versions")
     for r in runs:
         known = ref.manifest_hash(r.version)
@@ -78,6 +80,13 @@ def _plan(claim: RolloutClaim, ref: Reference) -> _Plan | Failure:
         except ValueError as exc:  # node.model.routing.InvalidRoutes: wrong length, expert id out of range
             return Failure(Reason.ROUTES_MALFORMED, str(exc))
     return plan
+
+
+def _runs_match(runs: list[VersionRun], versions: list[int]) -> bool:
+    """The proof's version runs, token by token, are the claimed versions of the sampled tokens."""
+    if len(runs) == 1:  # one version: counted, not spelled out token by token
+        return runs[0].n_tokens == len(versions) and versions.count(runs[0].version) == len(versions)
+    return [v for r in runs for v in [r.version] * r.n_tokens] == versions
 
 
 def _segments(claim: RolloutClaim) -> list[tuple[int, int, int]]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from node.engine.sampling import token_seed, top_p_mask
+from node.engine.sampling import token_seeds, top_p_mask
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -35,7 +35,7 @@ def _s64(u: int) -> int:
 
 def seed_row(seed: int, first: int, count: int) -> np.ndarray:
     """token_seed(seed, p) for p in [first, first + count), as int64 (they are < 2^63)."""
-    return np.array([token_seed(seed, p) for p in range(first, first + count)], dtype=np.int64)
+    return np.array(token_seeds(seed, range(first, first + count)), dtype=np.int64)
 
 
 def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
