@@ -44,7 +44,8 @@ from node.envs.rollout import Episodes, Rollout
 from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
-from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
+from node.roles.common import (blank_model, environment, fetch_policy, model_config, router_replay, settle_heap,
+                               tokenizer)
 from node.roles.leased_groups import LeasedGroups
 from node.roles.version0 import local_version0
 from protocol.errors import ProtocolError, Refused
@@ -222,6 +223,7 @@ class InferenceNode:
                     self.engine = await self._engine_start
                 except Exception as exc:  # a server that died or never became healthy, a device that failed
                     raise EngineUnavailable(f"engine {self.engine_name} did not start: {exc}") from exc
+                settle_heap()  # the engine is built: full collector passes no longer walk it between steps
             if self.on_swapped and not self._swaps_watched and hasattr(self.engine, "on_swap"):
                 self._swaps_watched = True  # the built-in engines tell when a version is in their weights
                 self.engine.on_swap.append(lambda v, row: [hook(v, row) for hook in self.on_swapped])

@@ -55,7 +55,7 @@ from node.rl.parallel.dims import ParallelDims
 from node.rl.parallel.publish import publish_trainer_async
 from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
-from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
+from node.roles.common import environment, fresh_model, model_config, router_replay, settle_heap, tokenizer
 from protocol.client import CoordinatorClient
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
@@ -161,6 +161,7 @@ class TrainerNode:
                 trainer = await asyncio.to_thread(self._resume_or_warm_up)
                 if leader is not None:  # every rank starts from rank 0's warmed-up or resumed trainer
                     trainer = await asyncio.to_thread(leader.start, trainer)
+            settle_heap()  # the model and optimizer are built: full collector passes no longer walk them mid-step
             await self._send_weights(client, trainer)
             metrics = (self.workdir / "metrics.jsonl").open("a")
             while trainer.step < self.steps and not stop.is_set():

@@ -41,7 +41,7 @@ from node.engine.weight_staging import StagedVersion
 from node.engine.weights import expected_shapes
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
-from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
+from node.roles.common import blank_model, check_version0, environment, fetch_policy, settle_heap, tokenizer
 from node.roles.resident_policy import ResidentPolicies
 from node.roles.version0 import local_version0
 from protocol.client import CoordinatorClient
@@ -183,6 +183,7 @@ class ValidatorNode:
             check_version0(self.spec, state)
         if self.policies is None:
             self.policies = ResidentPolicies(self._model_of(state).eval(), version, manifest_hash)
+            settle_heap()  # the model is held: full collector passes no longer walk it mid-round
             return
         self.policies.add(version, state, manifest_hash)
 
