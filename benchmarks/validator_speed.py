@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> dict:
 
     ref = role_reference(model, args.device)
     if args.settle_heap:  # as the validator role does once it holds its first version
-        from node.roles.common import settle_heap
+        from node.heap import settle_heap
 
         settle_heap()
     t = time.perf_counter()
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=8, help="claims of one submission (a work unit)")
     ap.add_argument("--profile", type=Path, default=None, help="cProfile of one round, the top 40 by cumulative time")
     ap.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",
-                    help="leave the collector as it is (the role calls node.roles.common.settle_heap once its model is held)")
+                    help="leave the collector as it is (the role calls node.heap.settle_heap once its model is held)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     args.shape = args.shape or ("qwen3-30b-a3b-8l" if args.device.startswith("cuda") else "tiny")

@@ -9,7 +9,6 @@ and every shard hash).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,16 +38,6 @@ log = logging.getLogger(__name__)
 
 KEEP_BEYOND_K = 4
 """Versions a store keeps beyond the off-policy bound k (the trainer's and the relay's retention too)."""
-
-def settle_heap() -> None:
-    """Set what a role built to serve (its model's modules, its engine, the libraries it imported) aside from
-    the garbage collector's full passes: collected once, then frozen. A full pass walks every object the
-    process holds: ~0.12 s at the validator benchmark's ~300-380k objects (2-core CPU machine), landing in
-    whichever judging round or engine step crosses the collector's threshold, and ~0 s after a freeze. Objects
-    made later are collected as before."""
-    gc.collect()
-    gc.freeze()
-
 
 def router_replay(spec: RunSpec) -> bool:
     """Whether the run asks for routed experts to travel and be replayed (and its model has MoE layers)."""

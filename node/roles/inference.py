@@ -44,8 +44,8 @@ from node.envs.rollout import Episodes, Rollout
 from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
-from node.roles.common import (blank_model, environment, fetch_policy, model_config, router_replay, settle_heap,
-                               tokenizer)
+from node.heap import settle_heap
+from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
 from node.roles.leased_groups import LeasedGroups
 from node.roles.version0 import local_version0
 from protocol.errors import ProtocolError, Refused

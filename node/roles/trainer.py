@@ -55,7 +55,8 @@ from node.rl.parallel.dims import ParallelDims
 from node.rl.parallel.publish import publish_trainer_async
 from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
-from node.roles.common import environment, fresh_model, model_config, router_replay, settle_heap, tokenizer
+from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
+from node.heap import settle_heap
 from protocol.client import CoordinatorClient
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey

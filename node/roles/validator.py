@@ -41,7 +41,8 @@ from node.engine.weight_staging import StagedVersion
 from node.engine.weights import expected_shapes
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
-from node.roles.common import blank_model, check_version0, environment, fetch_policy, settle_heap, tokenizer
+from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
+from node.heap import settle_heap
 from node.roles.resident_policy import ResidentPolicies
 from node.roles.version0 import local_version0
 from protocol.client import CoordinatorClient
