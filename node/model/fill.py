@@ -14,8 +14,11 @@ digest of node/model/weights_digest.py), whatever order modules are filled in.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+import blake3
 import torch
 from torch import nn
 
@@ -81,14 +84,23 @@ def check_against(shards: CheckpointShards, shapes: dict[str, tuple[int, ...]], 
             raise InvalidCheckpoint(f"{name}: shape {shards.shape(name)} in checkpoint, model expects {shape}")
 
 
-def checkpoint_digest(shards: CheckpointShards, cfg: ModelConfig, dtype: torch.dtype) -> str:
+def checkpoint_digest(shards: CheckpointShards, cfg: ModelConfig, dtype: torch.dtype, threads: int | None = None) -> str:
     """Version 0's hash of the checkpoint in `dtype`, what `build_from_shards` (and `node.model.spec.load_model`)
-    gives, read and hashed one tensor at a time: no model is built (the trainer's ranks, `model pin`)."""
+    gives, read and hashed a tensor at a time on each of `threads` threads (default: the cores, at most 8;
+    reading, casting or dequantising and hashing release the GIL, and the digest does not depend on the order
+    tensors arrive in): no model is built, and at most `threads` tensors are held (the trainer's rank 0 before
+    it starts from a pinned checkpoint, `model pin`)."""
     shapes = checkpoint_shapes(meta_model(cfg, dtype))
     check_against(shards, shapes, cfg.tie_word_embeddings)
     digest = WeightsDigest()
-    for name in shapes:
-        digest.add(name, shards.value(name, dtype))
+
+    def hashed(name: str) -> tuple[str, str]:
+        t = shards.value(name, dtype).contiguous()
+        return name, blake3.blake3(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+    with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+        for name, hexdigest in pool.map(hashed, shapes):
+            digest.add_hashed(name, dtype, shapes[name], hexdigest)
     return digest.hexdigest(expected=set(shapes))
 
 

@@ -85,6 +85,9 @@ def test_a_bf16_checkpoint_served_in_fp8_is_quantised_per_tensor_as_the_full_mod
 
     # one hash, however it is taken: of a built model, while filling, or by the trainer's rank 0 from the files
     assert weights_hash(plain) == plain_digest == checkpoint_digest(shards, CFG, torch.bfloat16)
+    # tensors hashed on several threads arrive in any order: the same hash
+    assert checkpoint_digest(shards, CFG, torch.bfloat16, threads=1) == checkpoint_digest(shards, CFG, torch.bfloat16,
+                                                                                          threads=3) == plain_digest
     assert checkpoint_digest(CheckpointShards(ckpts["all"]), CFG, torch.bfloat16) == weights_hash(
         build_from_shards(CFG, CheckpointShards(ckpts["all"]), torch.bfloat16, "cpu")[0])
 
