@@ -135,11 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     peaks: dict[str, list[int]] = {"store": [], "written": []}
     written_bytes: list[int] = []
     try:
-        base_rss = TreeRss(engine.server.proc.pid)
         for i, state in enumerate(versions):
             path = "store" if i % 2 == 0 else "written"
             given = state if path == "store" else dict(state)  # a plain mapping: written out first
-            with TreeRss(base_rss.root.pid) as rss:
+            with TreeRss(engine.server.proc.pid) as rss:
                 t = time.perf_counter()
                 engine.load_weights(given, i + 1)
                 times[path].append(time.perf_counter() - t)

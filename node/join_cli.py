@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from node.heap import settle_heap
 from node.launch_guard import LaunchError
 from node.spec_handout import SPEC_PROTOCOL, fetch_spec, read_spec
 from protocol.coordinator import RETAIN_VERSIONS, Coordinator
@@ -87,8 +88,6 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
     service = CoordinatorService(key, Coordinator(state, spec, retain_versions=retain_versions), host,
                                  selector=lambda wid: selected_for_verification(wid, spec.verification_rate, secret))
     await service.start()
-    from node.heap import settle_heap
-
     settle_heap()  # what the coordinator built (libp2p host, store): full collector passes no longer walk it
     spec_bytes = spec.model_dump_json().encode()
 

@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import blake3
 import torch
 from torch import nn
 
@@ -27,7 +26,7 @@ from node.model.errors import InvalidCheckpoint
 from node.model.moe import GroupedExperts
 from node.model.qwen3_moe import CausalLM
 from node.model.shards import CheckpointShards
-from node.model.weights_digest import WeightsDigest
+from node.model.weights_digest import WeightsDigest, tensor_hexdigest
 
 
 class WeightSource:
@@ -95,8 +94,7 @@ def checkpoint_digest(shards: CheckpointShards, cfg: ModelConfig, dtype: torch.d
     digest = WeightsDigest()
 
     def hashed(name: str) -> tuple[str, str]:
-        t = shards.value(name, dtype).contiguous()
-        return name, blake3.blake3(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        return name, tensor_hexdigest(shards.value(name, dtype))
 
     with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
         for name, hexdigest in pool.map(hashed, shapes):

@@ -20,7 +20,6 @@ import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-import blake3
 import numpy as np
 import torch
 
@@ -28,6 +27,7 @@ from node.model.config import ModelConfig
 from node.model.errors import InvalidCheckpoint
 from node.model.fill import check_against, checkpoint_shapes, meta_model
 from node.model.shards import CheckpointShards
+from node.model.weights_digest import tensor_hexdigest
 
 
 class IndexedTensors(Mapping):
@@ -74,8 +74,7 @@ class StreamedWeights(IndexedTensors):
             raise KeyError(name)
         t = self.shards.value(name, self.dtype)
         if self.checked is not None:
-            got = blake3.blake3(t.contiguous().reshape(-1).view(torch.uint8).numpy(), max_threads=blake3.blake3.AUTO)
-            if got.hexdigest() != self.checked[name]:
+            if tensor_hexdigest(t) != self.checked[name]:
                 raise InvalidCheckpoint(f"{self.shards.directory}: {name} changed on disk since it was checked")
         return t
 

@@ -18,6 +18,11 @@ import torch
 from node.model.errors import InvalidCheckpoint
 
 
+def tensor_hexdigest(t: torch.Tensor) -> str:
+    """blake3 hex digest of a host tensor's bytes, as a weights digest records each tensor."""
+    return blake3.blake3(t.contiguous().reshape(-1).view(torch.uint8).numpy(), max_threads=blake3.blake3.AUTO).hexdigest()
+
+
 class WeightsDigest:
     """Per-tensor digests, combined into the model's hash once every tensor was added."""
 
@@ -30,9 +35,8 @@ class WeightsDigest:
         """Record HF-named tensor `name` (its value as the model holds it); adding a name twice keeps the first."""
         if name in self._lines:
             return
-        t = t.detach().cpu().contiguous()
-        h = blake3.blake3(t.reshape(-1).view(torch.uint8).numpy(), max_threads=blake3.blake3.AUTO)
-        self.add_hashed(name, t.dtype, tuple(t.shape), h.hexdigest())
+        t = t.detach().cpu()
+        self.add_hashed(name, t.dtype, tuple(t.shape), tensor_hexdigest(t))
 
     def add_hashed(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], hexdigest: str) -> None:
         """Record `name` by the blake3 hex digest of its bytes (hashed elsewhere, piece by piece)."""

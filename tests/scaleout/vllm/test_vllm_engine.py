@@ -242,19 +242,19 @@ def test_a_payload_retention_dropped_after_the_fetch_is_written_out_for_vllm_ins
 
 
 def test_version_0_from_the_members_own_checkpoint_is_read_by_vllm_as_it_is_and_still_checked(setup, tmp_path):
-    import blake3
     from types import SimpleNamespace
 
     from contrib.vllm.node_engine import VLLMNodeEngine
     from node.model.errors import InvalidCheckpoint
     from node.model.streamed_weights import StreamedWeights
+    from node.model.weights_digest import tensor_hexdigest
 
     engine, models, root = setup
     node = VLLMNodeEngine.__new__(VLLMNodeEngine)  # the role's engine over this module's server
     node.engine, node.root = engine, tmp_path / "vllm"
     node.setup = SimpleNamespace(hf_config=models[0].config.to_hf_dict(), model_dir=None)
     weights = StreamedWeights.of_checkpoint(root / "v1", models[1].config, torch.float32)
-    hashes = {n: blake3.blake3(weights[n].contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest() for n in weights}
+    hashes = {n: tensor_hexdigest(weights[n]) for n in weights}
     node.load_weights(weights.pin(hashes), 5)  # as local_version0 hands it over: checked against the manifest
     assert not (tmp_path / "vllm").exists()  # nothing written
     _serves(engine, models[1], 5)
