@@ -128,6 +128,7 @@ def watch(net: Network) -> tuple[str, bool]:
             time.sleep(1.0)
             coord.start()
             coordinator_restarted = True
+    net.ended_at = time.time()
     # A run that ends right after a coordinator restart may end before its members have joined it again: the
     # last view waits for them (every 0.5 s, at most VIEW_SETTLE_S), so the audit names only a member that is gone.
     settle = time.time() + VIEW_SETTLE_S
@@ -154,7 +155,9 @@ def report(net: Network, status: str, coordinator_restarted: bool) -> dict:
     # every role's CPU seconds (all its incarnations; read from /proc while it ran): benchmarks.step_time
     # divides them by the steps to say where the machine's cores went
     summary["cpu_s"] = {p.name: round(p.cpu_s, 1) for p in [coord, *procs.values()]}
-    summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs))
+    restarts = [t for t, what in coord.events if what == "start"][1:]
+    late = bool(restarts) and net.ended_at - restarts[-1] < VIEW_SETTLE_S
+    summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs, restarted_before_end=late))
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
@@ -205,10 +208,12 @@ def _membership_view(port: int) -> dict[str, str] | None:
 
 
 def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: tuple[float, dict[str, str]],
-                      procs: dict[str, Proc]) -> dict:
+                      procs: dict[str, Proc], restarted_before_end: bool = False) -> dict:
     """Honest members the coordinator did not count alive in its last view (read every `VIEW_EVERY_S` until the
-    run ended; an inference node SIGKILLed in the 15 s before that view is excused: it is restarting), and how
-    often its log ejected each as dead (churn's SIGKILLs eject inference nodes, as they should)."""
+    run ended; an inference node SIGKILLed in the 15 s before that view is excused: it is restarting; with
+    `restarted_before_end`, the run ended too soon after a coordinator restart for that view to judge anyone: they
+    are listed as not rejoined instead), and how often its log ejected each as dead (churn's SIGKILLs eject
+    inference nodes, as they should)."""
     at, view = view_at
     killed = {name for name, p in procs.items() if any(w == "kill" and at - 15 <= t <= at for t, w in p.events)}
     honest = [n for n in keys if n != "coordinator" and n not in cheater_names]
@@ -216,6 +221,10 @@ def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: 
     log_text = (out / "coordinator" / "log.txt").read_text(errors="replace") if view else ""
     ejected = {n: c for n in honest if (c := sum("dead, ejected" in line and keys[n].peer_id in line
                                                    for line in log_text.splitlines()))}
+    if restarted_before_end:
+        # the run ended within VIEW_SETTLE_S of a coordinator restart (steps queued before it ran in seconds): its
+        # members left at the end before they had joined the new coordinator, so its view says nothing of them
+        return {"honest_not_alive_at_end": [], "honest_not_rejoined_before_end": missing, "honest_ejections": ejected}
     return {"honest_not_alive_at_end": missing, "honest_ejections": ejected}
 
 

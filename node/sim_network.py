@@ -91,6 +91,8 @@ class Network:
     cheaters: list[str]
     t0: float
     view_at: tuple[float, dict[str, str]] = (0.0, {})
+    ended_at: float = 0.0
+    """When the sim's loop ended (the run's last step, or its stop): the membership audit's reference."""
     """When the sim last read the coordinator's membership view, and that view (peer id -> state)."""
 
 
