@@ -11,6 +11,7 @@ runs that zstd squeezes; where few words change at all, a sparse list of them is
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from typing import TYPE_CHECKING, Protocol
@@ -242,6 +243,34 @@ def matches_manifest(tensors: list[TensorEntry], shards: list[ShardEntry], shard
         if h.hexdigest() != s.raw_hash:
             return False
     return True
+
+
+class PayloadView:
+    """A version's flat payload read from its tensors instead of a payload file: `view[a:b]` is bytes a..b
+    of the layout `tensors` give (zeros between tensors), read from `source` one tensor range at a time.
+    For a delta whose parent a member holds as tensors (its own checkpoint, `source` already checked
+    against the parent's manifest) rather than as a payload in the store."""
+
+    def __init__(self, tensors: list[TensorEntry], total_bytes: int, source: TensorBytes):
+        self._by_offset = sorted((e for e in tensors if e.nbytes), key=lambda e: e.offset)
+        self._starts = [e.offset for e in self._by_offset]
+        self.total_bytes, self.source = total_bytes, source
+
+    def __len__(self) -> int:
+        return self.total_bytes
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        a, b, step = key.indices(self.total_bytes)
+        if step != 1:
+            raise ValueError("a payload view is read in contiguous ranges")
+        out = np.zeros(max(b - a, 0), dtype=np.uint8)
+        for e in self._by_offset[max(bisect.bisect_right(self._starts, a) - 1, 0):]:
+            if e.offset >= b:
+                break
+            lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+            if lo < hi:
+                out[lo - a : hi - a] = self.source.read(e.name, lo - e.offset, hi - e.offset)
+        return out
 
 
 _ZEROS = bytes(1 << 16)

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from shardcast.codec import check_wire, decode_shard, unflatten
+from shardcast.codec import PayloadView, TensorBytes, check_wire, decode_shard, unflatten
 from shardcast.download import download_shard, outcome_of
 from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
                               UnknownPublisher, VersionNotFound)
@@ -87,15 +88,20 @@ class Fetcher:
 
     def __init__(self, store: Store, sources: list[str], trusted: TrustedPublishers, *, parallel: int = DEFAULT_PARALLEL,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: bool = False,
-                 per_source: int = DEFAULT_PER_SOURCE, offline: bool = False):
+                 per_source: int = DEFAULT_PER_SOURCE, offline: bool = False,
+                 local: Callable[[Manifest], TensorBytes | None] | None = None):
         """`offline`: no sources; a fetch reads what the store holds (a version's payload, or its wire
-        shards decoded again where retention dropped the payload) and fails on anything else."""
+        shards decoded again where retention dropped the payload) and fails on anything else.
+        `local`: this member's own copy of a version, asked for (on a thread) when a delta's parent is not
+        in the store: given the parent's verified manifest, the version's tensors once checked against
+        that manifest's raw hashes, or None (then the parent is fetched). So version 0, which every
+        member holds as its checkpoint, is not downloaded as the parent of version 1."""
         if not sources and not offline:
             raise ValueError("at least one source URL is required")
         self.store, self.trusted = store, trusted
         self.pool = SourcePool.of(sources)
         self.parallel, self.stall_timeout, self.max_attempts, self.progress = parallel, stall_timeout, max_attempts, progress
-        self.per_source = per_source
+        self.per_source, self.local = per_source, local
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "Fetcher":
@@ -184,12 +190,23 @@ class Fetcher:
         parent_payload = None
         if m.encoding == "delta":
             assert m.parent is not None
-            parent_payload = (await self.fetch(run_id, m.parent)).payload  # before this version's lock: no cycles
+            parent_payload = await self._parent_payload(run_id, m.parent)  # before this version's lock: no cycles
         # One writer per version per host: a process sharing this store that fetches (or publishes) it
         # now holds the lock; once we have it, the version may be complete already.
         async with held_async(self.store.lock(run_id, version)):
             done = self._complete(run_id, version, manifest_hash)
             return done if done is not None else await self._fetch_shards(m, parent_payload)
+
+    async def _parent_payload(self, run_id: str, version: int) -> np.ndarray | PayloadView:
+        """A delta's parent: its payload in the store, else this member's own copy (`local`), else fetched."""
+        if self.local is not None and not self.store.payload_path(run_id, version).exists():
+            pm = await self.manifest(run_id, version)
+            source = await asyncio.to_thread(self.local, pm)
+            if source is not None:
+                log.info("%s v%d: delta parent read from this member's own copy (%.1f MiB not downloaded)",
+                         run_id, version, pm.wire_bytes / 2**20)
+                return PayloadView(pm.tensors, pm.total_bytes, source)
+        return (await self.fetch(run_id, version)).payload
 
     async def _held(self, run_id: str, version: int, manifest_hash: str | None) -> FetchedVersion | None:
         """The version's verified payload from the store, or None; opened under the shared lock
@@ -208,7 +225,7 @@ class Fetcher:
         _check_announced(m, manifest_hash)
         return FetchedVersion(m, self.store.payload(run_id, version), 0, files=self.store.payload_files(m))
 
-    async def _fetch_shards(self, m: Manifest, parent: np.ndarray | None) -> FetchedVersion:
+    async def _fetch_shards(self, m: Manifest, parent: np.ndarray | PayloadView | None) -> FetchedVersion:
         loop = asyncio.get_running_loop()
         self.pool.new_version()
         payload = self.store.open_partial_payload(m.run_id, m.version, m.total_bytes, m.shard_size)
@@ -218,7 +235,7 @@ class Fetcher:
             payload.discard()
             raise
 
-    async def _fetch_into(self, m: Manifest, parent: np.ndarray | None, payload: PartialPayload,
+    async def _fetch_into(self, m: Manifest, parent: np.ndarray | PayloadView | None, payload: PartialPayload,
                           loop: asyncio.AbstractEventLoop) -> FetchedVersion:
         max_raw = max((e.raw_size for e in m.shards), default=0)
         max_wire = max((e.wire_size for e in m.shards), default=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -29,8 +29,9 @@ from node.recipe import Recipe
 from protocol.errors import ProtocolError
 from protocol.messages import RunSpec
 from protocol.model_spec import FP8Mode
+from shardcast.codec import TensorBytes
 from shardcast.fetch import fetch_version
-from shardcast.manifest import TrustedPublishers
+from shardcast.manifest import Manifest, TrustedPublishers
 from shardcast.store import Store
 from node.stop_signals import dump_tasks, stop_on_signals  # noqa: F401 (roles import them from here)
 
@@ -121,15 +122,17 @@ def environment(spec: RunSpec):
 
 
 async def fetch_policy(spec: RunSpec, store: Store, version: int, expect_hash: str | None = None,
-                       tries: int = 20, stages: dict | None = None) -> dict[str, torch.Tensor]:
+                       tries: int = 20, stages: dict | None = None,
+                       local: Callable[[Manifest], TensorBytes | None] | None = None) -> dict[str, torch.Tensor]:
     """Version `version` of the run's policy, verified (trainer's signature, shard hashes, and the
     manifest hash the coordinator announced, when given). `stages`, when given, gets where the fetch's
-    time went (`FetchedVersion.stages_s`: download, verify, decode, write; empty when the store held it)."""
+    time went (`FetchedVersion.stages_s`: download, verify, decode, write; empty when the store held it).
+    `local`: the member's own copy of a delta's parent (the role's `version0.LocalVersion0`)."""
     trusted = TrustedPublishers([spec.trainer] if spec.trainer else [])
     last: Exception | None = None
     for attempt in range(tries):
         try:
-            got = await fetch_version(store, list(spec.shardcast_sources), trusted, spec.run_id, version)
+            got = await fetch_version(store, list(spec.shardcast_sources), trusted, spec.run_id, version, local=local)
             if expect_hash is not None and got.manifest.manifest_hash() != expect_hash:
                 raise ProtocolError(f"v{version}: manifest hash differs from the announced one")
             # a role on a host of its own keeps its store bounded too (beside the trainer it shares the trainer's)

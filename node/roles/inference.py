@@ -47,7 +47,7 @@ from node.recipe import Recipe
 from node.heap import settle_heap
 from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
 from node.roles.leased_groups import LeasedGroups
-from node.roles.version0 import local_version0
+from node.roles.version0 import LocalVersion0, local_version0
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
@@ -80,6 +80,8 @@ class InferenceNode:
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.store = store or Store(workdir / "shardcast")
         """The host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
+        self.version0 = LocalVersion0(spec)
+        """This member's checkpoint as version 0 (checked once): loaded as is, and version 1's delta parent."""
         self.leases_per_request = leases_per_request
         self.tok = tokenizer(spec)
         self.env = environment(spec)
@@ -203,10 +205,10 @@ class InferenceNode:
         t_fetch = time.time()
         fetch_stages: dict = {}
         try:
-            state = await local_version0(self.spec, self.store, manifest_hash) if version == 0 else None
+            state = await local_version0(self.spec, self.store, manifest_hash, self.version0) if version == 0 else None
             fetch_stages["local_version0"] = state is not None
             state = state if state is not None else await fetch_policy(self.spec, self.store, version, manifest_hash,
-                                                                        stages=fetch_stages)
+                                                                        stages=fetch_stages, local=self.version0)
         except ProtocolError as exc:
             log.warning("policy v%d not loaded: %s", version, exc)
             return

@@ -44,7 +44,7 @@ from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
 from node.heap import settle_heap
 from node.roles.resident_policy import ResidentPolicies
-from node.roles.version0 import local_version0
+from node.roles.version0 import LocalVersion0, local_version0
 from protocol.client import CoordinatorClient
 from protocol.errors import ProtocolError
 from protocol.identity import NodeKey
@@ -76,6 +76,8 @@ class ValidatorNode:
         """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.store = store or Store(workdir / "shardcast")
+        self.version0 = LocalVersion0(spec)
+        """This member's checkpoint as version 0 (checked once): held as is, and version 1's delta parent."""
         self.device = device
         """Where the validator recomputes (`join --device`)."""
         # a round's logits stay bounded whatever its size: only completion rows, checked in groups under
@@ -157,10 +159,10 @@ class ValidatorNode:
 
     async def _fetch_and_hold(self, version: int) -> None:
         t0 = time.monotonic()
-        state = await local_version0(self.spec, self.store, self.hashes.get(version)) if version == 0 else None
+        state = await local_version0(self.spec, self.store, self.hashes.get(version), self.version0) if version == 0 else None
         local = state is not None  # checked against the signed manifest's shard hashes (node/roles/version0.py)
         if state is None:
-            state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3)
+            state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3, local=self.version0)
         self._fetched_at = time.monotonic()
         if version not in self.hashes:
             self.hashes[version] = self.store.held_manifest(self.spec.run_id, version).manifest.manifest_hash()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Mapping
 
@@ -35,7 +36,7 @@ from node.model.weights_digest import DigestingReads, WeightsDigest
 from node.roles.common import fresh_model, model_config
 from protocol.errors import ProtocolError
 from protocol.messages import RunSpec
-from shardcast.codec import StateBytes, matches_manifest
+from shardcast.codec import StateBytes, TensorBytes, matches_manifest
 from shardcast.fetch import Fetcher
 from shardcast.manifest import Manifest, TrustedPublishers
 from shardcast.store import Store
@@ -52,10 +53,45 @@ def has_checkpoint(spec: RunSpec) -> bool:
     return True
 
 
-async def local_version0(spec: RunSpec, store: Store, expect_hash: str | None = None) -> Mapping[str, torch.Tensor] | None:
+class LocalVersion0:
+    """This member's version 0 checked against a manifest once per manifest (the checkpoint is read and
+    hashed whole: seconds to a minute at 30B) and kept (what is kept is the pinned reader, not weights),
+    for the role's load of version 0 and, as a `Fetcher`'s `local` hook, as the parent of version 1's
+    delta: a member that joins at version 1 or later downloads no shard of version 0 either."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._checked: dict[str, Mapping[str, torch.Tensor] | None] = {}
+
+    def checked(self, m: Manifest) -> Mapping[str, torch.Tensor] | None:
+        """`checked_version0`, once per manifest (its errors are not kept: asked again, it reads again)."""
+        with self._lock:
+            key = m.manifest_hash()
+            if key not in self._checked:
+                self._checked[key] = checked_version0(self.spec, m)
+            return self._checked[key]
+
+    def __call__(self, m: Manifest) -> TensorBytes | None:
+        """The fetcher's hook: version 0's tensors as payload bytes when they are exactly `m`'s, else None."""
+        if m.version != 0 or not has_checkpoint(self.spec):
+            return None
+        try:
+            weights = self.checked(m)
+        except ModelLoadError as exc:
+            log.warning("version 0: the local checkpoint cannot stand in for the published one (%s)", exc)
+            return None
+        if weights is None:
+            return None
+        return weights if isinstance(weights, StreamedWeights) else StateBytes(dict(weights))
+
+
+async def local_version0(spec: RunSpec, store: Store, expect_hash: str | None = None,
+                         own: LocalVersion0 | None = None) -> Mapping[str, torch.Tensor] | None:
     """Version 0's HF-named tensors from this member's checkpoint (read one at a time when a loader
     asks: `StreamedWeights`; the tiny model's in memory), or None when it has none, the manifest cannot
-    be had now, or the published version 0 is not its checkpoint (fetch it then)."""
+    be had now, or the published version 0 is not its checkpoint (fetch it then). `own`: the role's
+    `LocalVersion0`, so the checkpoint is checked once for this and for version 1's parent."""
     if not has_checkpoint(spec) or store.payload_path(spec.run_id, 0).exists():
         return None  # beside the trainer (one store per host) version 0 is in the store already: read it there
     t0 = time.perf_counter()
@@ -70,7 +106,7 @@ async def local_version0(spec: RunSpec, store: Store, expect_hash: str | None = 
         log.warning("version 0: manifest hash is not the announced one; fetching it through shardcast")
         return None
     try:
-        weights = await asyncio.to_thread(checked_version0, spec, m)
+        weights = await asyncio.to_thread((own or LocalVersion0(spec)).checked, m)
     except ModelLoadError as exc:
         log.warning("version 0: the local checkpoint cannot serve (%s); fetching it through shardcast", exc)
         return None

@@ -4,8 +4,13 @@ import mmap
 
 import numpy as np
 import pytest
+import torch
 
+from protocol.identity import NodeKey
+from shardcast.codec import PayloadView, StateBytes
+from shardcast.publish import PublishOptions, publish
 from shardcast.shard_map import map_shard_files, shard_file
+from shardcast.store import Store
 
 
 def write_shards(tmp_path, sizes, seed=0):
@@ -61,3 +66,23 @@ def test_the_files_stay_mapped_while_a_tensor_views_them_and_are_unmapped_after(
     del view
     gc.collect()
     assert mapped() == 0
+
+
+def test_a_payload_view_over_tensors_reads_the_same_bytes_as_the_stored_payload(tmp_path):
+    """`codec.PayloadView`: a delta's parent read from tensors (a member's checkpoint) instead of a payload file,
+    byte for byte the payload the publisher laid out, padding and ranges across tensor boundaries included."""
+    g = torch.Generator().manual_seed(3)
+    state = {"a.weight": torch.randn(300, 257, generator=g).bfloat16(), "b.bias": torch.randn(7, generator=g),
+             "c.weight": torch.randn(511, 129, generator=g).half(), "step": torch.tensor([3])}  # unaligned ends: padding
+    store = Store(tmp_path / "s")
+    m = publish(store, NodeKey.from_seed(b"\x07" * 32), "r", 0, state, options=PublishOptions(shard_size=64 << 10)).manifest
+    payload, view = store.payload("r", 0), PayloadView(m.tensors, m.total_bytes, StateBytes(state))
+    assert len(view) == len(payload) == m.total_bytes
+    rng = np.random.default_rng(0)
+    cuts = [(0, m.total_bytes), (0, 1), (m.total_bytes - 5, m.total_bytes)]
+    cuts += [tuple(sorted(rng.integers(0, m.total_bytes, 2))) for _ in range(50)]
+    cuts += [(s * (64 << 10), min((s + 1) * (64 << 10), m.total_bytes)) for s in range(len(m.shards))]  # the fetcher's reads
+    for a, b in cuts:
+        assert np.array_equal(view[a:b], payload[a:b]), (a, b)
+    with pytest.raises(ValueError, match="contiguous"):
+        view[0:10:2]
