@@ -67,7 +67,7 @@ def phases(trainer: Trainer, batch: TrainBatch, device: str) -> dict[str, float]
     for _ in range(cfg.updates_per_batch):
         for rows in torch.randperm(len(batch)).chunk(cfg.minibatches):
             trainer.optimizer.zero_grad(set_to_none=True)
-            for micro in trainer.micro_batches(batch.select(rows)):
+            for micro in trainer.micro_batches(batch.select(rows), backward=True):
                 def forward():
                     logp, aux = trainer.logprobs(micro)
                     return policy_loss(logp, micro.inference_logprobs, micro.advantages, micro.loss_mask,
@@ -89,8 +89,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=60)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cuda", help="cuda, or cpu with a few --layers (a smoke run)")
-    p.add_argument("--overhead-tokens", type=int, default=TrainerConfig().micro_batch_overhead_tokens,
-                   help="micro-batches grouped to pad least for this cost a micro-batch (-1: the fewest micro-batches)")
+    p.add_argument("--overhead-tokens", default=TrainerConfig().micro_batch_overhead_tokens,
+                   help="micro-batches grouped to pad least for this cost a micro-batch (-1: the fewest micro-batches; "
+                   "auto: the trainer's default, by pass and device)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     shape = {**SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {})}
@@ -100,7 +101,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.device(args.device):
         model = CausalLM(cfg).to(torch.bfloat16)
-    overhead = None if args.overhead_tokens < 0 else args.overhead_tokens
+    overhead = args.overhead_tokens if args.overhead_tokens == "auto" else int(args.overhead_tokens)
+    overhead = None if overhead != "auto" and overhead < 0 else overhead
     # the recipe's defaults: updates and minibatches per step
     trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_overhead_tokens=overhead))
     batch = long_tail_batch(args.rows, args.prompt, args.vocab_size)
@@ -131,7 +133,8 @@ def main() -> None:
               "layers": cfg.num_hidden_layers, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
               "updates_per_batch": trainer.cfg.updates_per_batch, "minibatches": trainer.cfg.minibatches,
               "rows": args.rows, "positions": int(batch.input_ids.shape[1]), "tokens": tokens,
-              "overhead_tokens": overhead, "nograd_micro_batches": len(micros), "nograd_padded_positions": padded,
+              "overhead_tokens": overhead, "backward_overhead_tokens": trainer.overhead_tokens(True),
+              "nograd_micro_batches": len(micros), "nograd_padded_positions": padded,
               "loss_tokens": int(batch.loss_mask.sum()), "step_s": round(step_s, 3),
               "tok_s": round(tokens / step_s, 1), **{k: round(v, 3) for k, v in parts.items()},
               "phases_over_step": round(sum(parts.values()) / step_s, 3),

@@ -39,7 +39,10 @@ GROUP_OVERHEAD_TOKENS = 2048
 trainer's micro-batches and the validator's recomputation): on the H200 the 5.2B trainer's forward + backward
 cost ~21 us a padded token (benchmarks.trainer_profile, session 15), so this is ~40 ms a micro-batch, an
 assumption (the kernels' fixed cost, not measured): on that benchmark's long-tailed batch, 4 micro-batches of
-37.4k padded positions instead of 3 of 47.5k (1024 would make 7 of 32.7k)."""
+37.4k padded positions instead of 3 of 47.5k (1024 would make 7 of 32.7k). Measured on the H200 (session 18):
+the validator's no-grad prefill 0.251 -> 0.207 s (1.21x, benchmarks.prefill_grouping) and the trainer's no-grad
+pass 0.36 -> 0.23 s; but the trainer's forward/backward slower (a step 2.95 -> 3.60 s), so a trainer on a GPU
+takes the fewest micro-batches there (`TrainerConfig.micro_batch_overhead_tokens` "auto")."""
 
 
 def padded_groups(lengths: Sequence[int], budget: int, overhead: int) -> list[list[int]]:

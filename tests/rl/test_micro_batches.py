@@ -67,3 +67,23 @@ def test_a_step_in_micro_batches_equals_the_one_forward_step_and_no_forward_exce
         torch.testing.assert_close(micro[name], whole[name], rtol=1e-5, atol=1e-6)
     for key in ("loss", "masked_share", "mismatch_kl"):
         assert abs(m_micro[key] - m_whole[key]) < 1e-5, key
+
+
+def test_the_auto_micro_batch_overhead_groups_on_the_cpu_and_takes_the_fewest_for_a_gpu_backward():
+    """`TrainerConfig.micro_batch_overhead_tokens = "auto"`: grouped to pad least for `GROUP_OVERHEAD_TOKENS` in
+    the no-grad pass and on the CPU, the fewest micro-batches for a GPU's forward/backward (measured on the
+    H200: 2.95 s a step against 3.60 s grouped); an explicit value holds for both passes."""
+    from node.model.batching import GROUP_OVERHEAD_TOKENS
+
+    trainer = Trainer(CausalLM(CFG), TrainerConfig(micro_batch_tokens=64))
+    assert trainer.cfg.micro_batch_overhead_tokens == "auto"
+    assert trainer.overhead_tokens(backward=False) == trainer.overhead_tokens(backward=True) == GROUP_OVERHEAD_TOKENS
+    batch = long_tailed_batch()
+    assert [m.input_ids.shape for m in trainer.micro_batches(batch, backward=True)] == \
+        [m.input_ids.shape for m in micro_batches(batch, 64, GROUP_OVERHEAD_TOKENS)]
+    for fixed in (None, 0, 512):
+        t = Trainer(CausalLM(CFG), TrainerConfig(micro_batch_overhead_tokens=fixed))
+        assert t.overhead_tokens(backward=False) == t.overhead_tokens(backward=True) == fixed
+    if torch.cuda.is_available():
+        gpu = Trainer(CausalLM(CFG).cuda(), TrainerConfig())
+        assert gpu.overhead_tokens(backward=True) is None and gpu.overhead_tokens(backward=False) == GROUP_OVERHEAD_TOKENS
