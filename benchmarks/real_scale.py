@@ -170,7 +170,8 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     verify_claims(claims[:16], ref)  # warm
     _sync()
     t = time.perf_counter()
-    verdicts = verify_claims(claims, ref)
+    evidence: list = []
+    verdicts = verify_claims(claims, ref, evidence=evidence)
     _sync()
     took = time.perf_counter() - t
     tokens = sum(len(c.token_ids) for c in claims)
@@ -178,6 +179,11 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     result.update(verify_s=took, verify_tok_s=tokens / took, verify_rollouts=len(claims),
                   verify_rejected=len(rejected),
                   verify_reasons=sorted({f"{v.reason.value}/{v.severity.value}" for v in rejected}),
+                  # which bound a rejected claim crossed, and what the accepted ones measured: for the thresholds
+                  verify_rejected_detail=[{"tokens": len(c.token_ids), "chunk": v.chunk, "detail": v.detail,
+                                           **e.means(), "chunks": e.chunks}
+                                          for c, v, e in zip(claims, verdicts, evidence) if not v.accepted],
+                  verify_evidence_max={k: max(e.means()[k] for e in evidence) for k in evidence[0].means()},
                   verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
