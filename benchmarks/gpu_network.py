@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import subprocess
 import tempfile
@@ -110,6 +111,29 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
                     stages["swap_s"].append(swap.get("apply_s", 0.0))
                     stages["staged_on_device"].append(float(bool(swap.get("staged_on_device"))))  # median 1: staged
     return lat, {k: v for k, v in stages.items() if v}, timeline
+
+
+_SLOW_COMMITS = re.compile(r"coordinator store: (\d+) commits over [\d.]+ s in the last [\d.]+ s \(slowest ([\d.]+) s\)")
+_LEASE_MAX = re.compile(r"granting lease calls, median [\d.]+ s, max ([\d.]+) s")
+
+
+def stalls(out: Path, nodes: int, t_from: float) -> dict:
+    """Where the network stood still, from the roles' own logs and rounds: the coordinator's commits slower than 0.2 s
+    over the whole run (their fsyncs behind other writes to this host's disk; the coordinator answers nothing
+    meanwhile) and the slowest of them, the slowest granting lease call of any inference node, and the seconds after
+    `t_from` in which an inference node ran no engine step at all (no round row: no work leased)."""
+    text = (out / "coordinator" / "log.txt").read_text(errors="replace") if (out / "coordinator" / "log.txt").exists() else ""
+    commits = [(int(n), float(worst)) for n, worst in _SLOW_COMMITS.findall(text)]
+    lease_max, idle = [], 0.0
+    for i in range(nodes):
+        node_log = out / f"inference-{i}" / "log.txt"
+        lease_max += [float(x) for x in _LEASE_MAX.findall(node_log.read_text(errors="replace"))] if node_log.exists() else []
+        rounds = [r for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if r["t1"] > t_from]
+        for a, b in zip(rounds, rounds[1:]):
+            idle += max(0.0, b["t0"] - max(a["t1"], t_from))
+    return {"coordinator_slow_commits": sum(n for n, _ in commits),
+            "coordinator_commit_max_s": max((w for _, w in commits), default=None),
+            "lease_call_max_s": max(lease_max, default=None), "node_idle_s": round(idle, 2)}
 
 
 def throughput(rounds: list[dict], t_from: float) -> tuple[float, float, float]:
@@ -236,7 +260,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "wire_s": med([r["wire_s"] for r in steady if "wire_s" in r]),
         "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,
         "weight_latency_stages_s": {s: med(v) for s, v in stages.items()},
-        "store_disk": disk,
+        "store_disk": disk, "stalls": stalls(out, args.inference_nodes, t_steady),
         "gen_tok_s": round(sum(g[2] for g in gen) / steady_wall, 1) if steady_wall else None,
         "gen_tok_s_busy": round(gen_busy, 1), "verify_tok_s_busy": round(ver[0], 1),
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,

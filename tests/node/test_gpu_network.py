@@ -66,6 +66,9 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         assert {"announce_s", "fetch_verify_s", "swap_wait_s", "swap_s"} <= set(run["weight_latency_stages_s"])
         assert run["store_disk"]["stores"] == 1 and run["store_disk"]["versions"] >= 1
         assert run["store_disk"]["bytes"] >= run["store_disk"]["bytes_per_version_max"] > 0
+        # where it stood still: the node's slowest lease call is in its log, its idle seconds in its rounds
+        assert run["stalls"]["lease_call_max_s"] is not None and run["stalls"]["node_idle_s"] >= 0
+        assert run["stalls"]["coordinator_slow_commits"] >= 0
     assert result["async_speedup"] == round(result["runs"][0]["step_s"] / result["runs"][1]["step_s"], 2)
     # the role's engine alone on the same workload, the bound the network's generation is held against
     assert result["engine_alone_tok_s"] > 0 and result["engine_alone_rollouts"] == 2 * 4 * 2
@@ -90,3 +93,23 @@ def test_a_role_that_cannot_start_ends_the_sim_at_once_instead_of_at_its_timeout
     assert s["status"] == "inference-0 exited with code 1" and s["steps"] == 0
     assert time.time() - t0 < 120  # not the 300 s timeout
     assert "no CUDA device" in (tmp_path / "inference-0" / "log.txt").read_text()
+
+
+def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_calls_and_its_idle_gaps(tmp_path):
+    """`benchmarks.gpu_network.stalls` over a run directory as the roles write it (the log lines' own formats)."""
+    from benchmarks.gpu_network import stalls
+
+    (tmp_path / "coordinator").mkdir()
+    (tmp_path / "coordinator" / "log.txt").write_text(
+        "10:01:40 WARNING protocol.store: coordinator store: 1 commits over 0.2 s in the last 40 s (slowest 0.49 s): x\n"
+        "10:02:01 WARNING protocol.store: coordinator store: 3 commits over 0.2 s in the last 12 s (slowest 4.37 s): x\n")
+    node = tmp_path / "inference-0"
+    node.mkdir()
+    (node / "log.txt").write_text("10:04:12 INFO node.roles.inference: inference x stopped: 304 groups submitted, 0 "
+                                  "refused; 98 granting lease calls, median 0.056 s, max 8.869 s\n")
+    rounds = [{"t0": 0.0, "t1": 1.0}, {"t0": 1.0, "t1": 2.0}, {"t0": 5.0, "t1": 6.0}, {"t0": 6.5, "t1": 7.0}]
+    (node / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    got = stalls(tmp_path, 1, t_from=0.0)
+    assert got == {"coordinator_slow_commits": 4, "coordinator_commit_max_s": 4.37, "lease_call_max_s": 8.869,
+                   "node_idle_s": 3.5}
+    assert stalls(tmp_path, 1, t_from=5.5)["node_idle_s"] == 0.5  # only gaps after the steady state began
