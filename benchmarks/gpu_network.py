@@ -235,7 +235,8 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         summary = run_sim(out, inference_nodes=args.inference_nodes, steps=args.steps, task=args.task,
                           max_off_policy_steps=k, batch_groups=args.batch_groups, group_size=args.group_size,
                           timeout_s=args.timeout, recipe=recipe, model=model_run.get("model"), placement=placement,
-                          engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0})
+                          engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0},
+                          coordinator_state=args.coordinator_state / f"k{k}" if args.coordinator_state else None)
         wall = time.time() - t0
     rows = trainer_rows(out) if (out / "trainer" / "metrics.jsonl").exists() else []
     from benchmarks.weight_latency import host_store_bytes
@@ -354,6 +355,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--fp8", choices=["off", "experts", "all"], default="off")
     p.add_argument("--timeout", type=float, default=600, help="each run's hard limit in seconds")
+    p.add_argument("--coordinator-state", type=Path, default=None,
+                   help="the coordinator's state under this directory (one per k; `sim --coordinator-state`), e.g. "
+                   "on tmpfs standing in for the coordinator's own machine where every role shares one disk")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--machine", default=None, help="recorded in the JSON (default: guessed)")
     p.add_argument("--no-engine-alone", dest="engine_alone", action="store_false",
@@ -387,6 +391,7 @@ def main() -> None:
         "dtype": args.dtype, "model_params_b": _params_b(args, model_run), "task": args.task,
         "inference_nodes": args.inference_nodes, "prompts_per_step": args.batch_groups, "group_size": args.group_size,
         "steps": args.steps, "warmup_steps": args.warmup,
+        "coordinator_state": str(args.coordinator_state) if args.coordinator_state else "OUT/coordinator (the roles' disk)",
         "step_s": last["step_s"], "weight_latency_s": last["weight_latency_s"],
         "async_speedup": round(base["step_s"] / last["step_s"], 2) if base and last is not base and base["step_s"]
         and last["step_s"] else None,

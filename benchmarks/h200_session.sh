@@ -30,7 +30,7 @@ NET=/tmp/net; rm -rf $NET
 keep() {
   [ -d $NET ] || return 0
   cp $NET/result.json $NET/report.png $OUT/ 2>/dev/null
-  (cd $NET && find . \( -name '*.json' -o -name '*.jsonl' -o -name 'log.txt' -o -name '*.csv' -o -name 'run.toml' \) \
+  (cd $NET && find -L . \( -name '*.json' -o -name '*.jsonl' -o -name 'log.txt' -o -name '*.csv' -o -name 'run.toml' \) \
     -not -path './model/*' -not -path '*/shardcast/*' -size -20M -print0 | tar czf $OUT/net.tgz --null -T - 2>/dev/null)
 }
 ( while sleep 15; do keep; done ) &

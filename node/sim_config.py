@@ -80,6 +80,10 @@ class SimConfig(BaseModel):
     should: each version is held once on the host; False gives each role its own (WORKDIR/shardcast)"""
     store_max_gib: Annotated[float | None, Flag(metavar="GIB"), Field(gt=0)] = None
     """the store's byte budget (`join --store-max-gib`)"""
+    coordinator_state: Annotated[Path | None, Flag(metavar="DIR")] = None
+    """the coordinator's state directory (default OUT/coordinator; OUT/coordinator then links to it): on a host
+    whose roles share one disk, a directory on another filesystem keeps the coordinator's fsyncs from waiting
+    behind the trainer's version files, as a coordinator on a machine of its own would"""
 
 
 class SimFlags(SimConfig):

@@ -124,12 +124,27 @@ def write_run_toml(out: Path, cfg: SimConfig, keys: dict[str, NodeKey], origin: 
     return run
 
 
+def link_coordinator_state(out: Path, state: Path) -> None:
+    """OUT/coordinator as a link to `state` (made if missing), so every path the sim reads stays the same; an
+    OUT/coordinator that is already that link is kept, anything else there is refused (its store would be lost)."""
+    state = Path(state).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    link = out / "coordinator"
+    if link.is_symlink() and link.resolve() == state:
+        return
+    if link.exists() or link.is_symlink():
+        raise FileExistsError(f"{link} exists: the coordinator's state cannot also be {state}")
+    link.symlink_to(state, target_is_directory=True)
+
+
 def start_network(out: Path, cfg: SimConfig) -> Network:
     """Keys, run.toml, the coordinator, then every member (vLLM nodes first: their start-up is long)."""
     placement = cfg.placement or place("cpu", cfg.inference_nodes)
     out.mkdir(parents=True, exist_ok=True)
     keys = {name: NodeKey.generate() for name in ["coordinator", "trainer", "validator", "relay",
                                                   *[f"inference-{i}" for i in range(cfg.inference_nodes)]]}
+    if cfg.coordinator_state is not None:
+        link_coordinator_state(out, cfg.coordinator_state)
     for name, key in keys.items():
         (out / name).mkdir(exist_ok=True)
         key.save(out / name / "node.key")

@@ -113,3 +113,20 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     assert got == {"coordinator_slow_commits": 4, "coordinator_commit_max_s": 4.37, "lease_call_max_s": 8.869,
                    "node_idle_s": 3.5}
     assert stalls(tmp_path, 1, t_from=5.5)["node_idle_s"] == 0.5  # only gaps after the steady state began
+
+
+def test_the_coordinators_state_can_live_elsewhere_behind_the_same_path(tmp_path):
+    """`sim --coordinator-state DIR`: OUT/coordinator links to DIR (every path the sim and the audit read stays the
+    same); asked again it is kept, and an OUT/coordinator that is something else is refused, not replaced."""
+    from node.sim_network import link_coordinator_state
+
+    out, state = tmp_path / "run", tmp_path / "elsewhere" / "coord"
+    out.mkdir()
+    link_coordinator_state(out, state)
+    (out / "coordinator" / "log.txt").write_text("x")
+    assert (state / "log.txt").read_text() == "x" and (out / "coordinator").is_symlink()
+    link_coordinator_state(out, state)  # the same link: kept
+    other = tmp_path / "other"
+    (other / "coordinator").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="cannot also be"):
+        link_coordinator_state(other, state)
