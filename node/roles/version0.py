@@ -78,7 +78,7 @@ class LocalVersion0:
             return None
         try:
             weights = self.checked(m)
-        except ModelLoadError as exc:
+        except (ModelLoadError, OSError) as exc:  # not the run's checkpoint, or unreadable: fetch version 0 then
             log.warning("version 0: the local checkpoint cannot stand in for the published one (%s)", exc)
             return None
         if weights is None:
