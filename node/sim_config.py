@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from node.adversary import CHEATS
 from node.config_flags import Flag
@@ -80,10 +80,19 @@ class SimConfig(BaseModel):
     should: each version is held once on the host; False gives each role its own (WORKDIR/shardcast)"""
     store_max_gib: Annotated[float | None, Flag(metavar="GIB"), Field(gt=0)] = None
     """the store's byte budget (`join --store-max-gib`)"""
+    store_dir: Annotated[Path | None, Flag(metavar="DIR")] = None
+    """the shared store's directory (default OUT/shardcast; OUT/shardcast then links to it), e.g. on tmpfs where
+    the host has the memory: versions are written once per host and dropped within a few steps"""
     coordinator_state: Annotated[Path | None, Flag(metavar="DIR")] = None
     """the coordinator's state directory (default OUT/coordinator; OUT/coordinator then links to it): on a host
     whose roles share one disk, a directory on another filesystem keeps the coordinator's fsyncs from waiting
     behind the trainer's version files, as a coordinator on a machine of its own would"""
+
+    @model_validator(mode="after")
+    def _store_dir_is_the_shared_stores(self) -> "SimConfig":
+        if self.store_dir is not None and not self.shared_store:
+            raise ValueError("store_dir places the host's shared store: it cannot go with shared_store off")
+        return self
 
 
 class SimFlags(SimConfig):

@@ -124,17 +124,17 @@ def write_run_toml(out: Path, cfg: SimConfig, keys: dict[str, NodeKey], origin: 
     return run
 
 
-def link_coordinator_state(out: Path, state: Path) -> None:
-    """OUT/coordinator as a link to `state` (made if missing), so every path the sim reads stays the same; an
-    OUT/coordinator that is already that link is kept, anything else there is refused (its store would be lost)."""
-    state = Path(state).resolve()
-    state.mkdir(parents=True, exist_ok=True)
-    link = out / "coordinator"
-    if link.is_symlink() and link.resolve() == state:
+def link_elsewhere(out: Path, name: str, target: Path) -> None:
+    """OUT/`name` as a link to `target` (made if missing), so every path the sim reads stays the same; an OUT/`name`
+    that is already that link is kept, anything else there is refused (what it holds would be lost)."""
+    target = Path(target).resolve()
+    target.mkdir(parents=True, exist_ok=True)
+    link = out / name
+    if link.is_symlink() and link.resolve() == target:
         return
     if link.exists() or link.is_symlink():
-        raise FileExistsError(f"{link} exists: the coordinator's state cannot also be {state}")
-    link.symlink_to(state, target_is_directory=True)
+        raise FileExistsError(f"{link} exists: it cannot also be {target}")
+    link.symlink_to(target, target_is_directory=True)
 
 
 def start_network(out: Path, cfg: SimConfig) -> Network:
@@ -144,7 +144,9 @@ def start_network(out: Path, cfg: SimConfig) -> Network:
     keys = {name: NodeKey.generate() for name in ["coordinator", "trainer", "validator", "relay",
                                                   *[f"inference-{i}" for i in range(cfg.inference_nodes)]]}
     if cfg.coordinator_state is not None:
-        link_coordinator_state(out, cfg.coordinator_state)
+        link_elsewhere(out, "coordinator", cfg.coordinator_state)
+    if cfg.store_dir is not None:  # the shared store's place (SimConfig refuses it without one)
+        link_elsewhere(out, "shardcast", cfg.store_dir)
     for name, key in keys.items():
         (out / name).mkdir(exist_ok=True)
         key.save(out / name / "node.key")

@@ -115,18 +115,25 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     assert stalls(tmp_path, 1, t_from=5.5)["node_idle_s"] == 0.5  # only gaps after the steady state began
 
 
-def test_the_coordinators_state_can_live_elsewhere_behind_the_same_path(tmp_path):
-    """`sim --coordinator-state DIR`: OUT/coordinator links to DIR (every path the sim and the audit read stays the
-    same); asked again it is kept, and an OUT/coordinator that is something else is refused, not replaced."""
-    from node.sim_network import link_coordinator_state
+def test_the_coordinators_state_and_the_store_can_live_elsewhere_behind_the_same_paths(tmp_path):
+    """`sim --coordinator-state DIR` / `--store-dir DIR`: OUT/coordinator or OUT/shardcast links to DIR (every path the
+    sim and the audit read stays the same); asked again it is kept, and one that is something else is refused, not
+    replaced; `drop_stores` empties a linked store where it lies."""
+    from benchmarks.gpu_network import drop_stores
+    from node.sim_network import link_elsewhere
 
-    out, state = tmp_path / "run", tmp_path / "elsewhere" / "coord"
+    out, state, store = tmp_path / "run", tmp_path / "elsewhere" / "coord", tmp_path / "shm" / "store"
     out.mkdir()
-    link_coordinator_state(out, state)
+    link_elsewhere(out, "coordinator", state)
     (out / "coordinator" / "log.txt").write_text("x")
     assert (state / "log.txt").read_text() == "x" and (out / "coordinator").is_symlink()
-    link_coordinator_state(out, state)  # the same link: kept
+    link_elsewhere(out, "coordinator", state)  # the same link: kept
     other = tmp_path / "other"
     (other / "coordinator").mkdir(parents=True)
     with pytest.raises(FileExistsError, match="cannot also be"):
-        link_coordinator_state(other, state)
+        link_elsewhere(other, "coordinator", state)
+    link_elsewhere(out, "shardcast", store)
+    (out / "shardcast" / "r").mkdir()
+    (out / "shardcast" / "r" / "payload").write_bytes(b"\0" * 1000)
+    drop_stores(out)
+    assert not (store / "r").exists() and (state / "log.txt").exists()
