@@ -16,8 +16,9 @@ block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes)
 3. Decode tok/s at batch 256 (`benchmarks.gpu_engine.fixed_batch`) and the RL-shaped workload
    (`gpu_engine.rl_workload`: 512 requests, log-normal lengths, completions up to 1,024 tokens, proofs).
 4. The validator on the same GPU: its own copy loaded the same way, `TorchReference` + `verify_claims` (the
-   validator role's call) over the RL rollouts; `verify_over_generate` is its completion tok/s over the
-   engine's.
+   validator role's call) over the RL rollouts, each claim its own submission; `verify_over_generate` is its
+   completion tok/s over the engine's. Then, untimed, the same claims in submissions of 8 judged together, as
+   the role meets a work unit (`verify_units_rejected`: pooled evidence, per-claim bounds as well).
 Host memory: peak private memory (RssAnon, sampled every 50 ms: what the process holds beyond the page
 cache the shards are read through) and peak RSS. GPU memory: the plan against `max_memory_allocated`.
 Not measured here: a new version applied from a sparse delta (the issue's `delta_apply_s`).
@@ -41,6 +42,8 @@ from benchmarks.fp8_common import log, machine_facts, write_result  # noqa: E402
 from benchmarks.gpu_engine import _requests, _sync, fixed_batch, rl_requests, rl_workload  # noqa: E402
 
 GIB = 1 << 30
+UNIT = 8
+"""Claims of one submission in the pooled pass (a work unit's group size in the role)."""
 
 
 class MemorySampler:
@@ -187,6 +190,13 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
                   verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
+    # untimed: the same claims as the role meets them, submissions of 8 judged together (pooled evidence)
+    units = [c.model_copy(update={"work_id": i // UNIT}) for i, c in enumerate(claims)]
+    pooled = verify_claims(units, ref)
+    failed_units = {u.work_id for u, v in zip(units, pooled) if not v.accepted}
+    result.update(verify_units=-(-len(units) // UNIT), verify_units_rejected=len(failed_units),
+                  verify_units_reasons=sorted({f"{v.reason.value}/{v.severity.value}" for v in pooled if not v.accepted}))
+    log(f"validator, submissions of {UNIT}: {len(failed_units)} of {result['verify_units']} rejected")
 
 
 def main() -> None:
