@@ -1,0 +1,34 @@
+"""`benchmarks.real_scale` at a tiny size on the CPU: the code the H200 call runs (checkpoint written as block-scaled
+FP8, the launch stages, batch decode, the RL workload with proofs, the validator per claim and in submissions of 8),
+with the fields that call is read by, so a broken benchmark is found here and not in device time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.model.pretrained import smollm2_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # a whole serve-and-judge pass of a 13M model (13 s alone on the 2 cores)
+def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_is_read_by(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "benchmarks.real_scale", "--dir", str(tmp_path / "ckpt"), "--write", "--device", "cpu",
+           "--shape", "qwen3-moe-tiny", "--vocab-size", "49152", "--rl-requests", "16", "--decode-batch", "4",
+           "--max-seq-len", "256", "--tokenizer-from", str(smollm2_dir())]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OUT=str(out), OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "real_scale.json").read_text())
+    assert result["decode_tok_s_b4"] > 0 and result["rl_workload_tok_s"] > 0 and result["launch_to_first_token_s"] > 0
+    assert result["verify_rollouts"] == 16 and result["verify_rejected"] == 0, result.get("verify_rejected_detail")
+    assert result["verify_units"] == 2 and result["verify_units_rejected"] == 0
+    assert set(result["verify_evidence_max"]) == {"exp_per_chunk", "mant_err_mean", "logprob_err_mean"}
