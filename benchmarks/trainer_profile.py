@@ -101,8 +101,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.device(args.device):
         model = CausalLM(cfg).to(torch.bfloat16)
-    overhead = args.overhead_tokens if args.overhead_tokens == "auto" else int(args.overhead_tokens)
-    overhead = None if overhead != "auto" and overhead < 0 else overhead
+    overhead = "auto" if args.overhead_tokens == "auto" else int(args.overhead_tokens)
+    overhead = None if overhead != "auto" and overhead < 0 else overhead  # -1: the fewest micro-batches
     # the recipe's defaults: updates and minibatches per step
     trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_overhead_tokens=overhead))
     batch = long_tail_batch(args.rows, args.prompt, args.vocab_size)

@@ -213,6 +213,24 @@ class StateBytes:
         return flat[lo:hi].cpu().numpy()
 
 
+class _Layout:
+    """The tensors of a version's payload in offset order: which byte ranges of which tensors a payload range holds."""
+
+    def __init__(self, tensors: list[TensorEntry]):
+        self._by_offset = sorted((e for e in tensors if e.nbytes), key=lambda e: e.offset)
+        self._starts = [e.offset for e in self._by_offset]
+
+    def spans(self, a: int, b: int):  # noqa: ANN201 (an iterator of (entry, lo, hi))
+        """(tensor, lo, hi) for each tensor overlapping payload bytes a..b, in order: its bytes lo..hi of the payload;
+        what lies between them is zero padding."""
+        for e in self._by_offset[max(bisect.bisect_right(self._starts, a) - 1, 0):]:
+            if e.offset >= b:
+                break
+            lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+            if lo < hi:
+                yield e, lo, hi
+
+
 def matches_manifest(tensors: list[TensorEntry], shards: list[ShardEntry], shard_size: int, source: TensorBytes) -> bool:
     """Whether `source` is exactly the version a manifest describes: the same names, dtypes and shapes,
     and every shard's raw bytes hashing to its `raw_hash`. Each shard is hashed as it is read, from the
@@ -224,18 +242,12 @@ def matches_manifest(tensors: list[TensorEntry], shards: list[ShardEntry], shard
     for e in tensors:
         if source.header(e.name) != (e.dtype, tuple(e.shape)) or e.nbytes != math.prod(e.shape) * element_size(e.dtype):
             return False
-    by_offset = sorted((e for e in tensors if e.nbytes), key=lambda e: e.offset)
-    first = 0
+    layout = _Layout(tensors)
     for s in shards:
         a = s.index * shard_size
         b = a + s.raw_size
         h, at = content_hasher(), a
-        while first < len(by_offset) and by_offset[first].offset + by_offset[first].nbytes <= a:
-            first += 1
-        for e in by_offset[first:]:
-            if e.offset >= b:
-                break
-            lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+        for e, lo, hi in layout.spans(a, b):
             _zeros_into(h, lo - at)  # alignment padding between tensors is zero
             h.update(source.read(e.name, lo - e.offset, hi - e.offset))
             at = hi
@@ -252,9 +264,7 @@ class PayloadView:
     against the parent's manifest) rather than as a payload in the store."""
 
     def __init__(self, tensors: list[TensorEntry], total_bytes: int, source: TensorBytes):
-        self._by_offset = sorted((e for e in tensors if e.nbytes), key=lambda e: e.offset)
-        self._starts = [e.offset for e in self._by_offset]
-        self.total_bytes, self.source = total_bytes, source
+        self.layout, self.total_bytes, self.source = _Layout(tensors), total_bytes, source
 
     def __len__(self) -> int:
         return self.total_bytes
@@ -264,12 +274,8 @@ class PayloadView:
         if step != 1:
             raise ValueError("a payload view is read in contiguous ranges")
         out = np.zeros(max(b - a, 0), dtype=np.uint8)
-        for e in self._by_offset[max(bisect.bisect_right(self._starts, a) - 1, 0):]:
-            if e.offset >= b:
-                break
-            lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
-            if lo < hi:
-                out[lo - a : hi - a] = self.source.read(e.name, lo - e.offset, hi - e.offset)
+        for e, lo, hi in self.layout.spans(a, b):
+            out[lo - a : hi - a] = self.source.read(e.name, lo - e.offset, hi - e.offset)
         return out
 
 

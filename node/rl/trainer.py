@@ -64,10 +64,10 @@ class TrainerConfig:
     """What one more micro-batch is taken to cost, in padded tokens: the rows are grouped to pad least for it
     (`node.rl.batch.micro_batches`; None: the fewest micro-batches). "auto": `GROUP_OVERHEAD_TOKENS` for the
     no-grad pass, and for the forward/backward on the CPU; the fewest micro-batches for the forward/backward
-    on a GPU. Measured (benchmarks.trainer_profile, 5.2B 8-layer 30B-A3B shape, 256 long-tailed rows):
-    on the H200 a step took 2.95 s with the fewest micro-batches, 3.60 s grouped for 2,048 tokens and 3.03 s
-    for 16,384 (the forward/backward slower, the no-grad pass 0.36 -> 0.23 s faster); on the 2-core CPU
-    (tiny shape) grouping for 2,048 made the step 1.71x faster."""
+    on a GPU (any device but the CPU). Measured (benchmarks.trainer_profile, 5.2B 8-layer 30B-A3B shape, 256
+    long-tailed rows): on the H200 a step took 2.95 s with the fewest micro-batches, 3.60 s grouped for 2,048
+    tokens and 3.03 s for 16,384 (the forward/backward slower, the no-grad pass 0.36 -> 0.23 s faster); on the
+    2-core CPU (tiny shape) grouping for 2,048 made the step 1.71x faster."""
     loss: LossConfig = field(default_factory=LossConfig)
 
     @classmethod
@@ -110,7 +110,8 @@ class Trainer:
         overhead = self.cfg.micro_batch_overhead_tokens
         if overhead != "auto":
             return overhead
-        return None if backward and next(self.model.parameters()).is_cuda else GROUP_OVERHEAD_TOKENS
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        return GROUP_OVERHEAD_TOKENS if on_cpu or not backward else None
 
     def learning_rate(self) -> float:
         if self.cfg.decay_steps <= 0:

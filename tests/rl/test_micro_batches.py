@@ -84,6 +84,7 @@ def test_the_auto_micro_batch_overhead_groups_on_the_cpu_and_takes_the_fewest_fo
     for fixed in (None, 0, 512):
         t = Trainer(CausalLM(CFG), TrainerConfig(micro_batch_overhead_tokens=fixed))
         assert t.overhead_tokens(backward=False) == t.overhead_tokens(backward=True) == fixed
-    if torch.cuda.is_available():
-        gpu = Trainer(CausalLM(CFG).cuda(), TrainerConfig())
-        assert gpu.overhead_tokens(backward=True) is None and gpu.overhead_tokens(backward=False) == GROUP_OVERHEAD_TOKENS
+    with torch.device("meta"):  # a model off the CPU (what a GPU's trainer holds), no memory taken
+        off_cpu = Trainer(CausalLM(CFG), TrainerConfig())
+    assert off_cpu.overhead_tokens(backward=True) is None
+    assert off_cpu.overhead_tokens(backward=False) == GROUP_OVERHEAD_TOKENS
