@@ -109,11 +109,12 @@ def judge(fx: Fixture, claims: list[RolloutClaim] | None = None, device: str = "
 
 
 @torch.inference_mode()
-def drift(fx, ref) -> dict:
+def drift(fx, ref, rows_out: list | None = None) -> dict:
     """The honest figures the checks judge, worst over the fixture (`verification.calibration.measure`'s
     fields, along the validator's path: batched prefills forced along the claimed routes, sampled tokens only;
     `logprob_err_mean_max` is the plain mean over any length, `logprob_err_checked_mean_max` the trimmed mean
-    the check applies to rollouts of >= MIN_MEAN_TOKENS), beside the thresholds in force for its precision."""
+    the check applies to rollouts of >= MIN_MEAN_TOKENS), beside the thresholds in force for its precision.
+    `rows_out` gets each claim's own figures (a `RolloutFigures` and its checked mean or None), in order."""
     from verification.calibration.measure import RolloutFigures, summarize
     from verification.checks import MIN_MEAN_TOKENS, THRESHOLDS, _trimmed_mean, token_logprobs
     from verification.hidden_check import compare_blocks
@@ -142,12 +143,15 @@ def drift(fx, ref) -> dict:
                                                                            c.sampling.temperature)).abs()
         replay = ref.replay_sampling(logits[rows_idx], c.sampling, [len(c.prompt_ids) + i for i in idx])
         flips = replay.tokens != toks
-        if len(idx) >= MIN_MEAN_TOKENS:  # the mean the check applies (trimmed, long segments only)
-            means.append(_trimmed_mean(err))
+        checked = _trimmed_mean(err) if len(idx) >= MIN_MEAN_TOKENS else None  # trimmed, long segments only
+        if checked is not None:
+            means.append(checked)
         rows.append(RolloutFigures(
             len(idx), len(stats), max(s.exp_mismatches for s in stats), max(s.mant_err_mean for s in stats),
             max(s.mant_err_median for s in stats), float(err.max()), float(err.mean()), int(flips.sum()),
             float(replay.margins[flips].max()) if bool(flips.any()) else 0.0))
+        if rows_out is not None:
+            rows_out.append((rows[-1], checked))
     worst = {**summarize(rows), "logprob_err_checked_mean_max": round(max(means, default=0.0), 5),
              "checked_mean_rollouts": len(means)}
     return {"precision": ref.precision, "honest_max": worst, "in_force": asdict(THRESHOLDS[ref.precision])}

@@ -29,7 +29,10 @@ it measured; the last line printed is the JSON.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
+import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -197,6 +200,45 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     result.update(verify_units=-(-len(units) // UNIT), verify_units_rejected=len(failed_units),
                   verify_units_reasons=sorted({f"{v.reason.value}/{v.severity.value}" for v in pooled if not v.accepted}))
     log(f"validator, submissions of {UNIT}: {len(failed_units)} of {result['verify_units']} rejected")
+    calibrate(claims, ref, evidence, result)
+
+
+def calibrate(claims: list, ref, evidence: list, result: dict, group: int = UNIT) -> None:
+    """Untimed: every honest claim's own figures along the validator's path (`cross_device_files.drift`, in
+    groups of `group`: a 151,936-token vocabulary's logits for 512 rollouts at once would not fit), each bound
+    in force against the spread of what it bounds (how many honest claims cross it, and 1.5x the worst: the
+    candidate), and the rows written as `pooled_calibration` reads them (`<name>-evidence.jsonl.gz` under $OUT)."""
+    from benchmarks.calibration_device import BOUND_OF, MARGIN
+    from benchmarks.cross_device_files import drift
+    from types import SimpleNamespace
+    from dataclasses import asdict
+    from verification.checks import MIN_MEAN_TOKENS, THRESHOLDS
+
+    rows: list = []
+    for i in range(0, len(claims), group):
+        drift(SimpleNamespace(claims=claims[i:i + group]), ref, rows_out=rows)
+    figures = [{**asdict(r), "logprob_err_checked_mean": m} for r, m in rows]
+    in_force = asdict(THRESHOLDS[ref.precision])
+    spread = {}
+    for bound, field in BOUND_OF.items():
+        f = field.removesuffix("_max")  # the figure of one claim
+        vals = sorted(x[f] for x in figures if x.get(f) is not None)
+        spread[bound] = {"in_force": in_force[bound], "honest_max": vals[-1], "p50": vals[len(vals) // 2],
+                         "p99": vals[min(len(vals) - 1, int(0.99 * len(vals)))],
+                         "over_bound": sum(v > in_force[bound] for v in vals), "of": len(vals),
+                         "candidate": max(in_force[bound], round(MARGIN * vals[-1], 4))}
+    result["calibration"] = {"precision": ref.precision, "min_mean_tokens": MIN_MEAN_TOKENS, "bounds": spread}
+    log(f"calibration ({ref.precision}): " + ", ".join(f"{b} max {v['honest_max']:.4g} (bound {v['in_force']}, "
+                                                       f"{v['over_bound']} over)" for b, v in spread.items()))
+    out = os.environ.get("OUT")
+    path = Path(out) if out else Path("benchmarks/results")
+    lines = [json.dumps({"precision": ref.precision, "case": "honest", "shape": result["shape"],
+                         "engine_device": result["device_name"].replace(" ", "-"),
+                         "judge_device": result["device_name"].replace(" ", "-"), "batch": "rl",
+                         "work_id": c.work_id, "tokens_claimed": len(c.token_ids), **vars(e), "figures": f})
+             for c, e, f in zip(claims, evidence, figures)]
+    (path / f"{result.get('name', 'real_scale')}-evidence.jsonl.gz").write_bytes(
+        gzip.compress(("\n".join(lines) + "\n").encode()))
 
 
 def main() -> None:
@@ -217,7 +259,7 @@ def main() -> None:
     args = ap.parse_args()
     device = args.device
     mem = MemorySampler()
-    result: dict = {"machine": machine_facts(), "shape": args.shape, "fp8": args.fp8, "vocab_size": args.vocab_size,
+    result: dict = {"name": args.name, "machine": machine_facts(), "shape": args.shape, "fp8": args.fp8, "vocab_size": args.vocab_size,
                     "device_name": torch.cuda.get_device_name(0) if device != "cpu" else "cpu", "note": "every role's model on this one GPU"}
     if args.write:
         from benchmarks.random_checkpoint import SHAPES, write_random_shards

@@ -4,6 +4,7 @@ with the fields that call is read by, so a broken benchmark is found here and no
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -32,3 +33,11 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     assert result["verify_rollouts"] == 16 and result["verify_rejected"] == 0, result.get("verify_rejected_detail")
     assert result["verify_units"] == 2 and result["verify_units_rejected"] == 0
     assert set(result["verify_evidence_max"]) == {"exp_per_chunk", "mant_err_mean", "logprob_err_mean"}
+    # every honest claim's own figures against each bound in force: none crosses one (the CPU's paths agree)
+    bounds = result["calibration"]["bounds"]
+    assert set(bounds) == {"max_exp_mismatches", "max_mant_err_mean", "max_mant_err_median", "max_logprob_err",
+                           "max_logprob_err_mean", "margin_noise"}
+    assert all(b["of"] > 0 and b["over_bound"] == 0 and b["candidate"] >= b["in_force"] for b in bounds.values()), bounds
+    rows = [json.loads(x) for x in gzip.decompress((out / "real_scale-evidence.jsonl.gz").read_bytes()).splitlines()]
+    assert len(rows) == 16 and all(r["case"] == "honest" and r["chunks"] > 0 for r in rows)
+    assert all(0 < r["figures"]["tokens"] <= r["tokens_claimed"] for r in rows)
