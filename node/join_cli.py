@@ -85,7 +85,7 @@ async def launch_coordinator(config: Path, state: Path, key_path: Path, addr_fil
                           "this machine's")
     # Which units need a verdict is keyed by a secret only the coordinator holds (nodes cannot predict it).
     secret = hmac.new(key.private_bytes(), b"primerl-node/verification-selection", hashlib.sha256).digest()
-    service = CoordinatorService(key, Coordinator(state, spec, retain_versions=retain_versions), host,
+    service = CoordinatorService(key, Coordinator(state, spec, retain_versions=retain_versions, defer_fsync=True), host,
                                  selector=lambda wid: selected_for_verification(wid, spec.verification_rate, secret))
     await service.start()
     settle_heap()  # what the coordinator built (libp2p host, store): full collector passes no longer walk it

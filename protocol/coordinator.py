@@ -56,8 +56,8 @@ probability 0.77^16 = 1.5%. Runs without verification (`verification_rate` 0) ha
 
 class Coordinator:
     def __init__(self, directory: str | Path, spec: RunSpec, synchronous: str = "FULL", now: float | None = None,
-                 retain_versions: int = RETAIN_VERSIONS):
-        self.store = CoordinatorStore(directory, synchronous)
+                 retain_versions: int = RETAIN_VERSIONS, defer_fsync: bool = False):
+        self.store = CoordinatorStore(directory, synchronous, defer_fsync)
         self.retain_versions = retain_versions
         self.probation_units = PROBATION_UNITS if spec.verification_rate > 0 else 0
         """Units of an identity that must enter a batch, each with a valid verdict, before its work

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from protocol.coordinator import Coordinator
 from protocol.envelope import Opened
@@ -41,6 +42,40 @@ HOLD_S = 3.0
 verify) is held, answered as soon as the pipeline moves (a submission stored, a verdict, a version, leases
 back in the pool), instead of being polled for: a trainer asked for its batch every 50 ms and every ask
 carried the whole partial batch's bytes (issue 28). Well under the clients' request timeouts (10 s, 30 s)."""
+
+
+class SyncBarrier:
+    """Replies wait here until the commits they follow are on disk (`CoordinatorStore.sync`, deferred mode),
+    and the event loop never does: one fsync on a worker thread serves every reply that came meanwhile, while
+    the loop goes on answering (heartbeats, held requests, reads). A store that syncs inline passes at once."""
+
+    def __init__(self, store):
+        self.store = store
+        self._durable = 0  # changes known to be on disk (of this connection's `total_changes`)
+        self._running: asyncio.Future | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="coordinator-fsync") if store.deferred else None
+
+    async def wait(self) -> None:
+        """Return once every change committed before the call is durable; raises what a failed fsync raised."""
+        if self._thread is None:
+            return
+        target = self.store.changes
+        while self._durable < target:
+            if self._running is None:
+                self._running = asyncio.ensure_future(self._sync())
+            await asyncio.shield(self._running)
+
+    async def _sync(self) -> None:
+        upto = self.store.changes  # read on the loop: everything committed so far is in the files synced next
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self.store.sync)
+            self._durable = max(self._durable, upto)
+        finally:
+            self._running = None
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
 
 
 class CoordinatorService:
@@ -77,6 +112,8 @@ class CoordinatorService:
         """Set a grace period after the trainer reported the run's last step, or once every member has left
         after it, whichever comes first (the launcher then exits 0)."""
         self._everyone_left = asyncio.Event()
+        self.durable = SyncBarrier(coordinator.store)
+        """Every reply waits for the commits before it to reach the disk, off the event loop."""
         """Set when the run has ended and no member is left in the view (`_note_departures`)."""
 
     @property
@@ -90,13 +127,13 @@ class CoordinatorService:
         guard.durable = True
         guard.preload(self.state.store.seen_since(time.time() - guard.horizon_s), time.time())
         self._tasks.append(asyncio.create_task(self._persist_guard(), name="coordinator-replay-guard"))
-        self.net.serve(Join, self._on_join)
+        self.net.serve(Join, self._once_durable(self._on_join))
         for message, handler in ((RolloutSubmission, self._on_submission), (RolloutGroup, self._on_submission),
                                  (LeaseBatchRequest, self._on_lease_batch), (BatchRequest, self._on_batch_request),
                                  (VerifyRequest, self._on_verify_request), (VerdictBatch, self._on_verdicts),
                                  (PublishPolicy, self._on_publish), (RunEnd, self._on_run_end),
                                  (BatchRejects, self._on_batch_rejects)):
-            self.net.serve(message, self._member_alive(handler))
+            self.net.serve(message, self._once_durable(self._member_alive(handler)))
         self.net.on_gossip(self._on_gossip)
         await self.net.start_gossip()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="coordinator-sweeper"))
@@ -109,6 +146,15 @@ class CoordinatorService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.net.close()
         self._flush_guard()
+        self.durable.close()
+
+    def _once_durable(self, handler):
+        """A reply goes out only once what its request (and any before it) committed is on disk."""
+        async def serve(o: Opened):
+            reply = await handler(o)
+            await self.durable.wait()
+            return reply
+        return serve
 
     def _member_alive(self, handler):
         """A member's request keeps it alive like a heartbeat does (MembershipView.touch). A request from a
@@ -382,6 +428,7 @@ class CoordinatorService:
         """Record and gossip a new policy version; cancel (and gossip) leases now too stale."""
         stale = self.state.advance_policy(version, manifest_hash, time.time())
         self._pipeline_moved()
+        await self.durable.wait()
         await self.gossip(PolicyAnnounce(version=version, manifest_hash=manifest_hash))
         if stale:
             await self.gossip(WorkCancel(work_ids=stale, policy_version=version))
@@ -390,6 +437,7 @@ class CoordinatorService:
     async def ban(self, peer_id: str, reason: str, until: float | None = None) -> None:
         self.state.ban(peer_id, reason, time.time(), until)
         self._pipeline_moved()
+        await self.durable.wait()  # a ban told to the network is one the coordinator still knows after a crash
         await self.gossip(Ban(peer_id=peer_id, reason=reason, until=until))
 
     async def gossip(self, message: Message) -> None:

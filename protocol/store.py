@@ -6,9 +6,16 @@ through the named methods here, never through SQL of its own.
 
 Invariants:
 - a rollout is acknowledged only after its bytes are fsynced in a segment and its index row
-  (segment, offset, length) is committed; so after any crash (SIGKILL included) every acknowledged
-  rollout has both. Appends are grouped: one fsync and one commit for every submission that arrived
-  meanwhile (fsync costs ~4 ms on the test disk);
+  (segment, offset, length) is committed and on disk; so after any crash (SIGKILL or power loss)
+  every acknowledged rollout has both. Appends are grouped: one fsync and one commit for every
+  submission that arrived meanwhile (fsync costs ~4 ms on the test disk);
+- `defer_fsync` (the coordinator role's store): commits and appends only write, and `sync` (on another
+  thread: the service's `SyncBarrier`) fsyncs the segment, then the WAL, before any reply that follows
+  them goes out. A commit then never holds the event loop on the disk (session 18 saw commits of up to
+  4.4 s while the trainer wrote a 10 GB policy version to the same disk, every lease and heartbeat
+  waiting behind them). A power cut can leave an unacknowledged index row whose bytes the OS had not
+  written; on open such a row is taken back (`_take_back_unsynced`: as if it never arrived, the work
+  leased to its holder again);
 - retention (`prune`): a work unit whose fate is final (trained on, or dropped) and whose policy
   version is more than the retained window behind leaves the index, its verdict and its work row go
   too, and a segment nothing points at any more is deleted. What the status page shows of it stays
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -34,6 +42,9 @@ SLOW_COMMIT_S = 0.2
 payload file on the same host) is counted and reported, at most once per `SLOW_REPORT_S`: every lease
 and submission waits on one."""
 SLOW_REPORT_S = 10.0
+CHECKPOINT_BYTES = 8 << 20
+"""With `defer_fsync`, `sync` checkpoints the WAL into the database once it has grown past this (SQLite's own
+automatic checkpoint, which would run inside a commit on the event loop, is off)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -100,14 +111,21 @@ class Pruned:
 
 
 class CoordinatorStore:
-    def __init__(self, directory: str | Path, synchronous: str = "FULL"):
+    def __init__(self, directory: str | Path, synchronous: str = "FULL", defer_fsync: bool = False):
         self.dir = Path(directory)
         self._slow = [0, 0.0, time.monotonic()]  # slow commits since the last report: count, slowest, since
-        self.segments = Segments(self.dir / "rollouts")
-        self.db = sqlite3.connect(self.dir / "coordinator.sqlite3", isolation_level=None, check_same_thread=False)
+        self.deferred = defer_fsync and synchronous == "FULL"
+        """Commits and appends do not fsync; `sync` does, for all of them so far (module docstring)."""
+        self.segments = Segments(self.dir / "rollouts", fsync_each=not self.deferred)
+        self._path = self.dir / "coordinator.sqlite3"
+        self.db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a commit survives power loss too, not only a killed process (NORMAL would).
-        self.db.execute(f"PRAGMA synchronous={synchronous}")
+        # FULL: a commit survives power loss too, not only a killed process (NORMAL would). Deferred: NORMAL,
+        # and `sync` fsyncs the WAL before a reply depends on it, which makes it FULL's durability.
+        self.db.execute(f"PRAGMA synchronous={'NORMAL' if self.deferred else synchronous}")
+        if self.deferred:
+            self.db.execute("PRAGMA wal_autocheckpoint=0")
+        self._checkpointer: sqlite3.Connection | None = None  # `sync`'s own connection (its thread's)
         self.db.executescript(_SCHEMA)
         if "probation" not in {r[1] for r in self._q("PRAGMA table_info(accepted)")}:  # state from before it
             self._x("ALTER TABLE accepted ADD COLUMN probation INTEGER NOT NULL DEFAULT 0")
@@ -120,8 +138,56 @@ class CoordinatorStore:
         self.guard_db.execute("PRAGMA synchronous=NORMAL")
         self.guard_db.executescript("CREATE TABLE IF NOT EXISTS seen_nonces (key BLOB PRIMARY KEY, at REAL NOT NULL);"
                                     "CREATE INDEX IF NOT EXISTS seen_nonces_at ON seen_nonces(at);")
+        self._take_back_unsynced()
         self.segments.cut_unacknowledged_tails(dict(self._q(
             "SELECT segment, MAX(offset + length) FROM accepted GROUP BY segment")))
+
+    def _take_back_unsynced(self) -> None:
+        """Index rows whose bytes are not (all) in their segment: committed but never synced before a power cut
+        (`defer_fsync`), so never acknowledged. Each is taken back as if it had not arrived: its verdicts and
+        opinions go, its work is leased to its holder again (a retry of the submission is accepted)."""
+        sizes = self.segments.sizes()
+        lost = [w for w, seg, end in self._q("SELECT work_id, segment, offset + length FROM accepted")
+                if seg in sizes and end > sizes[seg]]  # a missing file is not a cut-short write: left as is
+        if not lost:
+            return
+        log.warning("coordinator store: %d accepted rollouts whose bytes never reached the disk (a power cut before "
+                    "their sync; none was acknowledged) taken back: work %s", len(lost), lost[:20])
+        with self:
+            for table in ("accepted", "verdicts", "opinions", "judging"):
+                self.db.executemany(f"DELETE FROM {table} WHERE work_id=?", [(w,) for w in lost])
+            self.db.executemany("UPDATE work SET state='leased' WHERE work_id=?", [(w,) for w in lost])
+
+    # ---- durability (defer_fsync) ---------------------------------------------------------------
+    @property
+    def changes(self) -> int:
+        """Rows changed by this store's connection so far: what a `sync` started now makes durable."""
+        return self.db.total_changes
+
+    def sync(self) -> None:
+        """Make every commit so far durable (deferred mode; a no-op otherwise): the segment's bytes first, then
+        the WAL, so an index row on disk never points past its bytes once synced. Called from one worker thread
+        at a time (`SyncBarrier`), never the event loop's; checkpoints the WAL once it is large."""
+        if not self.deferred:
+            return
+        t = time.perf_counter()
+        self.segments.sync()
+        wal = self._path.with_name(self._path.name + "-wal")
+        try:
+            fd = os.open(wal, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        self._timed_commit(time.perf_counter() - t)
+        if size > CHECKPOINT_BYTES:
+            if self._checkpointer is None:
+                self._checkpointer = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+                self._checkpointer.execute("PRAGMA synchronous=NORMAL")
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     # ---- transactions ----------------------------------------------------------------------
     def __enter__(self) -> "CoordinatorStore":
@@ -131,7 +197,8 @@ class CoordinatorStore:
     def __exit__(self, exc_type, exc, tb) -> None:
         t = time.perf_counter()
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
-        self._timed_commit(time.perf_counter() - t)
+        if not self.deferred:  # deferred: a commit does not wait on the disk; `sync` is timed instead
+            self._timed_commit(time.perf_counter() - t)
 
     def _timed_commit(self, seconds: float) -> None:
         slow = self._slow
@@ -517,7 +584,10 @@ class CoordinatorStore:
         return Pruned(len(gone), self.segments.delete_unreferenced(referenced))
 
     def close(self) -> None:
+        self.sync()
         self.segments.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         self.db.close()
         self.guard_db.close()
 
