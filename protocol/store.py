@@ -206,7 +206,8 @@ class CoordinatorStore:
             slow[0], slow[1] = slow[0] + 1, max(slow[1], seconds)
         if slow[0] and time.monotonic() - slow[2] >= SLOW_REPORT_S:
             log.warning("coordinator store: %d commits over %.1f s in the last %.0f s (slowest %.2f s): the disk's "
-                        "writes hold up its fsyncs", slow[0], SLOW_COMMIT_S, time.monotonic() - slow[2], slow[1])
+                        "writes hold up its fsyncs%s", slow[0], SLOW_COMMIT_S, time.monotonic() - slow[2], slow[1],
+                        " (synced off the event loop: the replies waited, nothing else did)" if self.deferred else "")
             slow[:] = [0, 0.0, time.monotonic()]
 
     def _q(self, sql: str, *args) -> list[tuple]:

@@ -24,7 +24,7 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     out.mkdir()
     cmd = [sys.executable, "-m", "benchmarks.real_scale", "--dir", str(tmp_path / "ckpt"), "--write", "--device", "cpu",
            "--shape", "qwen3-moe-tiny", "--vocab-size", "49152", "--rl-requests", "16", "--decode-batch", "4",
-           "--max-seq-len", "256", "--tokenizer-from", str(smollm2_dir())]
+           "--max-seq-len", "256", "--tokenizer-from", str(smollm2_dir()), "--release-engine"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, OUT=str(out), OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
