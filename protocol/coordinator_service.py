@@ -44,6 +44,14 @@ back in the pool), instead of being polled for: a trainer asked for its batch ev
 carried the whole partial batch's bytes (issue 28). Well under the clients' request timeouts (10 s, 30 s)."""
 
 
+NOT_AWAITING_DISK = (LeaseBatchRequest,)
+"""Requests answered as soon as their commit is written, before it is on disk: a lease that a power cut takes back
+is one the coordinator never granted (work ids are derived, `derive_work`, so a re-minted id means the same task
+and seed at the same version), and its holder's submission is refused as an unknown lease, no strike. Waiting on
+the disk here kept inference nodes idle behind the trainer's policy-version writes (session 18: lease calls up to
+8.9 s on one H200 host). Everything else a reply confirms (an accepted rollout, a verdict, a batch, a join) waits."""
+
+
 class SyncBarrier:
     """Replies wait here until the commits they follow are on disk (`CoordinatorStore.sync`, deferred mode),
     and the event loop never does: one fsync on a worker thread serves every reply that came meanwhile, while
@@ -133,7 +141,8 @@ class CoordinatorService:
                                  (VerifyRequest, self._on_verify_request), (VerdictBatch, self._on_verdicts),
                                  (PublishPolicy, self._on_publish), (RunEnd, self._on_run_end),
                                  (BatchRejects, self._on_batch_rejects)):
-            self.net.serve(message, self._once_durable(self._member_alive(handler)))
+            served = self._member_alive(handler)
+            self.net.serve(message, served if message in NOT_AWAITING_DISK else self._once_durable(served))
         self.net.on_gossip(self._on_gossip)
         await self.net.start_gossip()
         self._tasks.append(asyncio.create_task(self._sweeper(), name="coordinator-sweeper"))

@@ -85,12 +85,13 @@ def make_spec(coordinator: NodeKey, **kw) -> RunSpec:
 
 
 async def start_coordinator(directory: Path, key: NodeKey, spec: RunSpec, policy_version: int | None = None,
-                            connection_limits: ConnectionLimits | None = None) -> CoordinatorService:
+                            connection_limits: ConnectionLimits | None = None, defer_fsync: bool = True) -> CoordinatorService:
     """A coordinator service; with `policy_version`, that version is announced before anyone joins
-    (leases are granted only once there is a policy); `connection_limits`: its host's (default: PeerHost's)."""
+    (leases are granted only once there is a policy); `connection_limits`: its host's (default: PeerHost's).
+    Its store syncs as `coordinator launch`'s does (`defer_fsync`) unless told otherwise."""
     host = PeerHost(key, connection_limits=connection_limits)
     await host.start()
-    service = CoordinatorService(key, Coordinator(directory, spec), host)
+    service = CoordinatorService(key, Coordinator(directory, spec, defer_fsync=defer_fsync), host)
     await service.start()
     if policy_version is not None:
         await service.announce_policy(policy_version, "ab" * 32)

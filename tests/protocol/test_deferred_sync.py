@@ -121,3 +121,32 @@ def test_rows_whose_bytes_a_power_cut_kept_off_the_disk_are_taken_back_and_the_r
         db.insert_accepted(3, "peer-a", "33" * 32, 0, 8, 1.0, where[0], 1.0)
     assert sorted(r.work_id for r in again.accepted()) == [0, 1, 2, 3]
     again.close()
+
+
+def test_a_lease_is_answered_while_the_disk_is_busy_and_an_accepted_rollout_only_once_it_is_on_disk(tmp_path):
+    from benchmarks.protocol import rollout
+    from protocol.identity import NodeKey
+    from protocol_testnet import client, eventually, lease_one, make_spec, run, start_coordinator, start_member, stop_all
+
+    async def main() -> None:
+        ck = NodeKey.generate()
+        spec = make_spec(ck, heartbeat_interval_s=5.0)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        store = coord.state.store
+        assert store.deferred
+        member = await start_member(spec, coord.host.addrs[0])
+        gated = GatedSync(store)
+        try:
+            grant = await lease_one(member)  # answered with the gate shut: a lease does not wait on the disk
+            submitting = asyncio.ensure_future(client(member).submit(rollout(grant.work_id)))
+            await eventually(lambda: bool(store.accepted(grant.work_id)) and gated.entered.is_set(),
+                             what="the rollout committed and its fsync under way")
+            assert not submitting.done(), "a receipt went out before the rollout was on disk"
+            gated.gate.set()
+            receipt = await asyncio.wait_for(submitting, 30)
+            assert receipt.accepted and receipt.work_id == grant.work_id
+        finally:
+            gated.gate.set()
+            await stop_all(coord, [member])
+
+    run(main())

@@ -1,0 +1,156 @@
+"""What a big write to the coordinator's disk does to its answers: members leasing and submitting through the
+coordinator role's service (real libp2p on 127.0.0.1, the real store), while another process writes a policy
+version's worth of bytes to the same disk and fsyncs them, as the trainer's store does on one host.
+
+    python -m benchmarks.commit_stalls [--write-gb 4] [--members 4] [--modes inline,deferred]
+
+Modes: `inline` is the store as every coordinator ran it before (each commit and segment append fsynced on the
+event loop, `CoordinatorStore(defer_fsync=False)`); `deferred` is what `coordinator launch` runs now (commits
+only write; one fsync on a worker thread serves every reply waiting, `SyncBarrier`). Figures per mode, over the
+writer's window (from its first byte to its fsync's end): each member call's latency (lease and submit), the
+event loop's lag (a 10 ms ticker's lateness: what every heartbeat, held request and gossip message waits), and
+calls completed. The peer is the same workload with no writer (`idle`). One JSON line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.protocol import pct, rollout
+from protocol.client import ONCE, CoordinatorClient
+from protocol.coordinator import Coordinator
+from protocol.coordinator_service import CoordinatorService
+from protocol.identity import NodeKey
+from protocol.member import RunMember
+from protocol.messages import RunSpec
+from protocol.transport import PeerHost
+
+WRITER = """
+import os, sys, time
+path, total = sys.argv[1], int(sys.argv[2])
+buf = os.urandom(16 << 20)
+print(time.time(), flush=True)
+with open(path, "wb") as f:
+    for _ in range(total // len(buf)):
+        f.write(buf)
+    f.flush()
+    os.fsync(f.fileno())
+print(time.time(), flush=True)
+"""
+"""A version's payload written the way the trainer's store writes one: 16 MB writes, then one fsync."""
+
+
+async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, idle_s: float) -> dict:
+    ck = NodeKey.generate()
+    spec = RunSpec(run_id="stalls", coordinator=ck.peer_id, max_off_policy_steps=4, heartbeat_interval_s=5.0,
+                   lease_ttl_s=600, batch_groups=65_536)
+    host = PeerHost(ck)
+    await host.start()
+    service = CoordinatorService(ck, Coordinator(workdir / f"state-{mode}-{write_bytes}", spec, defer_fsync=mode == "deferred"), host)
+    await service.start()
+    await service.announce_policy(0, "00" * 32)
+    clients = []
+    for _ in range(members_n):
+        k = NodeKey.generate()
+        h = PeerHost(k)
+        await h.start()
+        m = RunMember(k, h, spec, "inference", request_timeout=60)
+        await m.join(host.addrs[0])
+        clients.append(CoordinatorClient(m, retry=ONCE))
+    calls: list[tuple[str, float, float]] = []  # (kind, wall time at the end, seconds)
+    lags: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+
+    async def member(c: CoordinatorClient) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            grants = await c.lease(1)
+            calls.append(("lease", time.time(), time.perf_counter() - t))
+            for g in grants:
+                t = time.perf_counter()
+                await c.submit(rollout(g.work_id))
+                calls.append(("submit", time.time(), time.perf_counter() - t))
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append((time.time(), time.perf_counter() - t - 0.01))
+
+    tasks = [asyncio.create_task(member(c)) for c in clients] + [asyncio.create_task(ticker())]
+    await asyncio.sleep(1.0)  # warm
+    if write_bytes:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", WRITER, str(workdir / f"version-{mode}.bin"),
+                                                    str(write_bytes), stdout=subprocess.PIPE)
+        out, _ = await proc.communicate()
+        t0, t1 = (float(x) for x in out.decode().split())
+    else:
+        t0 = time.time()
+        await asyncio.sleep(idle_s)
+        t1 = time.time()
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+    for c in clients:
+        await c.member.crash()
+        await c.member.host.stop()
+    await service.stop()
+    service.state.close()
+    await host.stop()
+    if write_bytes:  # deleting GBs of dirty pages blocks the caller: after the figures' window, off their loop
+        os.remove(workdir / f"version-{mode}.bin")
+    window = [(k, s) for k, end, s in calls if t0 <= end <= t1 + 0.5]
+    lag = [s for end, s in lags if t0 <= end <= t1 + 0.5]
+    out = {"window_s": round(t1 - t0, 2), "loop_lag_max_s": round(max(lag, default=0.0), 4),
+           "loop_lag_p99_s": round(pct(lag, 0.99), 4) if lag else None}
+    for kind in ("lease", "submit"):
+        xs = [s for k, s in window if k == kind]
+        out[kind] = {"calls": len(xs), "p50_s": round(pct(xs, 0.5), 4) if xs else None,
+                     "p99_s": round(pct(xs, 0.99), 4) if xs else None, "max_s": round(max(xs, default=0.0), 4)}
+    out["calls_per_s"] = round(len(window) / max(1e-9, t1 - t0), 1)
+    print(f"[{mode}{' + writer' if write_bytes else ''}] {json.dumps(out)}", flush=True)
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="commit-stalls-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"benchmark": "commit_stalls", "machine": args.machine, "write_gb": args.write_gb,
+                    "members": args.members, "dir": str(workdir)}
+    for mode in args.modes.split(","):
+        result[f"{mode}_idle"] = await one_mode(mode, workdir, args.members, 0, args.idle_s)
+        result[mode] = await one_mode(mode, workdir, args.members, int(args.write_gb * (1 << 30)), 0)
+    if "inline" in result and "deferred" in result:
+        a, b = result["inline"], result["deferred"]
+        result["loop_lag_max_inline_over_deferred"] = round(a["loop_lag_max_s"] / max(1e-4, b["loop_lag_max_s"]), 1)
+        result["lease_max_inline_over_deferred"] = round(a["lease"]["max_s"] / max(1e-4, b["lease"]["max_s"]), 2)
+        result["calls_per_s_deferred_over_inline"] = round(b["calls_per_s"] / max(1e-9, a["calls_per_s"]), 2)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write-gb", type=float, default=4.0, help="bytes the other process writes (a policy version)")
+    p.add_argument("--members", type=int, default=4)
+    p.add_argument("--modes", default="inline,deferred")
+    p.add_argument("--idle-s", type=float, default=5.0, help="the no-writer peer's window")
+    p.add_argument("--dir", default=None, help="where the state and the written file go (default: a temp dir)")
+    p.add_argument("--machine", default="cpu-2core")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    result = asyncio.run(main_async(args))
+    line = json.dumps(result)
+    if args.out:
+        args.out.write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
