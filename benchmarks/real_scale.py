@@ -200,10 +200,10 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     result.update(verify_units=-(-len(units) // UNIT), verify_units_rejected=len(failed_units),
                   verify_units_reasons=sorted({f"{v.reason.value}/{v.severity.value}" for v in pooled if not v.accepted}))
     log(f"validator, submissions of {UNIT}: {len(failed_units)} of {result['verify_units']} rejected")
-    calibrate(claims, ref, evidence, result)
+    calibrate(claims, ref, evidence, result, [v.accepted for v in verdicts])
 
 
-def calibrate(claims: list, ref, evidence: list, result: dict, group: int = UNIT) -> None:
+def calibrate(claims: list, ref, evidence: list, result: dict, passed: list[bool], group: int = UNIT) -> None:
     """Untimed: every honest claim's own figures along the validator's path (`cross_device_files.drift`, in
     groups of `group`: a 151,936-token vocabulary's logits for 512 rollouts at once would not fit), each bound
     in force against the spread of what it bounds (how many honest claims cross it, and 1.5x the worst: the
@@ -235,8 +235,9 @@ def calibrate(claims: list, ref, evidence: list, result: dict, group: int = UNIT
     lines = [json.dumps({"precision": ref.precision, "case": "honest", "shape": result["shape"],
                          "engine_device": result["device_name"].replace(" ", "-"),
                          "judge_device": result["device_name"].replace(" ", "-"), "batch": "rl",
-                         "work_id": c.work_id, "tokens_claimed": len(c.token_ids), **vars(e), "figures": f})
-             for c, e, f in zip(claims, evidence, figures)]
+                         "work_id": c.work_id // UNIT, "tokens_claimed": len(c.token_ids), "passed_alone": ok,
+                         **vars(e), "figures": f})  # work ids: the submissions of 8 the pooled pass judged
+             for c, e, f, ok in zip(claims, evidence, figures, passed)]
     (path / f"{result.get('name', 'real_scale')}-evidence.jsonl.gz").write_bytes(
         gzip.compress(("\n".join(lines) + "\n").encode()))
 

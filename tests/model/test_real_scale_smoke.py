@@ -41,3 +41,9 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     rows = [json.loads(x) for x in gzip.decompress((out / "real_scale-evidence.jsonl.gz").read_bytes()).splitlines()]
     assert len(rows) == 16 and all(r["case"] == "honest" and r["chunks"] > 0 for r in rows)
     assert all(0 < r["figures"]["tokens"] <= r["tokens_claimed"] for r in rows)
+    # and `benchmarks.pooled_calibration` reads them: bounds from these honest claims, which pass them and those in force
+    from benchmarks.pooled_calibration import calibrate, caught, in_force
+    cal = calibrate(rows)
+    assert set(cal) == {result["calibration"]["precision"]}
+    for judged in (caught(rows, cal), caught(rows, in_force())):
+        assert [v["honest"]["rejected"] for v in judged.values()] == [0.0], judged
