@@ -24,14 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.protocol import pct, rollout
-from protocol.client import ONCE, CoordinatorClient
+from benchmarks.protocol import coordinator_and_members, pct, rollout, stop_coordinator_and_members
+from protocol.client import CoordinatorClient
 from protocol.coordinator import Coordinator
-from protocol.coordinator_service import CoordinatorService
 from protocol.identity import NodeKey
-from protocol.member import RunMember
 from protocol.messages import RunSpec
-from protocol.transport import PeerHost
 
 WRITER = """
 import os, sys, time
@@ -52,19 +49,8 @@ async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, i
     ck = NodeKey.generate()
     spec = RunSpec(run_id="stalls", coordinator=ck.peer_id, max_off_policy_steps=4, heartbeat_interval_s=5.0,
                    lease_ttl_s=600, batch_groups=65_536)
-    host = PeerHost(ck)
-    await host.start()
-    service = CoordinatorService(ck, Coordinator(workdir / f"state-{mode}-{write_bytes}", spec, defer_fsync=mode == "deferred"), host)
-    await service.start()
-    await service.announce_policy(0, "00" * 32)
-    clients = []
-    for _ in range(members_n):
-        k = NodeKey.generate()
-        h = PeerHost(k)
-        await h.start()
-        m = RunMember(k, h, spec, "inference", request_timeout=60)
-        await m.join(host.addrs[0])
-        clients.append(CoordinatorClient(m, retry=ONCE))
+    state = Coordinator(workdir / f"state-{mode}-{write_bytes}", spec, defer_fsync=mode == "deferred")
+    service, clients = await coordinator_and_members(ck, state, members_n, request_timeout=60)
     calls: list[tuple[str, float, float]] = []  # (kind, wall time at the end, seconds)
     lags: list[tuple[float, float]] = []
     stop = asyncio.Event()
@@ -98,12 +84,7 @@ async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, i
         t1 = time.time()
     stop.set()
     await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
-    for c in clients:
-        await c.member.crash()
-        await c.member.host.stop()
-    await service.stop()
-    service.state.close()
-    await host.stop()
+    await stop_coordinator_and_members(service, clients)
     if write_bytes:  # deleting GBs of dirty pages blocks the caller: after the figures' window, off their loop
         os.remove(workdir / f"version-{mode}.bin")
     window = [(k, s) for k, end, s in calls if t0 <= end <= t1 + 0.5]

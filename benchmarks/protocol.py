@@ -46,24 +46,44 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+async def coordinator_and_members(ck: NodeKey, state: Coordinator, n: int, request_timeout: float = 30
+                                  ) -> tuple[CoordinatorService, list[CoordinatorClient]]:
+    """The coordinator role's service on 127.0.0.1 with policy version 0 announced, and `n` inference members
+    joined to it, each behind a client that does not retry. No Sybil lease policy: every member is a newcomer
+    here, and what is timed is the service, not the slow start."""
+    host = PeerHost(ck)
+    await host.start()
+    service = CoordinatorService(ck, state, host)
+    service.lease_policy = None  # the per-peer cap only: newcomers' slow start (4 leases) would hold `take` forever
+    await service.start()
+    await service.announce_policy(0, "00" * 32)
+    members = []
+    for _ in range(n):
+        k = NodeKey.generate()
+        h = PeerHost(k)
+        await h.start()
+        m = RunMember(k, h, state.spec, "inference", request_timeout=request_timeout)
+        await m.join(host.addrs[0])
+        members.append(CoordinatorClient(m, retry=ONCE))
+    return service, members
+
+
+async def stop_coordinator_and_members(service: CoordinatorService, members: list[CoordinatorClient]) -> None:
+    for c in members:
+        await c.member.crash()
+        await c.member.host.stop()
+    await service.stop()
+    service.state.close()
+    await service.host.stop()
+
+
 async def bench_submissions(n: int, concurrency: int, workdir: Path) -> dict:
     ck = NodeKey.generate()
     # batch_groups: the lease throttle (protocol/pipeline.py out_limit) lets all n units out at once
     spec = RunSpec(run_id="bench", coordinator=ck.peer_id, max_off_policy_steps=4, heartbeat_interval_s=5.0,
                    lease_ttl_s=600, batch_groups=min(65_536, max(1, n)))
-    host = PeerHost(ck)
-    await host.start()
-    service = CoordinatorService(ck, Coordinator(workdir / "net", spec), host)
-    await service.start()
-    await service.announce_policy(0, "00" * 32)
-    members = []
-    for _ in range(concurrency):
-        k = NodeKey.generate()
-        h = PeerHost(k)
-        await h.start()
-        m = RunMember(k, h, spec, "inference", request_timeout=30)
-        await m.join(host.addrs[0])
-        members.append(CoordinatorClient(m, retry=ONCE))
+    service, members = await coordinator_and_members(ck, Coordinator(workdir / "net", spec, defer_fsync=True),
+                                                     concurrency)  # as `coordinator launch` stores
     per = n // concurrency
 
     async def take(c: CoordinatorClient) -> list[int]:
@@ -91,7 +111,7 @@ async def bench_submissions(n: int, concurrency: int, workdir: Path) -> dict:
 
     async def echo(_peer: str, data: bytes) -> bytes:
         return data[:64]
-    host.serve("/bench/echo/1", echo)
+    service.host.serve("/bench/echo/1", echo)
 
     async def drive_echo(c: CoordinatorClient, count: int) -> None:
         for _ in range(count):
@@ -101,12 +121,7 @@ async def bench_submissions(n: int, concurrency: int, workdir: Path) -> dict:
     echo_rate = per * concurrency / (time.perf_counter() - t0)
     print(f"[submit] bare libp2p request/response of the same {len(payload)} bytes: {echo_rate:.0f}/s", flush=True)
 
-    for c in members:
-        await c.member.crash()
-        await c.member.host.stop()
-    await service.stop()
-    service.state.close()
-    await host.stop()
+    await stop_coordinator_and_members(service, members)
 
     # Peer 2: the coordinator state alone (no network, no signing): one fsync per submission,
     # and groups the size of the client concurrency (what the service's committer forms under load).
