@@ -90,6 +90,11 @@ def test_a_bf16_checkpoint_served_in_fp8_is_quantised_per_tensor_as_the_full_mod
                                                                                           threads=3) == plain_digest
     assert checkpoint_digest(CheckpointShards(ckpts["all"]), CFG, torch.bfloat16) == weights_hash(
         build_from_shards(CFG, CheckpointShards(ckpts["all"]), torch.bfloat16, "cpu")[0])
+    # an FP8 checkpoint served in FP8: its e4m3 bytes go in as stored, and the pin (hashed on the fill's pool, of
+    # the value in the run's dtype) is the same one
+    assert build_from_shards(CFG, CheckpointShards(ckpts["all"]), torch.bfloat16, "cpu",
+                             lambda m: apply_fp8_mode(m, "all"))[1] == checkpoint_digest(
+        CheckpointShards(ckpts["all"]), CFG, torch.bfloat16, threads=1)
 
 
 def _rewrite(directory, name, tensor):
