@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call (results under $OUT): benchmarks.real_scale (the full Qwen3-30B-A3B shape as a 31 GB FP8
+# checkpoint: launch, batch-256 decode, RL workload, the validator per claim and pooled, every honest claim's
+# figures against the bounds in force + the evidence rows pooled_calibration reads), sized to the card it lands
+# on (an 80 GB H100: fewer KV slots, the engine freed before the validator's copy loads; on an H100 host the two
+# loads took 131 s each and the call ran out at 470 s: give it the whole 600), then benchmarks.commit_stalls
+# on that host's disk.   carried, git-ignored: .whl (make_wheels.sh) and .gpumodel (SmolLM2's tokenizer files)
+#   timeout 590 bash benchmarks/real_scale_device.sh
+set -u
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
+[ -d /tmp/site/zstandard ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || echo "wheels not installed"
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi -L; date
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "$MIB" -gt 100000 ]; then CARD=h200; RS="--kv-share 0.52"; else CARD=h100; RS="--kv-share 0.15 --release-engine"; fi
+echo "card $CARD ($MIB MiB): $RS"
+timeout ${RS_S:-470} python3 -m benchmarks.real_scale --dir /tmp/q30 --write $RS --name real_scale-s19-$CARD > $OUT/real_scale.log 2>&1
+echo "real_scale rc=$?"; date
+grep -v '^{' $OUT/real_scale.log | cut -c1-600 | tail -20
+rm -rf /tmp/q30
+timeout 80 python3 -m benchmarks.commit_stalls --write-gb 6 --members 4 --dir /tmp/stalls --machine "1x NVIDIA $CARD host (its disk)" --out $OUT/commit_stalls-$CARD.json > $OUT/commit_stalls.log 2>&1
+echo "commit_stalls rc=$?"; grep "^\[" $OUT/commit_stalls.log | cut -c1-400; rm -rf /tmp/stalls; date
