@@ -14,7 +14,7 @@ nvidia-smi -L; date
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$MIB" -gt 100000 ]; then CARD=h200; RS="--kv-share 0.52"; else CARD=h100; RS="--kv-share 0.15 --release-engine"; fi
 echo "card $CARD ($MIB MiB): $RS"
-timeout ${RS_S:-470} python3 -m benchmarks.real_scale --dir /tmp/q30 --write $RS --name real_scale-s19-$CARD > $OUT/real_scale.log 2>&1
+timeout ${RS_S:-470} python3 -m benchmarks.real_scale --dir /tmp/q30 --write $RS --name ${NAME:-real_scale}-$CARD > $OUT/real_scale.log 2>&1
 echo "real_scale rc=$?"; date
 grep -v '^{' $OUT/real_scale.log | cut -c1-600 | tail -20
 rm -rf /tmp/q30
