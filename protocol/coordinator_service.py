@@ -75,11 +75,22 @@ class SyncBarrier:
 
     async def _sync(self) -> None:
         upto = self.store.changes  # read on the loop: everything committed so far is in the files synced next
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().run_in_executor(self._thread, self.store.sync)
+            await loop.run_in_executor(self._thread, self.store.sync)
             self._durable = max(self._durable, upto)
         finally:
             self._running = None
+        try:  # after the replies, on the same thread: none waits for it
+            loop.run_in_executor(self._thread, self._checkpoint)
+        except RuntimeError:  # the service is stopping (the pool is shut): the store's close syncs
+            pass
+
+    def _checkpoint(self) -> None:
+        try:
+            self.store.checkpoint()
+        except Exception:  # the WAL stays; the next sync tries again
+            log.exception("checkpointing the coordinator's WAL failed")
 
     def close(self) -> None:
         if self._thread is not None:

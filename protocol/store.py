@@ -167,7 +167,7 @@ class CoordinatorStore:
     def sync(self) -> None:
         """Make every commit so far durable (deferred mode; a no-op otherwise): the segment's bytes first, then
         the WAL, so an index row on disk never points past its bytes once synced. Called from one worker thread
-        at a time (`SyncBarrier`), never the event loop's; checkpoints the WAL once it is large."""
+        at a time (`SyncBarrier`), never the event loop's (`checkpoint` moves the WAL into the database)."""
         if not self.deferred:
             return
         t = time.perf_counter()
@@ -179,10 +179,19 @@ class CoordinatorStore:
             return
         try:
             os.fsync(fd)
-            size = os.fstat(fd).st_size
         finally:
             os.close(fd)
         self._timed_commit(time.perf_counter() - t)
+
+    def checkpoint(self) -> None:
+        """Deferred mode: move the WAL into the database once it has grown past `CHECKPOINT_BYTES` (PASSIVE: never
+        waits on the loop's writes). On the same worker thread as `sync`, after it: no reply waits for this."""
+        if not self.deferred:
+            return
+        try:
+            size = os.stat(self._path.with_name(self._path.name + "-wal")).st_size
+        except FileNotFoundError:
+            return
         if size > CHECKPOINT_BYTES:
             if self._checkpointer is None:
                 self._checkpointer = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)

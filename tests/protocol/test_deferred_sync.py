@@ -150,3 +150,28 @@ def test_a_lease_is_answered_while_the_disk_is_busy_and_an_accepted_rollout_only
             await stop_all(coord, [member])
 
     run(main())
+
+
+def test_the_wal_is_checkpointed_on_the_sync_thread_after_the_replies(tmp_path, monkeypatch):
+    import protocol.store
+
+    monkeypatch.setattr(protocol.store, "CHECKPOINT_BYTES", 64 << 10)
+    store = CoordinatorStore(tmp_path, defer_fsync=True)
+    assert store.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # never inside a commit on the loop
+    barrier = SyncBarrier(store)
+    db_file = tmp_path / "coordinator.sqlite3"
+
+    async def main() -> None:
+        before = db_file.stat().st_size
+        _accept(store, list(range(400)))  # well past 64 KiB of WAL
+        await asyncio.wait_for(barrier.wait(), 30)
+        for _ in range(600):  # the checkpoint job runs after the replies: wait for it, not for a time
+            if db_file.stat().st_size > before:
+                break
+            await asyncio.sleep(0.05)
+        assert db_file.stat().st_size > before, "the WAL's pages never reached the database file"
+
+    asyncio.run(main())
+    barrier.close()
+    assert len(store.accepted()) == 400
+    store.close()
