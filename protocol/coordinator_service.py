@@ -131,9 +131,9 @@ class CoordinatorService:
         """Set a grace period after the trainer reported the run's last step, or once every member has left
         after it, whichever comes first (the launcher then exits 0)."""
         self._everyone_left = asyncio.Event()
+        """Set when the run has ended and no member is left in the view (`_note_departures`)."""
         self.durable = SyncBarrier(coordinator.store)
         """Every reply waits for the commits before it to reach the disk, off the event loop."""
-        """Set when the run has ended and no member is left in the view (`_note_departures`)."""
 
     @property
     def spec(self) -> RunSpec:

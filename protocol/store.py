@@ -43,8 +43,8 @@ payload file on the same host) is counted and reported, at most once per `SLOW_R
 and submission waits on one."""
 SLOW_REPORT_S = 10.0
 CHECKPOINT_BYTES = 8 << 20
-"""With `defer_fsync`, `sync` checkpoints the WAL into the database once it has grown past this (SQLite's own
-automatic checkpoint, which would run inside a commit on the event loop, is off)."""
+"""With `defer_fsync`, `checkpoint` (on the sync thread) moves the WAL into the database once it has grown past
+this (SQLite's own automatic checkpoint, which would run inside a commit on the event loop, is off)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
