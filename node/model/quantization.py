@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from node.model.errors import MismatchedScales, UnsupportedQuantization
@@ -83,14 +84,28 @@ def check_scales(name: str, weight_shape: tuple[int, ...], weight_dtype: str, sc
                                f"{tuple(weight_shape)} in 128x128 blocks (expected {want})")
 
 
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+"""Every e4m3 byte's float32 value (exact: e4m3 is a subset of float32), indexed by the byte."""
+
+
+def e4m3_to_float32(q: torch.Tensor) -> torch.Tensor:
+    """`q.float()`, bit for bit. On the CPU through a 256-entry table: torch's own float8 cast there is
+    scalar (5.7 ms for one Qwen3-30B-A3B expert projection, 768 x 2048, on one core of cpu-2core; the
+    table 2.5 ms for the whole dequantisation), and a 30B FP8 checkpoint's load dequantises 18,432 of them
+    to hash their values."""
+    if q.device.type != "cpu":
+        return q.float()
+    return torch.from_numpy(np.take(_E4M3_VALUES, q.contiguous().view(torch.uint8).numpy()))
+
+
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`q x scale_inv` block by block, in `dtype`: bit for bit what an FP8 module's state_dict gives."""
     *lead, n, k = q.shape
     nb, kb = scale_inv.shape[-2:]
     if n % BLOCK or k % BLOCK:  # a partial last block: pad, multiply, cut (the same products)
         padded = q.new_zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32)
-        padded[..., :n, :k] = q.float()
-        tiles = padded.view(*lead, nb, BLOCK, kb, BLOCK) * scale_inv[..., :, None, :, None]
+        padded[..., :n, :k] = e4m3_to_float32(q)
+        tiles = padded.view(*lead, nb, BLOCK, kb, BLOCK).mul_(scale_inv[..., :, None, :, None])
         return tiles.view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].to(dtype)
-    tiles = q.float().view(*lead, nb, BLOCK, kb, BLOCK) * scale_inv[..., :, None, :, None]
+    tiles = e4m3_to_float32(q).view(*lead, nb, BLOCK, kb, BLOCK).mul_(scale_inv[..., :, None, :, None])
     return tiles.view(*lead, n, k).to(dtype)

@@ -18,7 +18,7 @@ from node.model.checkpoint import load_checkpoint
 from node.model.config import ModelConfig
 from node.model.errors import InvalidCheckpoint, MismatchedScales, MissingModelFile, UnsupportedQuantization
 from node.model.fill import build_from_shards
-from node.model.quantization import BLOCK
+from node.model.quantization import BLOCK, dequantize, e4m3_to_float32
 from node.model.shards import CheckpointShards
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=256, hidden_size=256, intermediate_size=256,
@@ -42,6 +42,19 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 def test_the_block_sizes_of_checkpoints_and_of_our_fp8_kernels_agree():
     assert BLOCK == FP8_BLOCK == 128
+
+
+def test_the_cpu_table_dequantises_bit_for_bit_as_torch_casts():
+    every_byte = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(e4m3_to_float32(every_byte).view(torch.int32), every_byte.float().view(torch.int32))  # NaN bits too
+    g = torch.Generator().manual_seed(0)
+    for shape in [(256, 384), (200, 300), (3, 256, 128)]:  # whole blocks, partial last blocks, stacked experts
+        q = (torch.randn(*shape, generator=g) * 50).to(torch.float8_e4m3fn)
+        s = torch.rand(*shape[:-2], -(-shape[-2] // BLOCK), -(-shape[-1] // BLOCK), generator=g) + 1e-3
+        want = (q.float() * s.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)[..., :shape[-2], :shape[-1]])
+        for dtype in (torch.bfloat16, torch.float32):
+            assert torch.equal(dequantize(q, s, dtype), want.to(dtype))
+        assert not torch.equal(dequantize(q, s * 2, torch.float32), want)
 
 
 @pytest.mark.parametrize("mode", ["experts", "all"])
