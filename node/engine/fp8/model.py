@@ -116,11 +116,15 @@ class FP8GroupedExperts(_QuantizedWeights):
             gate, up = f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight"
             stored = source.fp8(gate), source.fp8(up)
             if stored[0] is not None and stored[1] is not None and stored[0][0].shape[0] % BLOCK == 0:
-                q, s = torch.cat([stored[0][0], stored[1][0]]), torch.cat([stored[0][1], stored[1][1]])
+                rows, blocks = stored[0][0].shape[0], stored[0][1].shape[0]  # gate's rows, then up's, each copied once
+                self.gate_up_proj[e, :rows].copy_(stored[0][0])
+                self.gate_up_proj[e, rows:].copy_(stored[1][0])
+                self.gate_up_proj_scale[e, :blocks].copy_(stored[0][1])
+                self.gate_up_proj_scale[e, blocks:].copy_(stored[1][1])
             else:
                 q, s = quantize_weight(torch.cat([source.value(gate), source.value(up)]).to(dev))
-            self.gate_up_proj[e].copy_(q)
-            self.gate_up_proj_scale[e].copy_(s)
+                self.gate_up_proj[e].copy_(q)
+                self.gate_up_proj_scale[e].copy_(s)
             q, s = _quantized(source, f"{prefix}.{e}.down_proj.weight", dev)
             self.down_proj[e].copy_(q)
             self.down_proj_scale[e].copy_(s)
