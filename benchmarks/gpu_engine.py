@@ -65,6 +65,34 @@ def _fixed_once(engine: CudaEngine, cfg, b: int) -> dict:  # noqa: ANN001
     return {"e2e_tok_s": b * NEW / total, "step_ms": decode * 1e3, "decode_tok_s": b / decode}
 
 
+def decode_profile(engine: CudaEngine, cfg, b: int, steps: int = 4, top: int = 15) -> list[dict]:  # noqa: ANN001
+    """Where a batch-`b` decode step's GPU time goes: `steps` of the engine's own decode steps (graph replays
+    included) under `torch.profiler`, the `top` kernels by GPU time per step (microseconds) and their share of
+    the kernels' total (on the CPU: operators by their own CPU time); admission and prefill run before."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    for r in _requests(cfg, b, [PROMPT] * b, [NEW] * b, seed=b + 1):
+        engine.add_request(r)
+    engine.step()  # admission and prefill
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    while engine.has_work():  # drain
+        engine.step()
+    if cuda:
+        rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0
+                and e.device_type == torch.autograd.DeviceType.CUDA]
+    else:  # a CPU smoke run: operators by their own CPU time
+        rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(t for _, t, _ in rows) or 1.0
+    rows.sort(key=lambda r: -r[1])
+    return [{"kernel": k[:120], "us_per_step": round(t / steps, 1), "calls_per_step": c / steps,
+             "share": round(t / total, 4)} for k, t, c in rows[:top]]
+
+
 def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[int]) -> None:  # noqa: ANN001
     rows = {b: {"batch": b} for b in batches}
     default = os.environ.get("PRIMERL_FP8_GROUPED", "triton")

@@ -42,7 +42,7 @@ import torch
 T_START = time.perf_counter()  # the launch clock starts with the process (imports included)
 
 from benchmarks.fp8_common import log, machine_facts, write_result  # noqa: E402
-from benchmarks.gpu_engine import _requests, _sync, fixed_batch, rl_requests, rl_workload  # noqa: E402
+from benchmarks.gpu_engine import _requests, _sync, decode_profile, fixed_batch, rl_requests, rl_workload  # noqa: E402
 
 GIB = 1 << 30
 UNIT = 8
@@ -293,6 +293,11 @@ def main() -> None:
         result.update({f"decode_tok_s_b{b}": r["decode_tok_s"], f"decode_step_ms_b{b}": r["step_ms"],
                        f"e2e_tok_s_b{b}": r["e2e_tok_s"]})
         log(f"batch {b}: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step)")
+        try:  # where the step's GPU time goes, for the decode aim (a profiler failure costs only this figure)
+            result[f"decode_profile_b{b}"] = top = decode_profile(engine, cfg, b)
+            log("decode kernels: " + "; ".join(f"{k['us_per_step']:.0f} us {k['kernel'][:60]}" for k in top[:8]))
+        except Exception as exc:  # noqa: BLE001
+            log(f"decode profile failed: {type(exc).__name__}: {exc}")
     write_result(args.name, result)
     max_prompt = min(512, args.max_seq_len // 4)
     reqs = rl_requests(cfg, args.rl_requests, max_prompt=max_prompt, max_new=min(1024, args.max_seq_len - max_prompt))
