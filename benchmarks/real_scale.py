@@ -13,7 +13,9 @@ block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes)
    (`load_model` with `apply_fp8_mode`: version 0 from the member's own copy), KV slots from free memory and
    every batch bucket's CUDA graph captured (`CudaEngine.from_setup`), one request of one token. What this
    leaves out of the role's start: joining the coordinator and checking the signed manifest of version 0.
-3. Decode tok/s at batch 256 (`benchmarks.gpu_engine.fixed_batch`) and the RL-shaped workload
+3. Decode tok/s at batch 256 (`benchmarks.gpu_engine.fixed_batch`), the same batch with the FP8 expert GEMMs on
+   the swapped decode kernel (PRIMERL_FP8_GROUPED=swap, graphs captured again) and where a step's GPU time goes
+   (`gpu_engine.decode_profile`: top kernels), and the RL-shaped workload
    (`gpu_engine.rl_workload`: 512 requests, log-normal lengths, completions up to 1,024 tokens, proofs).
 4. The validator on the same GPU: its own copy loaded the same way, `TorchReference` + `verify_claims` (the
    validator role's call) over the RL rollouts, each claim its own submission; `verify_over_generate` is its
@@ -140,6 +142,24 @@ def launch(spec, device: str, share: float, result: dict):
     result["kv_slots"] = engine.max_batch
     log(f"first token {result['launch_to_first_token_s']:.1f}s after the process started: {stages}")
     return engine, cfg, tok
+
+
+def decode_with_backend(engine, cfg, b: int, backend: str) -> dict:  # noqa: ANN001
+    """`fixed_batch` with the FP8 grouped GEMMs on `backend` (PRIMERL_FP8_GROUPED), its graphs captured again;
+    the engine's graphs are captured back on the backend it had before it returns."""
+    before = os.environ.get("PRIMERL_FP8_GROUPED")
+    try:
+        os.environ["PRIMERL_FP8_GROUPED"] = backend
+        engine._graphs.clear()
+        engine.capture_all()
+        return fixed_batch(engine, cfg, b)
+    finally:
+        if before is None:
+            os.environ.pop("PRIMERL_FP8_GROUPED", None)
+        else:
+            os.environ["PRIMERL_FP8_GROUPED"] = before
+        engine._graphs.clear()
+        engine.capture_all()
 
 
 def claims_of(done: list, reqs: list, cfg) -> tuple[list, bytes]:
@@ -293,6 +313,10 @@ def main() -> None:
         result.update({f"decode_tok_s_b{b}": r["decode_tok_s"], f"decode_step_ms_b{b}": r["step_ms"],
                        f"e2e_tok_s_b{b}": r["e2e_tok_s"]})
         log(f"batch {b}: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step)")
+        if device != "cpu" and os.environ.get("PRIMERL_FP8_GROUPED", "triton") == "triton":
+            swap = decode_with_backend(engine, cfg, b, "swap")  # the swapped decode kernel, same engine, same batch
+            result.update({f"decode_tok_s_b{b}_swap": swap["decode_tok_s"], f"decode_step_ms_b{b}_swap": swap["step_ms"]})
+            log(f"batch {b}, PRIMERL_FP8_GROUPED=swap: decode {swap['decode_tok_s']:.0f} tok/s ({swap['step_ms']:.2f} ms/step)")
         try:  # where the step's GPU time goes, for the decode aim (a profiler failure costs only this figure)
             result[f"decode_profile_b{b}"] = top = decode_profile(engine, cfg, b)
             log("decode kernels: " + "; ".join(f"{k['us_per_step']:.0f} us {k['kernel'][:60]}" for k in top[:8]))
