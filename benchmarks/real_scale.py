@@ -314,9 +314,14 @@ def main() -> None:
                        f"e2e_tok_s_b{b}": r["e2e_tok_s"]})
         log(f"batch {b}: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step)")
         if device != "cpu" and os.environ.get("PRIMERL_FP8_GROUPED", "triton") == "triton":
-            swap = decode_with_backend(engine, cfg, b, "swap")  # the swapped decode kernel, same engine, same batch
-            result.update({f"decode_tok_s_b{b}_swap": swap["decode_tok_s"], f"decode_step_ms_b{b}_swap": swap["step_ms"]})
-            log(f"batch {b}, PRIMERL_FP8_GROUPED=swap: decode {swap['decode_tok_s']:.0f} tok/s ({swap['step_ms']:.2f} ms/step)")
+            try:  # the swapped decode kernel, same engine, same batch (its failure costs only this figure)
+                swap = decode_with_backend(engine, cfg, b, "swap")
+                result.update({f"decode_tok_s_b{b}_swap": swap["decode_tok_s"], f"decode_step_ms_b{b}_swap": swap["step_ms"]})
+                log(f"batch {b}, PRIMERL_FP8_GROUPED=swap: decode {swap['decode_tok_s']:.0f} tok/s "
+                    f"({swap['step_ms']:.2f} ms/step)")
+            except Exception as exc:  # noqa: BLE001
+                result[f"decode_b{b}_swap_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log(f"swapped decode kernel failed: {result[f'decode_b{b}_swap_error']}")
         try:  # where the step's GPU time goes, for the decode aim (a profiler failure costs only this figure)
             result[f"decode_profile_b{b}"] = top = decode_profile(engine, cfg, b)
             log("decode kernels: " + "; ".join(f"{k['us_per_step']:.0f} us {k['kernel'][:60]}" for k in top[:8]))
