@@ -59,5 +59,9 @@ class BucketGraphs:
         return self.outputs[b]
 
     def clear(self) -> None:
+        """Drop every graph and their pool: the next `ensure` captures into a new pool (capturing again into a
+        pool whose graphs were freed trips the caching allocator's assertion, seen on an H100, session 20)."""
         self.graphs.clear()
         self.outputs.clear()
+        self.eager.clear()
+        self._pool = None

@@ -107,6 +107,17 @@ def test_graphs_match_eager_and_cpu_engine(temperature, top_p):
         assert a.hidden.is_cuda and a.hidden.shape == (len(a.token_ids), 256)
 
 
+def test_graphs_cleared_and_captured_again_serve_the_same_tokens():
+    bf = model(4, torch.bfloat16)
+    rs = reqs(9, temperature=0.0)
+    eng = CudaEngine(bf, max_batch=8, eos_id=-1)
+    eng.capture_all()
+    before = [c.token_ids for c in eng.generate(rs)]
+    eng._graphs.clear()  # as a benchmark switching the FP8 grouped-GEMM backend does, then captured again
+    eng.capture_all()
+    assert eng._graphs.graphs and [c.token_ids for c in eng.generate(rs)] == before
+
+
 def test_weight_swap_under_captured_graphs_and_mismatch_refused():
     m, newer = model(2, torch.bfloat16), model(3, torch.bfloat16)
     eng = CudaEngine(copy.deepcopy(m), max_batch=4, eos_id=-1, version=1)
