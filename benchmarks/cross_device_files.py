@@ -116,7 +116,7 @@ def drift(fx, ref, rows_out: list | None = None) -> dict:
     the check applies to rollouts of >= MIN_MEAN_TOKENS), beside the thresholds in force for its precision.
     `rows_out` gets each claim's own figures (a `RolloutFigures` and its checked mean or None), in order."""
     from verification.calibration.measure import RolloutFigures, summarize
-    from verification.checks import MIN_MEAN_TOKENS, THRESHOLDS, _trimmed_mean, token_logprobs
+    from verification.checks import MIN_MEAN_TOKENS, THRESHOLDS, _trimmed_mean
     from verification.hidden_check import compare_blocks
     from verification.proof import Commitment, chunk_blocks, chunk_spans, decode_rollout_proof
     from verification.routing import route_positions
@@ -129,19 +129,27 @@ def drift(fx, ref, rows_out: list | None = None) -> dict:
         cs = [fx.claims[i] for i in members]
         got = ref.prefill(0, [c.prompt_ids + c.token_ids[:-1] for c in cs], logits_from=[len(c.prompt_ids) - 1 for c in cs],
                           replay=[ref.decode_routes(c.routed_experts, route_positions(c)) for c in cs] if routed else None)
-        for i, o in zip(members, got):  # on the host: a GPU reference hands back device tensors
-            outs[i] = (o[0].cpu(), o[1].cpu())
+        for i, o in zip(members, got):  # logits stay where they were computed (measured there), hidden to the host
+            outs[i] = (o[0], o[1].cpu())
+    sampled = [[i for i, s in enumerate(c.sampled_mask) if s] for c in fx.claims]
+    # the validator's own measurement (`Reference.measure_tokens`): on a GPU the rows are measured where their
+    # logits are and only per-token figures come back (moving a 151,936-token vocabulary's logits to the host
+    # and replaying them there took minutes for 512 rollouts of the 30B shape on an H100, session 20)
+    measured = ref.measure_tokens([logits[torch.tensor(idx, dtype=torch.long, device=logits.device)]
+                                   for (logits, _), idx in zip(outs, sampled)], [c.sampling for c in fx.claims],
+                                  [[len(c.prompt_ids) + i for i in idx] for c, idx in zip(fx.claims, sampled)],
+                                  [[c.token_ids[i] for i in idx] for c, idx in zip(fx.claims, sampled)])
+    hiddens = [h for _, h in outs]
+    del outs
     rows, means = [], []
-    for c, (logits, hidden) in zip(fx.claims, outs):
-        start, idx = len(c.prompt_ids) - 1, [i for i, s in enumerate(c.sampled_mask) if s]
-        rows_idx = torch.tensor(idx)
+    for c, hidden, idx, (ours, replay) in zip(fx.claims, hiddens, sampled, measured):
+        start = len(c.prompt_ids) - 1
+        rows_idx = torch.tensor(idx, dtype=torch.long)
         commitments = [Commitment.from_bytes(b) for r in decode_rollout_proof(c.proof, ref.hidden_size) for b in r.chunks]
         stats = compare_blocks(chunk_blocks(hidden[rows_idx + start], chunk_spans([c.versions[i] for i in idx])),
                                commitments)
         toks = torch.tensor([c.token_ids[i] for i in idx])
-        err = (torch.tensor([c.logprobs[i] for i in idx]) - token_logprobs(logits[rows_idx], toks,
-                                                                           c.sampling.temperature)).abs()
-        replay = ref.replay_sampling(logits[rows_idx], c.sampling, [len(c.prompt_ids) + i for i in idx])
+        err = (torch.tensor([c.logprobs[i] for i in idx]) - ours).abs()
         flips = replay.tokens != toks
         checked = _trimmed_mean(err) if len(idx) >= MIN_MEAN_TOKENS else None  # trimmed, long segments only
         if checked is not None:

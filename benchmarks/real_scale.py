@@ -214,6 +214,7 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
                   verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
+    write_result(result["name"], result)  # a run cut later keeps these
     # untimed: the same claims as the role meets them, submissions of 8 judged together (pooled evidence)
     units = [c.model_copy(update={"work_id": i // UNIT}) for i, c in enumerate(claims)]
     pooled = verify_claims(units, ref)
@@ -221,34 +222,50 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     result.update(verify_units=-(-len(units) // UNIT), verify_units_rejected=len(failed_units),
                   verify_units_reasons=sorted({f"{v.reason.value}/{v.severity.value}" for v in pooled if not v.accepted}))
     log(f"validator, submissions of {UNIT}: {len(failed_units)} of {result['verify_units']} rejected")
+    write_result(result["name"], result)
     calibrate(claims, ref, evidence, result, [v.accepted for v in verdicts])
 
 
-def calibrate(claims: list, ref, evidence: list, result: dict, passed: list[bool], group: int = UNIT) -> None:
+def calibrate(claims: list, ref, evidence: list, result: dict, passed: list[bool], group: int = UNIT,
+              write_every: int = 8) -> None:
     """Untimed: every honest claim's own figures along the validator's path (`cross_device_files.drift`, in
     groups of `group`: a 151,936-token vocabulary's logits for 512 rollouts at once would not fit), each bound
     in force against the spread of what it bounds (how many honest claims cross it, and 1.5x the worst: the
-    candidate), and the rows written as `pooled_calibration` reads them (`<name>-evidence.jsonl.gz` under $OUT)."""
-    from benchmarks.calibration_device import BOUND_OF, MARGIN
+    candidate), and the rows written as `pooled_calibration` reads them (`<name>-evidence.jsonl.gz` under $OUT).
+    Both are written every `write_every` groups over the claims done so far (`calibration.claims`), so a run
+    cut by its time limit keeps what it measured."""
     from benchmarks.cross_device_files import drift
     from types import SimpleNamespace
+
+    rows: list = []
+    starts = list(range(0, len(claims), group))
+    for n, i in enumerate(starts, 1):
+        drift(SimpleNamespace(claims=claims[i:i + group]), ref, rows_out=rows)
+        if n % write_every == 0 or n == len(starts):
+            _calibration(claims[:len(rows)], ref, evidence, result, passed, rows)
+            write_result(result["name"], result)
+
+
+def _calibration(claims: list, ref, evidence: list, result: dict, passed: list[bool], rows: list) -> None:
+    """`calibrate`'s figures and evidence file over `claims` (the first of the run's, measured as `rows`)."""
+    from benchmarks.calibration_device import BOUND_OF, MARGIN
     from dataclasses import asdict
     from verification.checks import MIN_MEAN_TOKENS, THRESHOLDS
 
-    rows: list = []
-    for i in range(0, len(claims), group):
-        drift(SimpleNamespace(claims=claims[i:i + group]), ref, rows_out=rows)
     figures = [{**asdict(r), "logprob_err_checked_mean": m} for r, m in rows]
     in_force = asdict(THRESHOLDS[ref.precision])
     spread = {}
     for bound, field in BOUND_OF.items():
         f = field.removesuffix("_max")  # the figure of one claim
         vals = sorted(x[f] for x in figures if x.get(f) is not None)
+        if not vals:  # no claim measured long enough for this figure yet
+            continue
         spread[bound] = {"in_force": in_force[bound], "honest_max": vals[-1], "p50": vals[len(vals) // 2],
                          "p99": vals[min(len(vals) - 1, int(0.99 * len(vals)))],
                          "over_bound": sum(v > in_force[bound] for v in vals), "of": len(vals),
                          "candidate": max(in_force[bound], round(MARGIN * vals[-1], 4))}
-    result["calibration"] = {"precision": ref.precision, "min_mean_tokens": MIN_MEAN_TOKENS, "bounds": spread}
+    result["calibration"] = {"precision": ref.precision, "min_mean_tokens": MIN_MEAN_TOKENS, "claims": len(rows),
+                             "bounds": spread}
     log(f"calibration ({ref.precision}): " + ", ".join(f"{b} max {v['honest_max']:.4g} (bound {v['in_force']}, "
                                                        f"{v['over_bound']} over)" for b, v in spread.items()))
     out = os.environ.get("OUT")

@@ -36,6 +36,7 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     assert result["verify_units"] == 2 and result["verify_units_rejected"] == 0
     assert set(result["verify_evidence_max"]) == {"exp_per_chunk", "mant_err_mean", "logprob_err_mean"}
     # every honest claim's own figures against each bound in force: none crosses one (the CPU's paths agree)
+    assert result["calibration"]["claims"] == 16
     bounds = result["calibration"]["bounds"]
     assert set(bounds) == {"max_exp_mismatches", "max_mant_err_mean", "max_mant_err_median", "max_logprob_err",
                            "max_logprob_err_mean", "margin_noise"}
