@@ -13,8 +13,8 @@ block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes)
    (`load_model` with `apply_fp8_mode`: version 0 from the member's own copy), KV slots from free memory and
    every batch bucket's CUDA graph captured (`CudaEngine.from_setup`), one request of one token. What this
    leaves out of the role's start: joining the coordinator and checking the signed manifest of version 0.
-3. Decode tok/s at batch 256 (`benchmarks.gpu_engine.fixed_batch`), the same batch with the FP8 expert GEMMs on
-   the swapped decode kernel (PRIMERL_FP8_GROUPED=swap, graphs captured again) and where a step's GPU time goes
+3. Decode tok/s at batch 256 (`benchmarks.gpu_engine.fixed_batch`), the same batch with each of `VARIANTS` (the
+   FP8 kernels' other choices, graphs captured again) and where a step's GPU time goes
    (`gpu_engine.decode_profile`: top kernels), and the RL-shaped workload
    (`gpu_engine.rl_workload`: 512 requests, log-normal lengths, completions up to 1,024 tokens, proofs).
 4. The validator on the same GPU: its own copy loaded the same way, `TorchReference` + `verify_claims` (the
@@ -145,22 +145,28 @@ def launch(spec, device: str, share: float, result: dict):
     return engine, cfg, tok
 
 
-def decode_with_backend(engine, cfg, b: int, backend: str) -> dict:  # noqa: ANN001
-    """`fixed_batch` with the FP8 grouped GEMMs on `backend` (PRIMERL_FP8_GROUPED), its graphs captured again;
-    the engine's graphs are captured back on the backend it had before it returns."""
-    before = os.environ.get("PRIMERL_FP8_GROUPED")
+def decode_with_env(engine, cfg, b: int, env: dict[str, str]) -> dict:  # noqa: ANN001
+    """`fixed_batch` with `env` set (the FP8 kernels' choices: PRIMERL_FP8_GROUPED, PRIMERL_FP8_GEMM_TILES) and
+    the graphs captured again; the environment and the graphs are put back before it returns."""
+    before = {k: os.environ.get(k) for k in env}
     try:
-        os.environ["PRIMERL_FP8_GROUPED"] = backend
+        os.environ.update(env)
         engine._graphs.clear()
         engine.capture_all()
         return fixed_batch(engine, cfg, b)
     finally:
-        if before is None:
-            os.environ.pop("PRIMERL_FP8_GROUPED", None)
-        else:
-            os.environ["PRIMERL_FP8_GROUPED"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         engine._graphs.clear()
         engine.capture_all()
+
+
+VARIANTS = {"swap": {"PRIMERL_FP8_GROUPED": "swap"}, "fixed_tiles": {"PRIMERL_FP8_GEMM_TILES": "fixed"}}
+"""The FP8 kernel choices timed beside the default at the decode batch (`decode_tok_s_b<b>_<name>`): the swapped
+grouped kernel, and the dense GEMM's fixed tiles (the default before session 20)."""
 
 
 def claims_of(done: list, reqs: list, cfg) -> tuple[list, bytes]:
@@ -331,15 +337,14 @@ def main() -> None:
         result.update({f"decode_tok_s_b{b}": r["decode_tok_s"], f"decode_step_ms_b{b}": r["step_ms"],
                        f"e2e_tok_s_b{b}": r["e2e_tok_s"]})
         log(f"batch {b}: decode {r['decode_tok_s']:.0f} tok/s ({r['step_ms']:.2f} ms/step)")
-        if device != "cpu" and os.environ.get("PRIMERL_FP8_GROUPED", "triton") == "triton":
-            try:  # the swapped decode kernel, same engine, same batch (its failure costs only this figure)
-                swap = decode_with_backend(engine, cfg, b, "swap")
-                result.update({f"decode_tok_s_b{b}_swap": swap["decode_tok_s"], f"decode_step_ms_b{b}_swap": swap["step_ms"]})
-                log(f"batch {b}, PRIMERL_FP8_GROUPED=swap: decode {swap['decode_tok_s']:.0f} tok/s "
-                    f"({swap['step_ms']:.2f} ms/step)")
+        for name, env in VARIANTS.items():  # (on the CPU the same code, the torch reference kernels)
+            try:  # same engine, same batch; a variant's failure costs only its figure
+                v = decode_with_env(engine, cfg, b, env)
+                result.update({f"decode_tok_s_b{b}_{name}": v["decode_tok_s"], f"decode_step_ms_b{b}_{name}": v["step_ms"]})
+                log(f"batch {b}, {env}: decode {v['decode_tok_s']:.0f} tok/s ({v['step_ms']:.2f} ms/step)")
             except Exception as exc:  # noqa: BLE001
-                result[f"decode_b{b}_swap_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                log(f"swapped decode kernel failed: {result[f'decode_b{b}_swap_error']}")
+                result[f"decode_b{b}_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log(f"decode with {env} failed: {result[f'decode_b{b}_{name}_error']}")
         try:  # where the step's GPU time goes, for the decode aim (a profiler failure costs only this figure)
             result[f"decode_profile_b{b}"] = top = decode_profile(engine, cfg, b)
             log("decode kernels: " + "; ".join(f"{k['us_per_step']:.0f} us {k['kernel'][:60]}" for k in top[:8]))

@@ -101,7 +101,10 @@ class MoEBlock(nn.Module):
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copy each token once per chosen expert, grouped by expert. Returns (x_sorted, counts, order)."""
         flat = routing.experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        # the same stable order from 16-bit keys: a GPU's radix sort makes a pass per key byte (the int64 sort
+        # was 28 us of every layer of a batch-128 decode step on an H100, 5% of the step's kernels)
+        keys = flat.to(torch.int16) if self.num_experts <= torch.iinfo(torch.int16).max else flat
+        order = torch.argsort(keys, stable=True)
         counts = expert_counts(flat, self.num_experts)
         return x[order // self.top_k], counts, order
 

@@ -63,6 +63,19 @@ def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkey
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter not enabled")
     _cases("cpu")
+    from node.fp8 import kernels
+
+    # decode-sized GEMMs on a GPU of many SMs take narrow tiles: the same function with them
+    assert kernels._gemm_tiles(128, 512, 132)[:2] == (128, 32) and kernels._gemm_tiles(256, 8192, 132)[:2] == (128, 64)
+    assert kernels._gemm_tiles(4096, 512, 132)[:2] == (128, 128) and kernels._gemm_tiles(8, 512, 132)[:2] == (16, 32)
+    monkeypatch.setattr(kernels, "_sms", lambda index: 1000)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # so gemm_triton asks _sms
+    x, w = torch.randn(37, 300), torch.randn(150, 300) * 0.05
+    xq, xs = quantize_act(x)
+    wq, ws = quantize_weight(w)
+    exact = dequantize_act(xq, xs).double() @ dequantize_weight(wq, ws).double().t()
+    assert kernels._gemm_tiles(37, 150, 1000)[1] == 32
+    assert rel(kernels.gemm_triton(xq, wq, xs, ws, out_dtype=torch.float32), exact) < 1e-3
 
 
 @pytest.mark.gpu
