@@ -164,9 +164,10 @@ def decode_with_env(engine, cfg, b: int, env: dict[str, str]) -> dict:  # noqa: 
         engine.capture_all()
 
 
-VARIANTS = {"swap": {"PRIMERL_FP8_GROUPED": "swap"}, "fixed_tiles": {"PRIMERL_FP8_GEMM_TILES": "fixed"}}
-"""The FP8 kernel choices timed beside the default at the decode batch (`decode_tok_s_b<b>_<name>`): the swapped
-grouped kernel, and the dense GEMM's fixed tiles (the default before session 20)."""
+VARIANTS = {"fixed_tiles": {"PRIMERL_FP8_GEMM_TILES": "fixed"}}
+"""The FP8 kernel choices timed beside the default at the decode batch (`decode_tok_s_b<b>_<name>`): the dense
+GEMM's fixed tiles (the default before session 20). Session 20's H100 runs timed a swapped grouped kernel here
+(`decode_tok_s_b128_swap`: no gain; removed)."""
 
 
 def claims_of(done: list, reqs: list, cfg) -> tuple[list, bytes]:

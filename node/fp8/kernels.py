@@ -184,47 +184,6 @@ def _grouped_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _grouped_swap_kernel(
-    x_ptr, w_ptr, c_ptr, xs_ptr, ws_ptr,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    N, K,
-    stride_xm, stride_we, stride_wn, stride_cm, stride_xsm, stride_wse, stride_wsn,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # The decode-sized twin of _grouped_kernel ("swap AB"): each program computes out^T [BLOCK_N, BLOCK_T] =
-    # w[e] tile [BLOCK_N, K] @ x tile^T [K, BLOCK_T], so the weight's rows (many) fill the MMA's M side and
-    # the expert's few rows (decode: ~16) its N side, instead of a 16-row M tile. BLOCK_N divides the 128-row
-    # scale block, so one weight scale per K block serves the whole tile. Same products and scale order.
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + tile)
-    if e < 0:
-        return
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    offs_t = start + tl.arange(0, BLOCK_T)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_t = offs_t < end
-    mask_n = offs_n < N
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_t[None, :] * stride_xm + offs_k[:, None]
-    ws_row = ws_ptr + e.to(tl.int64) * stride_wse + ((pid_n * BLOCK_N) // BLOCK_K) * stride_wsn
-    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        k_left = K - kb * BLOCK_K
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        x = tl.load(x_ptrs, mask=mask_t[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        sx = tl.load(xs_ptr + offs_t * stride_xsm + kb, mask=mask_t, other=0.0)
-        sw = tl.load(ws_row + kb)
-        acc += tl.dot(w, x) * sx[None, :] * sw
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    c_ptrs = c_ptr + offs_t[None, :] * stride_cm + offs_n[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_t[None, :] & mask_n[:, None])
-
-
 def grouped_block_m(rows: int, experts: int) -> int:
     """Row-tile height for the grouped kernel: small when each expert sees few rows (decode)."""
     per_expert = rows / max(experts, 1)
@@ -254,17 +213,12 @@ def expert_tile_table(counts: torch.Tensor, block_m: int, max_tiles: int) -> tup
     return tile_expert, row_start.to(torch.int32), ends[e_safe].to(torch.int32)
 
 
-SWAP_BLOCK_N = 128
-"""Weight rows per program of the swapped decode kernel (one 128-row scale block)."""
-
-
 def grouped_gemm_triton(
     x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
     x_s: torch.Tensor | None = None, w_s: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16, swap: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """c [T, N]: rows of x [T, K] (sorted by expert, counts [E]) times w[e] [N, K]^T. `swap`: a scaled product
-    whose experts see at most 32 rows each on average (decode) takes `_grouped_swap_kernel`."""
+    """c [T, N]: rows of x [T, K] (sorted by expert, counts [E]) times w[e] [N, K]^T."""
     t, k = x.shape
     e, n, _ = w.shape
     c = torch.empty((t, n), dtype=out_dtype, device=x.device)
@@ -275,13 +229,6 @@ def grouped_gemm_triton(
     max_tiles = triton.cdiv(t, bm) + e
     tile_expert, tile_start, tile_end = expert_tile_table(counts, bm, max_tiles)
     scaled = x_s is not None
-    if swap and scaled and bm <= 32:
-        _grouped_swap_kernel[(max_tiles, triton.cdiv(n, SWAP_BLOCK_N))](
-            x, w, c, x_s, w_s, tile_expert, tile_start, tile_end, n, k,
-            x.stride(0), w.stride(0), w.stride(1), c.stride(0), x_s.stride(0), w_s.stride(0), w_s.stride(1),
-            BLOCK_T=max(bm, 16), BLOCK_N=SWAP_BLOCK_N, BLOCK_K=BLOCK, num_warps=4, num_stages=4,
-        )
-        return c
     _grouped_kernel[(max_tiles, triton.cdiv(n, bn))](
         x, w, c, x_s if scaled else x, w_s if scaled else w,
         tile_expert, tile_start, tile_end,

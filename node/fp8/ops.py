@@ -4,8 +4,9 @@ Invariant: the CUDA and CPU paths compute the same function (same quantisation, 
 scaling, float32 accumulation); only the summation order differs. CPU tests of the model path
 therefore exercise the numerics that the GPU runs.
 Set PRIMERL_FP8_TRITON=1 to force the Triton path (with TRITON_INTERPRET=1 it runs on CPU, slowly).
-Grouped (expert) GEMMs go to our Triton kernel (PRIMERL_FP8_GROUPED=swap: its decode-sized batches to the
-swapped twin, weight rows on the MMA's long side; opt-in until a GPU run measures it); with PRIMERL_FP8_GROUPED=auto (DeepGEMM when
+Grouped (expert) GEMMs go to our Triton kernel (a "swapped" twin for decode batches, weight rows on the MMA's
+long side, was measured in session 20 on an H100: 4,440 vs 4,421 tok/s at batch 128, no gain, so removed: the
+kernel moves the experts' weights at ~78% of the H100's bandwidth there); with PRIMERL_FP8_GROUPED=auto (DeepGEMM when
 importable on Hopper) or =deepgemm (required), decode-sized batches go to DeepGEMM's masked kernel
 (`fp8/deepgemm.py`). Triton is the default because on the H200 (docs/fp8.md) DeepGEMM gave no
 speed-up inside the captured step, and its masked layout produced wrong rows until the capacity
@@ -32,14 +33,10 @@ def deepgemm_shape(w: torch.Tensor) -> bool:
 
 
 def grouped_backend(device: torch.device | str | None = None) -> str:
-    """Which kernel serves FP8 expert GEMMs on `device`: 'deepgemm-masked+triton', 'triton', 'triton-swap'
-    (PRIMERL_FP8_GROUPED=swap: decode-sized batches take the swapped kernel, `kernels._grouped_swap_kernel`)
-    or 'torch'."""
+    """Which kernel serves FP8 expert GEMMs on `device`: 'deepgemm-masked+triton', 'triton' or 'torch'."""
     choice = os.environ.get("PRIMERL_FP8_GROUPED", "triton")
     if device is not None and torch.device(device).type != "cuda" and os.environ.get("PRIMERL_FP8_TRITON") != "1":
         return "torch"
-    if choice == "swap":
-        return "triton-swap"
     if choice not in ("auto", "deepgemm"):
         return "triton"
     from node.fp8.deepgemm import DeepGEMMUnavailable, available, usable
@@ -124,8 +121,7 @@ def grouped_linear(
                 if torch.cuda.is_current_stream_capturing():
                     raise
                 deepgemm.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
-        return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype,
-                                   swap=grouped_backend(x.device) == "triton-swap")
+        return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype)
     out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0
     for e, c in enumerate(counts.tolist()):

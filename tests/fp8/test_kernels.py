@@ -36,9 +36,6 @@ def _cases(device: str):
     bounds = [0, 3, 3, 20, 21, 30]
     ref = torch.cat([xd[bounds[e]:bounds[e + 1]] @ wd[e].t() for e in range(5)])
     assert rel(out, ref) < 1e-3
-    swapped = grouped_gemm_triton(xq, wq, counts, xs, ws, out_dtype=torch.float32, swap=True)  # the decode kernel
-    # 1.2e-4 from the other kernel on an H100 (its MMA accumulates an FP8 K block in fewer bits), 0 in the interpreter
-    assert rel(swapped, ref) < 1e-3 and rel(swapped, out.double()) < 1e-3
     plain = grouped_gemm_triton(xe, we, counts, out_dtype=torch.float32)  # unscaled path, fp32 here
     ref = torch.cat([xe[bounds[e]:bounds[e + 1]].double() @ we[e].double().t() for e in range(5)])
     assert rel(plain, ref) < 5e-3  # tf32 on CUDA

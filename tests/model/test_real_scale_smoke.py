@@ -30,7 +30,7 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "real_scale.json").read_text())
     assert result["decode_tok_s_b4"] > 0 and result["rl_workload_tok_s"] > 0 and result["launch_to_first_token_s"] > 0
-    assert result["decode_tok_s_b4_swap"] > 0 and result["decode_tok_s_b4_fixed_tiles"] > 0  # the kernel variants' pass
+    assert result["decode_tok_s_b4_fixed_tiles"] > 0  # the kernel variants' pass
     profile = result["decode_profile_b4"]  # where a decode step's time goes (kernels on a GPU, operators here)
     assert profile and all(k["us_per_step"] > 0 for k in profile) and 0 < sum(k["share"] for k in profile) <= 1.0001
     assert result["verify_rollouts"] == 16 and result["verify_rejected"] == 0, result.get("verify_rejected_detail")
