@@ -65,23 +65,19 @@ def _fixed_once(engine: CudaEngine, cfg, b: int) -> dict:  # noqa: ANN001
     return {"e2e_tok_s": b * NEW / total, "step_ms": decode * 1e3, "decode_tok_s": b / decode}
 
 
-def decode_profile(engine: CudaEngine, cfg, b: int, steps: int = 4, top: int = 15) -> list[dict]:  # noqa: ANN001
-    """Where a batch-`b` decode step's GPU time goes: `steps` of the engine's own decode steps (graph replays
-    included) under `torch.profiler`, the `top` kernels by GPU time per step (microseconds) and their share of
-    the kernels' total (on the CPU: operators by their own CPU time); admission and prefill run before."""
+def profiled(fn, steps: int = 1, top: int = 15) -> dict:  # noqa: ANN001
+    """`fn()` `steps` times under `torch.profiler`: the wall seconds per step, the kernels' GPU seconds per step
+    (their sum: how busy the GPU was), and the `top` kernels by GPU time per step (microseconds, calls, share of
+    the kernels' total). On the CPU: operators by their own CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    for r in _requests(cfg, b, [PROMPT] * b, [NEW] * b, seed=b + 1):
-        engine.add_request(r)
-    engine.step()  # admission and prefill
-    engine.step()
+    _sync()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
-            engine.step()
-        _sync()
-    while engine.has_work():  # drain
-        engine.step()
+            fn()
+        wall = _sync() - t0
     if cuda:
         rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0
                 and e.device_type == torch.autograd.DeviceType.CUDA]
@@ -89,8 +85,22 @@ def decode_profile(engine: CudaEngine, cfg, b: int, steps: int = 4, top: int = 1
         rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(t for _, t, _ in rows) or 1.0
     rows.sort(key=lambda r: -r[1])
-    return [{"kernel": k[:120], "us_per_step": round(t / steps, 1), "calls_per_step": c / steps,
-             "share": round(t / total, 4)} for k, t, c in rows[:top]]
+    return {"wall_s_per_step": wall / steps, "kernels_s_per_step": total / 1e6 / steps,
+            "top": [{"kernel": k[:120], "us_per_step": round(t / steps, 1), "calls_per_step": c / steps,
+                     "share": round(t / total, 4)} for k, t, c in rows[:top]]}
+
+
+def decode_profile(engine: CudaEngine, cfg, b: int, steps: int = 4, top: int = 15) -> dict:  # noqa: ANN001
+    """Where a batch-`b` decode step's GPU time goes (`profiled` over `steps` of the engine's own decode steps,
+    graph replays included); admission and prefill run before, the batch is drained after."""
+    for r in _requests(cfg, b, [PROMPT] * b, [NEW] * b, seed=b + 1):
+        engine.add_request(r)
+    engine.step()  # admission and prefill
+    engine.step()
+    out = profiled(engine.step, steps, top)
+    while engine.has_work():  # drain
+        engine.step()
+    return out
 
 
 def section_fixed(result: dict, bf16: CausalLM, cfg, bw: float, batches: list[int]) -> None:  # noqa: ANN001

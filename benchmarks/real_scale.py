@@ -19,7 +19,8 @@ block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes)
    (`gpu_engine.rl_workload`: 512 requests, log-normal lengths, completions up to 1,024 tokens, proofs).
 4. The validator on the same GPU: its own copy loaded the same way, `TorchReference` + `verify_claims` (the
    validator role's call) over the RL rollouts, each claim its own submission; `verify_over_generate` is its
-   completion tok/s over the engine's. Then, untimed, the same claims in submissions of 8 judged together, as
+   completion tok/s over the engine's; 64 claims judged again under the profiler (`verify_profile`: wall
+   seconds, the kernels' GPU seconds, the top kernels). Then, untimed, the same claims in submissions of 8 judged together, as
    the role meets a work unit (`verify_units_rejected`: pooled evidence, per-claim bounds as well).
 Host memory: peak private memory (RssAnon, sampled every 50 ms: what the process holds beyond the page
 cache the shards are read through) and peak RSS. GPU memory: the plan against `max_memory_allocated`.
@@ -45,7 +46,8 @@ import torch
 T_START = time.perf_counter()  # the launch clock starts with the process (imports included)
 
 from benchmarks.fp8_common import log, machine_facts, write_result  # noqa: E402
-from benchmarks.gpu_engine import _requests, _sync, decode_profile, fixed_batch, rl_requests, rl_workload  # noqa: E402
+from benchmarks.gpu_engine import (_requests, _sync, decode_profile, fixed_batch, profiled, rl_requests,  # noqa: E402
+                                   rl_workload)
 
 GIB = 1 << 30
 UNIT = 8
@@ -222,6 +224,12 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
     write_result(result["name"], result)  # a run cut later keeps these
+    try:  # where judging's time goes (aim: 10x generation): 64 claims again under the profiler
+        result["verify_profile"] = prof = profiled(lambda: verify_claims(claims[:64], ref))
+        log(f"validator, 64 claims: {prof['wall_s_per_step']:.2f} s, kernels {prof['kernels_s_per_step']:.2f} s: "
+            + "; ".join(f"{k['us_per_step'] / 1e3:.0f} ms {k['kernel'][:60]}" for k in prof["top"][:8]))
+    except Exception as exc:  # noqa: BLE001 - costs only this figure
+        log(f"validator profile failed: {type(exc).__name__}: {exc}")
     # untimed: the same claims as the role meets them, submissions of 8 judged together (pooled evidence)
     units = [c.model_copy(update={"work_id": i // UNIT}) for i, c in enumerate(claims)]
     pooled = verify_claims(units, ref)
@@ -347,8 +355,9 @@ def main() -> None:
                 result[f"decode_b{b}_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 log(f"decode with {env} failed: {result[f'decode_b{b}_{name}_error']}")
         try:  # where the step's GPU time goes, for the decode aim (a profiler failure costs only this figure)
-            result[f"decode_profile_b{b}"] = top = decode_profile(engine, cfg, b)
-            log("decode kernels: " + "; ".join(f"{k['us_per_step']:.0f} us {k['kernel'][:60]}" for k in top[:8]))
+            result[f"decode_profile_b{b}"] = prof = decode_profile(engine, cfg, b)
+            log(f"decode step {prof['wall_s_per_step'] * 1e3:.2f} ms, kernels {prof['kernels_s_per_step'] * 1e3:.2f} ms: "
+                + "; ".join(f"{k['us_per_step']:.0f} us {k['kernel'][:60]}" for k in prof["top"][:8]))
         except Exception as exc:  # noqa: BLE001
             log(f"decode profile failed: {type(exc).__name__}: {exc}")
     write_result(args.name, result)

@@ -31,8 +31,11 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     result = json.loads((out / "real_scale.json").read_text())
     assert result["decode_tok_s_b4"] > 0 and result["rl_workload_tok_s"] > 0 and result["launch_to_first_token_s"] > 0
     assert result["decode_tok_s_b4_fixed_tiles"] > 0  # the kernel variants' pass
-    profile = result["decode_profile_b4"]  # where a decode step's time goes (kernels on a GPU, operators here)
-    assert profile and all(k["us_per_step"] > 0 for k in profile) and 0 < sum(k["share"] for k in profile) <= 1.0001
+    for key in ("decode_profile_b4", "verify_profile"):  # where a decode step's / judging's time goes (operators here)
+        profile = result[key]
+        assert profile["wall_s_per_step"] > 0 and profile["kernels_s_per_step"] > 0, key
+        top = profile["top"]
+        assert top and all(k["us_per_step"] > 0 for k in top) and 0 < sum(k["share"] for k in top) <= 1.0001
     assert result["verify_rollouts"] == 16 and result["verify_rejected"] == 0, result.get("verify_rejected_detail")
     assert result["verify_units"] == 2 and result["verify_units_rejected"] == 0
     assert set(result["verify_evidence_max"]) == {"exp_per_chunk", "mant_err_mean", "logprob_err_mean"}
