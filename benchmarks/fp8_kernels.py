@@ -1,4 +1,4 @@
-"""FP8 kernel checks and speeds on CUDA: `python -m benchmarks.fp8_kernels`.
+"""FP8 kernel checks and speeds on CUDA: `python -m benchmarks.fp8_kernels [--decode-tiles]`.
 
 Correctness against float64 (relative Frobenius error) for the block-scaled GEMM, the row-group
 GEMM used by weight gradients, the grouped expert GEMM and activation quantisation; then TFLOP/s
@@ -98,8 +98,45 @@ def time_grouped(tokens: int, experts: int = 128, n: int = 1536, k: int = 2048) 
     }
 
 
+DECODE_SHAPES = [(128, 4096, 2048), (128, 512, 2048), (128, 2048, 4096), (256, 4096, 2048), (256, 512, 2048),
+                 (256, 2048, 4096)]
+"""Qwen3-30B-A3B's attention projections (q 2048 -> 4096, k / v -> 512, o 4096 -> 2048) at decode batches 128, 256."""
+
+
+def time_decode_tiles(shapes: list[tuple[int, int, int]] = DECODE_SHAPES) -> dict:
+    """The dense FP8 GEMM at decode-sized rows with the tiles chosen to occupy the SMs (the default) and with
+    the fixed tiles before it (PRIMERL_FP8_GEMM_TILES=fixed), same inputs, same run; each against the bandwidth
+    of reading the weight once (its bytes over the time)."""
+    import os
+
+    rows = []
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq, xs = quantize_act_triton(x)
+        wq, ws = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+        row = {"shape": [m, n, k]}
+        for name, env in (("occupancy", None), ("fixed", "fixed")):
+            if env:
+                os.environ["PRIMERL_FP8_GEMM_TILES"] = env
+            try:
+                t = cuda_time(lambda: gemm_triton(xq, wq, xs, ws))
+            finally:
+                os.environ.pop("PRIMERL_FP8_GEMM_TILES", None)
+            row[f"{name}_us"], row[f"{name}_weight_gb_s"] = t * 1e6, n * k / t / 1e9
+        row["speedup"] = row["fixed_us"] / row["occupancy_us"]
+        rows.append(row)
+        log(str({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}))
+    return {"decode_tiles": rows, "speedup_min": min(r["speedup"] for r in rows),
+            "speedup_max": max(r["speedup"] for r in rows)}
+
+
 def main() -> None:
+    import sys
+
     torch.manual_seed(0)
+    if "--decode-tiles" in sys.argv:  # only the decode-sized dense GEMM's tiles, new against old
+        write_result("fp8_decode_tiles", {"machine": machine_facts(), **time_decode_tiles()})
+        return
     result: dict = {"machine": machine_facts()}
     log("correctness")
     result["gemm_checks"] = [check_gemm(*s) for s in [(1, 4096, 2048), (77, 1000, 300), (512, 2048, 4096)]]
