@@ -13,6 +13,7 @@ that calls it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -20,6 +21,8 @@ import triton
 import triton.language as tl
 
 from node.fp8.quantize import BLOCK, FP8_DTYPE, FP8_MAX
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -130,7 +133,23 @@ def gemm_triton(
     if m == 0:
         return c
     scaled = a_s is not None
-    bm, bn, warps, stages = _gemm_tiles(m, n, _sms(a.device.index or 0) if a.is_cuda else 1)
+    tiles = _gemm_tiles(m, n, _sms(a.device.index or 0) if a.is_cuda else 1)
+    try:
+        _launch_gemm(a, b, c, a_s, b_s, b_group_n, tiles)
+    except Exception as exc:  # noqa: BLE001 - a tile shape this GPU's Triton will not build: the fixed tiles, logged
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if os.environ.get("PRIMERL_FP8_GEMM_TILES") == "fixed" or capturing:
+            raise
+        log.error("FP8 GEMM tiles %s failed (%s: %s); PRIMERL_FP8_GEMM_TILES=fixed from now on", tiles[:2],
+                  type(exc).__name__, str(exc)[:200])
+        os.environ["PRIMERL_FP8_GEMM_TILES"] = "fixed"
+        _launch_gemm(a, b, c, a_s, b_s, b_group_n, _gemm_tiles(m, n))
+    return c
+
+
+def _launch_gemm(a, b, c, a_s, b_s, b_group_n: int, tiles: tuple[int, int, int, int]) -> None:  # noqa: ANN001
+    (m, k), n, scaled = a.shape, b.shape[0], a_s is not None
+    bm, bn, warps, stages = tiles
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](
         a, b, c, a_s if scaled else a, b_s if scaled else b,
@@ -141,7 +160,6 @@ def gemm_triton(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=8,
         num_warps=warps, num_stages=stages,
     )
-    return c
 
 
 @triton.jit

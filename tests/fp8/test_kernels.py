@@ -73,6 +73,21 @@ def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkey
     exact = dequantize_act(xq, xs).double() @ dequantize_weight(wq, ws).double().t()
     assert kernels._gemm_tiles(37, 150, 1000)[1] == 32
     assert rel(kernels.gemm_triton(xq, wq, xs, ws, out_dtype=torch.float32), exact) < 1e-3
+    # a tile shape a GPU's Triton will not build: the product still comes, on the fixed tiles, logged, kept
+    monkeypatch.setenv("PRIMERL_FP8_GEMM_TILES", "occupancy")  # restored after the test
+    launch, tried = kernels._launch_gemm, []
+
+    def no_narrow_tiles(*args):  # noqa: ANN002
+        tried.append(args[-1][:2])
+        if args[-1][1] == 32:
+            raise RuntimeError("this Triton builds no 32-wide tile")
+        return launch(*args)
+
+    monkeypatch.setattr(kernels, "_launch_gemm", no_narrow_tiles)
+    assert rel(kernels.gemm_triton(xq, wq, xs, ws, out_dtype=torch.float32), exact) < 1e-3
+    assert tried == [(64, 32), (64, 64)] and os.environ["PRIMERL_FP8_GEMM_TILES"] == "fixed"
+    kernels.gemm_triton(xq, wq, xs, ws)
+    assert tried[-1] == (64, 64)  # the fixed tiles from then on, no second failure
 
 
 @pytest.mark.gpu
