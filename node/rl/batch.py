@@ -33,11 +33,19 @@ class TrainBatch:
                           self.inference_logprobs[:, :n], self.advantages[:, :n],
                           None if self.routed_experts is None else self.routed_experts[:, :n])
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
-        """The batch on `device` (the trainer's model's), built on the host from the rollouts."""
-        return TrainBatch(*(x.to(device) for x in (self.input_ids, self.targets, self.loss_mask,
-                                                   self.inference_logprobs, self.advantages)),
-                          None if self.routed_experts is None else self.routed_experts.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TrainBatch":
+        """The batch on `device` (the trainer's model's), built on the host from the rollouts. `non_blocking`
+        from pinned host memory (`pinned`): the copy is queued behind the GPU's work instead of waiting for it
+        (a copy from pageable memory waits for the stream)."""
+        return TrainBatch(*(x.to(device, non_blocking=non_blocking) for x in (
+            self.input_ids, self.targets, self.loss_mask, self.inference_logprobs, self.advantages)),
+            None if self.routed_experts is None else self.routed_experts.to(device, non_blocking=non_blocking))
+
+    def pinned(self) -> "TrainBatch":
+        """The batch in page-locked host memory (needs CUDA)."""
+        return TrainBatch(*(x.pin_memory() for x in (self.input_ids, self.targets, self.loss_mask,
+                                                     self.inference_logprobs, self.advantages)),
+                          None if self.routed_experts is None else self.routed_experts.pin_memory())
 
 
 def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 0) -> TrainBatch:
@@ -64,6 +72,12 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 
         if experts is not None:
             experts[i, :n] = r.routed_experts[:n]
     return TrainBatch(input_ids, targets, loss_mask, logprobs, adv, experts)
+
+
+def first_loss_position(batch: TrainBatch) -> int:
+    """The first position any row of `batch` takes loss at (0 when none does): logits are computed from there."""
+    mask = batch.loss_mask
+    return int(mask.float().argmax(dim=1).min()) if bool(mask.any()) else 0
 
 
 def micro_batches(batch: TrainBatch, tokens: int,

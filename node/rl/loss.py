@@ -32,9 +32,11 @@ class LossConfig:
 @dataclass
 class LossOutput:
     loss: torch.Tensor
-    masked_share: float
-    mismatch_kl: float
-    """k3 estimate of KL(inference || trainer) over loss tokens."""
+    masked_share: torch.Tensor
+    """0-dim, detached, where the loss is: read it (`float`) once the step's work is queued, since reading a GPU
+    value waits for every kernel before it."""
+    mismatch_kl: torch.Tensor
+    """k3 estimate of KL(inference || trainer) over loss tokens (0-dim, detached, like `masked_share`)."""
 
 
 def policy_loss(trainer_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -48,9 +50,9 @@ def policy_loss(trainer_logprobs: torch.Tensor, inference_logprobs: torch.Tensor
         out_of_bounds = (r < cfg.hard_low) | (r > cfg.hard_high)
         keep = loss_mask & ~out_of_region & ~out_of_bounds
         n = loss_mask.sum().clamp(min=1)
-        masked_share = float((loss_mask & ~keep).sum() / n)
+        masked_share = (loss_mask & ~keep).sum() / n
         lr = log_ratio.detach()
-        mismatch_kl = float(((torch.exp(lr) - 1 - lr) * loss_mask).sum() / n)
+        mismatch_kl = ((torch.exp(lr) - 1 - lr) * loss_mask).sum() / n
     loss = -(advantages * ratio * keep).sum() / n
     return LossOutput(loss, masked_share, mismatch_kl)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from node.model.batching import GROUP_OVERHEAD_TOKENS
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.rl.batch import TrainBatch, micro_batches
+from node.rl.batch import TrainBatch, first_loss_position, micro_batches
 from node.rl.fp8 import apply_fp8_training
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.recipe import Recipe
@@ -89,12 +90,14 @@ class Trainer:
         """Set by `load` on a distributed checkpoint: its AdamW state is read when first needed
         (a world's ranks read their own shards of it instead; see `node.rl.parallel.world`)."""
 
-    def logprobs(self, batch: TrainBatch, replay: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trainer logprobs of the batch's targets [B, T] and the aux loss."""
+    def logprobs(self, batch: TrainBatch, replay: bool | None = None, start: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trainer logprobs of the batch's targets [B, T] and the aux loss. `start`: `first_loss_position` of the
+        batch, read by the caller before the batch went to the GPU (reading it there waits for the GPU)."""
         replay = self.cfg.router_replay if replay is None else replay
         # logits only from the first position any row learns from: prompts take no loss, and with a
         # 49k-151k vocabulary their logits would be most of the step's memory and a fifth of its compute
-        start = int(batch.loss_mask.float().argmax(dim=1).min()) if bool(batch.loss_mask.any()) else 0
+        start = first_loss_position(batch) if start is None else start
         out = self.model(batch.input_ids, routed_experts=batch.routed_experts if replay else None, logits_at=start)
         logp = token_logprobs(out.logits, batch.targets[:, start:], self.cfg.temperature)
         return torch.nn.functional.pad(logp, (start, 0)), out.aux_loss
@@ -120,26 +123,39 @@ class Trainer:
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
         return self.cfg.lr * (self.cfg.min_lr_ratio + (1 - self.cfg.min_lr_ratio) * cosine)
 
+    def _on_device(self, micros: list[TrainBatch]) -> Iterator[tuple[TrainBatch, int, int]]:
+        """(micro-batch on the model's device, its first loss position, its loss tokens) of host micro-batches:
+        the figures are read on the host, so the step never waits for the GPU to learn them (each such wait
+        empties the GPU's queue, and a launch-bound step then idles while the next kernels are launched)."""
+        device = next(self.model.parameters()).device
+        cuda = device.type == "cuda"  # pinned, so the copy queues behind the GPU's work instead of waiting for it
+        for micro in micros:
+            moved = micro.pinned().to(device, non_blocking=True) if cuda else micro.to(device)
+            yield moved, first_loss_position(micro), int(micro.loss_mask.sum())
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One step on `batch`: its micro-batches cut and measured on the host, each moved to the model's device
+        for its forward/backward (a trainer on a GPU: join --device cuda); nothing reads a GPU value before the
+        last optimizer step is queued (the metrics, as tensors until then, are read at the end)."""
         if self.distributed_checkpoint is not None:
             self.load_pending_optimizer_state()
-        batch = batch.to(next(self.model.parameters()).device)  # a trainer on a GPU (join --device cuda)
+        batch = batch.to("cpu")
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
         # one update on the whole batch: its own forward (before the step) gives the mismatch, so the
         # separate no-grad pass is skipped (a quarter of the step's compute on a large model)
         single = self.cfg.updates_per_batch == 1 and self.cfg.minibatches == 1
-        metrics: dict[str, float] = {"lr": self.learning_rate()}
+        metrics: dict[str, float | torch.Tensor] = {"lr": self.learning_rate()}
         if not single:
             # in the minibatches' rows, each in micro-batches: a whole batch's logits at once can exceed the GPU
             n_all, kl = max(1, int(batch.loss_mask.sum())), 0.0
             with torch.no_grad():
                 for rows in torch.arange(len(batch)).chunk(self.cfg.minibatches):
-                    for micro in self.micro_batches(batch.select(rows)):
-                        out = policy_loss(self.logprobs(micro)[0], micro.inference_logprobs, micro.advantages,
-                                          micro.loss_mask, self.cfg.loss)
-                        kl += out.mismatch_kl * int(micro.loss_mask.sum()) / n_all
+                    for micro, start, tokens in self._on_device(self.micro_batches(batch.select(rows))):
+                        out = policy_loss(self.logprobs(micro, start=start)[0], micro.inference_logprobs,
+                                          micro.advantages, micro.loss_mask, self.cfg.loss)
+                        kl = kl + out.mismatch_kl * tokens / n_all
             metrics["mismatch_kl"] = kl
         for update in range(self.cfg.updates_per_batch):
             order = torch.randperm(len(batch))
@@ -150,11 +166,11 @@ class Trainer:
                 self.optimizer.step()
                 if single:
                     metrics["mismatch_kl"] = stats["mismatch_kl"]
-                metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], grad_norm=float(grad_norm),
+                metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], grad_norm=grad_norm,
                                aux_loss=stats["aux_loss"])
         self.step += 1
         self.model.eval()
-        return metrics
+        return {k: float(v) for k, v in metrics.items()}  # the step's one wait for the GPU
 
     def _accumulate(self, mb: TrainBatch) -> dict[str, float]:
         """Gradients of one minibatch's loss, its micro-batches (`micro_batch_tokens`) one forward/backward
@@ -163,16 +179,16 @@ class Trainer:
         aux_coef = self.model.config.router_aux_loss_coef
         micros = self.micro_batches(mb, backward=True)
         n_all = max(1, int(mb.loss_mask.sum()))
-        stats = dict.fromkeys(("loss", "masked_share", "mismatch_kl", "aux_loss"), 0.0)
-        for micro in micros:
-            logp, aux = self.logprobs(micro)
+        stats: dict[str, float | torch.Tensor] = dict.fromkeys(("loss", "masked_share", "mismatch_kl", "aux_loss"), 0.0)
+        for micro, start, n_tokens in self._on_device(micros):
+            logp, aux = self.logprobs(micro, start=start)
             out = policy_loss(logp, micro.inference_logprobs, micro.advantages, micro.loss_mask, self.cfg.loss)
-            tokens, rows = (1.0, 1.0) if len(micros) == 1 else (int(micro.loss_mask.sum()) / n_all, len(micro) / len(mb))
+            tokens, rows = (1.0, 1.0) if len(micros) == 1 else (n_tokens / n_all, len(micro) / len(mb))
             (out.loss * tokens + aux_coef * aux * rows).backward()
-            stats["loss"] += float(out.loss.detach()) * tokens
-            stats["masked_share"] += out.masked_share * tokens
-            stats["mismatch_kl"] += out.mismatch_kl * tokens
-            stats["aux_loss"] += float(aux.detach()) * rows
+            stats["loss"] = stats["loss"] + out.loss.detach() * tokens
+            stats["masked_share"] = stats["masked_share"] + out.masked_share * tokens
+            stats["mismatch_kl"] = stats["mismatch_kl"] + out.mismatch_kl * tokens
+            stats["aux_loss"] = stats["aux_loss"] + aux.detach() * rows
         return stats
 
     # ---- checkpoints: model as HF safetensors, optimizer state as safetensors + json -------

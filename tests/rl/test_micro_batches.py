@@ -88,3 +88,42 @@ def test_the_auto_micro_batch_overhead_groups_on_the_cpu_and_takes_the_fewest_fo
         off_cpu = Trainer(CausalLM(CFG), TrainerConfig())
     assert off_cpu.overhead_tokens(backward=True) is None
     assert off_cpu.overhead_tokens(backward=False) == GROUP_OVERHEAD_TOKENS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_step_waits_for_the_gpu_only_to_read_its_metrics_whatever_its_micro_batches():
+    """Reading a GPU value (`.item()`, `float`, a copy to the host) empties the GPU's queue: in a launch-bound
+    step the GPU then idles while the next kernels are launched. The step's figures are read on the host and its
+    metrics once, at the end: the waits do not grow with the micro-batches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Waits(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            aten = torch.ops.aten
+            if func is aten._local_scalar_dense.default:
+                self.n += args[0].is_cuda
+            elif func is aten._to_copy.default:
+                self.n += args[0].is_cuda and kwargs.get("device") == torch.device("cpu")
+            elif func is aten.copy_.default:
+                self.n += args[1].is_cuda and args[0].device.type == "cpu"
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    batch = long_tailed_batch()
+    counts = []
+    for budget in (10_000, 64):  # one micro-batch, then several
+        # bf16: the grouped expert GEMMs (float32 experts count their rows on the host: a wait per MoE layer)
+        trainer = Trainer(CausalLM(CFG).to("cuda", torch.bfloat16), TrainerConfig(lr=1e-3, micro_batch_tokens=budget))
+        trainer.train_step(batch)  # warm: optimizer states, kernels
+        waits = Waits()
+        with waits:
+            metrics = trainer.train_step(batch)
+        counts.append(waits.n)
+        assert all(v == v for v in metrics.values())  # finite figures came back
+    assert counts[0] == counts[1] <= 6, counts  # the five metrics read at the end (mismatch_kl, loss, ...)
