@@ -101,19 +101,24 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count if torch.cuda.is_available() else 1
 
 
+def _fixed_tiles(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by rows alone: the tiles before session 20, and any GEMM's
+    with PRIMERL_FP8_GEMM_TILES=fixed (an A/B, or the fallback of `gemm_triton`)."""
+    if m <= 16:
+        return 16, 64, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
 def _gemm_tiles(m: int, n: int, sms: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by problem size. Decode-sized rows (m <= DECODE_ROWS): BLOCK_N
     is halved from 128 (down to 32) while the grid would have fewer programs than the GPU has SMs (`sms`): with
     fixed 128 x 128 tiles a batch-128 decode step's k / v projection (N 512) ran as 4 programs on 132 SMs, and
     the dense FP8 GEMMs took 3.5 ms of the step's 27 ms of kernels for 0.9 GB of weights on an H100 (session
-    20's profile). PRIMERL_FP8_GEMM_TILES=fixed keeps the earlier fixed tiles (an A/B)."""
-    fixed = os.environ.get("PRIMERL_FP8_GEMM_TILES") == "fixed"
-    if m <= 16 and fixed:
-        return 16, 64, 4, 4
-    if m <= 64 and fixed:
-        return 64, 64, 4, 4
-    if m > DECODE_ROWS or fixed:
-        return 128, 128, 8, 3
+    20's profile)."""
+    if os.environ.get("PRIMERL_FP8_GEMM_TILES") == "fixed" or m > DECODE_ROWS:
+        return _fixed_tiles(m)
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     rows = triton.cdiv(m, bm)
     bn = 128
@@ -143,7 +148,7 @@ def gemm_triton(
         log.error("FP8 GEMM tiles %s failed (%s: %s); PRIMERL_FP8_GEMM_TILES=fixed from now on", tiles[:2],
                   type(exc).__name__, str(exc)[:200])
         os.environ["PRIMERL_FP8_GEMM_TILES"] = "fixed"
-        _launch_gemm(a, b, c, a_s, b_s, b_group_n, _gemm_tiles(m, n))
+        _launch_gemm(a, b, c, a_s, b_s, b_group_n, _fixed_tiles(m))
     return c
 
 
