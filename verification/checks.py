@@ -81,7 +81,11 @@ THRESHOLDS = {
     # The H200 GPU path at the 48-layer shape (as for bfloat16; Triton FP8 GEMMs) went much further and the
     # CPU-set bounds rejected 33 of 360 honest rollouts: exp 30, mantissa mean 4.48 / median 4, checked mean
     # 0.066, flip margin 0.298; each x1.5 -> 45, 6.8, 6, 0.099, 0.45 (logprob max 0.286 stays inside 0.46).
-    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=45, max_mant_err_mean=6.8, max_mant_err_median=6.0,
+    # The full Qwen3-30B-A3B shape (48 layers, 128 experts, vocabulary 151,936; H100, the inference role's
+    # CudaEngine judged by the validator's GPU path; benchmarks/results/real_scale-s21-h100.json, 512 RL
+    # rollouts) went further on exponents only: 53 in one chunk (one claim over 45) -> x1.5 = 80; its other
+    # figures (mantissa 4.28 / 4, logprob 0.187 / 0.042, flip margin 0.169) stay inside the bounds above.
+    "fp8-all-bfloat16": Thresholds(max_exp_mismatches=80, max_mant_err_mean=6.8, max_mant_err_median=6.0,
                                    max_logprob_err=0.46, max_logprob_err_mean=0.099, margin_noise=0.45),
 }
 REWARD_TOL = 1e-6
