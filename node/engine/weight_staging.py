@@ -32,7 +32,9 @@ import torch
 
 from node.engine.fp8.model import _QuantizedWeights
 from node.engine.weights import Target, plan_weights
+from node.model.quantization import dequantize
 from node.model.qwen3_moe import CausalLM
+from node.model.served_form import ServedForm
 from node.model.streamed_weights import headers
 
 log = logging.getLogger(__name__)
@@ -130,7 +132,8 @@ class StagedVersion:
         """Checked now (`WeightsMismatch`); staged on the device now when there is room for it (and `stage`:
         a model nobody serves yet, as the validator's, is better filled straight at `apply`)."""
         v = cls(model, state_dict, plan_weights(state_dict, model.config, shapes), shapes, ring)
-        v.times.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(state_dict).values())
+        published = state_dict.tensors if isinstance(state_dict, ServedForm) else state_dict  # as it travels
+        v.times.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(published).values())
         device = _device(model)
         if device.type == "cuda" and stage:
             need, (free, _) = _staged_bytes(model, v.plan, shapes), torch.cuda.mem_get_info(device)
@@ -155,13 +158,29 @@ class StagedVersion:
                 dtype = _high_precision(self.model, target.internal, live)
                 dst_full = staged[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
                 dst_full.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
-            self._copy(self.state[name], target.view(dst_full), stream, pieces)
+            self._copy(self._read(name, device, stream), target.view(dst_full), stream, pieces)
         settle(pieces)
         self.ready = torch.cuda.Event()
         self.ready.record(stream)
         self.staged = staged
         self.state = {}  # the payload's pages are no longer needed
         self.times.stage_s, self.times.staged_on_device = time.perf_counter() - t0, True
+
+    def _read(self, name: str, device: torch.device, stream: torch.cuda.Stream | None) -> torch.Tensor:
+        """The value of `name`: a tensor of the version (host), or, for one published in its served form
+        (node/model/served_form.py) to a GPU, its e4m3 bytes and scales moved there and dequantised there on
+        `stream` (half the bytes through the ring, no host dequantisation)."""
+        pair = self.state.fp8(name) if isinstance(self.state, ServedForm) else None
+        if pair is None or device.type != "cuda":
+            return self.state[name]
+        if self.ring is None:
+            self.ring = PinnedRing(device)
+        with torch.cuda.stream(stream):  # allocated on the stream that uses them
+            on_device = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in pair]
+        for src, dst in zip(pair, on_device):
+            settle(self.ring.copy(src, dst, stream))
+        with torch.cuda.stream(stream):
+            return dequantize(*on_device, self.state.dtype)
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future]) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
@@ -206,13 +225,13 @@ class StagedVersion:
         for name, target in self.plan.items():
             dest = live.get(target.internal)
             if dest is not None and _plain(dest):
-                self._copy(self.state[name], target.view(dest), stream, pieces)
+                self._copy(self._read(name, device, stream), target.view(dest), stream, pieces)
                 continue
             buf = pending.get(target.internal)
             if buf is None:
                 dtype = _high_precision(self.model, target.internal, live)
                 buf = pending[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
-            self._copy(self.state[name], target.view(buf), stream, pieces)
+            self._copy(self._read(name, device, stream), target.view(buf), stream, pieces)
             left[target.internal] -= 1
             if not left[target.internal]:
                 settle(pieces)  # the module's copy is whole before it is quantised

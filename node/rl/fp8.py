@@ -24,6 +24,7 @@ from torch import nn
 from node.fp8.ops import grouped_linear, quantize_activation, scaled_gemm
 from node.fp8.quantize import quantize_weight
 from node.model.moe import GroupedExperts
+from node.model.served_form import is_decoder_projection
 
 
 class FP8Matmul(torch.autograd.Function):
@@ -110,14 +111,10 @@ class FP8TrainGroupedExperts(GroupedExperts):
         return FP8GroupedMatmul.apply(F.silu(gate) * up, counts, self.down_proj)
 
 
-def _is_projection(name: str) -> bool:
-    return ".layers." in f".{name}" and not name.endswith("mlp.gate")
-
-
 def apply_fp8_training(model: nn.Module) -> nn.Module:
     """Make every decoder projection and expert bank compute in FP8, in place, keeping parameters."""
     for name, mod in list(model.named_modules()):
-        if type(mod) is nn.Linear and _is_projection(name):
+        if type(mod) is nn.Linear and is_decoder_projection(name):
             mod.__class__ = FP8TrainLinear
         elif type(mod) is GroupedExperts:
             mod.__class__ = FP8TrainGroupedExperts

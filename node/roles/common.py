@@ -18,8 +18,9 @@ import torch
 from node.envs import get_env
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.model.errors import WeightsHashMismatch
+from node.model.errors import MismatchedScales, WeightsHashMismatch
 from node.model.fill import allocate, check_against, checkpoint_shapes, meta_model
+from node.model.served_form import served
 from node.model.shards import CheckpointShards
 from node.model.weights_digest import WeightsDigest
 from node.model.spec import DTYPES, TinyMoE, load_model, resolve
@@ -140,8 +141,12 @@ async def fetch_policy(spec: RunSpec, store: Store, version: int, expect_hash: s
             if stages is not None:
                 stages.update(got.stages_s, wire_bytes_downloaded=got.wire_bytes_downloaded)
             # views over the payload file's (copy-on-write) mapping, no copy: an engine copies each tensor where it is
-            # served (node/engine/weight_staging.py), so the event loop never clones the whole model
-            return got.tensors()
+            # served (node/engine/weight_staging.py), so the event loop never clones the whole model; an FP8 run's
+            # version in its served form reads as the values it holds (node/model/served_form.py)
+            try:
+                return served(got.tensors(), DTYPES[spec.model.dtype])
+            except MismatchedScales as exc:
+                raise ProtocolError(f"v{version}: {exc}") from exc
         except ProtocolError as exc:
             last = exc
             await asyncio.sleep(min(0.2 * (attempt + 1), 2.0))

@@ -272,7 +272,7 @@ class TrainerNode:
         if signed is None:
             publishing = await asyncio.to_thread(
                 publish_trainer_async, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
-                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4))
+                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4), self.spec.model.fp8)
 
         async def finish() -> None:
             # announced once listed beside the trainer (roles sharing its store load it then), before the wire

@@ -71,3 +71,28 @@ def test_an_fp8_engine_quantises_a_staged_version_on_the_device(tmp_path):
     experts = eng.model.model.layers[1].mlp.experts
     q, s = quantize_weight(newer.model.layers[1].mlp.experts.down_proj.detach().cuda())
     assert torch.equal(experts.down_proj.view(torch.uint8), q.view(torch.uint8)) and torch.equal(experts.down_proj_scale, s)
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_served_form_version_moves_its_e4m3_bytes_and_dequantises_them_on_the_device(tmp_path, monkeypatch, room):
+    """An FP8 run's version in its served form (node/model/served_form.py): staged or applied straight, the
+    engine serves the e4m3 bytes an engine given the trainer's bf16 weights quantises itself."""
+    from node.model.served_form import ServedForm, served
+    from node.rl.parallel.publish import publish_model
+
+    if not room:
+        monkeypatch.setattr(weight_staging, "STAGING_HEADROOM", 1 << 50)
+    newer = model(3)
+    key, store = NodeKey.from_seed(b"\x09" * 32), Store(tmp_path / "s")
+    publish_model(newer, None, store, key, "r", 1, None, None, fp8="all")
+    version = served(read_held(store, TrustedPublishers([key.peer_id]), "r", 1).tensors(), torch.bfloat16)
+    assert isinstance(version, ServedForm)
+    held = {}
+    for form, state in (("served", version), ("plain", state_dict_to_hf(newer))):
+        eng = CudaEngine(model(2).cuda(), max_batch=4, eos_id=-1, fp8="all", version=1)
+        eng.load_weights(state, version=2)
+        eng.step()
+        held[form] = {n: t.clone() for n, t in eng.model.named_buffers()}
+    e4m3 = [n for n, t in held["plain"].items() if t.dtype == torch.float8_e4m3fn]
+    assert e4m3 and all(torch.equal(held["served"][n].view(torch.uint8), held["plain"][n].view(torch.uint8)) for n in e4m3)
+    assert all(torch.allclose(held["served"][f"{n}_scale"], held["plain"][f"{n}_scale"], rtol=2**-7, atol=0) for n in e4m3)

@@ -24,6 +24,7 @@ from torch import nn
 from node.fp8.ops import fp8_linear, grouped_linear
 from node.fp8.quantize import BLOCK, dequantize_weight, quantize_weight
 from node.model.moe import GroupedExperts, MoEBlock
+from node.model.served_form import is_decoder_projection
 from protocol.model_spec import FP8_MODES, FP8Mode
 
 
@@ -136,10 +137,6 @@ def _quantized(source, name: str, device: torch.device) -> tuple[torch.Tensor, t
     return stored if stored is not None else quantize_weight(source.value(name).to(device))
 
 
-def _is_projection(name: str) -> bool:
-    return ".layers." in f".{name}" and not name.endswith("mlp.gate") and not name.endswith("lm_head")
-
-
 @torch.no_grad()
 def quantize_model_fp8(model: nn.Module, dense: bool = True) -> nn.Module:
     """Swap decoder projections (unless `dense` is False) and experts for FP8 twins, in place;
@@ -148,7 +145,7 @@ def quantize_model_fp8(model: nn.Module, dense: bool = True) -> nn.Module:
     swaps: list[tuple[str, nn.Module]] = []
     top_k = {f"{name}.experts": mod.top_k for name, mod in model.named_modules() if isinstance(mod, MoEBlock)}
     for name, mod in model.named_modules():
-        if dense and isinstance(mod, nn.Linear) and _is_projection(name):
+        if dense and isinstance(mod, nn.Linear) and is_decoder_projection(name):
             swaps.append((name, FP8Linear(mod)))
         elif isinstance(mod, GroupedExperts):
             swaps.append((name, FP8GroupedExperts(mod, top_k.get(name))))

@@ -11,7 +11,9 @@ overlap, and the world is free for the next step as soon as the last copy is iss
 (`Publication.gathered`): the encoding finishes on rank 0's threads while it trains.
 
 The payload's layout is the one `shardcast.publish` gives `state_dict_to_hf(model)`, so
-versions published either way are interchangeable (same names, order, dtypes, offsets).
+versions published either way are interchangeable (same names, order, dtypes, offsets). An FP8 run
+publishes its versions after 0 in their served form (`fp8`: each tensor the run serves in e4m3 quantised
+on the device as it is gathered, beside its block scales: node/model/served_form.py).
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.fp8.quantize import quantize_weight
+from node.model.quantization import SCALE_SUFFIX, scale_shape
+from node.model.served_form import fp8_served_params, served_fp8
 from node.rl.parallel.dims import ParallelGroups
 from node.rl.parallel.state import gather_tensors, global_shape
 from protocol.identity import NodeKey
+from protocol.model_spec import FP8Mode
 from shardcast.codec import layout
 from shardcast.manifest import SignedManifest
 from shardcast.publish import PublishOptions, publish_stream
@@ -40,31 +46,49 @@ log = logging.getLogger(__name__)
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def hf_pieces(name: str, t: torch.Tensor, tied: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """The HF tensors of one whole parameter (as `node.model.checkpoint.state_dict_to_hf`)."""
+def hf_pieces(name: str, t: torch.Tensor, tied: bool = False, fp8: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one whole parameter (as `node.model.checkpoint.state_dict_to_hf`); `fp8`: a parameter
+    the run serves in e4m3, each piece in its served form where its blocks are the served tensor's (`_served`)."""
     if tied and name == "lm_head.weight":
         return []
     m = _STACKED.match(name)
     if not m:
-        return [(name, t)]
+        return _served(name, t, False) if fp8 else [(name, t)]
     prefix, kind = m.groups()
     out = []
     for e in range(t.shape[0]):
         if kind == "gate_up_proj":
             gate, up = t[e].chunk(2, dim=0)
-            out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+            pieces = [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
         else:
-            out.append((f"{prefix}.{e}.down_proj.weight", t[e]))
+            pieces = [(f"{prefix}.{e}.down_proj.weight", t[e])]
+        for hf, piece in pieces:
+            out += _served(hf, piece, kind == "gate_up_proj") if fp8 else [(hf, piece)]
     return out
 
 
-def hf_layout(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None) -> list:
-    """The payload layout (shardcast `TensorEntry`s) of the model's HF tensors, from shapes alone."""
+def _served(name: str, t: torch.Tensor, stacked: bool) -> list[tuple[str, torch.Tensor]]:
+    """`name` as e4m3 and its block scales, quantised where `t` is (shapes only for a meta tensor), when its
+    blocks are those of the tensor it is served in (`served_form.served_fp8`); else as it is."""
+    if not served_fp8(tuple(t.shape), stacked):
+        return [(name, t)]
+    if t.is_meta:
+        q = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device="meta")
+        s = torch.empty(scale_shape(tuple(t.shape)), dtype=torch.float32, device="meta")
+    else:
+        q, s = quantize_weight(t)
+    return [(name, q), (f"{name}{SCALE_SUFFIX}", s)]
+
+
+def hf_layout(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None,
+              served: frozenset[str] = frozenset()) -> list:
+    """The payload layout (shardcast `TensorEntry`s) of the model's HF tensors, from shapes alone (`served`:
+    the parameters published in their served form)."""
     tied = model.config.tie_word_embeddings
     meta = {}
     for name, p in model.named_parameters():
         shape = p.shape if groups is None else global_shape(groups, name, p)
-        for hf, t in hf_pieces(name, torch.empty(shape, dtype=dtype or p.dtype, device="meta"), tied):
+        for hf, t in hf_pieces(name, torch.empty(shape, dtype=dtype or p.dtype, device="meta"), tied, name in served):
             meta[hf] = t
     return layout(meta)[0]
 
@@ -114,6 +138,9 @@ class Publication:
     store read it; the coordinator may announce it), or the error that stopped it."""
     whole: Future = field(default_factory=Future)
     """Gets the whole SignedManifest once the wire shards are listed too (peers elsewhere fetch it)."""
+    fp8: FP8Mode = "off"
+    """The run's serving precision: the tensors it serves in e4m3 are published so (version 0 is not: it is
+    pinned by its values)."""
 
 
 @dataclass
@@ -134,8 +161,9 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
     t0 = time.perf_counter()
     tied = model.config.tie_word_embeddings
     ready: queue.Queue = queue.Queue()
+    served = frozenset() if sink is None or sink.version == 0 else fp8_served_params(model, sink.fp8)
     if sink is not None:
-        tensors = hf_layout(model, groups, dtype)
+        tensors = hf_layout(model, groups, dtype, served)
         total = tensors[-1].offset + tensors[-1].nbytes
         cuda = next(model.parameters()).is_cuda
         buf = sink.buffer.get(total, pinned=cuda)
@@ -172,7 +200,7 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
                 continue
             whole = whole.to(dtype) if dtype is not None else whole
             end = 0
-            for hf, piece in hf_pieces(name, whole, tied):
+            for hf, piece in hf_pieces(name, whole, tied, name in served):
                 e = offsets[hf]
                 src = piece.contiguous().reshape(-1).view(torch.uint8)
                 buf[e.offset:e.offset + e.nbytes].copy_(src, non_blocking=src.is_cuda)
@@ -194,39 +222,40 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
 
 def publish_model(model: torch.nn.Module, groups: ParallelGroups | None, store: Store, key: NodeKey, run_id: str,
                   version: int, parent: int | None, options: PublishOptions | None, buffer: PayloadBuffer | None = None,
-                  dtype: torch.dtype | None = None) -> SignedManifest:
+                  dtype: torch.dtype | None = None, fp8: FP8Mode = "off") -> SignedManifest:
     """One process (or rank 0 of a world whose other ranks call `stream_publish(..., None)`):
     publish `model` as `version` and wait for the whole signed manifest."""
-    return start_publish(model, groups, store, key, run_id, version, parent, options, buffer, dtype).whole.result()
+    return start_publish(model, groups, store, key, run_id, version, parent, options, buffer, dtype, fp8).whole.result()
 
 
 def start_publish(model: torch.nn.Module, groups: ParallelGroups | None, store: Store, key: NodeKey, run_id: str,
                   version: int, parent: int | None, options: PublishOptions | None, buffer: PayloadBuffer | None = None,
-                  dtype: torch.dtype | None = None) -> Publishing:
+                  dtype: torch.dtype | None = None, fp8: FP8Mode = "off") -> Publishing:
     """`publish_model` that returns once every tensor's copy out of `model` is issued (the publication goes
     on on a thread)."""
-    sink = Publication(store, key, run_id, version, parent, options, buffer or PayloadBuffer())
+    sink = Publication(store, key, run_id, version, parent, options, buffer or PayloadBuffer(), fp8=fp8)
     stream_publish(model, groups, dtype, sink)
     return Publishing(sink.done, sink.whole)
 
 
 def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
-                    options: PublishOptions | None = None) -> SignedManifest:
+                    options: PublishOptions | None = None, fp8: FP8Mode = "off") -> SignedManifest:
     """What the trainer role calls to publish a version: a one-process `Trainer` streams its own
-    weights; a `world.Leader` has every rank of its world stream theirs. Returns the whole manifest."""
-    return publish_trainer_async(trainer, store, key, run_id, version, parent, options).whole.result()
+    weights; a `world.Leader` has every rank of its world stream theirs. Returns the whole manifest.
+    `fp8`: the run's serving precision (versions after 0 go in their served form)."""
+    return publish_trainer_async(trainer, store, key, run_id, version, parent, options, fp8).whole.result()
 
 
 def publish_trainer_async(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
-                          options: PublishOptions | None = None) -> Publishing:
+                          options: PublishOptions | None = None, fp8: FP8Mode = "off") -> Publishing:
     """`publish_trainer` that returns once every tensor's copy out of the weights is issued: the next step
     may change the weights at once (on a GPU its kernels queue behind
     the copies on the same stream), while the version is encoded, signed and listed from the payload buffer
     (the next publication waits for the buffer: `PayloadBuffer.get`)."""
     if hasattr(trainer, "send_weights_async"):
-        return trainer.send_weights_async(store, key, run_id, version, parent, options)
+        return trainer.send_weights_async(store, key, run_id, version, parent, options, fp8)
     buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
-    return start_publish(trainer.model, None, store, key, run_id, version, parent, options, buffer)
+    return start_publish(trainer.model, None, store, key, run_id, version, parent, options, buffer, fp8=fp8)
 
 
 _buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -48,6 +48,7 @@ from node.rl.parallel.state import scatter_optimizer_state, scatter_weights
 from node.rl.parallel.trainer import DistributedTrainer, RankWork, minibatch_seed, plan_world
 from node.rl.trainer import Trainer, TrainerConfig
 from protocol.identity import NodeKey
+from protocol.model_spec import FP8Mode
 from shardcast.manifest import SignedManifest
 from shardcast.publish import PublishOptions
 from shardcast.store import Store
@@ -252,7 +253,7 @@ class Leader:
         return metrics
 
     def send_weights_async(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
-                      options: PublishOptions | None = None) -> Publishing:
+                      options: PublishOptions | None = None, fp8: FP8Mode = "off") -> Publishing:
         """Stream the weights into `store` as `version`. Returns once the world has gathered them
         (the next order, e.g. the next step, may run while rank 0 encodes): its `listed` Future gets the
         local SignedManifest (timings written), its `whole` one the whole manifest."""
@@ -276,7 +277,8 @@ class Leader:
         done.add_done_callback(stamp)
 
         def send() -> float:
-            self.rank.publication = Publication(store, key, run_id, version, parent, options, self.buffer, done, whole)
+            self.rank.publication = Publication(store, key, run_id, version, parent, options, self.buffer, done, whole,
+                                                fp8)
             return self._send(Order("publish"))
 
         timings["gather_s"] = self.collectives.submit(send).result()
@@ -284,8 +286,8 @@ class Leader:
         return Publishing(signed, whole)
 
     def send_weights(self, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
-                options: PublishOptions | None = None) -> SignedManifest:
-        return self.send_weights_async(store, key, run_id, version, parent, options).whole.result()
+                options: PublishOptions | None = None, fp8: FP8Mode = "off") -> SignedManifest:
+        return self.send_weights_async(store, key, run_id, version, parent, options, fp8).whole.result()
 
     def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
         """A distributed checkpoint: every rank writes its shards of the weights and AdamW state

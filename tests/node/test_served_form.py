@@ -1,0 +1,132 @@
+"""An FP8 run publishes its versions after 0 in their served form (e4m3 + block scales for what it serves in
+FP8), members fetch them over shardcast and read the values, and an FP8 engine serves the trainer's bytes."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from node.engine import Engine, Request, SamplingParams
+from node.engine.fp8.model import apply_fp8_mode
+from node.fp8.quantize import quantize_weight
+from node.model.checkpoint import state_dict_to_hf
+from node.model.errors import MismatchedScales
+from node.model.quantization import SCALE_SUFFIX, dequantize
+from node.model import CausalLM, ModelConfig
+from node.model.served_form import ServedForm, fp8_served_params, served
+from node.roles.common import fetch_policy, fresh_model
+from node.rl.parallel.publish import publish_model
+from protocol.identity import NodeKey
+from protocol.messages import RunSpec
+from protocol.model_spec import ModelSpec
+from shardcast.fetch import read_held
+from shardcast.manifest import TrustedPublishers
+from shardcast.server import ShardServer
+from shardcast.store import Store
+
+PEER = "12D3KooWGzh1b2VJ2c8Nk5rQb9P9s1p7pY9yq1Qe4sXvTtF3gW8E"
+
+
+def _spec(**kw) -> RunSpec:
+    return RunSpec(run_id="r", coordinator=PEER, environment="reverse", model=ModelSpec(fp8="all"), **kw)
+
+
+def _stepped(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """`model` after an RL step's worth of change to every weight."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3 * p.std().clamp_min(1e-3))
+    return model
+
+
+def _fetch(store: Store, key: NodeKey, version: int):
+    async def main():
+        server = ShardServer(store)
+        port = await server.start("127.0.0.1", 0)
+        spec = _spec(trainer=key.peer_id, shardcast_sources=[f"http://127.0.0.1:{port}"])
+        try:
+            return await fetch_policy(spec, Store(store.root.parent / f"member-{version}"), version)
+        finally:
+            await server.stop()
+    return asyncio.run(main())
+
+
+def test_an_fp8_run_publishes_its_served_form_after_version_0_and_members_read_its_values(tmp_path):
+    key, store = NodeKey.from_seed(b"\x07" * 32), Store(tmp_path / "trainer")
+    model = fresh_model(_spec())
+    v0 = publish_model(model, None, store, key, "r", 0, None, None, fp8="all").manifest
+    assert not any(e.name.endswith(SCALE_SUFFIX) for e in v0.tensors), "version 0 is pinned by its values: plain"
+    _stepped(model, 1)
+    v1 = publish_model(model, None, store, key, "r", 1, 0, None, fp8="all").manifest
+    quantised = {e.name[: -len(SCALE_SUFFIX)] for e in v1.tensors if e.name.endswith(SCALE_SUFFIX)}
+    want = state_dict_to_hf(model)
+    # the tiny model's experts are 64 rows wide: gate and up are not on block edges (stay plain); the rest goes e4m3
+    assert quantised == {n for n in want if n.endswith("down_proj.weight") or (".self_attn." in n and n.endswith("_proj.weight"))}
+    assert v1.encoding == "full" and v1.total_bytes < v0.total_bytes
+    assert len(fp8_served_params(model, "all")) > len(fp8_served_params(model, "experts")) > 0
+
+    got = _fetch(store, key, 1)
+    assert isinstance(got, ServedForm) and set(got) == set(want)
+    for name, w in want.items():
+        if name in quantised:
+            assert torch.equal(got[name], dequantize(*quantize_weight(w), w.dtype)), name
+        else:
+            assert torch.equal(got[name], w), name
+
+    # the next version is a delta of this one (same layout), and reads the same way
+    _stepped(model, 2)
+    v2 = publish_model(model, None, store, key, "r", 2, 1, None, fp8="all").manifest
+    assert v2.encoding == "delta" and v2.parent == 1
+    got2 = _fetch(store, key, 2)
+    w = state_dict_to_hf(model)["model.layers.1.mlp.experts.2.down_proj.weight"]
+    assert torch.equal(got2["model.layers.1.mlp.experts.2.down_proj.weight"], dequantize(*quantize_weight(w), w.dtype))
+
+
+def test_an_fp8_engine_serves_the_trainers_e4m3_bytes_from_a_served_form_version(tmp_path):
+    """Experts 128 rows wide: everything the run serves in FP8 travels as e4m3; the engine that loads the
+    served form holds the e4m3 bytes of one that loads the trainer's high-precision weights (the scales to
+    their last bits) and generates the same tokens."""
+    torch.manual_seed(4)
+    model = CausalLM(ModelConfig(vocab_size=64, hidden_size=128, moe_intermediate_size=128, head_dim=32)).eval()
+    key, store = NodeKey.from_seed(b"\x08" * 32), Store(tmp_path / "trainer")
+    manifest = publish_model(model, None, store, key, "r", 1, None, None, fp8="all").manifest
+    assert any(e.name.endswith(f"gate_proj.weight{SCALE_SUFFIX}") for e in manifest.tensors)
+    version = served(read_held(store, TrustedPublishers([key.peer_id]), "r", 1).tensors(), torch.float32)
+    assert isinstance(version, ServedForm)
+
+    engines = {}
+    for form, state in (("served", version), ("plain", state_dict_to_hf(model))):
+        blank = copy.deepcopy(model)
+        engine = Engine(apply_fp8_mode(blank, "all"), max_batch=2, eos_id=-1)
+        with torch.no_grad():  # nothing of the trainer's weights left in the engine before the version lands
+            for t in engine.model.buffers():
+                t.zero_()
+        engine.load_weights(state, version=1)
+        engines[form] = engine
+    tokens = [[c.token_ids for c in e.generate([Request("a", [5, 6, 7], SamplingParams(max_new_tokens=6, seed=0))])]
+              for e in engines.values()]
+    served_, plain = (dict(engines[f].model.named_buffers()) for f in ("served", "plain"))
+    e4m3 = [n for n, t in plain.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(e4m3) == 2 * 4 + 2 * 2, "q, k, v, o and both expert tensors of each layer"
+    assert all(torch.equal(served_[n].view(torch.uint8), plain[n].view(torch.uint8)) for n in e4m3)
+    for n in (f"{n}_scale" for n in e4m3):
+        assert torch.allclose(served_[n], plain[n], rtol=2**-7, atol=0), n
+    assert tokens[0] == tokens[1]
+
+
+def test_a_served_form_version_with_wrong_scales_is_refused_with_a_typed_error():
+    w = torch.randn(256, 128)
+    q, s = quantize_weight(w)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    ok = ServedForm({name: q, f"{name}{SCALE_SUFFIX}": s, "model.norm.weight": torch.ones(8)}, torch.float32)
+    assert set(ok) == {name, "model.norm.weight"} and torch.equal(ok[name], dequantize(q, s, torch.float32))
+    with pytest.raises(MismatchedScales, match="missing"):
+        ServedForm({name: q}, torch.float32)
+    with pytest.raises(MismatchedScales, match="expected float32"):
+        ServedForm({name: q, f"{name}{SCALE_SUFFIX}": s[:1]}, torch.float32)
+    with pytest.raises(MismatchedScales, match="not float8"):
+        ServedForm({name: w, f"{name}{SCALE_SUFFIX}": s}, torch.float32)
+    with pytest.raises(MismatchedScales, match="no weight"):
+        ServedForm({f"{name}{SCALE_SUFFIX}": s}, torch.float32)
