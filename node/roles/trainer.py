@@ -259,6 +259,12 @@ class TrainerNode:
         (the one publication path: a restart re-announces a version already in the store)."""
         await (await self._start_publication(client, trainer))
 
+    def _published_form(self) -> str:
+        """The FP8 mode whose tensors versions after 0 carry in their served form (node/model/served_form.py):
+        the run's; `PRIMERL_PUBLISH_FORM=plain` publishes every tensor in high precision instead (the previous
+        form, kept to measure against: benchmarks/served_form_device.sh)."""
+        return "off" if os.environ.get("PRIMERL_PUBLISH_FORM") == "plain" else self.spec.model.fp8
+
     async def _start_publication(self, client: CoordinatorClient, trainer: Trainer, row: dict | None = None,
                                  metrics=None) -> asyncio.Task:
         """Copy the current version out of the weights (streamed: a world's ranks never gather the model)
@@ -272,7 +278,7 @@ class TrainerNode:
         if signed is None:
             publishing = await asyncio.to_thread(
                 publish_trainer_async, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
-                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4), self.spec.model.fp8)
+                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4), self._published_form())
 
         async def finish() -> None:
             # announced once listed beside the trainer (roles sharing its store load it then), before the wire
