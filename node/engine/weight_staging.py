@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from node.engine.fp8.model import _QuantizedWeights
-from node.engine.weights import Target, plan_weights
-from node.model.quantization import dequantize
+from node.engine.weights import Target, WeightsMismatch, plan_weights
+from node.model.quantization import BLOCK
+from node.model.quantization import dequantize, scale_shape
 from node.model.qwen3_moe import CausalLM
 from node.model.served_form import ServedForm
 from node.model.streamed_weights import headers
@@ -132,6 +133,7 @@ class StagedVersion:
         """Checked now (`WeightsMismatch`); staged on the device now when there is room for it (and `stage`:
         a model nobody serves yet, as the validator's, is better filled straight at `apply`)."""
         v = cls(model, state_dict, plan_weights(state_dict, model.config, shapes), shapes, ring)
+        _check_served(v)
         published = state_dict.tensors if isinstance(state_dict, ServedForm) else state_dict  # as it travels
         v.times.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(published).values())
         device = _device(model)
@@ -149,38 +151,53 @@ class StagedVersion:
         t0 = time.perf_counter()
         live = _served(self.model)
         staged: dict[str, torch.Tensor] = {}
+        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # tensors handed over from this GPU are written
         pieces: list[Future] = []
         for name, target in self.plan.items():
+            if self._copy_raw(name, target, raw, device, stream, pieces):
+                continue
             dst_full = staged.get(target.internal)
             if dst_full is None:
                 dtype = _high_precision(self.model, target.internal, live)
                 dst_full = staged[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
                 dst_full.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
-            self._copy(self._read(name, device, stream), target.view(dst_full), stream, pieces)
+            self._copy(self.state[name], target.view(dst_full), stream, pieces)
         settle(pieces)
+        with torch.cuda.stream(stream):  # each tensor sent in its served form: dequantised whole, once
+            for internal in list(raw):
+                staged[internal] = self._dequantised(raw.pop(internal), internal, live)
         self.ready = torch.cuda.Event()
         self.ready.record(stream)
         self.staged = staged
         self.state = {}  # the payload's pages are no longer needed
         self.times.stage_s, self.times.staged_on_device = time.perf_counter() - t0, True
 
-    def _read(self, name: str, device: torch.device, stream: torch.cuda.Stream | None) -> torch.Tensor:
-        """The value of `name`: a tensor of the version (host), or, for one published in its served form
-        (node/model/served_form.py) to a GPU, its e4m3 bytes and scales moved there and dequantised there on
-        `stream` (half the bytes through the ring, no host dequantisation)."""
-        pair = self.state.fp8(name) if isinstance(self.state, ServedForm) else None
-        if pair is None or device.type != "cuda":
-            return self.state[name]
+    def _copy_raw(self, name: str, target: Target, raw: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  device: torch.device, stream: torch.cuda.Stream, pieces: list[Future]) -> bool:
+        """For a tensor of a version in its served form (node/model/served_form.py) going to a GPU: its e4m3
+        bytes and block scales into their places in device buffers of its whole served tensor (`raw`), through
+        the pinned ring (half a bf16 tensor's bytes). False (nothing done) for any other tensor."""
+        pair = self.state.fp8(name) if isinstance(self.state, ServedForm) and device.type == "cuda" else None
+        if pair is None:
+            return False
         if self.ring is None:
             self.ring = PinnedRing(device)
-        with torch.cuda.stream(stream):  # allocated on the stream that uses them
-            on_device = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in pair]
-        for src, dst in zip(pair, on_device):
-            settle(self.ring.copy(src, dst, stream))
-        with torch.cuda.stream(stream):
-            return dequantize(*on_device, self.state.dtype)
+        bufs = raw.get(target.internal)
+        if bufs is None:
+            shape = self.shapes[target.internal]
+            with torch.cuda.stream(stream):  # allocated on the stream that fills and reads them
+                bufs = raw[target.internal] = (torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+                                               torch.empty(scale_shape(shape), dtype=torch.float32, device=device))
+        pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
+        pieces += self.ring.copy(pair[1], target.scale_view(bufs[1]), stream)
+        return True
+
+    def _dequantised(self, bufs: tuple[torch.Tensor, torch.Tensor], internal: str,
+                     live: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A served tensor's whole e4m3 copy and scales as its value, in the dtype it is loaded in."""
+        return dequantize(*bufs, _high_precision(self.model, internal, live))
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future]) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
@@ -218,26 +235,49 @@ class StagedVersion:
         device = _device(self.model)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         pending: dict[str, torch.Tensor] = {}  # quantised modules: one module's high-precision copy at a time
+        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # or its e4m3 copy, for a version in served form
         left: dict[str, int] = {}
         pieces: list[Future] = []
         for target in self.plan.values():
             left[target.internal] = left.get(target.internal, 0) + 1
         for name, target in self.plan.items():
             dest = live.get(target.internal)
+            if stream is not None and self._copy_raw(name, target, raw, device, stream, pieces):
+                left[target.internal] -= 1
+                if not left[target.internal]:
+                    settle(pieces)
+                    _load(self.model, target.internal, self._dequantised(raw.pop(target.internal), target.internal,
+                                                                          live), live)
+                continue
             if dest is not None and _plain(dest):
-                self._copy(self._read(name, device, stream), target.view(dest), stream, pieces)
+                self._copy(self.state[name], target.view(dest), stream, pieces)
                 continue
             buf = pending.get(target.internal)
             if buf is None:
                 dtype = _high_precision(self.model, target.internal, live)
                 buf = pending[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
-            self._copy(self._read(name, device, stream), target.view(buf), stream, pieces)
+            self._copy(self.state[name], target.view(buf), stream, pieces)
             left[target.internal] -= 1
             if not left[target.internal]:
                 settle(pieces)  # the module's copy is whole before it is quantised
                 _load(self.model, target.internal, pending.pop(target.internal), live)
         settle(pieces)
         self.state = {}
+
+
+def _check_served(v: StagedVersion) -> None:
+    """A version in its served form: each served tensor comes wholly in e4m3 or wholly not, and e4m3 rows of
+    a stacked tensor start and end on block edges (`WeightsMismatch` otherwise: nothing copied yet)."""
+    if not isinstance(v.state, ServedForm):
+        return
+    raw: dict[str, bool] = {}
+    for name, target in v.plan.items():
+        is_raw = v.state.fp8(name) is not None
+        if is_raw and target.rows is not None and (target.rows[0] % BLOCK or target.rows[1] % BLOCK):
+            raise WeightsMismatch(f"{name}: e4m3 rows {target.rows} of {target.internal} are not on 128-row "
+                                  "block edges")
+        if raw.setdefault(target.internal, is_raw) != is_raw:
+            raise WeightsMismatch(f"{target.internal}: some of its tensors come in e4m3, others not")
 
 
 def _nothing() -> contextlib.AbstractContextManager:

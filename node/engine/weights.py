@@ -17,6 +17,7 @@ import torch
 
 from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.config import ModelConfig
+from node.model.quantization import BLOCK
 from node.model.qwen3_moe import CausalLM
 from node.model.streamed_weights import headers
 
@@ -44,6 +45,13 @@ class Target:
         if self.expert is not None:
             t = t[self.expert]
         return t if self.rows is None else t[self.rows[0] : self.rows[1]]
+
+    def scale_view(self, s: torch.Tensor) -> torch.Tensor:
+        """The part of the block scales `s` of `internal` (e4m3, 128x128 blocks) this target names: its rows
+        start and end on block edges (`StagedVersion.of` checks it)."""
+        if self.expert is not None:
+            s = s[self.expert]
+        return s if self.rows is None else s[self.rows[0] // BLOCK : self.rows[1] // BLOCK]
 
     def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
         shape = full[1:] if self.expert is not None else full

@@ -75,8 +75,9 @@ def test_an_fp8_engine_quantises_a_staged_version_on_the_device(tmp_path):
 
 @pytest.mark.parametrize("room", [True, False])
 def test_a_served_form_version_moves_its_e4m3_bytes_and_dequantises_them_on_the_device(tmp_path, monkeypatch, room):
-    """An FP8 run's version in its served form (node/model/served_form.py): staged or applied straight, the
-    engine serves the e4m3 bytes an engine given the trainer's bf16 weights quantises itself."""
+    """An FP8 run's version in its served form (node/model/served_form.py), its e4m3 bytes and scales moved to the
+    GPU and dequantised there whole, staged or applied straight: the engine serves the e4m3 bytes an engine given
+    the trainer's bf16 weights quantises itself (both quantised on a GPU)."""
     from node.model.served_form import ServedForm, served
     from node.rl.parallel.publish import publish_model
 
@@ -84,7 +85,8 @@ def test_a_served_form_version_moves_its_e4m3_bytes_and_dequantises_them_on_the_
         monkeypatch.setattr(weight_staging, "STAGING_HEADROOM", 1 << 50)
     newer = model(3)
     key, store = NodeKey.from_seed(b"\x09" * 32), Store(tmp_path / "s")
-    publish_model(newer, None, store, key, "r", 1, None, None, fp8="all")
+    publish_model(newer.cuda(), None, store, key, "r", 1, None, None, fp8="all")  # quantised where the trainer is
+    newer.cpu()
     version = served(read_held(store, TrustedPublishers([key.peer_id]), "r", 1).tensors(), torch.bfloat16)
     assert isinstance(version, ServedForm)
     held = {}

@@ -130,3 +130,27 @@ def test_a_served_form_version_with_wrong_scales_is_refused_with_a_typed_error()
         ServedForm({name: w, f"{name}{SCALE_SUFFIX}": s}, torch.float32)
     with pytest.raises(MismatchedScales, match="no weight"):
         ServedForm({f"{name}{SCALE_SUFFIX}": s}, torch.float32)
+
+
+def test_a_served_form_version_mixing_e4m3_and_plain_pieces_of_one_served_tensor_is_refused_whole(tmp_path):
+    """An expert's gate in e4m3 and its up plain (one stacked served tensor): `WeightsMismatch` before anything
+    is copied, and the engine serves on with the version it had; the honest version loads."""
+    from node.engine.weights import WeightsMismatch
+
+    torch.manual_seed(5)
+    model = CausalLM(ModelConfig(vocab_size=64, hidden_size=128, moe_intermediate_size=128, head_dim=32)).eval()
+    key, store = NodeKey.from_seed(b"\x0a" * 32), Store(tmp_path / "trainer")
+    publish_model(model, None, store, key, "r", 1, None, None, fp8="all")
+    tensors = dict(read_held(store, TrustedPublishers([key.peer_id]), "r", 1).tensors())
+    up = "model.layers.0.mlp.experts.1.up_proj.weight"
+    mixed = dict(tensors)
+    mixed[up] = dequantize(tensors[up], mixed.pop(f"{up}{SCALE_SUFFIX}"), torch.float32)
+    engine = Engine(apply_fp8_mode(copy.deepcopy(model), "all"), max_batch=2, eos_id=-1)
+    before = {n: t.clone() for n, t in engine.model.named_buffers()}
+    with pytest.raises(WeightsMismatch, match="some of its tensors come in e4m3"):
+        engine.load_weights(ServedForm(mixed, torch.float32), version=1)
+    engine.step()
+    assert engine.version == 0 and all(torch.equal(t, before[n]) for n, t in engine.model.named_buffers())
+    engine.load_weights(ServedForm(tensors, torch.float32), version=1)
+    engine.step()
+    assert engine.version == 1

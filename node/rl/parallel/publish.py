@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.fp8.quantize import quantize_weight
-from node.model.quantization import SCALE_SUFFIX, scale_shape
+from node.model.quantization import BLOCK, SCALE_SUFFIX, scale_shape
 from node.model.served_form import fp8_served_params, served_fp8
 from node.rl.parallel.dims import ParallelGroups
 from node.rl.parallel.state import gather_tensors, global_shape
@@ -48,36 +48,40 @@ _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_
 
 def hf_pieces(name: str, t: torch.Tensor, tied: bool = False, fp8: bool = False) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of one whole parameter (as `node.model.checkpoint.state_dict_to_hf`); `fp8`: a parameter
-    the run serves in e4m3, each piece in its served form where its blocks are the served tensor's (`_served`)."""
+    the run serves in e4m3, in its served form where its blocks are the served tensor's (node/model/served_form.py):
+    quantised whole (one call for a layer's stacked experts, every expert's blocks its own) and cut into pieces."""
     if tied and name == "lm_head.weight":
         return []
     m = _STACKED.match(name)
+    gate_up = m is not None and m.group(2) == "gate_up_proj"
+    q = s = None
+    rows = (t.shape[-2] // 2 if gate_up else t.shape[-2]) if t.dim() >= 2 else 0
+    if fp8 and rows and served_fp8((rows, t.shape[-1]), gate_up):
+        q, s = _quantised(t)
     if not m:
-        return _served(name, t, False) if fp8 else [(name, t)]
+        return [(name, t)] if q is None else [(name, q), (f"{name}{SCALE_SUFFIX}", s)]
     prefix, kind = m.groups()
     out = []
     for e in range(t.shape[0]):
-        if kind == "gate_up_proj":
-            gate, up = t[e].chunk(2, dim=0)
-            pieces = [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+        if gate_up:
+            names = (f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight")
+            if q is None:
+                out += list(zip(names, t[e].chunk(2, dim=0)))
+            else:  # the gate's rows end on a block edge: its blocks and the up's are the stacked tensor's
+                out += [(names[0], q[e, :rows]), (f"{names[0]}{SCALE_SUFFIX}", s[e, : rows // BLOCK]),
+                        (names[1], q[e, rows:]), (f"{names[1]}{SCALE_SUFFIX}", s[e, rows // BLOCK :])]
         else:
-            pieces = [(f"{prefix}.{e}.down_proj.weight", t[e])]
-        for hf, piece in pieces:
-            out += _served(hf, piece, kind == "gate_up_proj") if fp8 else [(hf, piece)]
+            hf = f"{prefix}.{e}.down_proj.weight"
+            out += [(hf, t[e])] if q is None else [(hf, q[e]), (f"{hf}{SCALE_SUFFIX}", s[e])]
     return out
 
 
-def _served(name: str, t: torch.Tensor, stacked: bool) -> list[tuple[str, torch.Tensor]]:
-    """`name` as e4m3 and its block scales, quantised where `t` is (shapes only for a meta tensor), when its
-    blocks are those of the tensor it is served in (`served_form.served_fp8`); else as it is."""
-    if not served_fp8(tuple(t.shape), stacked):
-        return [(name, t)]
+def _quantised(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3, block scales) of `t` [..., N, K] where it is (shapes only for a meta tensor)."""
     if t.is_meta:
-        q = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device="meta")
-        s = torch.empty(scale_shape(tuple(t.shape)), dtype=torch.float32, device="meta")
-    else:
-        q, s = quantize_weight(t)
-    return [(name, q), (f"{name}{SCALE_SUFFIX}", s)]
+        return (torch.empty(t.shape, dtype=torch.float8_e4m3fn, device="meta"),
+                torch.empty(scale_shape(tuple(t.shape)), dtype=torch.float32, device="meta"))
+    return quantize_weight(t)
 
 
 def hf_layout(model: torch.nn.Module, groups: ParallelGroups | None, dtype: torch.dtype | None,
