@@ -6,7 +6,8 @@
 # (PRIMERL_PUBLISH_FORM=plain, the previous form). Same model, steps and k; compare weight latency, its
 # fetch / stage / swap seconds, wire bytes and the store's bytes per version.
 #   carried, git-ignored: .whl (make_wheels.sh) and .gpumodel (SmolLM2's tokenizer files)
-#   MODEL=random:qwen3-moe-small STEPS=8 RUN_S=200 timeout 590 bash benchmarks/served_form_device.sh
+#   MODEL=random:qwen3-moe-small STEPS=8 RUN_S=200 [ORDER="plain served"] timeout 590 bash benchmarks/served_form_device.sh
+# (the first run of a call compiles and autotunes the Triton kernels into the cache the second reuses: run both orders)
 set -u
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
 [ -d /tmp/site/zstandard ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || echo "wheels not installed"
@@ -14,7 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L; date
 timeout 120 python3 -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/engine/test_weight_staging_gpu.py tests/rl/test_micro_batches.py} > $OUT/gpu_tests.log 2>&1
 echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
-for form in served plain; do
+for form in ${ORDER:-served plain}; do
   rm -rf /tmp/net-$form
   env $([ $form = plain ] && echo PRIMERL_PUBLISH_FORM=plain) timeout ${RUN_S:-200} python3 -m benchmarks.gpu_network \
     --device cuda --model ${MODEL:-random:qwen3-moe-small} --dtype bfloat16 --fp8 ${FP8:-all} --tokenizer-from .gpumodel \
