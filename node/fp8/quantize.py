@@ -42,12 +42,15 @@ def quantize_weight(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
         raise UnsupportedTensor(f"weight must be a float tensor of rank >= 2, got {tuple(w.shape)} {w.dtype}")
     *lead, n, k = w.shape
     nb, kb = _cdiv(n, block), _cdiv(k, block)
-    padded = torch.zeros(*lead, nb * block, kb * block, dtype=torch.float32, device=w.device)
-    padded[..., :n, :k] = w.float()
-    tiles = padded.view(*lead, nb, block, kb, block)
+    if n % block or k % block:  # a partial last block: zero-padded to whole tiles
+        padded = torch.zeros(*lead, nb * block, kb * block, dtype=torch.float32, device=w.device)
+        padded[..., :n, :k] = w.float()
+    else:  # whole tiles (every real checkpoint's shapes): no padded copy
+        padded = w.float()
+    tiles = padded.reshape(*lead, nb, block, kb, block)
     amax = tiles.abs().amax(dim=(-3, -1)).clamp_min(_MIN_AMAX)  # [..., nb, kb]
     scale = amax / FP8_MAX
-    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (tiles / scale[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(*lead, nb * block, kb * block)[..., :n, :k].contiguous()
     return q, scale.contiguous()
 
