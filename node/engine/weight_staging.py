@@ -5,7 +5,8 @@
   thread (the role's fetch, not the engine's): each tensor is copied from the payload's mapping into
   a ring of pinned host buffers (several host copies at a time) and on to a device-side copy by
   asynchronous host-to-device copies on a side stream, while the engine goes on decoding; `apply()`, between two decode steps, is then
-  device-to-device copies into the served tensors (FP8 modules quantise theirs on the device);
+  device-to-device copies into the served tensors (FP8 modules quantise theirs on the device, or, for a
+  version in its served form, node/model/served_form.py, take its e4m3 bytes and scales as they are);
 - otherwise (the CPU, or a GPU without that room: logged) `apply()` copies each tensor straight into
   the served one, through the same pinned ring on a GPU.
 Either way no whole-model copy is made on the host: the payload's pages (or a version 0 read from the
@@ -150,13 +151,12 @@ class StagedVersion:
     def _stage(self, device: torch.device) -> None:
         t0 = time.perf_counter()
         live = _served(self.model)
-        staged: dict[str, torch.Tensor] = {}
-        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        staged: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # tensors handed over from this GPU are written
         pieces: list[Future] = []
         for name, target in self.plan.items():
-            if self._copy_raw(name, target, raw, device, stream, pieces):
+            if self._copy_raw(name, target, staged, device, stream, pieces):
                 continue
             dst_full = staged.get(target.internal)
             if dst_full is None:
@@ -165,39 +165,35 @@ class StagedVersion:
                 dst_full.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
             self._copy(self.state[name], target.view(dst_full), stream, pieces)
         settle(pieces)
-        with torch.cuda.stream(stream):  # each tensor sent in its served form: dequantised whole, once
-            for internal in list(raw):
-                staged[internal] = self._dequantised(raw.pop(internal), internal, live)
         self.ready = torch.cuda.Event()
         self.ready.record(stream)
         self.staged = staged
         self.state = {}  # the payload's pages are no longer needed
         self.times.stage_s, self.times.staged_on_device = time.perf_counter() - t0, True
 
-    def _copy_raw(self, name: str, target: Target, raw: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                  device: torch.device, stream: torch.cuda.Stream, pieces: list[Future]) -> bool:
-        """For a tensor of a version in its served form (node/model/served_form.py) going to a GPU: its e4m3
-        bytes and block scales into their places in device buffers of its whole served tensor (`raw`), through
-        the pinned ring (half a bf16 tensor's bytes). False (nothing done) for any other tensor."""
-        pair = self.state.fp8(name) if isinstance(self.state, ServedForm) and device.type == "cuda" else None
+    def _copy_raw(self, name: str, target: Target, raw: dict, device: torch.device,
+                  stream: torch.cuda.Stream | None, pieces: list[Future]) -> bool:
+        """For a tensor of a version in its served form (node/model/served_form.py): its e4m3 bytes and block
+        scales into their places in buffers of its whole served tensor on `device` (`raw[internal]`, a pair),
+        through the pinned ring to a GPU (half a bf16 tensor's bytes); an FP8 module then holds them as they
+        are (`_load`). False (nothing done) for any other tensor."""
+        pair = self.state.fp8(name) if isinstance(self.state, ServedForm) else None
         if pair is None:
             return False
-        if self.ring is None:
-            self.ring = PinnedRing(device)
         bufs = raw.get(target.internal)
         if bufs is None:
             shape = self.shapes[target.internal]
-            with torch.cuda.stream(stream):  # allocated on the stream that fills and reads them
+            with torch.cuda.stream(stream) if stream is not None else _nothing():  # the stream that fills them
                 bufs = raw[target.internal] = (torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
                                                torch.empty(scale_shape(shape), dtype=torch.float32, device=device))
-        pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
-        pieces += self.ring.copy(pair[1], target.scale_view(bufs[1]), stream)
+        for src, dst in zip(pair, (target.view(bufs[0]), target.scale_view(bufs[1]))):
+            if device.type == "cuda":
+                if self.ring is None:
+                    self.ring = PinnedRing(device)
+                pieces += self.ring.copy(src, dst, stream)
+            else:
+                dst.copy_(src)
         return True
-
-    def _dequantised(self, bufs: tuple[torch.Tensor, torch.Tensor], internal: str,
-                     live: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A served tensor's whole e4m3 copy and scales as its value, in the dtype it is loaded in."""
-        return dequantize(*bufs, _high_precision(self.model, internal, live))
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future]) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
@@ -242,12 +238,11 @@ class StagedVersion:
             left[target.internal] = left.get(target.internal, 0) + 1
         for name, target in self.plan.items():
             dest = live.get(target.internal)
-            if stream is not None and self._copy_raw(name, target, raw, device, stream, pieces):
+            if self._copy_raw(name, target, raw, device, stream, pieces):
                 left[target.internal] -= 1
                 if not left[target.internal]:
                     settle(pieces)
-                    _load(self.model, target.internal, self._dequantised(raw.pop(target.internal), target.internal,
-                                                                          live), live)
+                    _load(self.model, target.internal, raw.pop(target.internal), live)
                 continue
             if dest is not None and _plain(dest):
                 self._copy(self.state[name], target.view(dest), stream, pieces)
@@ -305,16 +300,19 @@ def _high_precision(model: CausalLM, internal: str, live: dict[str, torch.Tensor
     return model.get_submodule(internal.rpartition(".")[0]).dtype
 
 
-def _load(model: CausalLM, internal: str, t: torch.Tensor, live: dict[str, torch.Tensor]) -> None:
+def _load(model: CausalLM, internal: str, t: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+          live: dict[str, torch.Tensor]) -> None:
+    """`internal` <- `t`: a value, or (e4m3, block scales) of a version in its served form."""
     dest = live.get(internal)
     if dest is not None and _plain(dest):
-        dest.copy_(t)
+        dest.copy_(dequantize(*t, dest.dtype) if isinstance(t, tuple) else t)
         return
     module_name, _, local = internal.rpartition(".")
     module = model.get_submodule(module_name)
     if not isinstance(module, _QuantizedWeights):
         raise TypeError(f"{internal}: neither a served tensor nor an FP8 module's weight")
-    module.load_state_dict({local: t}, strict=False)  # quantised on arrival, on the module's device
+    # a value is quantised on arrival, on the module's device; e4m3 with its scales is held as it is
+    module.load_state_dict({local: t[0], f"{local}_scale": t[1]} if isinstance(t, tuple) else {local: t}, strict=False)
 
 
 def _staged_bytes(model: CausalLM, plan: dict[str, Target], shapes: dict[str, tuple[int, ...]]) -> int:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from node.model.config import ModelConfig
 from node.model.errors import InvalidCheckpoint, MissingModelFile  # noqa: F401 (callers import it from here)
+from node.model.quantization import BLOCK, scale_shape
 from node.model.qwen3_moe import CausalLM
 from node.model.shards import INDEX, WEIGHTS, CheckpointShards
 from node.model.streamed_weights import IndexedTensors, headers
@@ -105,21 +106,46 @@ class InternalTensors(IndexedTensors):
     def pieces(self, name: str) -> list[tuple[tuple, torch.Tensor]]:
         """The HF tensors internal tensor `name` is made of, each with where it lands in it (an index:
         () for the whole tensor, (expert, rows) for a stacked expert's projection)."""
+        return [(at, self.sd[hf]) for at, hf in self._piece_names(name)]
+
+    def _piece_names(self, name: str) -> list[tuple[tuple, str]]:
         if name in self._plain:
-            return [((), self.sd[self._plain[name]])]
+            return [((), self._plain[name])]
         if name not in self.index:
             raise KeyError(name)
         prefix, kind = name.rsplit(".", 1)
         by_e = self._experts[prefix]
+        heads = headers(self.sd)
         kinds = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
         out = []
         for e in range(self.index[name][0][0]):
             at = 0
             for k in kinds:
-                t = self.sd[by_e[e][k]]
-                out.append(((e, slice(at, at + t.shape[0])), t))
-                at += t.shape[0]
+                rows = heads[by_e[e][k]][0][0]
+                out.append(((e, slice(at, at + rows)), by_e[e][k]))
+                at += rows
         return out
+
+    def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Internal tensor `name` as (e4m3, 128x128 block scales) when a version in its served form
+        (node/model/served_form.py) holds every piece of it so, with the pieces' rows on block edges;
+        else None (its value is `self[name]`)."""
+        get = getattr(self.sd, "fp8", None)
+        if get is None or name not in self.index:
+            return None
+        pairs = [(at, get(hf)) for at, hf in self._piece_names(name)]
+        if any(p is None or (at and at[1].start % BLOCK) for at, p in pairs):
+            return None
+        if pairs[0][0] == ():
+            return pairs[0][1]
+        shape = self.index[name][0]
+        device = pairs[0][1][0].device
+        q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty(scale_shape(shape), dtype=torch.float32, device=device)
+        for (e, rows), (pq, ps) in pairs:
+            q[e, rows].copy_(pq)
+            s[e, rows.start // BLOCK : rows.start // BLOCK + ps.shape[0]].copy_(ps)
+        return q, s
 
 
 def hf_to_internal(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

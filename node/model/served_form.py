@@ -9,16 +9,18 @@ with the engines' own rule (node/fp8/quantize.py), one tensor at a time, and onl
 served tensor's blocks: an expert's gate and up rows are stacked into one served tensor, so they go as e4m3
 only when the gate's rows end on a block edge (Qwen3-30B-A3B: 768); other tensors go as they are.
 
-Reading side: `ServedForm` is the version as its consumers read every version, a mapping of HF weight
-names to values in the run's dtype (`dequantize`: q x scale, block by block), with the scale tensors
-hidden; `fp8(name)` gives a quantised tensor's bytes as they are, so an engine can move the e4m3 bytes to
-its device and dequantise there (node/engine/weight_staging.py). Version 0 is published plain: it is the
-checkpoint, pinned by its values' hash.
+Reading side: `ServedForm` is the version as a consumer of values reads every version, a mapping of HF
+weight names to values in the run's dtype (`dequantize`: q x scale, block by block), with the scale tensors
+hidden; `fp8(name)` gives a quantised tensor's bytes as they are. An FP8 module takes those bytes and scales
+as they are (node/engine/fp8/model.py `_QuantizedWeights`): the engines through their staging
+(node/engine/weight_staging.py: e4m3 bytes to the device, half a bf16 tensor's), the validator's resident
+model through `InternalTensors.fp8`. Version 0 is published plain: it is the checkpoint, pinned by its
+values' hash.
 
-Invariant: `ServedForm(v)[name]` is the value every consumer of the version loads; a consumer that serves
-FP8 quantises it again with the same rule and gets the trainer's e4m3 bytes (a value already on the e4m3
-grid stays on it; only a block's scale may differ in its last bits) and, whatever the path, every consumer
-of one version holds the same bits.
+Invariant: every FP8 module of every consumer of a version in its served form holds the trainer's e4m3
+bytes and scales exactly (which are the bytes the same rule gives from the trainer's high-precision
+weights), so the validator recomputes with the node's weights bit for bit; a tensor served in high
+precision gets `ServedForm(v)[name]`.
 """
 
 from __future__ import annotations

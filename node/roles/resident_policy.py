@@ -264,7 +264,8 @@ class ResidentPolicies(Mapping):
         """The module's tensors `names` from the version's (host) tensors: on a GPU through a pinned ring,
         several host copies at a time and each HF tensor straight into its rows (no stacked copy on the host:
         that and pageable copies took 9-13 s of a 10 GB version, session 9's first 5.2B run); otherwise, and
-        for an FP8 module (which quantises what it loads), through `load_state_dict`."""
+        for an FP8 module (which quantises what it loads, or holds the e4m3 bytes and scales of a version in
+        its served form as they are), through `load_state_dict`."""
         if self._device.type == "cuda" and not isinstance(mod, _QuantizedWeights):
             plan = []
             for n in names:
@@ -286,7 +287,14 @@ class ResidentPolicies(Mapping):
                     pieces += self._ring.copy(src, view, stream)
                 settle(pieces)
                 return
-        mod.load_state_dict({n[len(prefix):]: _cast(mod, internal[n]) for n in names}, strict=False)
+        given: dict[str, torch.Tensor] = {}
+        for n in names:
+            raw = internal.fp8(n) if isinstance(mod, _QuantizedWeights) else None  # a version in its served form
+            if raw is None:
+                given[n[len(prefix):]] = _cast(mod, internal[n])
+            else:
+                given[n[len(prefix):]], given[n[len(prefix):] + "_scale"] = raw
+        mod.load_state_dict(given, strict=False)
 
 
 def raw_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -11,11 +11,13 @@ from node.engine import Engine, Request, SamplingParams
 from node.engine.fp8.model import apply_fp8_mode
 from node.fp8.quantize import quantize_weight
 from node.model.checkpoint import state_dict_to_hf
+from node.model.checkpoint import InternalTensors
 from node.model.errors import MismatchedScales
 from node.model.quantization import SCALE_SUFFIX, dequantize
 from node.model import CausalLM, ModelConfig
 from node.model.served_form import ServedForm, fp8_served_params, served
 from node.roles.common import fetch_policy, fresh_model
+from node.roles.resident_policy import ResidentPolicies
 from node.rl.parallel.publish import publish_model
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
@@ -86,8 +88,8 @@ def test_an_fp8_run_publishes_its_served_form_after_version_0_and_members_read_i
 
 def test_an_fp8_engine_serves_the_trainers_e4m3_bytes_from_a_served_form_version(tmp_path):
     """Experts 128 rows wide: everything the run serves in FP8 travels as e4m3; the engine that loads the
-    served form holds the e4m3 bytes of one that loads the trainer's high-precision weights (the scales to
-    their last bits) and generates the same tokens."""
+    served form holds the published bytes as they are, the same as one that quantises the trainer's
+    high-precision weights itself, generates the same tokens, and the validator's resident model holds them too."""
     torch.manual_seed(4)
     model = CausalLM(ModelConfig(vocab_size=64, hidden_size=128, moe_intermediate_size=128, head_dim=32)).eval()
     key, store = NodeKey.from_seed(b"\x08" * 32), Store(tmp_path / "trainer")
@@ -110,10 +112,23 @@ def test_an_fp8_engine_serves_the_trainers_e4m3_bytes_from_a_served_form_version
     served_, plain = (dict(engines[f].model.named_buffers()) for f in ("served", "plain"))
     e4m3 = [n for n, t in plain.items() if t.dtype == torch.float8_e4m3fn]
     assert len(e4m3) == 2 * 4 + 2 * 2, "q, k, v, o and both expert tensors of each layer"
+    # the served form's engine holds the trainer's bytes as they are: e4m3 and scales
+    published = InternalTensors(version, model.config)
+    for n in e4m3:
+        q, s = published.fp8(n)
+        assert torch.equal(served_[n].view(torch.uint8), q.view(torch.uint8)) and torch.equal(served_[f"{n}_scale"], s), n
+    # and the same e4m3 bytes as an engine that quantised the bf16 weights itself (the same rule)
     assert all(torch.equal(served_[n].view(torch.uint8), plain[n].view(torch.uint8)) for n in e4m3)
-    for n in (f"{n}_scale" for n in e4m3):
-        assert torch.allclose(served_[n], plain[n], rtol=2**-7, atol=0), n
+    assert all(torch.equal(served_[f"{n}_scale"], plain[f"{n}_scale"]) for n in e4m3)
     assert tokens[0] == tokens[1]
+
+    # the validator's resident model reads the version's bytes as they are too: judging sees the node's weights
+    held = ResidentPolicies(apply_fp8_mode(copy.deepcopy(model), "all"), 0, b"\0" * 32)
+    held.add(1, version, b"\1" * 32)
+    held.activate(1)
+    assert all(torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                           served_[n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else served_[n])
+               for n, t in held[1][0].named_buffers() if n in served_)
 
 
 def test_a_served_form_version_with_wrong_scales_is_refused_with_a_typed_error():

@@ -29,7 +29,9 @@ from protocol.model_spec import FP8_MODES, FP8Mode
 
 
 class _QuantizedWeights(nn.Module):
-    """Holds e4m3 weights plus float32 block scales as buffers, named after the original params."""
+    """Holds e4m3 weights plus float32 block scales as buffers, named after the original params. Loads a
+    high-precision weight by quantising it on arrival, or an e4m3 one given with its `<name>_scale` (a
+    version in its served form: node/model/served_form.py) as it is."""
 
     names: tuple[str, ...] = ()
 
@@ -53,13 +55,22 @@ class _QuantizedWeights(nn.Module):
                     missing_keys.append(key)
                 continue
             w = state_dict[key]
-            old = getattr(self, name)
+            old, old_scale = getattr(self, name), getattr(self, name + "_scale")
             if tuple(w.shape) != tuple(old.shape):
                 error_msgs.append(f"size mismatch for {key}: {tuple(w.shape)} vs {tuple(old.shape)}")
                 continue
+            raw = state_dict.get(key + "_scale")  # given in e4m3 with its block scales: held as it is
+            if raw is not None:
+                if w.dtype != torch.float8_e4m3fn or tuple(raw.shape) != tuple(old_scale.shape):
+                    error_msgs.append(f"{key}: {w.dtype} with scales {tuple(raw.shape)}, expected float8_e4m3fn "
+                                      f"with {tuple(old_scale.shape)}")
+                    continue
+                old.copy_(w)
+                old_scale.copy_(raw)
+                continue
             q, s = quantize_weight(w.to(old.device))
             old.copy_(q)
-            getattr(self, name + "_scale").copy_(s)
+            old_scale.copy_(s)
 
 
 class FP8Linear(_QuantizedWeights):
