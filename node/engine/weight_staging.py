@@ -152,11 +152,12 @@ class StagedVersion:
         t0 = time.perf_counter()
         live = _served(self.model)
         staged: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        raw: dict[str, tuple] = {}
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # tensors handed over from this GPU are written
         pieces: list[Future] = []
         for name, target in self.plan.items():
-            if self._copy_raw(name, target, staged, device, stream, pieces):
+            if self._copy_raw(name, target, raw, device, stream, pieces):
                 continue
             dst_full = staged.get(target.internal)
             if dst_full is None:
@@ -164,6 +165,8 @@ class StagedVersion:
                 dst_full = staged[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
                 dst_full.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
             self._copy(self.state[name], target.view(dst_full), stream, pieces)
+        for internal, bufs in raw.items():
+            staged[internal] = self._finish_raw(bufs, stream, pieces)
         settle(pieces)
         self.ready = torch.cuda.Event()
         self.ready.record(stream)
@@ -173,10 +176,11 @@ class StagedVersion:
 
     def _copy_raw(self, name: str, target: Target, raw: dict, device: torch.device,
                   stream: torch.cuda.Stream | None, pieces: list[Future]) -> bool:
-        """For a tensor of a version in its served form (node/model/served_form.py): its e4m3 bytes and block
-        scales into their places in buffers of its whole served tensor on `device` (`raw[internal]`, a pair),
-        through the pinned ring to a GPU (half a bf16 tensor's bytes); an FP8 module then holds them as they
-        are (`_load`). False (nothing done) for any other tensor."""
+        """For a tensor of a version in its served form (node/model/served_form.py): its e4m3 bytes into their
+        place in a buffer of its whole served tensor on `device`, through the pinned ring to a GPU (half a bf16
+        tensor's bytes), and its block scales into the whole tensor's scales on the host (a few bytes a piece:
+        they go to the device at once, `_finish_raw`); an FP8 module then holds both as they are (`_load`).
+        False (nothing done) for any other tensor."""
         pair = self.state.fp8(name) if isinstance(self.state, ServedForm) else None
         if pair is None:
             return False
@@ -185,15 +189,27 @@ class StagedVersion:
             shape = self.shapes[target.internal]
             with torch.cuda.stream(stream) if stream is not None else _nothing():  # the stream that fills them
                 bufs = raw[target.internal] = (torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
-                                               torch.empty(scale_shape(shape), dtype=torch.float32, device=device))
-        for src, dst in zip(pair, (target.view(bufs[0]), target.scale_view(bufs[1]))):
-            if device.type == "cuda":
-                if self.ring is None:
-                    self.ring = PinnedRing(device)
-                pieces += self.ring.copy(src, dst, stream)
-            else:
-                dst.copy_(src)
+                                               torch.empty(scale_shape(shape), dtype=torch.float32, device=device),
+                                               torch.empty(scale_shape(shape), dtype=torch.float32))
+        target.scale_view(bufs[2]).copy_(pair[1])
+        if device.type == "cuda":
+            if self.ring is None:
+                self.ring = PinnedRing(device)
+            pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
+        else:
+            target.view(bufs[0]).copy_(pair[0])
         return True
+
+    def _finish_raw(self, bufs: tuple, stream: torch.cuda.Stream | None,
+                    pieces: list[Future]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A served tensor's (e4m3, scales) once every piece was given to `_copy_raw`: its scales sent whole
+        (the copies join `pieces`: settle them before the pair is read)."""
+        q, scales, host = bufs
+        if scales.device.type == "cuda":
+            pieces += self.ring.copy(host, scales, stream)
+        else:
+            scales.copy_(host)
+        return q, scales
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future]) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
@@ -231,7 +247,7 @@ class StagedVersion:
         device = _device(self.model)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         pending: dict[str, torch.Tensor] = {}  # quantised modules: one module's high-precision copy at a time
-        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # or its e4m3 copy, for a version in served form
+        raw: dict[str, tuple] = {}  # or its e4m3 copy and scales, for a version in its served form
         left: dict[str, int] = {}
         pieces: list[Future] = []
         for target in self.plan.values():
@@ -241,8 +257,9 @@ class StagedVersion:
             if self._copy_raw(name, target, raw, device, stream, pieces):
                 left[target.internal] -= 1
                 if not left[target.internal]:
+                    pair = self._finish_raw(raw.pop(target.internal), stream, pieces)
                     settle(pieces)
-                    _load(self.model, target.internal, raw.pop(target.internal), live)
+                    _load(self.model, target.internal, pair, live)
                 continue
             if dest is not None and _plain(dest):
                 self._copy(self.state[name], target.view(dest), stream, pieces)
