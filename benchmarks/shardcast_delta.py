@@ -103,6 +103,11 @@ class ChatTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True).strip()
 
+    def encode_prompt(self, prompt) -> list[int]:  # noqa: ANN001 (node.envs' Prompt: the task's text or chat messages)
+        """The tokenizer interface's prompt encoding (node/model/tokenizer.py): a task's text as the chat above."""
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        return self.encode(text, bos=True)
+
 
 def rl_versions(model, tok, lr: float, steps: int, prompts: int, samples: int, seed: int = 0, task: str = "reverse"):
     """Policy versions 0..steps: the model, then after each real policy-gradient step (rollouts
@@ -178,9 +183,13 @@ def real_main(args) -> None:
     torch.manual_seed(0)
     cases: list[dict] = []
 
-    def measure(model_name: str, master: str, lr: float, versions: list[dict], published: list[str]) -> None:
+    def measure(model_name: str, master: str, lr: float, versions: list[dict], published: list[str],
+                arch: torch.nn.Module | None = None) -> None:
         for dtype in published:
-            cast = [{k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in s.items()} for s in versions]
+            if dtype.startswith("fp8-"):  # an FP8 run's versions as the trainer publishes them (bf16 base)
+                cast = served_versions(versions, arch, dtype.removeprefix("fp8-"))
+            else:
+                cast = [{k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in s.items()} for s in versions]
             agg: dict = {}
             for t in range(1, len(cast)):
                 r = codec_case(cast[t - 1], cast[t], args.shard_mib)
@@ -216,9 +225,14 @@ def real_main(args) -> None:
             log(f"SmolLM2-135M-Instruct, {master} master, lr {lr:g}: {args.real_steps} RL steps")
             versions = list(rl_versions(model, tok, lr, args.real_steps, args.prompts, args.samples))
             del model
-            measure("SmolLM2-135M-Instruct", master, lr, versions, ["bfloat16"] + (["float32"] if master == "float32" else []))
-    moe_versions = tiny_moe_versions(args)
-    measure("tiny-MoE (train-local recipe)", "float32", args.moe_lr, moe_versions, ["bfloat16", "float32"])
+            measure("SmolLM2-135M-Instruct", master, lr, versions, ["bfloat16"] + (["float32"] if master == "float32" else [])
+                    + [f"fp8-{m}" for m in args.served.split(",") if m], base)
+    if args.skip_moe:
+        moe_versions = []
+    else:
+        moe_versions, moe = tiny_moe_versions(args)
+        measure("tiny-MoE (train-local recipe)", "float32", args.moe_lr, moe_versions,
+                ["bfloat16", "float32"] + [f"fp8-{m}" for m in args.served.split(",") if m], moe)
     head = [c for c in cases if c["model"].startswith("SmolLM2") and c["dtype"] == "bfloat16" and c["lr"] == 1e-6]
     result = {"benchmark": "shardcast_delta", "mode": "real", "machine": args.machine, "task": "reverse", "shard_mib": args.shard_mib,
               "steps_per_setting": args.real_steps, "rollouts_per_step": args.prompts * args.samples, "cases": cases,
@@ -231,8 +245,9 @@ def real_main(args) -> None:
     print(json.dumps(result))
 
 
-def tiny_moe_versions(args) -> list[dict]:
-    """The tiny MoE of `train-local` (warm-up from random init, then RL at the recipe's lr)."""
+def tiny_moe_versions(args) -> tuple[list[dict], torch.nn.Module]:
+    """The tiny MoE of `train-local` (warm-up from random init, then RL at the recipe's lr): its versions, and
+    the model (its architecture names what an FP8 run serves in e4m3)."""
     import copy
 
     from node.engine import Engine
@@ -248,7 +263,20 @@ def tiny_moe_versions(args) -> list[dict]:
     model = CausalLM(cfg.tiny().config(tok.vocab_size))
     engine = Engine(copy.deepcopy(model), max_batch=64, eos_id=tok.eos_id, decode=tok.decode)
     log(f"tiny MoE: warm-up {warm_up(model, engine, env, tok, cfg.warmup())}; {args.real_steps} RL steps at lr {args.moe_lr:g}")
-    return list(rl_versions(model, tok, args.moe_lr, args.real_steps, 16, 8))
+    return list(rl_versions(model, tok, args.moe_lr, args.real_steps, 16, 8)), model
+
+
+def served_versions(versions: list[dict], arch: torch.nn.Module, mode: str) -> list[dict]:
+    """Each HF-named version as an FP8 run's trainer publishes it (node/rl/parallel/publish.py `hf_pieces`,
+    the role's own rule): the weights cast to bf16, every tensor `mode` serves in e4m3 quantised beside
+    its block scales (node/model/served_form.py)."""
+    from node.model.checkpoint import hf_to_internal
+    from node.model.served_form import fp8_served_params
+    from node.rl.parallel.publish import hf_pieces
+
+    names, tied = fp8_served_params(arch, mode), arch.config.tie_word_embeddings
+    return [{hf: t for n, w in hf_to_internal(s, arch.config).items()
+             for hf, t in hf_pieces(n, w.to(torch.bfloat16), tied, n in names)} for s in versions]
 
 
 def main() -> None:
@@ -265,6 +293,9 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-6,1e-5", help="--real: SmolLM2 learning rates")
     ap.add_argument("--moe-lr", type=float, default=1e-3, help="--real: the tiny MoE's lr (TrainerConfig's default, the recipe's)")
     ap.add_argument("--prompts", type=int, default=4, help="--real: prompts per step")
+    ap.add_argument("--served", default="all", help="--real: FP8 modes whose served form (e4m3 + block scales) is "
+                    "measured too, comma-separated ('' for none)")
+    ap.add_argument("--skip-moe", action="store_true", help="--real: SmolLM2 only")
     ap.add_argument("--samples", type=int, default=4, help="--real: samples per prompt")
     args = ap.parse_args()
     if args.real:
