@@ -13,9 +13,10 @@ weights on its device, every other version still judged held on the host as a de
 place while its claims are recomputed (bit for bit the weights a model of that version alone holds),
 not k + 3 whole models.
 
-FP8 runs (`RunSpec.model.fp8` experts | all): each version is quantised after loading with the rule the
-inference nodes serve with (`apply_fp8_mode`), so the recomputation sees the same e4m3 weights and the
-checks apply that precision's thresholds (`TorchReference.precision` -> verification/checks.py).
+FP8 runs (`RunSpec.model.fp8` experts | all): the resident model is made as the inference nodes make
+theirs (`resident_model`: FP8 modules swapped in before allocation, `apply_fp8_mode`'s rule), each version
+quantised as it arrives or, in its served form, held as published, so the recomputation sees the same e4m3
+weights and the checks apply that precision's thresholds (`TorchReference.precision` -> verification/checks.py).
 
 Routed experts (router replay) a submission carries are checked against the same recomputation
 (`verification.routing`): bytes that cannot be the model's routes, or routes that differ from the
@@ -35,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from node.engine.fp8.model import apply_fp8_mode
 from node.model.qwen3_moe import CausalLM
 from node.engine.weight_staging import StagedVersion
 from node.engine.weights import expected_shapes
@@ -185,18 +185,10 @@ class ValidatorNode:
         if version == 0 and not local:
             check_version0(self.spec, state)
         if self.policies is None:
-            self.policies = ResidentPolicies(self._model_of(state).eval(), version, manifest_hash)
+            self.policies = ResidentPolicies(resident_model(self.spec, self.device, state), version, manifest_hash)
             settle_heap()  # the model is held: full collector passes no longer walk it mid-round
             return
         self.policies.add(version, state, manifest_hash)
-
-    def _model_of(self, state: Mapping[str, torch.Tensor]) -> CausalLM:
-        model = blank_model(self.spec, self.device)
-        # tensor by tensor from the payload's mapping, experts into their rows: no stacked copy on the host
-        StagedVersion.of(model, state, expected_shapes(model), stage=False).apply()
-        # an FP8 run is recomputed as its nodes serve it: the same blocks, the same layers (docs/fp8.md)
-        apply_fp8_mode(model, self.spec.model.fp8)
-        return model
 
     def _prune(self) -> None:
         """Drop models of versions no rollout can still be admitted with (after a judging round,
@@ -300,3 +292,14 @@ class ValidatorNode:
 
 def fresh_model_max_len(node: ValidatorNode) -> int:
     return node.policies.model.config.max_position_embeddings
+
+
+def resident_model(spec: RunSpec, device: str | torch.device, state: Mapping[str, torch.Tensor]) -> CausalLM:
+    """The validator's model of its first version, made as an inference node makes its own: an FP8 run's
+    modules swapped in before allocation (the same blocks, the same layers: docs/fp8.md), then the version
+    tensor by tensor from the payload's mapping, experts into their rows (no stacked copy on the host); an FP8
+    module quantises a high-precision tensor as it arrives, or holds a version's served-form bytes as they
+    are (node/model/served_form.py), as the node's engine does."""
+    model = blank_model(spec, device, spec.model.fp8)
+    StagedVersion.of(model, state, expected_shapes(model), stage=False).apply()
+    return model.eval()

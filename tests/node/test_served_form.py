@@ -169,3 +169,28 @@ def test_a_served_form_version_mixing_e4m3_and_plain_pieces_of_one_served_tensor
     engine.load_weights(ServedForm(tensors, torch.float32), version=1)
     engine.step()
     assert engine.version == 1
+
+
+@pytest.mark.parametrize("form", ["served", "plain"])
+def test_a_validator_whose_first_version_is_any_form_holds_the_bytes_an_inference_node_serves(tmp_path, form):
+    """The validator's first version builds its resident model (`resident_model`) as an inference node builds
+    its own: FP8 modules first, the version loaded into them; so e4m3 bytes and scales agree bit for bit,
+    whether the version came in its served form or in bf16."""
+    from node.roles.common import blank_model
+    from node.roles.validator import resident_model
+
+    spec = RunSpec(run_id="r", coordinator=PEER, environment="reverse", model=ModelSpec(fp8="all", dtype="bfloat16"))
+    model = _stepped(fresh_model(spec), 6)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    key, store = NodeKey.from_seed(b"\x0b" * 32), Store(tmp_path / "trainer")
+    publish_model(model, None, store, key, "r", 1, None, None, fp8="all" if form == "served" else "off")
+    version = served(read_held(store, TrustedPublishers([key.peer_id]), "r", 1).tensors(), torch.bfloat16)
+    assert isinstance(version, ServedForm) == (form == "served")
+    engine = Engine(blank_model(spec, "cpu", "all"), max_batch=2, eos_id=-1)
+    engine.load_weights(version, version=1)
+    engine.step()
+    node = dict(engine.model.named_buffers())
+    judge = dict(resident_model(spec, "cpu", version).named_buffers())
+    e4m3 = [n for n, t in node.items() if t.dtype == torch.float8_e4m3fn]
+    assert e4m3 and all(torch.equal(judge[n].view(torch.uint8), node[n].view(torch.uint8)) and
+                        torch.equal(judge[f"{n}_scale"], node[f"{n}_scale"]) for n in e4m3)
