@@ -82,3 +82,17 @@ def test_bad_inputs_raise_a_typed_error():
         quantize_act(torch.zeros(2, 3, 4))
     with pytest.raises(UnsupportedTensor):
         scaled_gemm(*quantize_act(torch.randn(2, 8)), *quantize_weight(torch.randn(4, 9)))
+
+
+def test_a_cpu_and_a_gpu_quantise_the_same_weights_to_the_same_bytes():
+    """The weights' scales are a true division on both (torch's CUDA kernel would multiply a Python-number
+    divisor's reciprocal): a CPU validator holds the e4m3 weights a GPU node serves. Runs where CUDA is."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    w = (torch.randn(1024, 2048) * 0.02).to(torch.bfloat16)
+    (qc, sc), (qg, sg) = quantize_weight(w), quantize_weight(w.cuda())
+    assert torch.equal(sc, sg.cpu()) and torch.equal(qc.view(torch.uint8), qg.cpu().view(torch.uint8))
+    x = torch.randn(64, 2048)
+    (qc, sc), (qg, sg) = quantize_act(x), quantize_act(x.cuda())
+    assert torch.equal(sc, sg.cpu()) and torch.equal(qc.view(torch.uint8), qg.cpu().view(torch.uint8))
