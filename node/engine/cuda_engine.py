@@ -34,7 +34,8 @@ from node.engine.core import Completion, EngineCore, FinishReason, SlotSequence
 from node.engine.cuda_state import FP8Unsupported, SlotState, prepare_model
 from node.engine.device_sampling import sample_device
 from node.engine.forward import decode_step, prefill_chunk
-from node.engine.weight_staging import PinnedRing, StagedVersion
+from node.engine.pinned_ring import PinnedRing
+from node.engine.weight_staging import StagedVersion
 from node.engine.weights import WeightsMismatch, expected_shapes
 from node.model.batching import right_pad, token_budget_groups
 from node.model.cache import KVCache

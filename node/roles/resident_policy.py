@@ -30,7 +30,7 @@ import torch
 
 from node.engine.fp8.model import _QuantizedWeights
 from node.engine.memory_plan import gpu_memory_stats
-from node.engine.weight_staging import PinnedRing, settle
+from node.engine.pinned_ring import PinnedRing, settle
 from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.qwen3_moe import CausalLM
 
