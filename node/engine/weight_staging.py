@@ -33,7 +33,8 @@ import torch
 from node.engine.fp8.model import _QuantizedWeights
 from node.engine.pinned_ring import PinnedRing, settle
 from node.engine.weights import Target, WeightsMismatch, plan_weights
-from node.model.quantization import BLOCK, dequantize, scale_shape
+from node.model.checkpoint import InternalTensors, InvalidCheckpoint
+from node.model.quantization import dequantize, scale_shape
 from node.model.qwen3_moe import CausalLM
 from node.model.served_form import ServedForm
 from node.model.streamed_weights import headers
@@ -219,17 +220,14 @@ class StagedVersion:
 
 def _check_served(v: StagedVersion) -> None:
     """A version in its served form: each served tensor comes wholly in e4m3 or wholly not, and e4m3 rows of
-    a stacked tensor start and end on block edges (`WeightsMismatch` otherwise: nothing copied yet)."""
+    a stacked tensor start and end on block edges (`WeightsMismatch` otherwise: nothing copied yet), the rule
+    the validator's resident model applies too (`InternalTensors.check_fp8`)."""
     if not isinstance(v.state, ServedForm):
         return
-    raw: dict[str, bool] = {}
-    for name, target in v.plan.items():
-        is_raw = v.state.fp8(name) is not None
-        if is_raw and target.rows is not None and (target.rows[0] % BLOCK or target.rows[1] % BLOCK):
-            raise WeightsMismatch(f"{name}: e4m3 rows {target.rows} of {target.internal} are not on 128-row "
-                                  "block edges")
-        if raw.setdefault(target.internal, is_raw) != is_raw:
-            raise WeightsMismatch(f"{target.internal}: some of its tensors come in e4m3, others not")
+    try:
+        InternalTensors(v.state, v.model.config).check_fp8()
+    except InvalidCheckpoint as exc:
+        raise WeightsMismatch(str(exc)) from exc
 
 
 def _nothing() -> contextlib.AbstractContextManager:

@@ -128,13 +128,10 @@ class InternalTensors(IndexedTensors):
 
     def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Internal tensor `name` as (e4m3, 128x128 block scales) when a version in its served form
-        (node/model/served_form.py) holds every piece of it so, with the pieces' rows on block edges;
-        else None (its value is `self[name]`)."""
-        get = getattr(self.sd, "fp8", None)
-        if get is None or name not in self.index:
-            return None
-        pairs = [(at, get(hf)) for at, hf in self._piece_names(name)]
-        if any(p is None or (at and at[1].start % BLOCK) for at, p in pairs):
+        (node/model/served_form.py) holds it so; None when it holds it in high precision (its value is
+        `self[name]`). `InvalidCheckpoint` as `check_fp8` says."""
+        pairs = self._fp8_pieces(name)
+        if pairs is None:
             return None
         if pairs[0][0] == ():
             return pairs[0][1]
@@ -146,6 +143,25 @@ class InternalTensors(IndexedTensors):
             q[e, rows].copy_(pq)
             s[e, rows.start // BLOCK : rows.start // BLOCK + ps.shape[0]].copy_(ps)
         return q, s
+
+    def check_fp8(self) -> None:
+        """`InvalidCheckpoint` for a version in its served form with a tensor whose pieces come some in e4m3
+        and some not, or in e4m3 rows off 128-row block edges (the engines refuse it too: `weight_staging`);
+        nothing is read. Call it before loading anything."""
+        for name in self.index:
+            self._fp8_pieces(name)
+
+    def _fp8_pieces(self, name: str) -> list[tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] | None:
+        get = getattr(self.sd, "fp8", None)
+        if get is None or name not in self.index:
+            return None
+        pairs = [(at, get(hf)) for at, hf in self._piece_names(name)]
+        raw = [p is not None for _, p in pairs]
+        if not any(raw):
+            return None
+        if not all(raw) or any(at and at[1].start % BLOCK for at, _ in pairs):
+            raise InvalidCheckpoint(f"{name}: its pieces come partly in e4m3, or in e4m3 rows off 128-row block edges")
+        return pairs
 
 
 def hf_to_internal(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -220,6 +220,7 @@ class ResidentPolicies(Mapping):
             self._activate(base)
             internal = InternalTensors(state, self.model.config)  # each looked up once, module by module
             check_names(self.model, {n: shape for n, (shape, _) in internal.index.items()})
+            internal.check_fp8()  # before anything is read in: a refused version leaves the held ones as they were
             step: dict[str, TensorDelta] = {}  # newer: the old newest against `version`; else `version` against base
             split: dict[str, TensorDelta] = {}  # older: the older neighbour's step, now against `version`
             seen: set[int] = set()

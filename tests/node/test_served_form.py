@@ -11,13 +11,13 @@ from node.engine import Engine, Request, SamplingParams
 from node.engine.fp8.model import apply_fp8_mode
 from node.fp8.quantize import quantize_weight
 from node.model.checkpoint import state_dict_to_hf
-from node.model.checkpoint import InternalTensors
+from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.errors import MismatchedScales
 from node.model.quantization import SCALE_SUFFIX, dequantize
 from node.model import CausalLM, ModelConfig
 from node.model.served_form import ServedForm, fp8_served_params, served
 from node.roles.common import fetch_policy, fresh_model
-from node.roles.resident_policy import ResidentPolicies
+from node.roles.resident_policy import ResidentPolicies, raw_tensors
 from node.rl.parallel.publish import publish_model
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
@@ -162,20 +162,30 @@ def test_a_served_form_version_mixing_e4m3_and_plain_pieces_of_one_served_tensor
     mixed[up] = dequantize(tensors[up], mixed.pop(f"{up}{SCALE_SUFFIX}"), torch.float32)
     engine = Engine(apply_fp8_mode(copy.deepcopy(model), "all"), max_batch=2, eos_id=-1)
     before = {n: t.clone() for n, t in engine.model.named_buffers()}
-    with pytest.raises(WeightsMismatch, match="some of its tensors come in e4m3"):
+    with pytest.raises(WeightsMismatch, match="partly in e4m3"):
         engine.load_weights(ServedForm(mixed, torch.float32), version=1)
     engine.step()
     assert engine.version == 0 and all(torch.equal(t, before[n]) for n, t in engine.model.named_buffers())
     engine.load_weights(ServedForm(tensors, torch.float32), version=1)
     engine.step()
     assert engine.version == 1
+    # the validator's resident model refuses the mixed version as well, and takes the honest one
+    held = ResidentPolicies(apply_fp8_mode(_stepped(copy.deepcopy(model), 9), "all"), 0, b"\0" * 32)
+    v0 = {n: t.clone() for n, t in raw_tensors(held[0][0]).items()}
+    with pytest.raises(InvalidCheckpoint, match="partly in e4m3"):
+        held.add(1, ServedForm(mixed, torch.float32), b"\1" * 32)
+    assert 1 not in held and all(torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                                             v0[n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else v0[n])
+                                 for n, t in raw_tensors(held[0][0]).items()), "nothing read in"
+    held.add(2, ServedForm(tensors, torch.float32), b"\2" * 32)
+    assert 2 in held
 
 
 @pytest.mark.parametrize("form", ["served", "plain"])
 def test_a_validator_whose_first_version_is_any_form_holds_the_bytes_an_inference_node_serves(tmp_path, form):
-    """The validator's first version builds its resident model (`resident_model`) as an inference node builds
-    its own: FP8 modules first, the version loaded into them; so e4m3 bytes and scales agree bit for bit,
-    whether the version came in its served form or in bf16."""
+    """The validator's first version builds its resident model (`resident_model`: FP8 modules first, the
+    version loaded into them, as an inference node builds its own), and it holds the node's e4m3 bytes and
+    scales bit for bit, whether the version came in its served form or in bf16."""
     from node.roles.common import blank_model
     from node.roles.validator import resident_model
 
