@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from node.model.config import ModelConfig
@@ -187,6 +190,72 @@ def load_hf_state_dict(model: CausalLM, sd: dict[str, torch.Tensor]) -> None:
         # load_state_dict, not copies into state_dict()'s tensors: an FP8 model's state_dict() is dequantised
         # copies, and its modules quantise what they load (node/engine/fp8/model.py); plain ones copy in place
         model.load_state_dict(internal, strict=True)
+
+
+class CheckpointNotWritten(RuntimeError):
+    """A checkpoint could not be written (the disk, its room, a write that failed); the previous one, if any, is
+    intact and nothing of the new one is left."""
+
+
+class CheckpointDoesNotFit(CheckpointNotWritten):
+    """Found before anything was written: the checkpoint needs more bytes than its filesystem has free."""
+
+
+STAGING_SUFFIX, PREVIOUS_SUFFIX = ".partial", ".previous"
+ROOM_SLACK = 64 << 20
+"""Bytes a checkpoint may take beyond its tensors' (safetensors headers, config and tokenizer files)."""
+
+
+def recover(directory: str | Path) -> None:
+    """Finish a swap that `written_whole` began and a crash cut: the new checkpoint was written whole before
+    the previous one was moved aside, so whichever of them is in place (or, between the two renames, the
+    previous one) is whole. A staging directory left by a crash mid-write goes."""
+    directory = Path(directory)
+    previous = directory.with_name(directory.name + PREVIOUS_SUFFIX)
+    if previous.exists():
+        if directory.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            previous.rename(directory)
+    shutil.rmtree(directory.with_name(directory.name + STAGING_SUFFIX), ignore_errors=True)
+
+
+@contextmanager
+def written_whole(directory: str | Path, need_bytes: int) -> Iterator[Path]:
+    """A directory beside `directory` to write a checkpoint of about `need_bytes` into; once the block ends it
+    replaces `directory` (the previous checkpoint goes only then). A checkpoint is so written whole or not at
+    all: `CheckpointDoesNotFit` before anything is written when its filesystem has not the room for it beside
+    the previous one; `CheckpointNotWritten` when a write fails, with the staging directory removed and the
+    previous checkpoint as it was (a trainer resumed from a half-overwritten directory had mixed weights, AdamW
+    state and step; session 22's 5.2B runs on one H200 died writing into a full disk)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    recover(directory)
+    staging = directory.with_name(directory.name + STAGING_SUFFIX)
+    free = shutil.disk_usage(directory.parent).free
+    if need_bytes + ROOM_SLACK > free:
+        raise CheckpointDoesNotFit(f"checkpoint {directory} needs {(need_bytes + ROOM_SLACK) / 2**30:.2f} GiB, "
+                                   f"{free / 2**30:.2f} GiB free on its filesystem")
+    staging.mkdir()
+    try:
+        yield staging
+        for f in staging.iterdir():  # on disk before the swap makes it the checkpoint
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointNotWritten(f"checkpoint {directory} not written ({exc}); "
+                                   f"{'the previous one is kept' if directory.exists() else 'there is none'}") from exc
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if directory.exists():
+        previous = directory.with_name(directory.name + PREVIOUS_SUFFIX)
+        directory.rename(previous)
+        staging.rename(directory)
+        shutil.rmtree(previous, ignore_errors=True)
+    else:
+        staging.rename(directory)
 
 
 def save_checkpoint(model: CausalLM, directory: str | Path, metadata: dict[str, str] | None = None,

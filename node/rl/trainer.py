@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from node.model.batching import GROUP_OVERHEAD_TOKENS
-from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint
+from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint, written_whole
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch, first_loss_position, micro_batches
@@ -194,10 +194,9 @@ class Trainer:
     # ---- checkpoints: model as HF safetensors, optimizer state as safetensors + json -------
     def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
         """The model in the HF layout (with `companions_from`'s config fields, tokenizer files and chat
-        template: the directory the run's model came from), AdamW's state and the step beside it."""
+        template: the directory the run's model came from), AdamW's state and the step beside it; written
+        whole or not at all (`written_whole`: `CheckpointNotWritten`, the previous checkpoint kept)."""
         directory = Path(directory)
-        save_checkpoint(self.model, directory, metadata={"format": "pt", "step": str(self.step)},
-                        companions_from=companions_from)
         names = {id(p): n for n, p in self.model.named_parameters()}
         tensors, meta = {}, {}
         for group in self.optimizer.param_groups:
@@ -205,12 +204,16 @@ class Trainer:
                 state = self.optimizer.state.get(p, {})
                 for key, value in state.items():
                     if torch.is_tensor(value) and value.dim() > 0:
-                        tensors[f"{names[id(p)]}::{key}"] = value.contiguous()
+                        tensors[f"{names[id(p)]}::{key}"] = value
                     else:
                         meta[f"{names[id(p)]}::{key}"] = float(value)
-        save_file(tensors, str(directory / "optimizer.safetensors"))
-        (directory / "trainer.json").write_text(json.dumps({"step": self.step, "scalars": meta,
-                                                            "config": asdict(self.cfg)}))
+        need = sum(t.numel() * t.element_size() for t in (*self.model.state_dict().values(), *tensors.values()))
+        with written_whole(directory, need) as staging:
+            save_checkpoint(self.model, staging, metadata={"format": "pt", "step": str(self.step)},
+                            companions_from=companions_from)
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(staging / "optimizer.safetensors"))
+            (staging / "trainer.json").write_text(json.dumps({"step": self.step, "scalars": meta,
+                                                              "config": asdict(self.cfg)}))
         return directory
 
     def load_pending_optimizer_state(self) -> None:

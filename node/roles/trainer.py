@@ -43,6 +43,7 @@ import torch
 
 from node.engine import Engine
 from node.envs.rollout import Rollout
+from node.model.checkpoint import CheckpointNotWritten, recover
 from node.model.errors import WeightsHashMismatch
 from node.model.fill import meta_model
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
@@ -155,6 +156,7 @@ class TrainerNode:
                                                  listen=f"/ip4/{self.host}/tcp/0")
         publishing: asyncio.Task | None = None
         try:
+            recover(self.workdir / "checkpoint")  # a swap a crash cut (`written_whole`)
             directory = self._pretrained_start()
             if leader is not None and directory is not None:  # every rank reads its own rows of the checkpoint
                 trainer = await asyncio.to_thread(self._start_from_checkpoint, leader, directory)
@@ -186,7 +188,7 @@ class TrainerNode:
                 publishing = await self._start_publication(client, trainer, row, metrics)
                 if step % CHECKPOINT_EVERY == 0 or step == self.steps:
                     await publishing  # first: a world's ranks run one collective at a time
-                    await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
+                    await self._checkpoint(trainer, step)
             if publishing is not None:
                 await publishing
             if trainer.step >= self.steps:
@@ -202,6 +204,14 @@ class TrainerNode:
                 publishing.cancel()
             await client.close("trainer stopping")
             await server.stop()
+
+    async def _checkpoint(self, trainer, step: int) -> None:  # noqa: ANN001 (Trainer or world.Leader)
+        """Save the resume point; one that cannot be written (a full disk) is an error in the log, not the end of
+        the run: the previous checkpoint stays whole, and every version trained is in the store."""
+        try:
+            await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
+        except CheckpointNotWritten as exc:
+            log.error("step %d: %s", step, exc)
 
     def _pretrained_start(self) -> Path | None:
         """The run's checkpoint directory when a world starts from it as it is: no trainer checkpoint

@@ -152,6 +152,49 @@ def test_a_lease_is_answered_while_the_disk_is_busy_and_an_accepted_rollout_only
     run(main())
 
 
+def test_a_validator_pulls_and_judges_while_the_disk_is_busy_and_a_batch_waits_for_it(tmp_path):
+    """Session 22's one-host run: commits of 2.6-3.0 s behind the trainer's version writes held the validator's
+    verify requests and verdicts, and so the trainer's next batch. They are answered from the written commit; the
+    batch that holds the verdict goes out only once it is on disk."""
+    from benchmarks.protocol import rollout
+    from protocol.identity import NodeKey
+    from protocol.messages import BatchRequest, StoredWorkBatch, Verdict, VerdictBatch, VerifyRequest
+    from protocol_testnet import client, eventually, lease_one, make_spec, run, start_coordinator, start_member, stop_all
+
+    async def main() -> None:
+        ck, vk, tk = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+        spec = make_spec(ck, heartbeat_interval_s=5.0, validators=[vk.peer_id], trainer=tk.peer_id, batch_groups=1)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        store = coord.state.store
+        node = await start_member(spec, coord.host.addrs[0])
+        validator = await start_member(spec, coord.host.addrs[0], role="validator", key=vk)
+        trainer = await start_member(spec, coord.host.addrs[0], role="trainer", key=tk)
+        gated = GatedSync(store)
+        try:
+            grant = await lease_one(node)
+            submitting = asyncio.ensure_future(client(node).submit(rollout(grant.work_id)))
+            await eventually(lambda: bool(store.accepted(grant.work_id)) and gated.entered.is_set(),
+                             what="the rollout committed and its fsync under way")
+            # the gate stays shut: the validator is answered from what is written
+            got = await asyncio.wait_for(validator.net.request(ck.peer_id, VerifyRequest(max_items=8)), 30)
+            assert isinstance(got, StoredWorkBatch) and [i.work_id for i in got.items] == [grant.work_id]
+            verdict = Verdict(work_id=grant.work_id, submitter=node.key.peer_id, valid=True)
+            await asyncio.wait_for(validator.net.request(ck.peer_id, VerdictBatch(verdicts=[verdict])), 30)
+            assert store.verdict_of(grant.work_id) is not None
+            asking = asyncio.ensure_future(trainer.net.request(ck.peer_id, BatchRequest(step=1, groups=1)))
+            await eventually(lambda: store.batch_of(1) == [grant.work_id], what="the batch assigned")
+            assert not submitting.done() and not asking.done(), "a receipt or a batch went out before the disk"
+            gated.gate.set()
+            assert (await asyncio.wait_for(submitting, 30)).accepted
+            batch = await asyncio.wait_for(asking, 30)
+            assert [i.work_id for i in batch.items] == [grant.work_id]
+        finally:
+            gated.gate.set()
+            await stop_all(coord, [node, validator, trainer])
+
+    run(main())
+
+
 def test_the_wal_is_checkpointed_on_the_sync_thread_after_the_replies(tmp_path, monkeypatch):
     import protocol.store
 
