@@ -237,7 +237,8 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
                           timeout_s=args.timeout, recipe=recipe, model=model_run.get("model"), placement=placement,
                           engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0},
                           coordinator_state=args.coordinator_state / f"k{k}" if args.coordinator_state else None,
-                          store_dir=args.store_dir / f"k{k}" if args.store_dir else None)
+                          store_dir=args.store_dir / f"k{k}" if args.store_dir else None,
+                          store_payloads=args.store_payloads / f"k{k}" if args.store_payloads else None)
         wall = time.time() - t0
     rows = trainer_rows(out) if (out / "trainer" / "metrics.jsonl").exists() else []
     from benchmarks.weight_latency import host_store_bytes
@@ -282,7 +283,12 @@ def drop_stores(run_dir: Path) -> None:
     the next run starts: on the H200 host's 64 GB disk the second run filled it (after its figures are read)."""
     import shutil
 
+    from shardcast.store import PAYLOAD_ROOT_FILE
+
     for d in [*run_dir.glob("shardcast"), *run_dir.glob("*/shardcast"), *run_dir.glob("*/checkpoint")]:
+        marker = d / PAYLOAD_ROOT_FILE  # payloads kept elsewhere (sim --store-payloads) go too
+        if marker.exists():
+            shutil.rmtree(marker.read_text().strip(), ignore_errors=True)
         shutil.rmtree(d.resolve(), ignore_errors=True)  # a store linked elsewhere (sim --store-dir) goes where it lies
 
 
@@ -358,6 +364,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600, help="each run's hard limit in seconds")
     p.add_argument("--store-dir", type=Path, default=None,
                    help="the host's shared store under this directory (one per k; `sim --store-dir`), e.g. on tmpfs")
+    p.add_argument("--store-payloads", type=Path, default=None,
+                   help="the shared store's decoded payloads under this directory (one per k; `sim --store-payloads`), "
+                        "e.g. on tmpfs: only wire shards reach the roles' disk")
     p.add_argument("--coordinator-state", type=Path, default=None,
                    help="the coordinator's state under this directory (one per k; `sim --coordinator-state`), e.g. "
                    "on tmpfs standing in for the coordinator's own machine where every role shares one disk")
@@ -396,6 +405,7 @@ def main() -> None:
         "steps": args.steps, "warmup_steps": args.warmup,
         "coordinator_state": str(args.coordinator_state) if args.coordinator_state else "OUT/coordinator (the roles' disk)",
         "store_dir": str(args.store_dir) if args.store_dir else "OUT/shardcast (the roles' disk)",
+        "store_payloads": str(args.store_payloads) if args.store_payloads else "beside the wire shards",
         "step_s": last["step_s"], "weight_latency_s": last["weight_latency_s"],
         "async_speedup": round(base["step_s"] / last["step_s"], 2) if base and last is not base and base["step_s"]
         and last["step_s"] else None,

@@ -123,7 +123,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
                device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
                store_dir: Path | None = None, store_max_gib: float | None = None,
-               memory_limit_gib: float | None = None) -> None:
+               memory_limit_gib: float | None = None, store_payloads: Path | None = None) -> None:
     """Run one role until SIGINT/SIGTERM, after its memory plan (`plan_memory`) fits. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
@@ -149,8 +149,11 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
         check_checkpoint(spec)
     from shardcast.store import Store
 
-    store = Store(store_dir or workdir / "shardcast",
-                  max_bytes=None if store_max_gib is None else int(store_max_gib * 2**30))
+    try:
+        store = Store(store_dir or workdir / "shardcast", payload_root=store_payloads,
+                      max_bytes=None if store_max_gib is None else int(store_max_gib * 2**30))
+    except ValueError as exc:
+        raise SystemExit(f"primerl-node join: {exc}") from None
     if role == "inference":
         from node.roles.inference import InferenceNode
         node = InferenceNode(key, spec, bootstrap, workdir, engine=engine, vllm=vllm, device=device, fp8=fp8, ep=ep,
@@ -310,5 +313,5 @@ def _join(args: argparse.Namespace) -> int:
                      engine=engine, parallel=cfg.parallel(), host=cfg.host, vllm=cfg.vllm,
                      customize=customize, device=device, fp8=cfg.fp8, ep=ep,
                      gpu_memory_share=cfg.gpu_memory_share, store_dir=cfg.store, store_max_gib=cfg.store_max_gib,
-                     memory_limit_gib=cfg.memory_limit_gib))
+                     memory_limit_gib=cfg.memory_limit_gib, store_payloads=cfg.store_payloads))
     return 0

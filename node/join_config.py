@@ -54,6 +54,10 @@ class JoinConfig(BaseModel):
     store_max_gib: float | None = Field(None, gt=0)
     """byte budget of the run's files in the store: beyond it, decoded payloads other than the newest go first,
     then the oldest versions (never the newest nor the delta chain it needs)"""
+    store_payloads: Path | None = None
+    """where the store keeps decoded payloads (each as large as the model; the wire shards on disk rebuild them),
+    e.g. on tmpfs (/dev/shm/...) where the host has the memory, so a version is not written to the disk that the
+    host's roles share; recorded in the store, so the host's other roles find them without the flag"""
     shardcast_port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     """trainer/relay: HTTP port serving shards"""
     host: str = "127.0.0.1"

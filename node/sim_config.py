@@ -83,6 +83,9 @@ class SimConfig(BaseModel):
     store_dir: Annotated[Path | None, Flag(metavar="DIR")] = None
     """the shared store's directory (default OUT/shardcast; OUT/shardcast then links to it), e.g. on tmpfs where
     the host has the memory: versions are written once per host and dropped within a few steps"""
+    store_payloads: Annotated[Path | None, Flag(metavar="DIR")] = None
+    """where the shared store keeps decoded payloads (`join --store-payloads`), e.g. on tmpfs: the trainer's
+    version files then never reach the disk the host's roles share (only their wire shards do)"""
     coordinator_state: Annotated[Path | None, Flag(metavar="DIR")] = None
     """the coordinator's state directory (default OUT/coordinator; OUT/coordinator then links to it): on a host
     whose roles share one disk, a directory on another filesystem keeps the coordinator's fsyncs from waiting
@@ -92,6 +95,9 @@ class SimConfig(BaseModel):
     def _store_dir_is_the_shared_stores(self) -> "SimConfig":
         if self.store_dir is not None and not self.shared_store:
             raise ValueError("store_dir places the host's shared store: it cannot go with shared_store off")
+        if self.store_payloads is not None and not self.shared_store:
+            raise ValueError("store_payloads places the host's shared store's payloads: it cannot go with "
+                             "shared_store off")
         return self
 
 

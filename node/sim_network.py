@@ -168,7 +168,8 @@ def start_network(out: Path, cfg: SimConfig) -> Network:
     kinds = list(cfg.cheat_kinds)  # each cheater's kind, in turn (node/adversary.py: CHEATS, JUNK)
 
     store_flags = [*(["--store", str(out / "shardcast")] if cfg.shared_store else []),
-                   *(["--store-max-gib", str(cfg.store_max_gib)] if cfg.store_max_gib else [])]
+                   *(["--store-max-gib", str(cfg.store_max_gib)] if cfg.store_max_gib else []),
+                   *(["--store-payloads", str(cfg.store_payloads)] if cfg.store_payloads else [])]
 
     def member(name: str, role: str, extra: list[str] = (), launcher: list[str] = ()) -> Proc:
         argv = ["join", "--role", role, "--bootstrap", bootstrap, "--spec", spec, "--key",

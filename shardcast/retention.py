@@ -47,11 +47,12 @@ def needed_by(store: Store, run_id: str, versions: set[int]) -> set[int]:
 
 
 def run_bytes(store: Store, run_id: str) -> int:
-    """Disk blocks under the run's directory (a sparse partial payload counts what it holds; a file
-    hard-linked twice counts once)."""
+    """Disk blocks under the run's directories, its payloads' too where they lie elsewhere (a sparse partial
+    payload counts what it holds; a file hard-linked twice counts once)."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    for dirpath, _, files in os.walk(store.root / run_id):
+    roots = [store.root] + ([store.payload_root] if store.payload_root is not None else [])
+    for dirpath, _, files in (w for r in roots for w in os.walk(r / run_id)):
         for name in files:
             try:
                 st = os.lstat(os.path.join(dirpath, name))
@@ -70,6 +71,8 @@ def delete_version(store: Store, run_id: str, version: int) -> bool:
             return False
         src = store.version_dir(run_id, version)
         trash = store.root / run_id / f".trash.{os.getpid()}-{next(_trash_seq)}"
+        if store.payload_root is not None:  # the payload first: a version is never left without its shards
+            shutil.rmtree(store.payload_home(run_id, version), ignore_errors=True)
         try:
             os.replace(src, trash)
         except FileNotFoundError:

@@ -12,6 +12,13 @@ One store per host: every role of a machine (trainer, relay, inference nodes, va
 the same root (`join --store`), so a version is held once. Writers of a version hold its lock
 (`shardcast.locks`), a second process fetching the same version waits for the first and then finds
 it complete; what is kept is `shardcast.retention`'s (versions, payloads, a byte budget).
+
+Payloads elsewhere (`payload_root`, e.g. on tmpfs): a version's decoded payload is a cache (its wire shards,
+kept on disk, rebuild it), as large as the model, and the trainer writes one a version; on the disk that
+every role of one host shares, a 10 GB version's write-back held the coordinator's fsyncs 2.6-7.9 s and the
+trainer's own publication up to 12 s (session 22's 5.2B runs on one H200). With a payload root, payloads
+lie under `<payload_root>/<run_id>/<version:08d>/` instead; the root is recorded in the store
+(`.payload_root`), so every process that opens the store finds them there.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from shardcast.manifest import Manifest, SignedManifest
 from shardcast.shard_map import map_shard_files, shard_file
 
 log = logging.getLogger(__name__)
+
+PAYLOAD_ROOT_FILE = ".payload_root"
+"""In a store's root: where its payloads lie, when not beside the wire shards (`Store(payload_root=...)`)."""
 
 DEFAULT_KEEP_PAYLOADS = 2
 """The newest version's payload (the next delta's parent) and one more, so a role one version behind
@@ -69,9 +79,15 @@ class PayloadFiles:
 class Store:
     """Versions of one or more runs under a root directory."""
 
-    def __init__(self, root: str | Path, keep_payloads: int = DEFAULT_KEEP_PAYLOADS, max_bytes: int | None = None):
+    def __init__(self, root: str | Path, keep_payloads: int = DEFAULT_KEEP_PAYLOADS, max_bytes: int | None = None,
+                 payload_root: str | Path | None = None):
+        """`payload_root`: where decoded payloads lie (module docstring), recorded in the store for every
+        process that opens it; None: as recorded, else beside the wire shards. One that differs from the
+        recorded one is refused (`ValueError`): two processes of a host would each miss the other's."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.payload_root = _payload_root(self.root, None if payload_root is None else Path(payload_root))
+        """Where payloads lie (None: in each version's directory)."""
         self.keep_payloads = keep_payloads
         """Decoded payloads kept, newest first (at least 1: the next delta decodes against it)."""
         self.max_bytes = max_bytes
@@ -96,11 +112,17 @@ class Store:
     def payload_path(self, run_id: str, version: int) -> Path:
         """The version's payload: its directory of shard files where a publisher wrote one, else `payload.bin`."""
         d = self.payload_dir(run_id, version)
-        return d if d.is_dir() else self.version_dir(run_id, version) / "payload.bin"
+        return d if d.is_dir() else self.payload_home(run_id, version) / "payload.bin"
 
     def payload_dir(self, run_id: str, version: int) -> Path:
         """Where a publisher keeps the payload as one file per shard (`shardcast.shard_map`)."""
-        return self.version_dir(run_id, version) / "payload.d"
+        return self.payload_home(run_id, version) / "payload.d"
+
+    def payload_home(self, run_id: str, version: int) -> Path:
+        """The directory a version's payload (and its partial files while fetched) lies in."""
+        if self.payload_root is None:
+            return self.version_dir(run_id, version)
+        return self.payload_root / run_id / f"{version:08d}"
 
     def lock(self, run_id: str, version: int) -> Path:
         """The version's lock file (`shardcast.locks`)."""
@@ -122,6 +144,7 @@ class Store:
         _atomic_write(self.shard_path(run_id, version, index), wire)
 
     def put_payload(self, run_id: str, version: int, payload: np.ndarray) -> None:
+        self.payload_home(run_id, version).mkdir(parents=True, exist_ok=True)
         _atomic_write(self.payload_path(run_id, version), memoryview(payload))
 
     def open_partial_payload(self, run_id: str, version: int, total: int,
@@ -131,7 +154,9 @@ class Store:
         own file, as a publisher's do), else one file (renamed to `payload.bin`); by
         `commit_partial_payload` once every raw hash matched."""
         self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
-        for stale in self.version_dir(run_id, version).glob(".payload.*.partial"):
+        home = self.payload_home(run_id, version)
+        home.mkdir(parents=True, exist_ok=True)
+        for stale in home.glob(".payload.*.partial"):
             # Left by a killed or failed fetch (its shards are reused, not this). A partial still
             # open is another fetch of the same version in flight: deleting it made that fetch's
             # rename fail (found by benchmarks.chaos; tests/chaos/test_regressions.py).
@@ -142,7 +167,7 @@ class Store:
                 else:
                     stale.unlink(missing_ok=True)
         _partial_seq[0] += 1
-        path = self.version_dir(run_id, version) / f".payload.{os.getpid()}-{_partial_seq[0]}.partial"
+        path = home / f".payload.{os.getpid()}-{_partial_seq[0]}.partial"
         return PartialPayload(path, total, shard_size)
 
     def commit_partial_payload(self, run_id: str, version: int, partial: "PartialPayload") -> np.ndarray:
@@ -151,7 +176,7 @@ class Store:
         makes the renamed files' content visible, and resume re-verifies shards, not these files."""
         partial.close()
         if partial.shard_size is None:
-            os.replace(partial.path, self.version_dir(run_id, version) / "payload.bin")
+            os.replace(partial.path, self.payload_home(run_id, version) / "payload.bin")
         else:
             final = self.payload_dir(run_id, version)
             if final.exists():  # (none should: a complete version is not fetched again)
@@ -235,6 +260,25 @@ class Store:
         """Apply `shardcast.retention` (the newest `keep_last` versions and the keyframe chain they
         need, payloads of the newest `keep_payloads`, the byte budget). Returns the deleted versions."""
         return retention.retain(self, run_id, keep_last)
+
+
+def _payload_root(root: Path, asked: Path | None) -> Path | None:
+    """The store's payload root: `asked` (recorded on first use), else the recorded one, else None."""
+    marker = root / PAYLOAD_ROOT_FILE
+    try:
+        recorded = Path(marker.read_text().strip())
+    except FileNotFoundError:
+        recorded = None
+    if asked is None:
+        return recorded
+    asked = asked.resolve()
+    if recorded is not None and recorded != asked:
+        raise ValueError(f"store {root} keeps its payloads under {recorded}, not {asked}: open it without a "
+                         "payload root, or with the same one")
+    if recorded is None:
+        asked.mkdir(parents=True, exist_ok=True)
+        _atomic_write(marker, str(asked).encode())
+    return asked
 
 
 class PartialPayload:

@@ -17,7 +17,8 @@ from shardcast.store import Store
 
 @pytest.mark.slow  # a whole network of processes: runs after the fast tests
 def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
-    s = run_sim(tmp_path, inference_nodes=1, steps=4, batch_groups=8, group_size=4)
+    payloads = tmp_path / "ram"  # `sim --store-payloads`: the host's decoded versions off the shared disk
+    s = run_sim(tmp_path, inference_nodes=1, steps=4, batch_groups=8, group_size=4, store_payloads=payloads)
     assert s["status"] == "done" and s["steps"] == 4
     assert s["rollouts_trained"] == 4 * 8 * 4
     assert s["rollouts_lost"] == 0 and s["rollouts_duplicated"] == 0
@@ -44,6 +45,8 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert sum(r["tokens"] for r in rounds) > 0 and all(r["tokens"] > 0 for r in rounds if r["groups"])
     judged = [json.loads(x) for x in (tmp_path / "validator" / "rounds.jsonl").read_text().splitlines()]
     assert sum(r["units"] for r in judged) >= 4 * 8 and all(r["tokens"] > 0 for r in judged)
+    assert any(payloads.glob("*/*/payload*")), "no payload under the payload root"
+    assert not any((tmp_path / "shardcast").glob("*/*/payload*")), "a payload beside the wire shards"
 
 
 def test_the_timeout_follows_the_work_and_the_plan_says_how_long_before_starting():

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from shardcast.fetch import Fetcher
+from shardcast.fetch import Fetcher, read_held
 from shardcast.hashing import content_hash
 from shardcast.locks import held
 from shardcast.publish import PublishOptions, publish
@@ -163,3 +164,56 @@ def test_a_fetch_goes_on_without_a_lock_a_stopped_process_keeps(tmp_path, key, t
         holder.stdin.close()
         holder.wait(timeout=WAIT_S)
     assert "going on without it" in caplog.text
+
+
+def test_payloads_kept_elsewhere_are_found_by_every_process_of_the_host_and_go_with_their_versions(
+        tmp_path, key, trusted, sc):
+    """`Store(payload_root=...)` (`join --store-payloads`, e.g. on tmpfs): the publisher's payloads and a fetch's
+    decoded ones lie there, never beside the wire shards; processes that open the store without the flag (the
+    host's other roles, subprocesses here) find them from the store's record; retention drops them with their
+    versions and counts them in the byte budget; another payload root for the same store is refused."""
+    disk, ram = tmp_path / "host", tmp_path / "ram"
+    store = Store(disk, keep_payloads=2, payload_root=ram)
+    states = _chain(store, key, sc, n=4, keyframe_every=2, keep_last=2)  # v3 a delta on v2
+    for v in store.versions("run"):
+        assert not any(p.name.startswith(("payload", ".payload")) for p in store.version_dir("run", v).iterdir())
+    assert [v for v in range(4) if any((ram / "run" / f"{v:08d}").glob("payload*"))] == [2, 3]
+    assert all(store.payload_path("run", v).is_relative_to(ram.resolve()) for v in (2, 3))
+    assert store.versions("run") == [2, 3] and not (ram / "run" / "00000000").exists(), "v0 went with its payload"
+    assert store.disk_bytes("run") > sum(f.stat().st_size for f in (disk / "run").rglob("shard_*"))
+
+    again = Store(disk)  # no flag: the store's record says where
+    assert again.payload_root == ram.resolve()
+    sc.assert_same(read_held(again, trusted, "run", 3).tensors(), states[3])
+    with pytest.raises(ValueError, match="keeps its payloads under"):
+        Store(disk, payload_root=tmp_path / "elsewhere")
+
+    # a process of the host reads the published version from the store and downloads nothing
+    async def local():
+        server, url = await sc.serve(store)
+        try:
+            return await _workers(1, disk, url, key.peer_id, 3)
+        finally:
+            await server.stop()
+
+    got = asyncio.run(local())
+    assert got[0]["downloaded"] == 0
+    assert got[0]["payload"] == content_hash(memoryview(np.asarray(store.payload("run", 3))))
+
+    # a fetch into another host's store with a payload root decodes there (partial files and all)
+    fetched = Store(tmp_path / "host2", payload_root=tmp_path / "ram2")
+
+    async def remote():
+        server, url = await sc.serve(store)
+        try:
+            async with Fetcher(fetched, [url], trusted) as f:
+                return (await f.fetch("run", 3)).tensors()
+        finally:
+            await server.stop()
+
+    sc.assert_same(asyncio.run(remote()), states[3])
+    home = tmp_path / "ram2" / "run" / "00000003"
+    assert (home / "payload.d").is_dir() or (home / "payload.bin").is_file()
+    assert not any(p.name.startswith(".payload") for p in home.iterdir()), "no partial left"
+    assert not any(p.name.startswith(("payload", ".payload")) for p in fetched.version_dir("run", 3).iterdir())
+
