@@ -20,6 +20,7 @@ step holds the tensor whole (both versions' bits).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -96,6 +97,20 @@ def _apply(flat: torch.Tensor, d: TensorDelta, newer: bool = False) -> None:
         flat.copy_(values.to(flat.device))
     else:
         flat[d.index.to(flat.device)] = values.to(flat.device)
+
+
+@dataclass
+class PreparedVersion:
+    """A version newer than every held one, its step computed (`ResidentPolicies.prepare`), not yet read in."""
+
+    version: int
+    manifest_hash: bytes
+    internal: InternalTensors
+    step: dict[str, TensorDelta]
+    """The newest held version's tensors against this one (the step `commit` records for it)."""
+    base: int
+    """The newest held version when it was prepared (`commit` refuses it against another)."""
+    prepare_s: float
 
 
 class ResidentPolicies(Mapping):
@@ -205,24 +220,31 @@ class ResidentPolicies(Mapping):
         self.active = version
 
     # ---- adding a version -------------------------------------------------------------------
+    @property
+    def at_newest(self) -> bool:
+        """Whether the model holds the newest version (what `prepare` diffs against)."""
+        return self.active == self.newest
+
     def add(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes) -> None:
         """Hold `version` (HF-named tensors, checked as `load_hf_state_dict` checks them). A newer one
-        becomes the resident weights and the old newest's step is its delta against it; an older one is
-        read in over its next newer held version, diffed against it, and undone (the older neighbour's
-        step is split at it)."""
+        becomes the resident weights and the old newest's step is its delta against it (`prepare` then
+        `commit`, here with the model to the caller alone); an older one is read in over its next newer held
+        version, diffed against it, and undone (the older neighbour's step is split at it)."""
         if version in self.hashes:
+            return
+        if version > self.newest:
+            with self._lock:
+                self._activate(self.newest)
+            self.commit(self.prepare(version, state, manifest_hash))
             return
         with self._lock:
             t0, load_s = time.perf_counter(), 0.0
-            newer = version > self.newest
-            base = self.newest if newer else self._above(version)
-            below = None if newer else max((v for v in self.hashes if v < version), default=None)
+            base = self._above(version)
+            below = max((v for v in self.hashes if v < version), default=None)
             self._activate(base)
-            internal = InternalTensors(state, self.model.config)  # each looked up once, module by module
-            check_names(self.model, {n: shape for n, (shape, _) in internal.index.items()})
-            internal.check_fp8()  # before anything is read in: a refused version leaves the held ones as they were
-            step: dict[str, TensorDelta] = {}  # newer: the old newest against `version`; else `version` against base
-            split: dict[str, TensorDelta] = {}  # older: the older neighbour's step, now against `version`
+            internal = self._checked(state)
+            step: dict[str, TensorDelta] = {}  # `version` against base
+            split: dict[str, TensorDelta] = {}  # the older neighbour's step, now against `version`
             seen: set[int] = set()
             with torch.no_grad():
                 for module_name, mod, names in _modules_of(self.model, internal):
@@ -235,31 +257,86 @@ class ResidentPolicies(Mapping):
                     load_s += time.perf_counter() - t
                     for n, t in own.items():
                         after = _bits(t)
-                        d = _delta(before[n], after, self._home) if newer else _delta(after, before[n], self._home)
+                        d = _delta(after, before[n], self._home)
                         if d is not None:
                             step[n] = d
                         if below is not None and (n in self.deltas[below] or d is not None):
                             older = before[n].clone()
                             if n in self.deltas[below]:
                                 _apply(older, self.deltas[below][n])
-                            if (s := _delta(older, after, self._home)) is not None:
-                                split[n] = s
-                        if not newer:
-                            after.copy_(before[n])  # back to the base version's bits
-            if newer:
-                self.deltas[self.newest] = step
-                self.newest = self.active = version
-                self.deltas[version] = {}
-            else:
-                self.deltas[version] = step
-                if below is not None:
-                    self.deltas[below] = split
+                            if (sp := _delta(older, after, self._home)) is not None:
+                                split[n] = sp
+                        after.copy_(before[n])  # back to the base version's bits
+            self.deltas[version] = step
+            if below is not None:
+                self.deltas[below] = split
             self.hashes[version] = manifest_hash
-            held = self._held_bytes()
-            log.info("version %d held in %.2f s (%.2f s reading it into the model): resident v%d, steps of %d versions "
-                     "%.1f MiB on the device, %.1f MiB on the host %s", version, time.perf_counter() - t0, load_s,
-                     self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20), held.get("cpu", 0) / (1 << 20),
-                     gpu_memory_stats(self._device) or "")
+            self._log_held(version, time.perf_counter() - t0, load_s)
+
+    def prepare(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes) -> "PreparedVersion":
+        """The first half of holding a version newer than every held one, with the model only read: its step
+        (the newest version's bits against it), module by module, each read into a scratch copy of the module
+        (as `commit` will read it into the model: the same bits, an FP8 module's quantisation included) and
+        diffed against the model's. So judging rounds that recompute with the newest version may run
+        meanwhile (`node.roles.validator.ModelTurns`): session 22's 5.2B network on one H200 had a round that
+        asked 0.4 s after a hold began wait 4 s for it, and with it the trainer's next batch. The model must
+        hold the newest version (`at_newest`) and nobody may switch it until `commit`. Refusals
+        (`InvalidCheckpoint`) come before anything is read."""
+        if version <= self.newest or not self.at_newest:
+            raise ValueError(f"prepare v{version}: held up to v{self.newest}, active v{self.active}")
+        t0 = time.perf_counter()
+        internal = self._checked(state)
+        step: dict[str, TensorDelta] = {}
+        seen: set[int] = set()
+        with torch.no_grad():
+            for module_name, mod, names in _modules_of(self.model, internal):
+                own = {n: t for n, t in _own_raw(module_name, mod) if id(t) not in seen}
+                seen.update(id(t) for t in own.values())
+                if not own:  # a tied weight, diffed where it was first seen
+                    continue
+                prefix = module_name + "." if module_name else ""
+                scratch = copy.deepcopy(mod)
+                self._read_into(scratch, prefix, names, internal)
+                new = dict(_own_raw(module_name, scratch))
+                for n, t in own.items():
+                    if (d := _delta(_bits(t), _bits(new[n]), self._home)) is not None:
+                        step[n] = d
+                del scratch, new
+        return PreparedVersion(version, manifest_hash, internal, step, self.newest, time.perf_counter() - t0)
+
+    def commit(self, prepared: "PreparedVersion") -> None:
+        """The second half, with the model to the caller alone: the newest version made active again (a round
+        between the halves may have switched it), the version's tensors read into the model (the bits `prepare`
+        diffed), its step recorded, the version the resident one."""
+        with self._lock:
+            if prepared.base != self.newest:
+                raise ValueError(f"v{prepared.version} was prepared against v{prepared.base}; held up to "
+                                 f"v{self.newest}")
+            t0 = time.perf_counter()
+            self._activate(self.newest)  # a round between the halves may have switched it
+            with torch.no_grad():
+                for module_name, mod, names in _modules_of(self.model, prepared.internal):
+                    self._read_into(mod, module_name + "." if module_name else "", names, prepared.internal)
+            load_s = time.perf_counter() - t0
+            self.deltas[self.newest] = prepared.step
+            self.newest = self.active = prepared.version
+            self.deltas[prepared.version] = {}
+            self.hashes[prepared.version] = prepared.manifest_hash
+            self._log_held(prepared.version, prepared.prepare_s + load_s, load_s, prepared.prepare_s)
+
+    def _checked(self, state: Mapping[str, torch.Tensor]) -> InternalTensors:
+        internal = InternalTensors(state, self.model.config)  # each looked up when needed, module by module
+        check_names(self.model, {n: shape for n, (shape, _) in internal.index.items()})
+        internal.check_fp8()  # before anything is read in: a refused version leaves the held ones as they were
+        return internal
+
+    def _log_held(self, version: int, total_s: float, load_s: float, prepare_s: float | None = None) -> None:
+        held = self._held_bytes()
+        log.info("version %d held in %.2f s (%s%.2f s reading it into the model): resident v%d, steps of %d versions "
+                 "%.1f MiB on the device, %.1f MiB on the host %s", version, total_s,
+                 "" if prepare_s is None else f"{prepare_s:.2f} s preparing its step beside the judging, ",
+                 load_s, self.newest, len(self.deltas) - 1, held.get("cuda", 0) / (1 << 20),
+                 held.get("cpu", 0) / (1 << 20), gpu_memory_stats(self._device) or "")
 
     def _read_into(self, mod: torch.nn.Module, prefix: str, names: list[str], internal: InternalTensors) -> None:
         """The module's tensors `names` from the version's (host) tensors: on a GPU through a pinned ring,

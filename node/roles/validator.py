@@ -43,6 +43,7 @@ from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
 from node.heap import settle_heap
+from node.roles.model_turns import ModelTurns
 from node.roles.resident_policy import ResidentPolicies
 from node.roles.version0 import LocalVersion0, local_version0
 from protocol.client import CoordinatorClient
@@ -100,9 +101,11 @@ class ValidatorNode:
         """When a policy version was last fetched (monotonic)."""
         self._holding: dict[int, asyncio.Task] = {}
         """Version -> its fetch and hold in progress (one per version, whoever asked first)."""
-        self._hold_lock = asyncio.Lock()
-        """Holds run one at a time, in the order asked (the first builds the resident model), and never
-        while a round recomputes with the resident model."""
+        self._hold_order = asyncio.Lock()
+        """Holds run one at a time, in the order asked (the first builds the resident model)."""
+        self._turns = ModelTurns()
+        """Who uses the resident model when (node/roles/model_turns.py): rounds that judge the newest version
+        beside a hold preparing the next one; a round that switches versions, a hold reading one in, alone."""
 
     async def run(self, stop: asyncio.Event) -> None:
         client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
@@ -169,34 +172,67 @@ class ValidatorNode:
         # off the event loop: building and checking a model takes seconds of CPU on a busy machine, and a
         # blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28)
         t_fetched = time.monotonic()
-        async with self._hold_lock:
+        async with self._hold_order:
             t_hold = time.monotonic()
-            await asyncio.to_thread(self._hold, version, state, bytes.fromhex(self.hashes[version]), local)
+            await self._hold(version, state, bytes.fromhex(self.hashes[version]), local)
         log.info("version %d: fetched in %.2f s, held %.2f s after (%.2f s behind other holds)", version,
                  t_fetched - t0, time.monotonic() - t_fetched, t_hold - t_fetched)
         if self.spec.model.fp8 != "off":
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)
 
-    def _hold(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes, local: bool = False) -> None:
-        """The first version builds the resident model; later ones join it as deltas. A fetched version 0 is
-        checked against the spec's pin first, on the high-precision tensors the trainer published, before
+    async def _hold(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes,
+                    local: bool = False) -> None:
+        """The first version builds the resident model; a newer one is prepared beside the rounds that judge the
+        newest (`ResidentPolicies.prepare`, a reader's turn) and read in alone (`commit`); an older one is added
+        alone. Each off the event loop: building and checking a model takes seconds of CPU on a busy machine,
+        and a blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28). A fetched version 0
+        is checked against the spec's pin first, on the high-precision tensors the trainer published, before
         anything is loaded (a local version 0 was checked against it as its checkpoint was read)."""
         if version == 0 and not local:
-            check_version0(self.spec, state)
+            await asyncio.to_thread(check_version0, self.spec, state)
+        if self.policies is None or version < self.policies.newest:
+            await self._turns.write()
+            try:
+                await asyncio.to_thread(self._add_alone, version, state, manifest_hash)
+            finally:
+                await self._turns.leave(reader=False)
+            return
+        policies = self.policies
+        reader = await self._turns.enter(lambda: policies.at_newest)
+        try:
+            if not reader:  # a round left another version active: the newest back first, then read beside
+                await asyncio.to_thread(policies.activate, policies.newest)
+                await self._turns.downgrade()
+                reader = True
+            prepared = await asyncio.to_thread(policies.prepare, version, state, manifest_hash)
+            await self._turns.upgrade()
+            reader = False
+            await asyncio.to_thread(policies.commit, prepared)
+        finally:
+            await self._turns.leave(reader)
+
+    def _add_alone(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes) -> None:
         if self.policies is None:
             self.policies = ResidentPolicies(resident_model(self.spec, self.device, state), version, manifest_hash)
             settle_heap()  # the model is held: full collector passes no longer walk it mid-round
             return
         self.policies.add(version, state, manifest_hash)
 
-    def _prune(self) -> None:
-        """Drop models of versions no rollout can still be admitted with (after a judging round,
-        never during one: a claim's versions must all be present while it is checked)."""
+    async def _prune(self) -> None:
+        """Drop models of versions no rollout can still be admitted with (after a judging round, never during
+        one: a claim's versions must all be present while it is checked; a writer's turn: a drop switches the
+        weights)."""
         newest = max(self.hashes, default=-1)
-        held = self.policies if self.policies is not None else {}
-        for old in [v for v in held if v < newest - self.spec.max_off_policy_steps - 2 and v != held.newest]:
-            held.drop(old)
+        held = self.policies
+        old = [] if held is None else [v for v in held if v < newest - self.spec.max_off_policy_steps - 2
+                                       and v != held.newest]
+        if old:
+            await self._turns.write()
+            try:
+                await asyncio.to_thread(lambda: [held.drop(v) for v in old if v in held])
+            finally:
+                await self._turns.leave(reader=False)
         forget = time.monotonic() - 10 * UNJUDGEABLE_AFTER_S  # units the coordinator no longer offers
         self._deferred = {w: t for w, t in self._deferred.items() if t > forget}
 
@@ -243,9 +279,15 @@ class ValidatorNode:
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
                                  decode=self.tok.decode, tasks=prompt_ids, reward=reward)
             t_verify = time.time()
-            async with self._hold_lock:  # a version held meanwhile (announced: `_prefetch`) would change the
-                # weights under the recomputation: a hold waits for the round, and the round for a hold
+            versions = {v for _, c in flat for v in c.versions}
+            policies = self.policies
+            # a reader beside a hold preparing the next version when every claim is of the version the model
+            # holds (nothing switches it), else a writer: the round's switches, or a hold's read-in, go alone
+            reader = await self._turns.enter(lambda: policies.at_newest and versions <= {policies.newest})
+            try:
                 verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
+            finally:
+                await self._turns.leave(reader)
             self._round_verify_s = time.time() - t_verify
             unjudged = set()
             for (wid, _), v in zip(flat, verdicts):
@@ -260,7 +302,7 @@ class ValidatorNode:
             for wid in unjudged - set(failed):  # a failure of another of its claims stands; else judged later
                 log.warning("work %d: not judged (the validator ran out of memory recomputing it); offered again", wid)
                 skipped.add(wid)
-        self._prune()
+        await self._prune()
         out = []
         for item in items:
             if item.work_id in skipped:

@@ -84,6 +84,35 @@ def test_a_newer_version_adds_one_step_and_leaves_the_held_steps_untouched():
         assert bits(held[v][0]) == bits(alone(vs[v], "off")), v
 
 
+@pytest.mark.parametrize("fp8", ["off", "experts"])
+def test_preparing_a_version_only_reads_the_model_and_its_commit_is_the_version_alone(fp8):
+    """`prepare` (the validator runs it beside rounds that judge the newest version) leaves the model's bits and
+    logits as they were; `commit` then holds the new version bit for bit, every older one still reachable; a
+    preparation made against a newest version that moved on is refused, and one needs the model at the newest."""
+    vs = versions()
+    held = ResidentPolicies(alone(vs[0], fp8), 0, b"\0" * 32)
+    held.add(1, vs[1], b"\1" * 32)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    before = bits(held.model)
+    with torch.inference_mode():
+        logits = held.model(ids).logits
+    ready = held.prepare(2, vs[2], b"\2" * 32)
+    assert bits(held.model) == before and held.newest == 1 and 2 not in held
+    with torch.inference_mode():
+        assert torch.equal(held[1][0](ids).logits, logits)
+    held.commit(ready)
+    for v in (2, 0, 1, 2):
+        assert bits(held[v][0]) == bits(alone(vs[v], fp8)), v
+    stale = held.prepare(3, vs[3], b"\3" * 32)
+    held.add(3, vs[3], b"\3" * 32)
+    with pytest.raises(ValueError, match="prepared against v2"):
+        held.commit(stale)
+    held[0]
+    with pytest.raises(ValueError, match="active v0"):
+        held.prepare(4, vs[3], b"\4" * 32)
+    assert bits(held[3][0]) == bits(alone(vs[3], fp8))
+
+
 def test_dropping_a_version_between_two_held_ones_joins_their_steps():
     vs = versions()
     held = ResidentPolicies(alone(vs[0], "off"), 0, b"\0" * 32)

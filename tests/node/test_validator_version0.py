@@ -4,6 +4,8 @@ weights of another model are refused with the typed `WeightsHashMismatch`."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -23,11 +25,11 @@ def test_a_version_0_fetched_after_a_later_version_is_checked_against_the_pin(tm
     state0 = {k: t.clone() for k, t in state_dict_to_hf(v0).items()}
     state1 = {k: t + 0.01 for k, t in state0.items()}
     node = ValidatorNode(NodeKey.generate(), spec, "", tmp_path)
-    node._hold(1, state1, b"\1" * 32)
+    asyncio.run(node._hold(1, state1, b"\1" * 32))
     with pytest.raises(WeightsHashMismatch):
-        node._hold(0, state1, b"\0" * 32)  # version 1's weights offered as version 0
+        asyncio.run(node._hold(0, state1, b"\0" * 32))  # version 1's weights offered as version 0
     assert sorted(node.policies) == [1]
-    node._hold(0, state0, b"\0" * 32)
+    asyncio.run(node._hold(0, state0, b"\0" * 32))
     model, manifest_hash = node.policies[0]
     assert manifest_hash == b"\0" * 32
     assert all(torch.equal(model.state_dict()[k], t) for k, t in v0.state_dict().items())
@@ -69,10 +71,10 @@ def test_an_announced_version_is_held_before_any_unit_needs_it_once_whoever_asks
     assert torch.equal(held.model.norm.weight, model.model.norm.weight)
 
 
-def test_a_version_announced_while_a_round_recomputes_is_held_only_after_the_round(tmp_path):
-    """Holding changes the resident model's weights: a hold that an announcement starts waits for the round
-    in progress (which holds `_hold_lock` while it recomputes), so no claim is checked against weights
-    changing under it."""
+def test_a_version_announced_while_a_round_recomputes_changes_no_weight_under_it(tmp_path):
+    """Holding changes the resident model's weights (node/roles/model_turns.py): a hold waits for a round that
+    switches versions (a writer's turn); beside a round that judges the newest version (a reader's) it prepares
+    the next version's step, and reads it in only once that round is done."""
     import asyncio
 
     from node.rl.parallel.publish import publish_model
@@ -82,20 +84,44 @@ def test_a_version_announced_while_a_round_recomputes_is_held_only_after_the_rou
     spec = RunSpec(run_id="r", coordinator=NodeKey.generate().peer_id, environment="reverse", trainer=key.peer_id,
                    shardcast_sources=["http://127.0.0.1:9"])
     node = ValidatorNode(NodeKey.generate(), spec, "", tmp_path)
-    h0 = publish_model(fresh_model(spec), None, node.store, key, "r", 0, None, None).manifest.manifest_hash()
-    holds = []
+    model = fresh_model(spec)
+    h0 = publish_model(model, None, node.store, key, "r", 0, None, None).manifest.manifest_hash()
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)
+    h1 = publish_model(model, None, node.store, key, "r", 1, 0, None).manifest.manifest_hash()
+    holds, prepared = [], []
     real_hold = node._hold
     node._hold = lambda v, *a, **kw: (holds.append(v), real_hold(v, *a, **kw))[1]
 
     async def main():
         loop = asyncio.get_running_loop()
-        async with node._hold_lock:  # a round recomputing
-            await node._on_announce(PolicyAnnounce(version=0, manifest_hash=h0))
+
+        async def until(cond, what):
             deadline = loop.time() + 60
-            while node._fetched_at == float("-inf") and loop.time() < deadline:  # fetched: now at the lock
+            while not cond() and loop.time() < deadline:
                 await asyncio.sleep(0.02)
-            assert node._fetched_at > float("-inf") and holds == []
+            assert cond(), what
+
+        assert not await node._turns.enter(lambda: False)  # a round switching versions
+        await node._on_announce(PolicyAnnounce(version=0, manifest_hash=h0))
+        await until(lambda: node._turns._writers_waiting == 1, "v0's hold waiting for the model")
+        assert node.policies is None, "a version was held under a round's recomputation"
+        await node._turns.leave(reader=False)
         await asyncio.wait_for(node._policy(0), 60)
+        assert holds == [0] and sorted(node.policies) == [0]
+
+        policies = node.policies
+        real_prepare = policies.prepare
+        policies.prepare = lambda *a: (r := real_prepare(*a), prepared.append(policies.newest))[0]
+        assert await node._turns.enter(lambda: policies.at_newest)  # a round judging v0, the newest
+        await node._on_announce(PolicyAnnounce(version=1, manifest_hash=h1))
+        await until(lambda: prepared and node._turns._writers_waiting == 1, "v1 prepared beside the round, "
+                    "its read-in waiting for it")
+        assert prepared == [0] and policies.newest == 0 and policies.active == 0, "read in under the round"
+        await node._turns.leave(reader=True)
+        await asyncio.wait_for(node._policy(1), 60)
 
     asyncio.run(main())
-    assert holds == [0] and sorted(node.policies) == [0]
+    assert holds == [0, 1] and sorted(node.policies) == [0, 1] and node.policies.newest == 1
+    held, _ = node.policies[1]
+    assert torch.equal(held.model.norm.weight, model.model.norm.weight)

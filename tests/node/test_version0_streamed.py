@@ -259,14 +259,14 @@ def test_a_validator_checks_a_fetched_version_0_against_the_pin_after_a_newer_ve
     for spec_model, ok in ((pin, True), (ModelSpec(weights_hash="blake3:" + "1" * 64), False)):
         spec = tiny.model_copy(update={"model": spec_model})
         validator = ValidatorNode(KEY, spec, "/ip4/127.0.0.1/tcp/1", tmp_path / ("ok" if ok else "bad"))
-        validator._hold(1, v1, b"\1" * 32)
+        asyncio.run(validator._hold(1, v1, b"\1" * 32))
         if ok:
-            validator._hold(0, v0, b"\0" * 32)
+            asyncio.run(validator._hold(0, v0, b"\0" * 32))
             model, _ = validator.policies[0]
             assert torch.equal(model.model.norm.weight, v0["model.norm.weight"])
         else:
             with pytest.raises(WeightsHashMismatch):
-                validator._hold(0, v0, b"\0" * 32)
+                asyncio.run(validator._hold(0, v0, b"\0" * 32))
             assert sorted(validator.policies) == [1]
 
 
