@@ -205,10 +205,18 @@ class ValidatorNode:
                 await asyncio.to_thread(policies.activate, policies.newest)
                 await self._turns.downgrade()
                 reader = True
-            prepared = await asyncio.to_thread(policies.prepare, version, state, manifest_hash)
+            try:
+                prepared = await asyncio.to_thread(policies.prepare, version, state, manifest_hash)
+            except torch.cuda.OutOfMemoryError as exc:  # no room for a module's scratch copy beside the rounds
+                log.warning("version %d: no GPU memory to prepare it beside the judging (%s); held alone instead",
+                            version, str(exc).splitlines()[0][:200])
+                prepared = None
             await self._turns.upgrade()
             reader = False
-            await asyncio.to_thread(policies.commit, prepared)
+            if prepared is None:
+                await asyncio.to_thread(self._add_alone, version, state, manifest_hash)
+            else:
+                await asyncio.to_thread(policies.commit, prepared)
         finally:
             await self._turns.leave(reader)
 
