@@ -6,7 +6,8 @@
 # (PRIMERL_PUBLISH_FORM=plain, the previous form). Same model, steps and k; compare weight latency, its
 # fetch / stage / swap seconds, wire bytes and the store's bytes per version.
 #   carried, git-ignored: .whl (make_wheels.sh) and .gpumodel (SmolLM2's tokenizer files)
-#   MODEL=random:qwen3-moe-small STEPS=8 RUN_S=200 [ORDER="plain served"] timeout 590 bash benchmarks/served_form_device.sh
+#   MODEL=random:qwen3-moe-small STEPS=8 RUN_S=200 [ORDER="plain served"] [ARGS="--store-payloads DIR"] \
+#     timeout 590 bash benchmarks/served_form_device.sh
 # (the first run of a call compiles and autotunes the Triton kernels into the cache the second reuses: run both orders)
 set -u
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
@@ -20,10 +21,12 @@ for form in ${ORDER:-served plain}; do
   env $([ $form = plain ] && echo PRIMERL_PUBLISH_FORM=plain) timeout ${RUN_S:-200} python3 -m benchmarks.gpu_network \
     --device cuda --model ${MODEL:-random:qwen3-moe-small} --dtype bfloat16 --fp8 ${FP8:-all} --tokenizer-from .gpumodel \
     --ks ${KS:-1} --steps ${STEPS:-8} --warmup 2 --batch-groups ${NGROUPS:-32} --group-size 8 --timeout ${K_S:-150} \
-    --no-engine-alone --out /tmp/net-$form > $OUT/gpu_network-$form.log 2>&1
+    --no-engine-alone --out /tmp/net-$form ${ARGS:-} > $OUT/gpu_network-$form.log 2>&1
   echo "gpu_network $form rc=$?"; date
   cp /tmp/net-$form/result.json $OUT/result-$form.json 2>/dev/null
   cp /tmp/net-$form/report.png $OUT/report-$form.png 2>/dev/null
+  (cd /tmp/net-$form 2>/dev/null && find . \( -name '*.jsonl' -o -name 'log.txt' -o -name 'summary.json' \) \
+    -not -path '*/shardcast/*' -size -20M -print0 | tar czf $OUT/net-$form.tgz --null -T - 2>/dev/null)
   tail -1 $OUT/gpu_network-$form.log | cut -c1-1500
   rm -rf /tmp/net-$form
 done
