@@ -46,11 +46,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def coordinator_and_members(ck: NodeKey, state: Coordinator, n: int, request_timeout: float = 30
+async def coordinator_and_members(ck: NodeKey, state: Coordinator, n: int, request_timeout: float = 30,
+                                  validators: tuple[NodeKey, ...] = ()
                                   ) -> tuple[CoordinatorService, list[CoordinatorClient]]:
     """The coordinator role's service on 127.0.0.1 with policy version 0 announced, and `n` inference members
-    joined to it, each behind a client that does not retry. No Sybil lease policy: every member is a newcomer
-    here, and what is timed is the service, not the slow start."""
+    joined to it, each behind a client that does not retry, then one "validator" member per key of `validators`
+    (the spec must name them). No Sybil lease policy: every member is a newcomer here, and what is timed is the
+    service, not the slow start."""
     host = PeerHost(ck)
     await host.start()
     service = CoordinatorService(ck, state, host)
@@ -58,11 +60,10 @@ async def coordinator_and_members(ck: NodeKey, state: Coordinator, n: int, reque
     await service.start()
     await service.announce_policy(0, "00" * 32)
     members = []
-    for _ in range(n):
-        k = NodeKey.generate()
+    for k, role in [*((NodeKey.generate(), "inference") for _ in range(n)), *((v, "validator") for v in validators)]:
         h = PeerHost(k)
         await h.start()
-        m = RunMember(k, h, state.spec, "inference", request_timeout=request_timeout)
+        m = RunMember(k, h, state.spec, role, request_timeout=request_timeout)
         await m.join(host.addrs[0])
         members.append(CoordinatorClient(m, retry=ONCE))
     return service, members
