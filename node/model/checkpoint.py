@@ -220,6 +220,15 @@ def recover(directory: str | Path) -> None:
     shutil.rmtree(directory.with_name(directory.name + STAGING_SUFFIX), ignore_errors=True)
 
 
+def ensure_room(directory: str | Path, need_bytes: int, what: str) -> None:
+    """`CheckpointDoesNotFit` naming the numbers when `directory`'s filesystem has not `need_bytes` (and the
+    slack of its small files) free."""
+    free = shutil.disk_usage(directory).free
+    if need_bytes + ROOM_SLACK > free:
+        raise CheckpointDoesNotFit(f"{what} needs {(need_bytes + ROOM_SLACK) / 2**30:.2f} GiB, "
+                                   f"{free / 2**30:.2f} GiB free on its filesystem")
+
+
 @contextmanager
 def written_whole(directory: str | Path, need_bytes: int) -> Iterator[Path]:
     """A directory beside `directory` to write a checkpoint of about `need_bytes` into; once the block ends it
@@ -232,10 +241,7 @@ def written_whole(directory: str | Path, need_bytes: int) -> Iterator[Path]:
     directory.parent.mkdir(parents=True, exist_ok=True)
     recover(directory)
     staging = directory.with_name(directory.name + STAGING_SUFFIX)
-    free = shutil.disk_usage(directory.parent).free
-    if need_bytes + ROOM_SLACK > free:
-        raise CheckpointDoesNotFit(f"checkpoint {directory} needs {(need_bytes + ROOM_SLACK) / 2**30:.2f} GiB, "
-                                   f"{free / 2**30:.2f} GiB free on its filesystem")
+    ensure_room(directory.parent, need_bytes, what=f"checkpoint {directory}")
     staging.mkdir()
     try:
         yield staging

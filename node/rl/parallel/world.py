@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from concurrent.futures import Future
 
-from node.model.checkpoint import copy_companions
+from node.model.checkpoint import copy_companions, ensure_room
 from node.model.qwen3_moe import CausalLM
 from node.rl.batch import TrainBatch
 from node.rl.parallel import checkpoint as dcp_checkpoint
@@ -291,12 +291,22 @@ class Leader:
 
     def save(self, directory: str | Path, companions_from: str | Path | None = None) -> Path:
         """A distributed checkpoint: every rank writes its shards of the weights and AdamW state
-        (`checkpoint.save`); `Trainer.load` on it resumes one process, `start` any layout.
-        `companions_from`: the model directory whose tokenizer files are copied beside it."""
+        (`checkpoint.save`: beside the previous one, which goes once the new one is pointed at); `Trainer.load`
+        on it resumes one process, `start` any layout. `CheckpointDoesNotFit` before any rank writes when the
+        directory's filesystem has not the room for the whole of it (the ranks' shards together; a full disk
+        mid-write failed the world's collective). `companions_from`: the model directory whose tokenizer files
+        are copied beside it."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        need = self.collectives.submit(self._checkpoint_bytes).result()
+        ensure_room(directory, need, what=f"distributed checkpoint {directory}")
         self._order(Order("save", path=str(directory)))
         if companions_from is not None:
             copy_companions(companions_from, directory)
         return Path(directory)
+
+    def _checkpoint_bytes(self) -> int:
+        """The whole model's weights and two AdamW moments of each (a sharded parameter counts its global size)."""
+        return 3 * sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
 
     def stop(self) -> None:
         """Every rank leaves (idempotent); waits for an order in flight to finish first."""
