@@ -295,7 +295,7 @@ class ResidentPolicies(Mapping):
                 if not own:  # a tied weight, diffed where it was first seen
                     continue
                 prefix = module_name + "." if module_name else ""
-                scratch = copy.deepcopy(mod)
+                scratch = _scratch(mod)
                 self._read_into(scratch, prefix, names, internal)
                 new = dict(_own_raw(module_name, scratch))
                 for n, t in own.items():
@@ -386,6 +386,17 @@ def raw_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _own_raw(module_name: str, mod: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     prefix = module_name + "." if module_name else ""
     return [(prefix + n, t) for n, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None]
+
+
+def _scratch(mod: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `mod` with its own parameters and buffers (clones, on their device) and everything else shared:
+    what a version is read into beside the model (`ResidentPolicies.prepare`). Its children are the model's, and
+    untouched: a module's load reads only its own names."""
+    out = copy.copy(mod)
+    out._parameters = {k: None if v is None else torch.nn.Parameter(v.detach().clone(), requires_grad=False)
+                       for k, v in mod._parameters.items()}
+    out._buffers = {k: None if v is None else v.clone() for k, v in mod._buffers.items()}
+    return out
 
 
 def _modules_of(model: torch.nn.Module, internal: dict[str, torch.Tensor]):
