@@ -237,7 +237,8 @@ class CoordinatorService:
         return reply
 
     async def _on_lease_batch(self, o: Opened) -> LeaseGrants:
-        cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups)
+        alone = not any(m.role == "inference" and m.peer_id != o.signer for m in self.state.view.alive(time.time()))
+        cap = pipeline.peer_lease_cap(self.state.spec.max_off_policy_steps, self.state.spec.batch_groups, alone)
         holds = o.message.policy_version
 
         def ready(granted: list) -> bool:

@@ -90,10 +90,15 @@ def reachable_room(state: Coordinator, rolls_with: int) -> int:
     return 0 if room is None else room
 
 
-def peer_lease_cap(k: int, batch_groups: int) -> int:
+def peer_lease_cap(k: int, batch_groups: int, alone: bool = False) -> int:
     """Most leases one peer may hold at once: half the pool, so one greedy (or Sybil-fed) peer
-    asking for 1,024 units at a time cannot take all the work and starve honest nodes."""
-    return max(1, (out_limit(k, batch_groups) + 1) // 2)
+    asking for 1,024 units at a time cannot take all the work and starve honest nodes; the whole pool
+    while it is the only live inference node (`alone`): there is nobody to starve, and half the pool
+    held one GPU node to 24 groups (192 sequences) of a 32-group batch at k = 1, while its engine had
+    512 slots (session 22's one-H200 network). A node that joins meanwhile gets room as the lone one's
+    leases come back (it is granted nothing new while it holds more than half), or expire."""
+    pool = out_limit(k, batch_groups)
+    return pool if alone else max(1, (pool + 1) // 2)
 
 
 @dataclass(frozen=True)

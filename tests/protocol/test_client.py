@@ -148,3 +148,44 @@ def test_a_held_lease_request_is_answered_when_a_newer_version_leaves_its_node_b
         finally:
             await stop_all(coord, [worker, trainer])
     run(body())
+
+
+def test_a_lone_inference_node_may_hold_the_whole_pool_and_half_of_it_beside_another(tmp_path):
+    """`peer_lease_cap`: half the pool per peer, so a greedy peer cannot starve the others; the whole pool while no
+    other inference node is alive (session 22's one-H200 network: half the pool held its one node to 192 sequences
+    in flight of an engine with 512 slots)."""
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck, batch_groups=16, heartbeat_interval_s=5.0)  # k = 1: a pool of 24 units
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        coord.lease_policy = None  # no newcomer's budget: the cap alone
+        boot = coord.host.addrs[0]
+        first = await start_member(spec, boot)
+        second = None
+        try:
+            alone = CoordinatorClient(first, boot, retry=Retry(tries=1))
+            assert len(await alone.lease(30, holds_version=0)) == 24
+            assert await alone.lease(1, holds_version=0) == []  # the pool is out
+            second = await start_member(spec, boot)
+            other = CoordinatorClient(second, boot, retry=Retry(tries=1))
+            assert await other.lease(1, holds_version=0) == [], "the pool is out until the lone node's come back"
+        finally:
+            await stop_all(coord, [m for m in (first, second) if m is not None])
+    run(body())
+
+
+def test_beside_another_inference_node_a_peer_holds_at_most_half_the_pool(tmp_path):
+    async def body():
+        ck = NodeKey.generate()
+        spec = make_spec(ck, batch_groups=16, heartbeat_interval_s=5.0)
+        coord = await start_coordinator(tmp_path, ck, spec, policy_version=0)
+        coord.lease_policy = None
+        boot = coord.host.addrs[0]
+        first, second = await start_member(spec, boot), await start_member(spec, boot)
+        try:
+            greedy = CoordinatorClient(first, boot, retry=Retry(tries=1))
+            assert len(await greedy.lease(30, holds_version=0)) == 12
+            assert len(await CoordinatorClient(second, boot, retry=Retry(tries=1)).lease(30, holds_version=0)) == 12
+        finally:
+            await stop_all(coord, [first, second])
+    run(body())
