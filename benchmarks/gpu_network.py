@@ -251,6 +251,9 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
     ver = throughput(_jsonl(out / "validator" / "rounds.jsonl"), t_steady)
     steady_wall = (steady[-1]["t"] - t_steady) if steady else 0.0
     gen_busy = sum(g[2] for g in gen) / sum(g[1] for g in gen) if sum(g[1] for g in gen) else 0.0
+    # sequences in an inference node's engine at once (its leased groups x group size; rows since session 22)
+    in_flight = [r["in_flight_max"] * args.group_size for i in range(args.inference_nodes)
+                 for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if r["t1"] > t_steady and "in_flight_max" in r]
     med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     return {
         "k": k, "placement": placement.describe(), "engine": engine, "status": summary["status"],
@@ -266,6 +269,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "store_disk": disk, "stalls": stalls(out, args.inference_nodes, t_steady),
         "gen_tok_s": round(sum(g[2] for g in gen) / steady_wall, 1) if steady_wall else None,
         "gen_tok_s_busy": round(gen_busy, 1), "verify_tok_s_busy": round(ver[0], 1),
+        "node_seqs_in_flight": {"max": max(in_flight, default=None), "p50": med(in_flight)},
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
         "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["period_s"] for r in steady), 1) if steady else None,
         "reward_per_step": [round(r["reward_mean"], 4) for r in rows],

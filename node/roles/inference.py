@@ -308,8 +308,9 @@ class InferenceNode:
                       failed: asyncio.Future) -> None:
         """The engine's thread: admit leased groups between steps, step while anything runs, hand each
         finished group back to the event loop; every second, one activity row for `on_round` hooks
-        ({t0, t1, groups, tokens, versions, busy_s, started}: `busy_s` the seconds inside engine steps,
-        `started` when each new policy version first sampled)."""
+        ({t0, t1, groups, tokens, versions, busy_s, started, in_flight_max}: `busy_s` the seconds inside engine
+        steps, `started` when each new policy version first sampled, `in_flight_max` the most leased groups in
+        the engine at once)."""
         groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
         row = _ActivityRow(time.time())
         last_version = getattr(self.engine, "version", None)
@@ -329,6 +330,7 @@ class InferenceNode:
                         grants = self._inbox.get_nowait()
                     except queue.Empty:
                         grants = None
+                row.in_flight_max = max(row.in_flight_max, len(groups))
                 if self.engine.has_work():
                     t = time.time()
                     finished = groups.episodes.step()
@@ -419,6 +421,7 @@ class _ActivityRow:
 
     def __init__(self, t0: float):
         self.t0, self.busy_s, self.groups, self.tokens = t0, 0.0, 0, 0
+        self.in_flight_max = 0
         self.versions: set[int] = set()
         self.started: dict[int, float] = {}
 
@@ -430,4 +433,4 @@ class _ActivityRow:
     def as_dict(self, t1: float) -> dict:
         return {"t0": self.t0, "t1": t1, "groups": self.groups, "tokens": self.tokens,
                 "versions": sorted(self.versions), "busy_s": self.busy_s,
-                "started": {str(v): t for v, t in self.started.items()}}
+                "started": {str(v): t for v, t in self.started.items()}, "in_flight_max": self.in_flight_max}

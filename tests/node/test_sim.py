@@ -43,6 +43,8 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     # activity rows (one a second of engine work): a second in which no rollout finished counts no tokens
     assert sum(r["groups"] for r in rounds) >= 4 * 8 and all(r["t0"] <= r["t1"] for r in rounds)
     assert sum(r["tokens"] for r in rounds) > 0 and all(r["tokens"] > 0 for r in rounds if r["groups"])
+    # leased groups in the engine at once: some, never more than the lease pool (a batch and half a batch at k = 1)
+    assert 0 < max(r["in_flight_max"] for r in rounds) <= 8 + 8 // 2
     judged = [json.loads(x) for x in (tmp_path / "validator" / "rounds.jsonl").read_text().splitlines()]
     assert sum(r["units"] for r in judged) >= 4 * 8 and all(r["tokens"] > 0 for r in judged)
     assert any(payloads.glob("*/*/payload*")), "no payload under the payload root"
