@@ -121,7 +121,8 @@ def stalls(out: Path, nodes: int, t_from: float) -> dict:
     """Where the network stood still, from the roles' own logs and rounds: the coordinator's commits slower than 0.2 s
     over the whole run (their fsyncs behind other writes to this host's disk; the coordinator answers nothing
     meanwhile) and the slowest of them, the slowest granting lease call of any inference node, and the seconds after
-    `t_from` in which an inference node ran no engine step at all (no round row: no work leased)."""
+    `t_from` in which an inference node ran no engine step at all (no round row: no work leased), and how long the
+    validator's rounds waited for their turn on its model (behind a hold reading a version in: rows since session 22)."""
     text = (out / "coordinator" / "log.txt").read_text(errors="replace") if (out / "coordinator" / "log.txt").exists() else ""
     commits = [(int(n), float(worst)) for n, worst in _SLOW_COMMITS.findall(text)]
     lease_max, idle = [], 0.0
@@ -131,7 +132,11 @@ def stalls(out: Path, nodes: int, t_from: float) -> dict:
         rounds = [r for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if r["t1"] > t_from]
         for a, b in zip(rounds, rounds[1:]):
             idle += max(0.0, b["t0"] - max(a["t1"], t_from))
+    turn_waits = [r["turn_wait_s"] for r in _jsonl(out / "validator" / "rounds.jsonl")
+                  if r["t1"] > t_from and "turn_wait_s" in r]
     return {"coordinator_slow_commits": sum(n for n, _ in commits),
+            "validator_turn_wait_s": round(sum(turn_waits), 2) if turn_waits else None,
+            "validator_turn_wait_max_s": round(max(turn_waits), 2) if turn_waits else None,
             "coordinator_commit_max_s": max((w for _, w in commits), default=None),
             "lease_call_max_s": max(lease_max, default=None), "node_idle_s": round(idle, 2)}
 

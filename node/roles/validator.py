@@ -92,9 +92,10 @@ class ValidatorNode:
         """The versions this validator can judge (None until the first is fetched)."""
         self.judged = self.rejected = 0
         self.on_round: list = []
-        """Hooks told each judging round ({t0, t1, units, tokens, verify_s}: tokens recomputed, seconds spent
-        recomputing them, without fetching versions); node/version_trace.py."""
-        self._round_tokens, self._round_verify_s = 0, 0.0
+        """Hooks told each judging round ({t0, t1, units, tokens, verify_s, turn_wait_s}: tokens recomputed, seconds
+        spent recomputing them (without fetching versions; since session 22 without waiting for the model either),
+        seconds the round waited for its turn on the model); node/version_trace.py."""
+        self._round_tokens, self._round_verify_s, self._round_turn_wait_s = 0, 0.0, 0.0
         self._deferred: dict[int, float] = {}
         """Work id -> when its policy version was first found unfetchable (monotonic)."""
         self._fetched_at = float("-inf")
@@ -120,7 +121,7 @@ class ValidatorNode:
                 verdicts = await self._judge(items)
                 for hook in self.on_round if verdicts else ():
                     hook({"t0": t0, "t1": time.time(), "units": len(verdicts), "tokens": self._round_tokens,
-                          "verify_s": self._round_verify_s})
+                          "verify_s": self._round_verify_s, "turn_wait_s": self._round_turn_wait_s})
                 if not verdicts:
                     await asyncio.sleep(0.5)  # nothing judgeable yet (policy not fetchable): do not spin
                     continue
@@ -283,17 +284,19 @@ class ValidatorNode:
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
         self._round_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for _, c in flat)
-        self._round_verify_s = 0.0
+        self._round_verify_s = self._round_turn_wait_s = 0.0
         if flat:
             prompt_ids, reward = env_oracle(self.tok)
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),
                                  decode=self.tok.decode, tasks=prompt_ids, reward=reward)
-            t_verify = time.time()
             versions = {v for _, c in flat for v in c.versions}
             policies = self.policies
             # a reader beside a hold preparing the next version when every claim is of the version the model
             # holds (nothing switches it), else a writer: the round's switches, or a hold's read-in, go alone
+            t_turn = time.time()
             reader = await self._turns.enter(lambda: policies.at_newest and versions <= {policies.newest})
+            t_verify = time.time()
+            self._round_turn_wait_s = t_verify - t_turn  # behind a hold reading a version in (not busy time)
             try:
                 verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
             finally:

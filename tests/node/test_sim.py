@@ -47,6 +47,7 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert 0 < max(r["in_flight_max"] for r in rounds) <= 8 + 8 // 2
     judged = [json.loads(x) for x in (tmp_path / "validator" / "rounds.jsonl").read_text().splitlines()]
     assert sum(r["units"] for r in judged) >= 4 * 8 and all(r["tokens"] > 0 for r in judged)
+    assert all(r["turn_wait_s"] >= 0 and r["verify_s"] >= 0 for r in judged)
     assert any(payloads.glob("*/*/payload*")), "no payload under the payload root"
     assert not any((tmp_path / "shardcast").glob("*/*/payload*")), "a payload beside the wire shards"
 
