@@ -231,7 +231,10 @@ async def _run_role(role: str, node, key: NodeKey, stop: asyncio.Event, ep: int)
 
                 if isinstance(exc, EPRankLost):  # the node has left the run; say why in one line
                     print(f"primerl-node {role}: error: {exc}", file=sys.stderr, flush=True)
-                    raise SystemExit(EXIT_RANK_LOST) from None
+                    sys.stdout.flush()
+                    # not SystemExit: the broken world's gloo threads can abort the interpreter's finalization
+                    # (exit -6 instead of this code: seen in the EP role's test worker)
+                    os._exit(EXIT_RANK_LOST)
             raise
     if getattr(stop, "why", ""):
         print(f"primerl-node {role}: {stop.why}", file=sys.stderr if stop.exit_code else sys.stdout, flush=True)

@@ -113,7 +113,12 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     (node / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     got = stalls(tmp_path, 1, t_from=0.0)
     assert got == {"coordinator_slow_commits": 4, "coordinator_commit_max_s": 4.37, "lease_call_max_s": 8.869,
-                   "node_idle_s": 3.5}
+                   "node_idle_s": 3.5, "validator_turn_wait_s": None, "validator_turn_wait_max_s": None}
+    (tmp_path / "validator").mkdir()
+    (tmp_path / "validator" / "rounds.jsonl").write_text("".join(
+        json.dumps({"t0": t, "t1": t + 1, "turn_wait_s": w}) + "\n" for t, w in ((0.0, 2.0), (3.0, 0.25), (6.0, 0.5))))
+    got = stalls(tmp_path, 1, t_from=2.0)  # the rounds that ended after it
+    assert (got["validator_turn_wait_s"], got["validator_turn_wait_max_s"]) == (0.75, 0.5)
     assert stalls(tmp_path, 1, t_from=5.5)["node_idle_s"] == 0.5  # only gaps after the steady state began
 
 
