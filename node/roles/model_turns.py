@@ -21,7 +21,9 @@ class ModelTurns:
         self._cond = asyncio.Condition()
         self.readers = 0
         self.writing = False
-        self._writers_waiting = 0
+        self.writers_waiting = 0
+        self.readers_waiting = 0
+        """Turns asked and not yet granted (every change of these and the above is notified on the condition)."""
 
     async def enter(self, may_read: Callable[[], bool]) -> bool:
         """Wait for a turn; a reader's (True) while `may_read()` holds when it is granted, else a writer's (False).
@@ -31,10 +33,15 @@ class ModelTurns:
                 if not may_read():
                     await self._take_writer()
                     return False
-                if not self.writing and not self._writers_waiting:
+                if not self.writing and not self.writers_waiting:
                     self.readers += 1
                     return True
-                await self._cond.wait()
+                self.readers_waiting += 1
+                self._cond.notify_all()
+                try:
+                    await self._cond.wait()
+                finally:
+                    self.readers_waiting -= 1
 
     async def write(self) -> None:
         """Wait for a writer's turn."""
@@ -42,11 +49,12 @@ class ModelTurns:
             await self._take_writer()
 
     async def _take_writer(self) -> None:
-        self._writers_waiting += 1
+        self.writers_waiting += 1
+        self._cond.notify_all()
         try:
             await self._cond.wait_for(lambda: not self.writing and self.readers == 0)
         finally:
-            self._writers_waiting -= 1
+            self.writers_waiting -= 1
         self.writing = True
 
     async def downgrade(self) -> None:
@@ -63,6 +71,12 @@ class ModelTurns:
             self.readers -= 1
             self._cond.notify_all()
             await self._take_writer()
+
+    async def until(self, state: Callable[[], bool], timeout_s: float) -> None:
+        """Return once `state()` holds, looked at each time the turns change (`TimeoutError` after `timeout_s`):
+        for whoever watches them (the role's tests)."""
+        async with self._cond:
+            await asyncio.wait_for(self._cond.wait_for(state), timeout_s)
 
     async def leave(self, reader: bool) -> None:
         async with self._cond:

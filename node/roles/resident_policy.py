@@ -278,7 +278,7 @@ class ResidentPolicies(Mapping):
         (the newest version's bits against it), module by module, each read into a scratch copy of the module
         (as `commit` will read it into the model: the same bits, an FP8 module's quantisation included) and
         diffed against the model's. So judging rounds that recompute with the newest version may run
-        meanwhile (`node.roles.validator.ModelTurns`): session 22's 5.2B network on one H200 had a round that
+        meanwhile (`node.roles.model_turns.ModelTurns`): session 22's 5.2B network on one H200 had a round that
         asked 0.4 s after a hold began wait 4 s for it, and with it the trainer's next batch. The model must
         hold the newest version (`at_newest`) and nobody may switch it until `commit`. Refusals
         (`InvalidCheckpoint`) come before anything is read."""

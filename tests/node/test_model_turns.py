@@ -8,23 +8,15 @@ import asyncio
 from node.roles.model_turns import ModelTurns
 
 
-async def _until(cond, what: str, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, what
-        await asyncio.sleep(0.005)
-
-
 def test_readers_share_a_writer_waits_for_them_and_stops_new_readers():
     async def main():
         turns = ModelTurns()
         assert await turns.enter(lambda: True) and await turns.enter(lambda: True)
         assert turns.readers == 2
         writer = asyncio.ensure_future(turns.write())
-        await _until(lambda: turns._writers_waiting == 1, "the writer waits")
+        await turns.until(lambda: turns.writers_waiting == 1, 10)  # the writer waits
         late = asyncio.ensure_future(turns.enter(lambda: True))
-        await asyncio.sleep(0)
+        await turns.until(lambda: turns.readers_waiting == 1, 10)  # and a reader come after it waits behind it
         await turns.leave(reader=True)
         assert not writer.done() and not late.done(), "a reader still in, and the writer goes first"
         await turns.leave(reader=True)
@@ -42,13 +34,13 @@ def test_a_turn_that_must_switch_the_weights_is_a_writers_and_a_hold_goes_down_t
         at_newest = False
         assert await turns.enter(lambda: at_newest) is False and turns.writing  # switches: alone
         reader = asyncio.ensure_future(turns.enter(lambda: True))
-        await asyncio.sleep(0)
+        await turns.until(lambda: turns.readers_waiting == 1, 10)
         assert not reader.done()
         at_newest = True
         await turns.downgrade()  # the hold made the newest active: rounds at it may join the preparation
         assert await asyncio.wait_for(reader, 10) is True and turns.readers == 2
         upgrading = asyncio.ensure_future(turns.upgrade())
-        await _until(lambda: turns._writers_waiting == 1, "the hold waits for the round to finish")
+        await turns.until(lambda: turns.writers_waiting == 1, 10)  # the hold waits for the round to finish
         assert not upgrading.done()
         await turns.leave(reader=True)
         await asyncio.wait_for(upgrading, 10)

@@ -94,17 +94,9 @@ def test_a_version_announced_while_a_round_recomputes_changes_no_weight_under_it
     node._hold = lambda v, *a, **kw: (holds.append(v), real_hold(v, *a, **kw))[1]
 
     async def main():
-        loop = asyncio.get_running_loop()
-
-        async def until(cond, what):
-            deadline = loop.time() + 60
-            while not cond() and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-            assert cond(), what
-
         assert not await node._turns.enter(lambda: False)  # a round switching versions
         await node._on_announce(PolicyAnnounce(version=0, manifest_hash=h0))
-        await until(lambda: node._turns._writers_waiting == 1, "v0's hold waiting for the model")
+        await node._turns.until(lambda: node._turns.writers_waiting == 1, 60)  # v0's hold, fetched, waits
         assert node.policies is None, "a version was held under a round's recomputation"
         await node._turns.leave(reader=False)
         await asyncio.wait_for(node._policy(0), 60)
@@ -115,8 +107,8 @@ def test_a_version_announced_while_a_round_recomputes_changes_no_weight_under_it
         policies.prepare = lambda *a: (r := real_prepare(*a), prepared.append(policies.newest))[0]
         assert await node._turns.enter(lambda: policies.at_newest)  # a round judging v0, the newest
         await node._on_announce(PolicyAnnounce(version=1, manifest_hash=h1))
-        await until(lambda: prepared and node._turns._writers_waiting == 1, "v1 prepared beside the round, "
-                    "its read-in waiting for it")
+        # v1 prepared beside the round (before it asks to read in), its read-in waiting for the round
+        await node._turns.until(lambda: node._turns.writers_waiting == 1, 60)
         assert prepared == [0] and policies.newest == 0 and policies.active == 0, "read in under the round"
         await node._turns.leave(reader=True)
         await asyncio.wait_for(node._policy(1), 60)
