@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: the tiny model learns `reverse` in `primerl-node sim --device cuda` (every role a real process,
+# trainer / validator / inference node on cuda:0), for at most LEARN_S seconds; summary, metrics, report and every
+# role's log come back in $OUT. Carried, git-ignored: .whl (make_wheels.sh).
+#   LEARN_S=470 NODES=1 bash benchmarks/gpu_learn.sh
+set -u
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
+ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || echo "wheels not installed"
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi -L
+L=/tmp/learn; rm -rf $L
+keep() {
+  [ -d $L ] || return 0
+  for f in summary.json report.png metrics.jsonl; do cp $L/$f $OUT/learn-$f 2>/dev/null; done
+  (cd $L && find . -name 'log.txt' -size -20M -print0 | tar czf $OUT/learn-logs.tgz --null -T - 2>/dev/null)
+}
+( while sleep 20; do keep; done ) &
+KEEPER=$!
+timeout $((${LEARN_S:-470} + 40)) python3 -m node.cli sim --device cuda --inference-nodes ${NODES:-1} --task reverse \
+  --steps ${STEPS:-500} --stop-after-target ${AFTER:-5} --timeout ${LEARN_S:-470} --out $L ${ARGS:-} > $OUT/learn.log 2>&1
+echo "learn rc=$?"; kill $KEEPER 2>/dev/null; keep; tail -c 2500 $OUT/learn.log
