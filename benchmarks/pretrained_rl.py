@@ -27,6 +27,7 @@ from node.envs.evaluate import evaluate
 from node.model.checkpoint import load_hf_state_dict
 from node.model.spec import load_model
 from node.sim import PRETRAINED_MAX_SEQ, pretrained_run, run_sim
+from node.sim_devices import place
 from protocol.model_spec import ModelSpec
 from shardcast.codec import unflatten
 from shardcast.store import Store
@@ -85,6 +86,9 @@ def main() -> None:
                     help="k; 0 = synchronous (train-local --sample-lag 1 gained +0.122 / +0.064 in 10 steps against "
                          "+0.144 / +0.141 on-policy: benchmarks/results/train-local-smollm2-recipe-cpu-2core.json)")
     ap.add_argument("--eval-n", type=int, default=32)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the roles run the model (`sim --device`: on a GPU every role shares cuda:0, the "
+                         "inference nodes serve with builtin-cuda); the held-out set is scored on the CPU either way")
     ap.add_argument("--minutes", type=float, default=60, help="stop the sim after this long")
     ap.add_argument("--out", type=Path, default=Path("runs/pretrained_rl"))
     ap.add_argument("--result", type=Path, default=None, help="also copy result JSON + curve here (PATH.json/.png)")
@@ -103,6 +107,8 @@ def main() -> None:
                       batch_groups=args.batch_groups, group_size=args.group_size, timeout_s=args.minutes * 60,
                       max_off_policy_steps=args.max_off_policy_steps,
                       recipe=recipe, model=run["model"],
+                      placement=place(args.device, args.inference_nodes),
+                      engine="builtin-cuda" if args.device == "cuda" else "builtin",
                       # a 135M model's version loads and prefills take seconds of CPU on a shared 2-core
                       # machine: members get 30 s (not 6 s) of missed heartbeats before they count as dead
                       run={"dead_after_missed": 15})
@@ -115,7 +121,9 @@ def main() -> None:
     rows = [json.loads(x) for x in (args.out / "metrics.jsonl").read_text().splitlines()]
     kls = [r["mismatch_kl"] for r in rows if "mismatch_kl" in r]
     result = {
-        "benchmark": "pretrained_rl", "machine": "cpu-2core", "model": args.model, "task": args.task,
+        "benchmark": "pretrained_rl",
+        "machine": "cpu-2core" if args.device == "cpu" else f"1x {torch.cuda.get_device_name(0)} (every role on it)",
+        "model": args.model, "task": args.task,
         "weights_hash_v0": run["model"]["weights_hash"], "eval_n": args.eval_n,
         "eval_before": round(before, 4), "eval_after": round(after, 4), "eval_gain": round(after - before, 4),
         "ratio_after_over_before": round(after / before, 3) if before else None,
