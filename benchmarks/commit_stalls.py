@@ -5,7 +5,7 @@ trainer's store does on one host: to the coordinator's disk, or (`--writer-dir /
 `join --store-payloads` keeps a version's payload.
 
     python -m benchmarks.commit_stalls [--write-gb 4] [--members 4] [--modes inline,deferred_s21,deferred]
-                                       [--writer-dir DIR]
+                                       [--writer-dir DIR] [--writers write-behind,end]
 
 Modes: `inline` is the store as every coordinator ran it before session 18 (each commit and segment append
 fsynced on the event loop, `CoordinatorStore(defer_fsync=False)`); `deferred_s21` defers them (one fsync on a
@@ -40,25 +40,29 @@ from protocol.messages import LeaseBatchRequest, RunSpec, Verdict
 
 WRITER = """
 import os, sys, time
-path, total = sys.argv[1], int(sys.argv[2])
+from shardcast.write_behind import write_behind
+path, total, behind = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "write-behind"
 buf = os.urandom(16 << 20)
 print(time.time(), flush=True)
 with open(path, "wb") as f:
     for _ in range(total // len(buf)):
-        f.write(buf)
+        write_behind(f, buf) if behind else f.write(buf)
     f.flush()
     os.fsync(f.fileno())
 print(time.time(), flush=True)
 """
-"""A version's payload written the way the trainer's store writes one: 16 MB writes, then one fsync."""
+"""GBs written the way the trainer's store writes a version to the disk the coordinator shares: 16 MB writes,
+then one fsync. `write-behind`: each write's writeback started as it goes (`shardcast.write_behind`: how a
+store writes wire shards since session 23); `end`: all left to the kernel (how it wrote them before, and how
+it still writes a payload kept on the disk, since members wait for that one: `--store-payloads` keeps it off)."""
 
 
 async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, idle_s: float,
-                   writer_dir: Path) -> dict:
+                   writer_dir: Path, writer: str = "write-behind") -> dict:
     ck, vk = NodeKey.generate(), NodeKey.generate()
     spec = RunSpec(run_id="stalls", coordinator=ck.peer_id, max_off_policy_steps=4, heartbeat_interval_s=5.0,
                    lease_ttl_s=600, batch_groups=65_536, validators=[vk.peer_id])
-    state = Coordinator(workdir / f"state-{mode}-{write_bytes}", spec, defer_fsync=mode != "inline")
+    state = Coordinator(workdir / f"state-{mode}-{write_bytes}-{writer}", spec, defer_fsync=mode != "inline")
     now = coordinator_service.NOT_AWAITING_DISK
     if mode == "deferred_s21":  # the service reads the set as it starts
         coordinator_service.NOT_AWAITING_DISK = (LeaseBatchRequest,)
@@ -103,7 +107,7 @@ async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, i
     await asyncio.sleep(1.0)  # warm
     if write_bytes:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", WRITER, str(writer_dir / f"version-{mode}.bin"),
-                                                    str(write_bytes), stdout=subprocess.PIPE)
+                                                    str(write_bytes), writer, stdout=subprocess.PIPE)
         out, _ = await proc.communicate()
         t0, t1 = (float(x) for x in out.decode().split())
     else:
@@ -125,7 +129,7 @@ async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, i
                      "p99_s": round(pct(xs, 0.99), 4) if xs else None, "max_s": round(max(xs, default=0.0), 4)}
     out["calls_per_s"] = round(len(window) / max(1e-9, t1 - t0), 1)
     out["verdicts_per_s"] = round(sum(k == "verdicts" for k, _ in window) / max(1e-9, t1 - t0), 1)
-    print(f"[{mode}{' + writer' if write_bytes else ''}] {json.dumps(out)}", flush=True)
+    print(f"[{mode}{f' + writer {writer}' if write_bytes else ''}] {json.dumps(out)}", flush=True)
     return out
 
 
@@ -135,10 +139,21 @@ async def main_async(args: argparse.Namespace) -> dict:
     writer_dir = Path(args.writer_dir) if args.writer_dir else workdir
     writer_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"benchmark": "commit_stalls", "machine": args.machine, "write_gb": args.write_gb,
-                    "members": args.members, "validators": 1, "dir": str(workdir), "writer_dir": str(writer_dir)}
+                    "members": args.members, "validators": 1, "dir": str(workdir), "writer_dir": str(writer_dir),
+                    "writers": args.writers}
+    writers = args.writers.split(",")
     for mode in args.modes.split(","):
         result[f"{mode}_idle"] = await one_mode(mode, workdir, args.members, 0, args.idle_s, writer_dir)
-        result[mode] = await one_mode(mode, workdir, args.members, int(args.write_gb * (1 << 30)), 0, writer_dir)
+        for writer in writers:  # the first writer's figures under the mode's name, the others' beside them
+            key = mode if writer == writers[0] else f"{mode}_writer_{writer}"
+            result[key] = await one_mode(mode, workdir, args.members, int(args.write_gb * (1 << 30)), 0, writer_dir,
+                                         writer)
+    if "deferred" in result and "deferred_writer_end" in result:  # written behind (the store now) vs not
+        a, b = result["deferred_writer_end"], result["deferred"]
+        for kind in ("submit", "verify"):
+            result[f"{kind}_max_end_over_write_behind"] = round(a[kind]["max_s"] / max(1e-4, b[kind]["max_s"]), 2)
+            result[f"{kind}_p99_end_over_write_behind"] = round(a[kind]["p99_s"] / max(1e-4, b[kind]["p99_s"]), 2)
+        result["write_window_end_over_write_behind"] = round(a["window_s"] / max(1e-4, b["window_s"]), 2)
     if "inline" in result and "deferred" in result:
         a, b = result["inline"], result["deferred"]
         result["loop_lag_max_inline_over_deferred"] = round(a["loop_lag_max_s"] / max(1e-4, b["loop_lag_max_s"]), 1)
@@ -159,6 +174,10 @@ def main() -> None:
     p.add_argument("--modes", default="inline,deferred_s21,deferred")
     p.add_argument("--writer-dir", default=None, help="where the writer writes (default: the coordinator's dir; "
                                                          "/dev/shm/...: a payload kept off the disk)")
+    p.add_argument("--writers", default="write-behind",
+                   help="how the other process writes, one run each (comma-separated): write-behind (each 16 MB's "
+                        "writeback started as it goes: the store's wire shards now), end (all left to the kernel: "
+                        "before session 23)")
     p.add_argument("--idle-s", type=float, default=5.0, help="the no-writer peer's window")
     p.add_argument("--dir", default=None, help="where the state and the written file go (default: a temp dir)")
     p.add_argument("--machine", default="cpu-2core")

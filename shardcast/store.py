@@ -38,6 +38,7 @@ from shardcast import retention
 from shardcast.locks import lock_path
 from shardcast.manifest import Manifest, SignedManifest
 from shardcast.shard_map import map_shard_files, shard_file
+from shardcast.write_behind import write_behind
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,14 @@ DEFAULT_KEEP_PAYLOADS = 2
 (k >= 1) loads it without decoding it again; older versions keep only their wire shards."""
 
 
-def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
+def _atomic_write(path: Path, data: bytes | bytearray | memoryview, behind: bool = False) -> None:
+    """`behind`: each piece's writeback started as it is written (`shardcast.write_behind`)."""
     # One temp name per call: two fetches of one version in one process (a role that fetches on
     # join and on the announcement) write the same shard from two threads at once.
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{next(_tmp_seq)}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write_behind(f, data) if behind else f.write(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not stay full of our half-written temp files
@@ -140,8 +142,11 @@ class Store:
         _atomic_write(self.local_manifest_path(m.run_id, m.version), signed.to_json())
 
     def put_shard(self, run_id: str, version: int, index: int, wire: bytes | bytearray | memoryview) -> None:
+        """Written behind (`shardcast.write_behind`): a version's wire shards are GBs (7.7 GB for a full bf16
+        5.2B version) that nobody on this host waits for, on the disk a co-located coordinator fsyncs on. A
+        payload is not: members wait for it, and it is a cache (`payload_root` keeps it off the disk)."""
         self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.shard_path(run_id, version, index), wire)
+        _atomic_write(self.shard_path(run_id, version, index), wire, behind=True)
 
     def put_payload(self, run_id: str, version: int, payload: np.ndarray) -> None:
         self.payload_home(run_id, version).mkdir(parents=True, exist_ok=True)
