@@ -53,7 +53,7 @@ print(time.time(), flush=True)
 """
 """GBs written the way the trainer's store writes a version to the disk the coordinator shares: 16 MB writes,
 then one fsync. `write-behind`: each write's writeback started as it goes (`shardcast.write_behind`: how a
-store writes wire shards since session 23); `end`: all left to the kernel (how it wrote them before, and how
+publisher writes its wire shards once it has announced the version, since session 23); `end`: all left to the kernel (how it wrote them before, and how
 it still writes a payload kept on the disk, since members wait for that one: `--store-payloads` keeps it off)."""
 
 

@@ -227,10 +227,10 @@ def _list_content_locked(store: Store, key: NodeKey, run_id: str, version: int, 
 
 def _encode_wire(store: Store, run_id: str, version: int, tensors: list, payload: np.ndarray,
                  parent_payload: np.ndarray | None, opt: PublishOptions,
-                 raw_hashes: list[str] | None = None) -> tuple[list[ShardEntry], dict[str, float]]:
+                 raw_hashes: list[str] | None = None, behind: bool = False) -> tuple[list[ShardEntry], dict[str, float]]:
     """Every wire shard of `payload` (a delta against `parent_payload` when given) encoded on the pool and
     stored; their entries in order and the seconds the threads spent encoding and writing (`raw_hashes`:
-    already known, not computed again)."""
+    already known, not computed again; `behind`: written behind, `Store.put_shard`)."""
     ranges = shard_ranges(len(payload), opt.shard_size)
     seconds, summing = {"encode": 0.0, "write": 0.0}, threading.Lock()
 
@@ -241,7 +241,7 @@ def _encode_wire(store: Store, run_id: str, version: int, tensors: list, payload
                                    opt.zstd_level, word=shard_word(tensors, a, b), sparse=opt.sparse,
                                    raw_hash=None if raw_hashes is None else raw_hashes[i])
         t1 = time.perf_counter()
-        store.put_shard(run_id, version, i, wire)
+        store.put_shard(run_id, version, i, wire, behind=behind)
         with summing:
             seconds["encode"] += t1 - t0
             seconds["write"] += time.perf_counter() - t1
@@ -258,7 +258,8 @@ def _publish_wire(store: Store, key: NodeKey, local: Manifest, opt: PublishOptio
     parent_payload = store.payload(run_id, local.parent) if local.parent is not None else None
     t_start = time.perf_counter()
     entries, seconds = _encode_wire(store, run_id, version, local.tensors, store.payload(run_id, version),
-                                    parent_payload, opt, [s.raw_hash for s in local.shards])
+                                    parent_payload, opt, [s.raw_hash for s in local.shards],
+                                    behind=True)  # announced already: nobody on this host waits for them
     signed = SignedManifest.sign(local.with_wire(entries), key)
     store.put_manifest(signed)
     log.info("published %s v%d streamed (%s, %d shards, %.1f MiB raw -> %.1f MiB wire): wire shards in %.2f s after "

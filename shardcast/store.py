@@ -141,12 +141,15 @@ class Store:
         self.version_dir(m.run_id, m.version).mkdir(parents=True, exist_ok=True)
         _atomic_write(self.local_manifest_path(m.run_id, m.version), signed.to_json())
 
-    def put_shard(self, run_id: str, version: int, index: int, wire: bytes | bytearray | memoryview) -> None:
-        """Written behind (`shardcast.write_behind`): a version's wire shards are GBs (7.7 GB for a full bf16
-        5.2B version) that nobody on this host waits for, on the disk a co-located coordinator fsyncs on. A
-        payload is not: members wait for it, and it is a cache (`payload_root` keeps it off the disk)."""
+    def put_shard(self, run_id: str, version: int, index: int, wire: bytes | bytearray | memoryview,
+                  behind: bool = False) -> None:
+        """`behind`: its writeback started as it is written (`shardcast.write_behind`): for wire shards
+        nobody on this host waits for (a publisher's, once the version is announced: 7.7 GB for a full bf16
+        5.2B version) on a disk a co-located coordinator fsyncs on. Not a fetch's (the pages would go to the
+        disk at its pace while the fetch waits: the page cache absorbs them), not a payload (members wait for
+        it, and it is a cache: `payload_root` keeps it off the disk)."""
         self.version_dir(run_id, version).mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.shard_path(run_id, version, index), wire, behind=True)
+        _atomic_write(self.shard_path(run_id, version, index), wire, behind=behind)
 
     def put_payload(self, run_id: str, version: int, payload: np.ndarray) -> None:
         self.payload_home(run_id, version).mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,17 @@
 """Big files written without a backlog of dirty pages: each piece's writeback is started as soon as it is
-written (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`: the kernel begins writing those pages and returns;
-nothing waits for the disk, and the pages stay in the page cache for readers).
+written (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`: the kernel begins writing those pages and returns,
+blocking only while the disk's queue is full, so a writer faster than its disk goes at the disk's pace; the
+pages stay in the page cache for readers).
 
 Why: on one host the trainer writes a policy version's files (a 10 GB bf16 payload, then its wire shards)
 to the disk the coordinator's store fsyncs on. Left to the kernel's background writeback, GBs of dirty pages
 pile up, and an fsync of a few KB waits behind them (ext4's ordered journal flushes the data its commit
-covers): the coordinator's commits took up to 7.9 s and the trainer's announce timed out behind them (session
-22, one H200). Started piece by piece, the backlog stays a few pieces deep (`benchmarks.commit_stalls
---writer write-behind`). The approach databases take (RocksDB's bytes_per_sync, PostgreSQL's
-backend_flush_after). Elsewhere than Linux, or where the file system refuses, it does nothing.
+covers): the coordinator's commits took up to 7.9 s and the trainer's announce went 10 s without a reply
+(session 22, one H200). Started piece by piece, the backlog stays a few pieces deep (`python -m
+benchmarks.commit_stalls --writers write-behind,end`). The approach databases take (RocksDB's
+bytes_per_sync, PostgreSQL's backend_flush_after). Used for what nobody on the host waits for: a publisher's
+wire shards once the version is announced (`Store.put_shard(behind=True)`). Elsewhere than Linux, or where
+the file system refuses (tmpfs, a pipe), it does nothing.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import shardcast.write_behind as wb
+from shardcast.codec import flatten
+from shardcast.publish import PublishOptions, publish, publish_stream
 from shardcast.store import Store
 
 
@@ -50,11 +52,19 @@ def test_on_linux_the_kernel_call_is_there_and_refusals_change_nothing(tmp_path)
         os.remove(path)
 
 
-def test_a_stores_wire_shards_are_written_behind(tmp_path, monkeypatch):
+def test_a_streamed_versions_wire_shards_are_written_behind_and_nothing_members_wait_for_is(tmp_path, monkeypatch,
+                                                                                             key, sc):
     started: list[int] = []
     monkeypatch.setattr(wb, "_sync_file_range", lambda fd, offset, nbytes, flags: started.append(nbytes) or 0)
-    store = Store(tmp_path / "store")
-    wire = os.urandom(70_000)
-    store.put_shard("run", 3, 0, wire)
-    assert store.shard_path("run", 3, 0).read_bytes() == wire
-    assert started == [70_000]
+    opts = PublishOptions(shard_size=sc.SHARD, threads=2)
+    streamed = Store(tmp_path / "streamed")
+    tensors, payload = flatten(sc.make_state(0))
+    signed = publish_stream(streamed, key, "run", 0, tensors, payload, iter([len(payload)]), None, opts)
+    wire = sorted(streamed.shard_path("run", 0, s.index).stat().st_size for s in signed.manifest.shards)
+    assert len(wire) > 1 and sorted(started) == wire  # the wire shards (after the announce), and only they
+    started.clear()
+    one_step = Store(tmp_path / "one-step")  # `publish` lists the version only once its wire shards are written
+    publish(one_step, key, "run", 0, sc.make_state(0), options=opts)
+    assert started == []
+    one_step.put_shard("run", 9, 0, b"x" * 1000)  # a fetch's: left to the page cache
+    assert started == []
