@@ -13,7 +13,8 @@ L=/tmp/learn; rm -rf $L
 keep() {
   [ -d $L ] || return 0
   for f in summary.json report.png metrics.jsonl; do cp $L/$f $OUT/learn-$f 2>/dev/null; done
-  (cd $L && find . -name 'log.txt' -size -20M -print0 | tar czf $OUT/learn-logs.tgz --null -T - 2>/dev/null)
+  (cd $L && find . \( -name 'log.txt' -o -name 'rounds.jsonl' -o -name 'swaps.jsonl' -o -name 'versions.jsonl' \) \
+    -size -20M -print0 | tar czf $OUT/learn-logs.tgz --null -T - 2>/dev/null)
 }
 ( while sleep 20; do keep; done ) &
 KEEPER=$!
