@@ -4,6 +4,8 @@
 #   carried, git-ignored: .whl (make_wheels.sh: pydantic, zstandard, blake3, cryptography, libp2p's closure)
 #   and .gpumodel (SmolLM2's tokenizer files, no config.json: the random checkpoint's tokenizer).
 #   MODEL=random:qwen3-moe-small KS=1,0 STEPS=10 NGROUPS=32 K_S=150 TESTS=1 bash benchmarks/h200_session.sh
+#   SHM=1: the shared store's payloads and the coordinator's state on /dev/shm when it has >= 45 GB free
+#   (the roles' one disk held the coordinator's fsyncs behind 10 GB version writes: docs/scale.md, session 22)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -27,6 +29,11 @@ fi
 [ "${NET:-1}" = 1 ] || exit 0
 timeout 150 python3 -m benchmarks.gpu_preflight > $OUT/preflight.log 2>&1; tail -1 $OUT/preflight.log | cut -c1-600
 NET=/tmp/net; rm -rf $NET
+if [ "${SHM:-0}" = 1 ]; then  # payloads and the coordinator's state on tmpfs, where it has room for a few 10 GB versions
+  F=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9); echo "/dev/shm: ${F}G free"
+  [ "${F:-0}" -ge 45 ] && ARGS="${ARGS:-} --store-payloads /dev/shm/primerl-payloads --coordinator-state /dev/shm/primerl-coordinator"
+  echo "ARGS=${ARGS:-}"
+fi
 keep() {
   [ -d $NET ] || return 0
   cp $NET/result.json $NET/report.png $OUT/ 2>/dev/null
