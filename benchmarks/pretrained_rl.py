@@ -1,12 +1,13 @@
 """A real pretrained model learns in the network: SmolLM2-135M-Instruct on reverse-text through `sim`.
 
-    python -m benchmarks.pretrained_rl [--steps 20] [--inference-nodes 2] [--minutes 60]
+    python -m benchmarks.pretrained_rl [--steps 20] [--inference-nodes 2] [--minutes 60] [--device cpu|cuda]
 
 Runs `primerl-node sim`'s network (coordinator, trainer, validator, relay, >= 2 inference nodes, every
 work unit verified) with the model spec `smollm2-135m-instruct` (weights hash pinned in the signed
 spec), scores the task's held-out set (node/envs/evaluate.py: fixed seeds, greedy) with version 0
 before and with the trainer's last published version after, and ends with one JSON line: model,
-task, eval_before, eval_after, steps, wall_s, rollouts_rejected, mismatch_kl, ... The peer figure is
+task, eval_before, eval_after, eval_exact_before / _after (share of held-out tasks answered exactly),
+steps, wall_s, rollouts_rejected, mismatch_kl, ... The peer figure is
 version 0 itself (eval_before), measured in the same run. Writes OUT/result.json and OUT/curve.png.
 """
 
@@ -35,10 +36,11 @@ from shardcast.store import Store
 log = logging.getLogger("benchmarks.pretrained_rl")
 
 
-def held_out(model, tok, task: str, n: int) -> tuple[float, list]:
+def held_out(model, tok, task: str, n: int) -> tuple[float, list, float]:
+    """(mean greedy reward, samples, share of tasks answered exactly: reward 1, e.g. the whole text reversed)."""
     engine = Engine(model, max_batch=n, max_seq_len=PRETRAINED_MAX_SEQ, eos_id=tok.eos_id, decode=tok.decode)
     result = evaluate(engine, get_env(task), tok, n)
-    return result.mean_reward, result.samples
+    return result.mean_reward, result.samples, sum(r >= 1.0 for r in result.rewards) / len(result.rewards)
 
 
 def last_version(out: Path) -> tuple[int, dict[str, torch.Tensor]]:
@@ -98,7 +100,7 @@ def main() -> None:
     t0 = time.time()
     load0 = os.getloadavg()[0]
     loaded = load_model(ModelSpec(source=args.model, dtype="float32", max_seq_len=PRETRAINED_MAX_SEQ))
-    before, before_samples = held_out(loaded.model, loaded.tokenizer, args.task, args.eval_n)
+    before, before_samples, exact_before = held_out(loaded.model, loaded.tokenizer, args.task, args.eval_n)
     log.info("eval before RL: %.4f on %d held-out tasks; e.g. %s", before, args.eval_n, before_samples[:3])
     run = pretrained_run(args.model)
     recipe = {"lr": args.lr, "temperature": 1.0, "updates_per_batch": 1, "minibatches": 1}
@@ -116,7 +118,7 @@ def main() -> None:
     log.info("sim: %s", {k: summary.get(k) for k in ("status", "steps", "rollouts_accepted", "rollouts_rejected")})
     version, state = last_version(args.out)
     load_hf_state_dict(loaded.model, state)
-    after, after_samples = held_out(loaded.model, loaded.tokenizer, args.task, args.eval_n)
+    after, after_samples, exact_after = held_out(loaded.model, loaded.tokenizer, args.task, args.eval_n)
     log.info("eval after RL (v%d): %.4f; e.g. %s", version, after, after_samples[:3])
     rows = [json.loads(x) for x in (args.out / "metrics.jsonl").read_text().splitlines()]
     kls = [r["mismatch_kl"] for r in rows if "mismatch_kl" in r]
@@ -126,6 +128,7 @@ def main() -> None:
         "model": args.model, "task": args.task,
         "weights_hash_v0": run["model"]["weights_hash"], "eval_n": args.eval_n,
         "eval_before": round(before, 4), "eval_after": round(after, 4), "eval_gain": round(after - before, 4),
+        "eval_exact_before": round(exact_before, 4), "eval_exact_after": round(exact_after, 4),
         "ratio_after_over_before": round(after / before, 3) if before else None,
         "eval_version": version, "steps": summary["steps"], "steps_target": args.steps, "status": summary["status"],
         "wall_s": round(time.time() - t0, 1), "sim_wall_s": round(sim_s, 1),
