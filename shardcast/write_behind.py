@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
+import sys
 
 PIECE_BYTES = 16 << 20
 """Bytes written between two starts of writeback."""
 
 _SYNC_FILE_RANGE_WRITE = 2
+"""<fcntl.h>: start writeback of the range's dirty pages not yet under writeback; do not wait for it."""
 
 
 def _libc_sync_file_range():
-    if not hasattr(os, "O_DIRECT"):  # not Linux
+    if not sys.platform.startswith("linux"):
         return None
     try:
         fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
@@ -42,7 +43,8 @@ _sync_file_range = _libc_sync_file_range()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Begin writing `nbytes` at `offset` of `fd` to its disk; return at once (no-op where unsupported)."""
+    """Begin writing `nbytes` at `offset` of `fd` to its disk, without waiting for it (only, when the disk's
+    queue is full, for room in it); a no-op where unsupported."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # an error (tmpfs, a pipe) changes nothing
 
