@@ -53,8 +53,9 @@ print(time.time(), flush=True)
 """
 """GBs written the way the trainer's store writes a version to the disk the coordinator shares: 16 MB writes,
 then one fsync. `write-behind`: each write's writeback started as it goes (`shardcast.write_behind`: how a
-publisher writes its wire shards once it has announced the version, since session 23); `end`: all left to the kernel (how it wrote them before, and how
-it still writes a payload kept on the disk, since members wait for that one: `--store-payloads` keeps it off)."""
+publisher writes its wire shards once it has announced the version, since session 23); `end`: all left to
+the kernel (how it wrote them before, and how it still writes a payload kept on the disk, since members wait
+for that one: `--store-payloads` keeps it off)."""
 
 
 async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, idle_s: float,

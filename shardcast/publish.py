@@ -227,7 +227,8 @@ def _list_content_locked(store: Store, key: NodeKey, run_id: str, version: int, 
 
 def _encode_wire(store: Store, run_id: str, version: int, tensors: list, payload: np.ndarray,
                  parent_payload: np.ndarray | None, opt: PublishOptions,
-                 raw_hashes: list[str] | None = None, behind: bool = False) -> tuple[list[ShardEntry], dict[str, float]]:
+                 raw_hashes: list[str] | None = None,
+                 behind: bool = False) -> tuple[list[ShardEntry], dict[str, float]]:
     """Every wire shard of `payload` (a delta against `parent_payload` when given) encoded on the pool and
     stored; their entries in order and the seconds the threads spent encoding and writing (`raw_hashes`:
     already known, not computed again; `behind`: written behind, `Store.put_shard`)."""
