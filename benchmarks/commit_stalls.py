@@ -59,7 +59,7 @@ for that one: `--store-payloads` keeps it off)."""
 
 
 async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, idle_s: float,
-                   writer_dir: Path, writer: str = "write-behind") -> dict:
+                   writer_dir: Path, writer: str = "end") -> dict:
     ck, vk = NodeKey.generate(), NodeKey.generate()
     spec = RunSpec(run_id="stalls", coordinator=ck.peer_id, max_off_policy_steps=4, heartbeat_interval_s=5.0,
                    lease_ttl_s=600, batch_groups=65_536, validators=[vk.peer_id])
@@ -108,7 +108,8 @@ async def one_mode(mode: str, workdir: Path, members_n: int, write_bytes: int, i
     await asyncio.sleep(1.0)  # warm
     if write_bytes:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", WRITER, str(writer_dir / f"version-{mode}.bin"),
-                                                    str(write_bytes), writer, stdout=subprocess.PIPE)
+                                                    str(write_bytes), writer, stdout=subprocess.PIPE,
+                                                    cwd=Path(__file__).resolve().parents[1])  # imports shardcast
         out, _ = await proc.communicate()
         t0, t1 = (float(x) for x in out.decode().split())
     else:
@@ -175,10 +176,11 @@ def main() -> None:
     p.add_argument("--modes", default="inline,deferred_s21,deferred")
     p.add_argument("--writer-dir", default=None, help="where the writer writes (default: the coordinator's dir; "
                                                          "/dev/shm/...: a payload kept off the disk)")
-    p.add_argument("--writers", default="write-behind",
-                   help="how the other process writes, one run each (comma-separated): write-behind (each 16 MB's "
-                        "writeback started as it goes: the store's wire shards now), end (all left to the kernel: "
-                        "before session 23)")
+    p.add_argument("--writers", default="end",
+                   help="how the other process writes, one run each (comma-separated; the first's figures under the "
+                        "mode's name): end (all left to the kernel: a payload on the disk, and every run before "
+                        "session 23), write-behind (each 16 MB's writeback started as it goes: a publisher's wire "
+                        "shards now)")
     p.add_argument("--idle-s", type=float, default=5.0, help="the no-writer peer's window")
     p.add_argument("--dir", default=None, help="where the state and the written file go (default: a temp dir)")
     p.add_argument("--machine", default="cpu-2core")
