@@ -58,6 +58,7 @@ class FaultProxy:
         self.links: dict[str, Link] = {}
         self._rng = random.Random(seed)
         self._loop = asyncio.new_event_loop()
+        self._servers: list[asyncio.Server] = []
         self._thread = threading.Thread(target=self._loop.run_forever, name="faultproxy", daemon=True)
         self._thread.start()
 
@@ -67,6 +68,7 @@ class FaultProxy:
         server = asyncio.run_coroutine_threadsafe(
             asyncio.start_server(lambda r, w: self._accept(link, r, w), "127.0.0.1", listen_port), self._loop).result(10)
         link.listen_port = server.sockets[0].getsockname()[1]
+        self._servers.append(server)
         self.links[name] = link
         return link
 
@@ -84,7 +86,21 @@ class FaultProxy:
         self.set_faults(list(self.links) if names is None else names)
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        """Stop listening, cut every open connection (its pipes end on the running loop), then stop the loop."""
+        async def shutdown() -> None:
+            for server in self._servers:
+                server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
+            except TimeoutError:
+                log.warning("fault proxy: connections still open after 5 s; stopping the loop under them")
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
     async def _accept(self, link: Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -83,13 +83,18 @@ def metrics_text(service: CoordinatorService) -> str:
 
 
 async def serve_status(service: CoordinatorService, port: int, host: str = "127.0.0.1") -> tuple[web.AppRunner, int]:
-    app = web.Application()
-    app.add_routes([
-        web.get("/", lambda r: web.Response(text=PAGE, content_type="text/html"), expect_handler=expect_without_echo),
-        web.get("/status.json", lambda r: web.json_response(status(service)), expect_handler=expect_without_echo),
-        web.get("/metrics", lambda r: web.Response(text=metrics_text(service), content_type="text/plain",
-                                                   charset="utf-8"), expect_handler=expect_without_echo),
-    ])
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(text=PAGE, content_type="text/html")
+
+    async def status_json(_: web.Request) -> web.Response:
+        return web.json_response(status(service))
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=metrics_text(service), content_type="text/plain", charset="utf-8")
+
+    app = web.Application()  # handlers are coroutines: aiohttp deprecates plain functions as handlers
+    app.add_routes([web.get(path, handler, expect_handler=expect_without_echo)
+                    for path, handler in [("/", page), ("/status.json", status_json), ("/metrics", metrics)]])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
