@@ -2,7 +2,7 @@
 # One device call: the tiny model learns `reverse` in `primerl-node sim --device cuda` (every role a real process,
 # trainer / validator / inference node on cuda:0), for at most LEARN_S seconds; summary, metrics, report and every
 # role's log come back in $OUT. Carried, git-ignored: .whl (make_wheels.sh).
-#   LEARN_S=470 NODES=1 bash benchmarks/gpu_learn.sh
+#   LEARN_S=470 NODES=1 [VSPEED=0] bash benchmarks/gpu_learn.sh
 set -u
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -21,3 +21,12 @@ KEEPER=$!
 timeout $((${LEARN_S:-470} + 40)) python3 -m node.cli sim --device cuda --inference-nodes ${NODES:-1} --task reverse \
   --steps ${STEPS:-500} --stop-after-target ${AFTER:-5} --timeout ${LEARN_S:-470} --out $L ${ARGS:-} > $OUT/learn.log 2>&1
 echo "learn rc=$?"; kill $KEEPER 2>/dev/null; keep; tail -c 2500 $OUT/learn.log
+# The validator's judging of the same tiny model alone, float32 as `sim` runs it and bf16 beside it (session 24's
+# suspect for the 6-9 s gaps of this run on an H100: the validator, one core busy all the time). VSPEED=0 skips.
+if [ "${VSPEED:-1}" = 1 ]; then
+  for dt in float32 bfloat16; do
+    timeout 120 python3 -m benchmarks.validator_speed --device cuda --shape tiny --dtype $dt --rollouts 512 \
+      --profile $OUT/validator_speed-tiny-$dt.prof --out $OUT/validator_speed-tiny-$dt.json > $OUT/validator_speed-tiny-$dt.log 2>&1
+    echo "validator_speed $dt rc=$?"; tail -c 600 $OUT/validator_speed-tiny-$dt.log
+  done
+fi

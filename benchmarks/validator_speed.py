@@ -1,7 +1,7 @@
 """How fast the validator role judges, against the inference role's engine generating the same rollouts
 on the same device (issue 24's `verify_over_generate`, measured on the roles' code alone).
 
-    python -m benchmarks.validator_speed [--device cuda] [--shape qwen3-30b-a3b-8l] [--rollouts 512]
+    python -m benchmarks.validator_speed [--device cuda] [--shape qwen3-30b-a3b-8l] [--dtype bfloat16] [--rollouts 512]
         [--round 128] [--group 8] [--profile FILE] [--new-tokens 1000 --lengths pareto]
 
 The engine is the inference role's (`benchmarks.device_rollouts.build_engine`: `CudaEngine` with its
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> dict:
-    model = D.random_model(args.shape, torch.bfloat16, args.device)
+    model = D.random_model(args.shape, getattr(torch, args.dtype), args.device)
     cfg = model.config
     lengths = completion_lengths(args.rollouts, args.new_tokens, args.lengths)
     work = [(s, R.spec(s, max_new_tokens=n)) for s, n in zip(range(7000, 7000 + args.rollouts), lengths)]
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace) -> dict:
         "bench": "validator_speed", "settle_heap": args.settle_heap, "gc_full_pass_s": round(full_pass_s, 4),
         "command": "python -m benchmarks.validator_speed " + " ".join(sys.argv[1:]),
         "provenance": D.provenance(args.device), "shape": facts["name"], "params_b": round(facts["params"] / 1e9, 3),
-        "vocab": cfg.vocab_size, "dtype": "bfloat16", "rollouts": len(claims), "round_claims": args.round,
+        "vocab": cfg.vocab_size, "dtype": args.dtype, "rollouts": len(claims), "round_claims": args.round,
         "lengths": args.lengths, "max_seq": R.MAX_SEQ,
         "completion_tokens_p50_max": [sorted(len(c.token_ids) for c in claims)[len(claims) // 2],
                                       max(len(c.token_ids) for c in claims)],
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:i: where the engine serves and the validator judges")
     ap.add_argument("--shape", default=None, choices=list(D.SHAPES), help="default: qwen3-30b-a3b-8l on a GPU, tiny on the CPU")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the run's dtype (float32: what `sim` runs the tiny model in, on a GPU without CUDA graphs)")
     ap.add_argument("--rollouts", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=40, help="completion tokens at most (the harness's positions: 64)")
     ap.add_argument("--lengths", choices=["fixed", "pareto"], default="fixed",
