@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,7 +125,9 @@ def load_whole(model: torch.nn.Module, directory: str | Path, optimizer: bool = 
         for n, p in params.items():
             state |= {f"optim/{n}/{k}": torch.zeros_like(p.data) for k in MOMENTS}
             state[f"optim/{n}/step"] = torch.zeros(())
-    dcp.load(state, checkpoint_id=str(Path(directory) / meta["distributed_checkpoint"]), no_dist=True)
+    with warnings.catch_warnings():  # one process by intent (no_dist): torch warns that it assumes so all the same
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(Path(directory) / meta["distributed_checkpoint"]), no_dist=True)
     opt = {}
     if optimizer:
         for n in params:
