@@ -22,9 +22,18 @@ block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes)
    completion tok/s over the engine's; 64 claims judged again under the profiler (`verify_profile`: wall
    seconds, the kernels' GPU seconds, the top kernels). Then, untimed, the same claims in submissions of 8 judged together, as
    the role meets a work unit (`verify_units_rejected`: pooled evidence, per-claim bounds as well).
+5. A new version reaching the serving engine the way the inference role hands it one (`fetch_policy` ->
+   `served(...)` -> `engine.load_weights` on the role's fetch thread, the swap between two decode steps):
+   the checkpoint's own tensors in their served form (e4m3 bytes and block scales as stored, the layout an
+   FP8 run publishes after version 0) as version 1, read through copy-on-write mappings of its files as a
+   fetched version's payload is (`checkpoint_tensors`): `version_apply` times the check and staging on the
+   device (`load_weights_s`; the engine's own `stage_s`, `staged_on_device`), the swap (`apply_s`) and the
+   first token after it. That is the engine's part of a new version at this size; the fetch before it is not
+   timed (no store here: the host's 64 GB disk holds the checkpoint and not one more version).
 Host memory: peak private memory (RssAnon, sampled every 50 ms: what the process holds beyond the page
 cache the shards are read through) and peak RSS. GPU memory: the plan against `max_memory_allocated`.
-Not measured here: a new version applied from a sparse delta (the issue's `delta_apply_s`).
+Not measured here: a new version applied from a sparse delta (the issue's `delta_apply_s`: docs/scale.md,
+session 24, says what it runs into at this size).
 Writes `real_scale.json` under $OUT (or benchmarks/results) after every stage, so a cut run keeps what
 it measured; the last line printed is the JSON.
 """
@@ -145,6 +154,77 @@ def launch(spec, device: str, share: float, result: dict):
     result["kv_slots"] = engine.max_batch
     log(f"first token {result['launch_to_first_token_s']:.1f}s after the process started: {stages}")
     return engine, cfg, tok
+
+
+SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F32": torch.float32, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files as stored (FP8 scales included), each a view over a
+    copy-on-write mapping of its file, as a fetched version's tensors are views over its payload
+    (`shardcast.fetch.PayloadTensors`): nothing is read until a consumer copies a tensor."""
+    import numpy as np
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        data = np.memmap(path, dtype=np.uint8, mode="c")[8 + n:]
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = entry["data_offsets"]
+            out[name] = torch.from_numpy(data[lo:hi]).view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return out
+
+
+def as_published(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors as an FP8 run's trainer publishes a version (`node.rl.parallel.publish.hf_pieces`):
+    an expert's gate and up go in e4m3 only where the gate's rows end on a 128-row block edge (they are one
+    stacked tensor where served), else both in `dtype`. Qwen3-30B-A3B's 768 rows do: nothing changes there."""
+    from node.model.quantization import SCALE_SUFFIX, dequantize
+    from node.model.served_form import served_fp8
+
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if name.endswith(".gate_proj.weight") and ".mlp.experts." in name and f"{name}{SCALE_SUFFIX}" in tensors \
+                and not served_fp8(tuple(t.shape), stacked_with_next=True):
+            for piece in (name, name.replace(".gate_proj.", ".up_proj.")):
+                out[piece] = dequantize(out.pop(piece), out.pop(f"{piece}{SCALE_SUFFIX}"), dtype)
+    return out
+
+
+def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
+    """Stage 5 of the module docstring: the checkpoint's tensors handed to the serving engine as version 1."""
+    from node.model.served_form import served
+    from node.model.spec import DTYPES
+
+    swaps: list[dict] = []
+    engine.on_swap.append(lambda version, row: swaps.append(row))
+    dtype = DTYPES[spec.model.dtype]
+    probe = _requests(cfg, 4, [16] * 4, [16] * 4, seed=3)  # seeded sampling: the same weights give the same tokens
+    before = engine.generate(probe)
+    state = served(as_published(checkpoint_tensors(Path(spec.model.source)), dtype), dtype)
+    t = time.perf_counter()
+    engine.load_weights(state, 1)  # checked and (where the GPU has room for a second copy) staged on the device
+    staged = time.perf_counter() - t
+    t = time.perf_counter()
+    engine.generate(_requests(cfg, 1, [16], [1], seed=2))  # the swap lands before this step's forward
+    first = time.perf_counter() - t
+    if engine.version != 1 or not swaps:
+        raise RuntimeError(f"version 1 was not applied (engine at version {engine.version})")
+    after = engine.generate(probe)  # version 1 holds the checkpoint's own bytes: nothing served may have moved
+    row = swaps[-1]
+    result["version_apply"] = {"load_weights_s": staged, "first_token_after_s": first, "bytes": row.get("bytes"),
+                               "stage_s": row.get("stage_s"), "apply_s": row.get("apply_s"),
+                               "staged_on_device": row.get("staged_on_device"),
+                               "same_tokens": [a.token_ids for a in after] == [b.token_ids for b in before],
+                               "logprob_diff_max": max(abs(x - y) for a, b in zip(after, before)
+                                                       for x, y in zip(a.logprobs, b.logprobs))}
+    result["version_apply_s"] = staged + first
+    log(f"version 1 into the engine: {result['version_apply']}")
 
 
 def decode_with_env(engine, cfg, b: int, env: dict[str, str]) -> dict:  # noqa: ANN001
@@ -367,6 +447,12 @@ def main() -> None:
     result["gpu_memory_engine_peak_gib"] = _allocated(peak=True) / GIB
     write_result(args.name, result)
     claims, manifest = claims_of(done, reqs, cfg)
+    try:  # a failure costs only this figure (the validator's stage still runs)
+        apply_version(engine, cfg, spec, result)
+    except Exception as exc:  # noqa: BLE001
+        result["version_apply_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        log(f"version 1 not applied: {result['version_apply_error']}")
+    write_result(args.name, result)
     if args.release_engine:
         engine.close()
         del engine, done

@@ -31,6 +31,11 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     result = json.loads((out / "real_scale.json").read_text())
     assert result["decode_tok_s_b4"] > 0 and result["rl_workload_tok_s"] > 0 and result["launch_to_first_token_s"] > 0
     assert result["decode_tok_s_b4_fixed_tiles"] > 0  # the kernel variants' pass
+    # version 1 (the checkpoint's own e4m3 bytes and scales, the served form) into the serving engine and swapped
+    applied = result["version_apply"]
+    assert "version_apply_error" not in result and result["version_apply_s"] > 0
+    assert applied["bytes"] > 0 and applied["apply_s"] > 0 and applied["staged_on_device"] is False  # the CPU copies in
+    assert applied["same_tokens"] and applied["logprob_diff_max"] == 0.0  # the same bytes, served as before
     for key in ("decode_profile_b4", "verify_profile"):  # where a decode step's / judging's time goes (operators here)
         profile = result[key]
         assert profile["wall_s_per_step"] > 0 and profile["kernels_s_per_step"] > 0, key
