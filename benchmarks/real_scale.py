@@ -29,7 +29,8 @@ block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes)
    fetched version's payload is (`checkpoint_tensors`): `version_apply` times the check and staging on the
    device (`load_weights_s`; the engine's own `stage_s`, `staged_on_device`), the swap (`apply_s`) and the
    first token after it. That is the engine's part of a new version at this size; the fetch before it is not
-   timed (no store here: the host's 64 GB disk holds the checkpoint and not one more version).
+   timed (no store here: the host's 64 GB disk holds the checkpoint and not one more version). The validator
+   holds the same version 1 beside its judging (`ResidentPolicies.add`): `validator_hold_s`.
 Host memory: peak private memory (RssAnon, sampled every 50 ms: what the process holds beyond the page
 cache the shards are read through) and peak RSS. GPU memory: the plan against `max_memory_allocated`.
 Not measured here: a new version applied from a sparse delta (the issue's `delta_apply_s`: docs/scale.md,
@@ -227,6 +228,27 @@ def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
     log(f"version 1 into the engine: {result['version_apply']}")
 
 
+def hold_version(model, spec, manifest: bytes, result: dict) -> None:  # noqa: ANN001
+    """The validator role's side of stage 5: its resident model (`ResidentPolicies`, one model, other versions as
+    steps) takes version 1, the checkpoint's own served form as the engine got it, read in module by module
+    (`add`: prepare beside the judging, then commit). The same bytes as version 0: its step must come out empty."""
+    from node.model.served_form import served
+    from node.model.spec import DTYPES
+    from node.roles.resident_policy import ResidentPolicies
+
+    dtype = DTYPES[spec.model.dtype]
+    policies = ResidentPolicies(model, 0, manifest)
+    state = served(as_published(checkpoint_tensors(Path(spec.model.source)), dtype), dtype)
+    _sync()
+    t = time.perf_counter()
+    policies.add(1, state, hashlib.sha256(b"real-scale v1").digest())
+    _sync()
+    result["validator_hold_s"] = time.perf_counter() - t
+    result["validator_hold_step_bytes"] = policies.delta_bytes  # version 0 against 1: identical bytes, nothing
+    log(f"validator: version 1 held in {result['validator_hold_s']:.1f} s, step of version 0 "
+        f"{result['validator_hold_step_bytes']} bytes")
+
+
 def decode_with_env(engine, cfg, b: int, env: dict[str, str]) -> dict:  # noqa: ANN001
     """`fixed_batch` with `env` set (the FP8 kernels' choices: PRIMERL_FP8_GROUPED, PRIMERL_FP8_GEMM_TILES) and
     the graphs captured again; the environment and the graphs are put back before it returns."""
@@ -304,6 +326,12 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
     write_result(result["name"], result)  # a run cut later keeps these
+    try:  # a failure costs only this figure
+        hold_version(model, spec, manifest, result)
+    except Exception as exc:  # noqa: BLE001
+        result["validator_hold_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        log(f"validator: version 1 not held: {result['validator_hold_error']}")
+    write_result(result["name"], result)
     try:  # where judging's time goes (aim: 10x generation): 64 claims again under the profiler
         result["verify_profile"] = prof = profiled(lambda: verify_claims(claims[:64], ref))
         log(f"validator, 64 claims: {prof['wall_s_per_step']:.2f} s, kernels {prof['kernels_s_per_step']:.2f} s: "

@@ -36,6 +36,10 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     assert "version_apply_error" not in result and result["version_apply_s"] > 0
     assert applied["bytes"] > 0 and applied["apply_s"] > 0 and applied["staged_on_device"] is False  # the CPU copies in
     assert applied["same_tokens"] and applied["logprob_diff_max"] == 0.0  # the same bytes, served as before
+    # the validator's resident model takes the same version 1: its step against version 0 holds nothing, and the
+    # judging after it (pooled, calibration below) still passes every honest claim
+    assert "validator_hold_error" not in result and result["validator_hold_s"] > 0
+    assert result["validator_hold_step_bytes"] == 0
     for key in ("decode_profile_b4", "verify_profile"):  # where a decode step's / judging's time goes (operators here)
         profile = result[key]
         assert profile["wall_s_per_step"] > 0 and profile["kernels_s_per_step"] > 0, key
