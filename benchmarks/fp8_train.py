@@ -65,7 +65,7 @@ def train(model: CausalLM, data: list[torch.Tensor]) -> tuple[list[float], float
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(loss.item())
     steady = sorted(times[3:])
     return losses, steady[len(steady) // 2]
 

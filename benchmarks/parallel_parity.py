@@ -70,7 +70,7 @@ def reference(model: CausalLM, batch: TrainBatch, cfg: TrainerConfig):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), foreach=False)
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     opt.step()
-    return float(loss), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 STEP_TOLERANCE = 1e-3
