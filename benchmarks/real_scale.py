@@ -197,17 +197,22 @@ def as_published(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[s
     return out
 
 
-def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
-    """Stage 5 of the module docstring: the checkpoint's tensors handed to the serving engine as version 1."""
+def version1(spec):  # noqa: ANN001, ANN201
+    """Stage 5's version 1 as a consumer reads a fetched one (`served`): the checkpoint's tensors as published."""
     from node.model.served_form import served
     from node.model.spec import DTYPES
 
+    dtype = DTYPES[spec.model.dtype]
+    return served(as_published(checkpoint_tensors(Path(spec.model.source)), dtype), dtype)
+
+
+def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
+    """Stage 5 of the module docstring: the checkpoint's tensors handed to the serving engine as version 1."""
     swaps: list[dict] = []
     engine.on_swap.append(lambda version, row: swaps.append(row))
-    dtype = DTYPES[spec.model.dtype]
     probe = _requests(cfg, 4, [16] * 4, [16] * 4, seed=3)  # seeded sampling: the same weights give the same tokens
     before = engine.generate(probe)
-    state = served(as_published(checkpoint_tensors(Path(spec.model.source)), dtype), dtype)
+    state = version1(spec)
     t = time.perf_counter()
     engine.load_weights(state, 1)  # checked and (where the GPU has room for a second copy) staged on the device
     staged = time.perf_counter() - t
@@ -232,13 +237,10 @@ def hold_version(model, spec, manifest: bytes, result: dict) -> None:  # noqa: A
     """The validator role's side of stage 5: its resident model (`ResidentPolicies`, one model, other versions as
     steps) takes version 1, the checkpoint's own served form as the engine got it, read in module by module
     (`add`: prepare beside the judging, then commit). The same bytes as version 0: its step must come out empty."""
-    from node.model.served_form import served
-    from node.model.spec import DTYPES
     from node.roles.resident_policy import ResidentPolicies
 
-    dtype = DTYPES[spec.model.dtype]
     policies = ResidentPolicies(model, 0, manifest)
-    state = served(as_published(checkpoint_tensors(Path(spec.model.source)), dtype), dtype)
+    state = version1(spec)
     _sync()
     t = time.perf_counter()
     policies.add(1, state, hashlib.sha256(b"real-scale v1").digest())

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
-_warned_host_path: set[tuple[str, torch.dtype]] = set()
+_warned_host_path: set[torch.dtype] = set()
+"""Dtypes whose host-synced expert path on a GPU this process has logged."""
 
 
 class GroupedExperts(nn.Module):
@@ -38,12 +39,12 @@ class GroupedExperts(nn.Module):
             gu = torch._grouped_mm(x_sorted, self.gate_up_proj.transpose(-2, -1), offs=offs)
             gate, up = gu.chunk(2, dim=-1)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
-        if x_sorted.is_cuda and (x_sorted.device.type, x_sorted.dtype) not in _warned_host_path:
-            _warned_host_path.add((x_sorted.device.type, x_sorted.dtype))  # a slow path is said once, never silent
+        if x_sorted.is_cuda and x_sorted.dtype not in _warned_host_path:  # a slow path is said once, never silent
+            _warned_host_path.add(x_sorted.dtype)
+            why = "torch._grouped_mm takes bfloat16 only" if hasattr(torch, "_grouped_mm") else "no torch._grouped_mm"
             log.warning("MoE experts on %s in %s: each layer reads its expert counts back to the host (no CUDA graph "
-                        "can hold it) and runs a padded batched matmul or a loop over experts (%s)", x_sorted.device,
-                        x_sorted.dtype, "torch._grouped_mm, which needs no sync, takes bfloat16 only"
-                        if hasattr(torch, "_grouped_mm") else "this torch has no torch._grouped_mm")
+                        "can hold it) and runs a padded batched matmul or a loop over experts (%s)",
+                        x_sorted.device, x_sorted.dtype, why)
         counts_list = counts.tolist()
         capacity = max(counts_list)
         if capacity * self.num_experts <= 2 * x_sorted.shape[0]:
