@@ -206,12 +206,35 @@ def version1(spec):  # noqa: ANN001, ANN201
     return served(as_published(checkpoint_tensors(Path(spec.model.source)), dtype), dtype)
 
 
+def fingerprint(model) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+    """Every served tensor's bytes reduced on its device to two exact integers (their sum and a position-weighted
+    sum, as int64 words): equal fingerprints mean equal bytes but for a 2**-64 chance, whatever the GPU's order of
+    summation; nothing the size of the model is copied."""
+    out: dict[str, tuple[int, int]] = {}
+    named = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    for name, t in named.items():
+        words = t.detach().reshape(-1).view(torch.uint8)
+        words = torch.nn.functional.pad(words, (0, -words.numel() % 4)).view(torch.int32)
+        total = weighted = 0
+        for at in range(0, words.numel(), 1 << 24):  # 64 MiB of words at a time
+            w = words[at : at + (1 << 24)].to(torch.int64)
+            total += int(w.sum())
+            weighted += int((w * torch.arange(at + 1, at + 1 + w.numel(), device=w.device)).sum())
+        out[name] = (total, weighted)
+    return out
+
+
 def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
-    """Stage 5 of the module docstring: the checkpoint's tensors handed to the serving engine as version 1."""
+    """Stage 5 of the module docstring: the checkpoint's tensors handed to the serving engine as version 1. What
+    must hold: every served byte as before (`weights_unchanged`, from `fingerprint`). The seeded probe's tokens are
+    reported beside it, with whether the engine gives the same tokens twice on the same weights at all
+    (`repeatable`: on a GPU the MoE's combine adds in bf16 with atomics, so a sampled token can flip)."""
     swaps: list[dict] = []
     engine.on_swap.append(lambda version, row: swaps.append(row))
     probe = _requests(cfg, 4, [16] * 4, [16] * 4, seed=3)  # seeded sampling: the same weights give the same tokens
     before = engine.generate(probe)
+    repeatable = [a.token_ids for a in engine.generate(probe)] == [b.token_ids for b in before]
+    served_before = fingerprint(engine.model)
     state = version1(spec)
     t = time.perf_counter()
     engine.load_weights(state, 1)  # checked and (where the GPU has room for a second copy) staged on the device
@@ -221,11 +244,16 @@ def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
     first = time.perf_counter() - t
     if engine.version != 1 or not swaps:
         raise RuntimeError(f"version 1 was not applied (engine at version {engine.version})")
+    served_after = fingerprint(engine.model)
     after = engine.generate(probe)  # version 1 holds the checkpoint's own bytes: nothing served may have moved
     row = swaps[-1]
     result["version_apply"] = {"load_weights_s": staged, "first_token_after_s": first, "bytes": row.get("bytes"),
                                "stage_s": row.get("stage_s"), "apply_s": row.get("apply_s"),
                                "staged_on_device": row.get("staged_on_device"),
+                               "weights_unchanged": served_after == served_before,
+                               "tensors_changed": sorted(n for n in served_before
+                                                         if served_after.get(n) != served_before[n])[:20],
+                               "repeatable": repeatable,
                                "same_tokens": [a.token_ids for a in after] == [b.token_ids for b in before],
                                "logprob_diff_max": max(abs(x - y) for a, b in zip(after, before)
                                                        for x, y in zip(a.logprobs, b.logprobs))}

@@ -35,7 +35,8 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     applied = result["version_apply"]
     assert "version_apply_error" not in result and result["version_apply_s"] > 0
     assert applied["bytes"] > 0 and applied["apply_s"] > 0 and applied["staged_on_device"] is False  # the CPU copies in
-    assert applied["same_tokens"] and applied["logprob_diff_max"] == 0.0  # the same bytes, served as before
+    assert applied["weights_unchanged"] and applied["tensors_changed"] == []  # the same bytes, served as before
+    assert applied["repeatable"] and applied["same_tokens"] and applied["logprob_diff_max"] == 0.0  # the CPU's sums
     # the validator's resident model takes the same version 1: its step against version 0 holds nothing, and the
     # judging after it (pooled, calibration below) still passes every honest claim
     assert "validator_hold_error" not in result and result["validator_hold_s"] > 0
@@ -63,3 +64,27 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     assert set(cal) == {result["calibration"]["precision"]}
     for judged in (caught(rows, cal), caught(rows, in_force())):
         assert [v["honest"]["rejected"] for v in judged.values()] == [0.0], judged
+
+
+def test_the_fingerprint_of_served_bytes_moves_with_any_one_byte_and_not_otherwise():
+    """`fingerprint` is what stage 5's `weights_unchanged` rests on: one e4m3 byte moved, or two equal words
+    swapped (the plain sum keeps them), changes it; the same bytes in a fresh copy do not."""
+    import torch
+
+    from benchmarks.real_scale import fingerprint
+
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.register_buffer("q", torch.randn(300, 7).to(torch.float8_e4m3fn))  # 2,100 bytes: not a whole number of words
+    m.w = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.bfloat16))
+    same = torch.nn.Module()
+    same.register_buffer("q", m.q.clone())
+    same.w = torch.nn.Parameter(m.w.detach().clone())
+    base = fingerprint(m)
+    assert fingerprint(same) == base and set(base) == {"q", "w"}
+    m.q.view(-1).view(torch.uint8)[2099] ^= 1  # the last byte, in the padded word
+    assert fingerprint(m)["q"] != base["q"] and fingerprint(m)["w"] == base["w"]
+    m.q.view(-1).view(torch.uint8)[2099] ^= 1
+    words = m.q.view(-1)[:2096].view(torch.uint8).view(torch.int32)
+    words[0], words[1] = words[1].clone(), words[0].clone()  # the sum alone would not see a swap
+    assert words[0] != words[1] and fingerprint(m)["q"][0] == base["q"][0] and fingerprint(m)["q"] != base["q"]
