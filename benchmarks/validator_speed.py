@@ -37,6 +37,7 @@ import benchmarks.device_rollouts as D
 from benchmarks import emit
 from node.engine.sampling import SamplingParams
 from node.engine.verify import verify_prefill
+from node.heap import Collections
 from node.replay import TorchReference, env_oracle
 from node.roles.resident_policy import ResidentPolicies
 from verification.validator import verify_claims
@@ -76,28 +77,6 @@ class _Timed:
         ref.prefill = prefill
 
 
-class _Collections:
-    """Seconds the garbage collector ran, and its full (generation 2) passes, while `on`: a full pass scans the
-    whole heap (~0.1 s at this benchmark's ~380k objects on the 2-core CPU machine) and lands in whichever timed
-    round crosses its threshold, so a round's time holds it or not by the allocations before it."""
-
-    def __init__(self):
-        self.on, self.seconds, self.full, self._t = False, 0.0, 0, 0.0
-        gc.callbacks.append(self._phase)
-
-    def _phase(self, phase: str, info: dict) -> None:
-        if not self.on:
-            return
-        if phase == "start":
-            self._t = time.perf_counter()
-            return
-        self.seconds += time.perf_counter() - self._t
-        self.full += info["generation"] == 2
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._phase)
-
-
 def completion_lengths(n: int, most: int, tail: str, seed: int = 0) -> list[int]:
     """Each rollout's completion limit: `most` for all ("fixed"), or heavy-tailed ("pareto": 16 x (1 + a Lomax
     draw of shape 1.2), 8 to `most`: most completions a few dozen tokens, a few up to `most`, as RL answers of
@@ -127,7 +106,7 @@ def _run(args: argparse.Namespace) -> dict:
     engine = D.build_engine(model, "off", args.device, args.batch)
     R.generate(engine, work[: args.batch])  # warm: the graphs' first replays, the allocator
     _sync(args.device)
-    gen_collections = _Collections()
+    gen_collections = Collections()
     t = time.perf_counter()
     gen_collections.on = True
     comps = R.generate(engine, work)
@@ -154,7 +133,7 @@ def _run(args: argparse.Namespace) -> dict:
     timed.seconds = 0.0
     rounds = [claims[i : i + args.round] for i in range(0, len(claims), args.round)]
     verdicts, judge_s = [], 0.0
-    collections = _Collections()
+    collections = Collections()
     for round_claims in rounds:
         _sync(args.device)
         t = time.perf_counter()

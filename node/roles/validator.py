@@ -42,7 +42,7 @@ from node.engine.weights import expected_shapes
 from node.recipe import Recipe
 from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
-from node.heap import settle_heap
+from node.heap import Collections, settle_heap
 from node.roles.model_turns import ModelTurns
 from node.roles.resident_policy import ResidentPolicies
 from node.roles.version0 import LocalVersion0, local_version0
@@ -92,10 +92,14 @@ class ValidatorNode:
         """The versions this validator can judge (None until the first is fetched)."""
         self.judged = self.rejected = 0
         self.on_round: list = []
-        """Hooks told each judging round ({t0, t1, units, tokens, verify_s, turn_wait_s}: tokens recomputed, seconds
-        spent recomputing them (without fetching versions; since session 22 without waiting for the model either),
-        seconds the round waited for its turn on the model); node/version_trace.py."""
+        """Hooks told each judging round ({t0, t1, units, tokens, verify_s, turn_wait_s, versions, mixed, alone, gc_s,
+        gc_full}: tokens recomputed, seconds spent recomputing them (without fetching versions; since session 22
+        without waiting for the model either), seconds the round waited for its turn on the model, the policy
+        versions its claims name, claims of more than one version, whether it had the model alone (it switched
+        versions), the garbage collector's seconds and full passes inside the round); node/version_trace.py."""
         self._round_tokens, self._round_verify_s, self._round_turn_wait_s = 0, 0.0, 0.0
+        self._round_shape = {"versions": 0, "mixed": 0, "alone": False}
+        self._collections = Collections(on=True)
         self._deferred: dict[int, float] = {}
         """Work id -> when its policy version was first found unfetchable (monotonic)."""
         self._fetched_at = float("-inf")
@@ -117,11 +121,13 @@ class ValidatorNode:
                 if not items:
                     await asyncio.sleep(0.1)
                     continue
-                t0 = time.time()
+                t0, gc_s, gc_full = time.time(), self._collections.seconds, self._collections.full
                 verdicts = await self._judge(items)
                 for hook in self.on_round if verdicts else ():
                     hook({"t0": t0, "t1": time.time(), "units": len(verdicts), "tokens": self._round_tokens,
-                          "verify_s": self._round_verify_s, "turn_wait_s": self._round_turn_wait_s})
+                          "verify_s": self._round_verify_s, "turn_wait_s": self._round_turn_wait_s,
+                          **self._round_shape, "gc_s": self._collections.seconds - gc_s,
+                          "gc_full": self._collections.full - gc_full})
                 if not verdicts:
                     await asyncio.sleep(0.5)  # nothing judgeable yet (policy not fetchable): do not spin
                     continue
@@ -295,6 +301,8 @@ class ValidatorNode:
             # holds (nothing switches it), else a writer: the round's switches, or a hold's read-in, go alone
             t_turn = time.time()
             reader = await self._turns.enter(lambda: policies.at_newest and versions <= {policies.newest})
+            self._round_shape = {"versions": len(versions), "mixed": sum(len(c.versions) > 1 for _, c in flat),
+                                 "alone": not reader}
             t_verify = time.time()
             self._round_turn_wait_s = t_verify - t_turn  # behind a hold reading a version in (not busy time)
             try:

@@ -48,6 +48,9 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     judged = [json.loads(x) for x in (tmp_path / "validator" / "rounds.jsonl").read_text().splitlines()]
     assert sum(r["units"] for r in judged) >= 4 * 8 and all(r["tokens"] > 0 for r in judged)
     assert all(r["turn_wait_s"] >= 0 and r["verify_s"] >= 0 for r in judged)
+    # what each round was: the versions its claims name, mixed claims, alone on the model or not, the collector
+    assert all(r["versions"] >= 1 and 0 <= r["mixed"] <= r["units"] * 8 and r["gc_s"] >= 0 for r in judged)
+    assert any(r["alone"] for r in judged)  # the first round of each new version switches the model
     assert any(payloads.glob("*/*/payload*")), "no payload under the payload root"
     assert not any((tmp_path / "shardcast").glob("*/*/payload*")), "a payload beside the wire shards"
 
