@@ -156,12 +156,13 @@ def test_publish_speed_publishes_a_full_version_then_deltas(capsys, tmp_path):
     assert r["delta_publish_s_median"] > 0 and r["copy_gb_s_one_thread"] > 0
 
 
-def test_validator_speed_counts_the_collections_inside_its_timed_rounds_only():
+def test_the_collector_clock_counts_the_collections_while_on_only():
+    """`node.heap.Collections`: validator_speed's timed rounds and the validator role's rounds (`gc_s`)."""
     import gc
 
-    from benchmarks.validator_speed import _Collections
+    from node.heap import Collections
 
-    c = _Collections()
+    c = Collections()
     try:
         gc.collect()  # off: not counted
         c.on = True
