@@ -80,7 +80,7 @@ class StagedVersion:
         v.times.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(published).values())
         device = _device(model)
         if device.type == "cuda" and stage:
-            need, (free, _) = _staged_bytes(model, v.plan, shapes), torch.cuda.mem_get_info(device)
+            need, (free, _) = _staged_bytes(model, v.plan, shapes, state_dict), torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cache
             if need + STAGING_HEADROOM <= free:
                 v._stage(device)
@@ -270,12 +270,18 @@ def _load(model: CausalLM, internal: str, t: torch.Tensor | tuple[torch.Tensor, 
     module.load_state_dict({local: t[0], f"{local}_scale": t[1]} if isinstance(t, tuple) else {local: t}, strict=False)
 
 
-def _staged_bytes(model: CausalLM, plan: dict[str, Target], shapes: dict[str, tuple[int, ...]]) -> int:
+def _staged_bytes(model: CausalLM, plan: dict[str, Target], shapes: dict[str, tuple[int, ...]],
+                  state: Mapping[str, torch.Tensor] | None = None) -> int:
+    """Device bytes a staged copy of the version takes: a tensor that comes in its served form (`state` a
+    `ServedForm`) is staged as its e4m3 bytes and float32 block scales (`_copy_raw`), any other in its high
+    precision."""
     live = _served(model)
+    raw = {t.internal for name, t in plan.items() if isinstance(state, ServedForm) and state.fp8(name) is not None}
     total = 0
     for internal in {t.internal for t in plan.values()}:
-        n = 1
-        for d in shapes[internal]:
-            n *= d
-        total += n * _high_precision(model, internal, live).itemsize
+        n = math.prod(shapes[internal])
+        if internal in raw:
+            total += n + math.prod(scale_shape(shapes[internal])) * 4
+        else:
+            total += n * _high_precision(model, internal, live).itemsize
     return total

@@ -104,3 +104,27 @@ def test_a_version_applied_from_the_store_mapping_reads_the_payload_in_place(tmp
     (v, row), = rows
     assert v == 1 and row["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
     assert row["apply_s"] > 0 and row["staged_on_device"] is False and row["t_applied"] > 0
+
+
+def test_a_staged_copy_of_a_served_form_version_is_sized_as_it_travels(tmp_path):
+    """Room for a staged copy (`_staged_bytes`): a version in its served form is staged as e4m3 bytes and block scales,
+    so it needs about half of what the same version in bf16 needs (at 30B: 29 GiB, where 56.9 GiB were asked for
+    and an 80 GB card fell back to the slower unstaged swap, session 25)."""
+    from node.engine.weight_staging import _staged_bytes
+    from node.engine.weights import expected_shapes, plan_weights
+    from node.model.served_form import ServedForm, served
+    from node.rl.parallel.publish import publish_model
+
+    model = apply_fp8_mode(tiny(1).to(torch.bfloat16), "all")
+    newer = tiny(2, num_hidden_layers=2).to(torch.bfloat16)
+    key, store = NodeKey.from_seed(b"\x07" * 32), Store(tmp_path / "s")
+    publish_model(newer, None, store, key, "r", 1, None, None, fp8="all")
+    version = served(read_held(store, TrustedPublishers([key.peer_id]), "r", 1).tensors(), torch.bfloat16)
+    plain = state_dict_to_hf(newer)
+    assert isinstance(version, ServedForm)
+    shapes = expected_shapes(model)
+    need_served = _staged_bytes(model, plan_weights(version, model.config, shapes), shapes, version)
+    need_plain = _staged_bytes(model, plan_weights(plain, model.config, shapes), shapes, plain)
+    e4m3 = {n: t for n, t in model.named_buffers() if t.dtype == torch.float8_e4m3fn}
+    saved = sum(t.numel() for t in e4m3.values()) - sum(model.get_buffer(f"{n}_scale").numel() * 4 for n in e4m3)
+    assert e4m3 and need_plain - need_served == saved  # one byte an element instead of two, plus the scales
