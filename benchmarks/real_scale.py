@@ -298,9 +298,10 @@ def decode_with_env(engine, cfg, b: int, env: dict[str, str]) -> dict:  # noqa: 
         engine.capture_all()
 
 
-VARIANTS = {"fixed_tiles": {"PRIMERL_FP8_GEMM_TILES": "fixed"}}
-"""The FP8 kernel choices timed beside the default at the decode batch (`decode_tok_s_b<b>_<name>`): the dense
-GEMM's fixed tiles (the default before session 20). Session 20's H100 runs timed a swapped grouped kernel here
+VARIANTS = {"fixed_tiles": {"PRIMERL_FP8_GEMM_TILES": "fixed"}, "index_add": {"PRIMERL_MOE_COMBINE": "index_add"}}
+"""The kernel choices timed beside the default at the decode batch (`decode_tok_s_b<b>_<name>`): the dense FP8
+GEMM's fixed tiles (the default before session 20); the MoE combine's bf16 `index_add_` (the default before
+session 25, node/model/moe.py). Session 20's H100 runs timed a swapped grouped kernel here
 (`decode_tok_s_b128_swap`: no gain; removed)."""
 
 

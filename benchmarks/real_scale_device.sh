@@ -15,7 +15,7 @@ nvidia-smi -L; date
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$MIB" -gt 100000 ]; then CARD=h200; RS="--kv-share 0.52"; LIMIT=440; else CARD=h100; RS="--kv-share 0.75 --release-engine --decode-batch 128"; LIMIT=470; fi
 echo "card $CARD ($MIB MiB): $RS"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/fp8/test_kernels.py tests/fp8/test_quantize.py tests/engine/test_cuda_engine_gpu.py -k "kernels or cleared or cpu_and_a_gpu" > $OUT/fp8_kernel_tests.log 2>&1; echo "fp8 kernel tests rc=$?"; tail -2 $OUT/fp8_kernel_tests.log
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/fp8/test_kernels.py tests/fp8/test_quantize.py tests/engine/test_cuda_engine_gpu.py tests/model/test_model.py -k "kernels or cleared or cpu_and_a_gpu or moe_combine" > $OUT/fp8_kernel_tests.log 2>&1; echo "fp8 kernel tests rc=$?"; tail -2 $OUT/fp8_kernel_tests.log
 timeout ${RS_S:-$LIMIT} python3 -m benchmarks.real_scale --dir /tmp/q30 --write $RS --name ${NAME:-real_scale}-$CARD > $OUT/real_scale.log 2>&1
 echo "real_scale rc=$?"; date
 grep -v '^{' $OUT/real_scale.log | cut -c1-600 | tail -20

@@ -9,6 +9,7 @@ all experts live in this process beyond calling `self.experts(x_sorted, counts)`
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +121,18 @@ class MoEBlock(nn.Module):
         return x[order // self.top_k], counts, order
 
     def combine(self, y_sorted: torch.Tensor, routing: Routing, order: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """Each token's k expert outputs, weighted by the router, summed in a fixed order: the rows are put back
+        in token order (a gather by the inverse of `order`; no two threads write one row) and summed over k with
+        float32 accumulation, one rounding. Repeatable on a GPU, where an `index_add_` of bf16 rows adds them in
+        whatever order its atomics land (the way before session 25, `PRIMERL_MOE_COMBINE=index_add`, kept to
+        measure against: a seeded request's tokens could differ between two runs on the same weights)."""
         y = y_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros(n_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
-        return out.index_add_(0, order // self.top_k, y)
+        if os.environ.get("PRIMERL_MOE_COMBINE") == "index_add":
+            out = torch.zeros(n_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
+            return out.index_add_(0, order // self.top_k, y)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return y[inverse].view(n_tokens, self.top_k, -1).sum(dim=1)
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
         shape = x.shape

@@ -30,7 +30,7 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "real_scale.json").read_text())
     assert result["decode_tok_s_b4"] > 0 and result["rl_workload_tok_s"] > 0 and result["launch_to_first_token_s"] > 0
-    assert result["decode_tok_s_b4_fixed_tiles"] > 0  # the kernel variants' pass
+    assert result["decode_tok_s_b4_fixed_tiles"] > 0 and result["decode_tok_s_b4_index_add"] > 0  # the variants
     # version 1 (the checkpoint's own e4m3 bytes and scales, the served form) into the serving engine and swapped
     applied = result["version_apply"]
     assert "version_apply_error" not in result and result["version_apply_s"] > 0
