@@ -6,7 +6,7 @@
 # loads took 131 s each and the call ran out at 470 s: give it the whole 600), then benchmarks.commit_stalls
 # on an H200 host's disk (measured on an H100 host in session 19). On an H100 the engine, alone on the card until
 # the validator loads, takes 75% of what is free for KV and decodes at batch 128.   carried, git-ignored: .whl (make_wheels.sh) and .gpumodel (SmolLM2's tokenizer files)
-#   [GPU_TESTS="tests/..."] [RS_S=seconds] timeout 590 bash benchmarks/real_scale_device.sh
+#   [GPU_TESTS="tests/..."] [RS_S=seconds] [RS_EXTRA="--rl-requests 128"] timeout 590 bash benchmarks/real_scale_device.sh
 set -u
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
 [ -d /tmp/site/zstandard ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || echo "wheels not installed"
@@ -19,7 +19,7 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/fp8/test_kernels.py t
 if [ -n "${GPU_TESTS:-}" ]; then  # more GPU test files first (their log comes back as gpu_tests.log)
   timeout 150 python3 -m pytest -q -ra -p no:cacheprovider $GPU_TESTS > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
 fi
-timeout ${RS_S:-$LIMIT} python3 -m benchmarks.real_scale --dir /tmp/q30 --write $RS --name ${NAME:-real_scale}-$CARD > $OUT/real_scale.log 2>&1
+timeout ${RS_S:-$LIMIT} python3 -m benchmarks.real_scale --dir /tmp/q30 --write $RS ${RS_EXTRA:-} --name ${NAME:-real_scale}-$CARD > $OUT/real_scale.log 2>&1
 echo "real_scale rc=$?"; date
 grep -v '^{' $OUT/real_scale.log | cut -c1-600 | tail -20
 rm -rf /tmp/q30
