@@ -49,6 +49,7 @@ from pathlib import Path
 from benchmarks.gpu_network_report import plot
 from node.sim import PRETRAINED_MAX_SEQ, run_sim
 from node.sim_devices import place
+from node.version_trace import judging_summary
 
 log = logging.getLogger("benchmarks.gpu_network")
 
@@ -132,11 +133,14 @@ def stalls(out: Path, nodes: int, t_from: float) -> dict:
         rounds = [r for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if r["t1"] > t_from]
         for a, b in zip(rounds, rounds[1:]):
             idle += max(0.0, b["t0"] - max(a["t1"], t_from))
-    turn_waits = [r["turn_wait_s"] for r in _jsonl(out / "validator" / "rounds.jsonl")
-                  if r["t1"] > t_from and "turn_wait_s" in r]
+    judged = [r for r in _jsonl(out / "validator" / "rounds.jsonl") if r["t1"] > t_from]
+    turn_waits = [r["turn_wait_s"] for r in judged if "turn_wait_s" in r]
     return {"coordinator_slow_commits": sum(n for n, _ in commits),
             "validator_turn_wait_s": round(sum(turn_waits), 2) if turn_waits else None,
             "validator_turn_wait_max_s": round(max(turn_waits), 2) if turn_waits else None,
+            # the round that recomputed longest, as its row says what it was (rows since session 25: versions,
+            # mixed claims, alone on the model, the collector's seconds), and the collector over all rounds
+            **{k: v for k, v in judging_summary(judged).items() if k != "validator_verify_s"},
             "coordinator_commit_max_s": max((w for _, w in commits), default=None),
             "lease_call_max_s": max(lease_max, default=None), "node_idle_s": round(idle, 2)}
 

@@ -32,6 +32,7 @@ from node.sim_devices import place
 from node.sim_network import Network, start_network, stop_network
 from node.sim_procs import Proc, count_lines
 from node.sim_report import REWARD_TARGET, plot_report, summarize
+from node.version_trace import ROUNDS, judging_summary
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,9 @@ def report(net: Network, status: str, coordinator_restarted: bool) -> dict:
     # every role's CPU seconds (all its incarnations; read from /proc while it ran): benchmarks.step_time
     # divides them by the steps to say where the machine's cores went
     summary["cpu_s"] = {p.name: round(p.cpu_s, 1) for p in [coord, *procs.values()]}
+    judged = out / "validator" / ROUNDS  # the validator's rounds (sim traces every member): what its slowest was
+    if judged.exists():
+        summary.update(judging_summary([json.loads(x) for x in judged.read_text().splitlines() if x.strip()]))
     restarts = [t for t, what in coord.events if what == "start"][1:]
     late = bool(restarts) and net.ended_at - restarts[-1] < VIEW_SETTLE_S
     summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs, restarted_before_end=late))

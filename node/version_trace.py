@@ -1,7 +1,8 @@
 """A node's record of its work over time, for benchmarks: WORKDIR/versions.jsonl, one line per policy
 version an inference node queued for its engine (`version`, `t_announced`, `t_fetch`, `t_fetched`,
 `t_queued`, Unix seconds; `fetch_stages_s`: the fetch's download, verify, decode and write seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
-(`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`, `verify_s`).
+(`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`, `verify_s`,
+`turn_wait_s`, and since session 25 `versions`, `mixed`, `alone`, `gc_s`, `gc_full`: node/roles/validator.py `on_round`).
 
 Installed by `join --trace-versions` on an inference node or a validator (`sim` passes it; benchmarks
 weight_latency and gpu_network read the files); the roles themselves only call their hooks.
@@ -17,6 +18,18 @@ ROUNDS = "rounds.jsonl"
 SWAPS = "swaps.jsonl"
 """One line per version a built-in engine put into its weights (`version`, `t_applied`, `stage_s`: staged
 on the device off the engine's thread, `apply_s`: the swap between two steps, `staged_on_device`, `bytes`)."""
+
+
+def judging_summary(rows: list[dict]) -> dict:
+    """A validator's rounds (rows of ROUNDS) in three figures: seconds recomputing, the round that recomputed
+    longest as its row says what it was (its times dropped), and the collector's seconds inside rounds (None where
+    the rows predate session 25's `gc_s`)."""
+    slowest = max(rows, key=lambda r: r.get("verify_s", 0.0), default=None)
+    timed = [r["gc_s"] for r in rows if "gc_s" in r]
+    return {"validator_verify_s": round(sum(r.get("verify_s", 0.0) for r in rows), 2),
+            "validator_slowest_round": None if slowest is None else {k: v for k, v in slowest.items()
+                                                                     if k not in ("t0", "t1")},
+            "validator_gc_s": round(sum(timed), 2) if timed else None}
 
 
 class VersionTrace:

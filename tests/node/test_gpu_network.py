@@ -113,12 +113,16 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     (node / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     got = stalls(tmp_path, 1, t_from=0.0)
     assert got == {"coordinator_slow_commits": 4, "coordinator_commit_max_s": 4.37, "lease_call_max_s": 8.869,
-                   "node_idle_s": 3.5, "validator_turn_wait_s": None, "validator_turn_wait_max_s": None}
+                   "node_idle_s": 3.5, "validator_turn_wait_s": None, "validator_turn_wait_max_s": None,
+                   "validator_slowest_round": None, "validator_gc_s": None}
     (tmp_path / "validator").mkdir()
     (tmp_path / "validator" / "rounds.jsonl").write_text("".join(
-        json.dumps({"t0": t, "t1": t + 1, "turn_wait_s": w}) + "\n" for t, w in ((0.0, 2.0), (3.0, 0.25), (6.0, 0.5))))
+        json.dumps({"t0": t, "t1": t + 1, "turn_wait_s": w, "verify_s": v, "units": u, "mixed": m, "gc_s": g}) + "\n"
+        for t, w, v, u, m, g in ((0.0, 2.0, 9.0, 64, 0, 0.0), (3.0, 0.25, 4.0, 60, 12, 0.5), (6.0, 0.5, 0.1, 64, 0, 0.25))))
     got = stalls(tmp_path, 1, t_from=2.0)  # the rounds that ended after it
     assert (got["validator_turn_wait_s"], got["validator_turn_wait_max_s"]) == (0.75, 0.5)
+    assert got["validator_slowest_round"] == {"turn_wait_s": 0.25, "verify_s": 4.0, "units": 60, "mixed": 12, "gc_s": 0.5}
+    assert got["validator_gc_s"] == 0.75
     assert stalls(tmp_path, 1, t_from=5.5)["node_idle_s"] == 0.5  # only gaps after the steady state began
 
 

@@ -51,6 +51,9 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     # what each round was: the versions its claims name, mixed claims, alone on the model or not, the collector
     assert all(r["versions"] >= 1 and 0 <= r["mixed"] <= r["units"] * 8 and r["gc_s"] >= 0 for r in judged)
     assert any(r["alone"] for r in judged)  # the first round of each new version switches the model
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["validator_verify_s"] == round(sum(r["verify_s"] for r in judged), 2)
+    assert summary["validator_slowest_round"]["verify_s"] == max(r["verify_s"] for r in judged)
     assert any(payloads.glob("*/*/payload*")), "no payload under the payload root"
     assert not any((tmp_path / "shardcast").glob("*/*/payload*")), "a payload beside the wire shards"
 
