@@ -23,10 +23,13 @@ timeout $((${LEARN_S:-470} + 40)) python3 -m node.cli sim --device cuda --infere
 echo "learn rc=$?"; kill $KEEPER 2>/dev/null; keep; tail -c 2500 $OUT/learn.log
 # The validator's judging of the same tiny model alone, float32 as `sim` runs it and bf16 beside it (session 24's
 # suspect for the 6-9 s gaps of this run on an H100: the validator, one core busy all the time). VSPEED=0 skips.
+# Their files go back as one archive: a call returns at most 8 files (session 25 lost the float32 run's to that).
 if [ "${VSPEED:-1}" = 1 ]; then
+  V=/tmp/vspeed; rm -rf $V; mkdir -p $V
   for dt in float32 bfloat16; do
     timeout 120 python3 -m benchmarks.validator_speed --device cuda --shape tiny --dtype $dt --rollouts 512 \
-      --profile $OUT/validator_speed-tiny-$dt.prof --out $OUT/validator_speed-tiny-$dt.json > $OUT/validator_speed-tiny-$dt.log 2>&1
-    echo "validator_speed $dt rc=$?"; tail -c 600 $OUT/validator_speed-tiny-$dt.log
+      --profile $V/validator_speed-tiny-$dt.prof --out $V/validator_speed-tiny-$dt.json > $V/validator_speed-tiny-$dt.log 2>&1
+    echo "validator_speed $dt rc=$?"; tail -c 600 $V/validator_speed-tiny-$dt.log
   done
+  (cd /tmp && tar czf $OUT/validator_speed.tgz vspeed)
 fi
