@@ -100,7 +100,8 @@ def test_preparing_a_version_only_reads_the_model_and_its_commit_is_the_version_
     assert bits(held.model) == before and held.newest == 1 and 2 not in held
     with torch.inference_mode():
         assert torch.equal(held[1][0](ids).logits, logits)
-    held.commit(ready)
+    held[0]  # a round that switched versions once the preparation was done: the commit goes back to v1 first
+    held.commit(ready)  # then applies the prepared step (not a second read of the version)
     for v in (2, 0, 1, 2):
         assert bits(held[v][0]) == bits(alone(vs[v], fp8)), v
     stale = held.prepare(3, vs[3], b"\3" * 32)
