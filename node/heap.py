@@ -39,4 +39,7 @@ class Collections:
         self.full += info["generation"] == 2
 
     def close(self) -> None:
-        gc.callbacks.remove(self._phase)
+        """Counts no more (again: nothing)."""
+        self.on = False
+        if self._phase in gc.callbacks:
+            gc.callbacks.remove(self._phase)

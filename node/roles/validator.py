@@ -99,7 +99,8 @@ class ValidatorNode:
         versions), the garbage collector's seconds and full passes inside the round); node/version_trace.py."""
         self._round_tokens, self._round_verify_s, self._round_turn_wait_s = 0, 0.0, 0.0
         self._round_shape = {"versions": 0, "mixed": 0, "alone": False}
-        self._collections = Collections(on=True)
+        self._collections = Collections()
+        """The collector's seconds and full passes, counted while `run` runs (a round's row says its share)."""
         self._deferred: dict[int, float] = {}
         """Work id -> when its policy version was first found unfetchable (monotonic)."""
         self._fetched_at = float("-inf")
@@ -115,6 +116,7 @@ class ValidatorNode:
     async def run(self, stop: asyncio.Event) -> None:
         client = await CoordinatorClient.connect(self.key, self.spec, "validator", self.bootstrap, stop)
         client.on_policy(self._on_announce)
+        self._collections.on = True
         try:
             while not stop.is_set():
                 items = await client.to_verify(self.batch)
@@ -135,6 +137,7 @@ class ValidatorNode:
         except asyncio.CancelledError:
             pass
         finally:
+            self._collections.close()  # the process's collector callbacks hold no stopped validator
             await client.close("validator stopping")
             log.info("validator stopped: %d units judged, %d rejected", self.judged, self.rejected)
 
