@@ -140,7 +140,7 @@ def stalls(out: Path, nodes: int, t_from: float) -> dict:
             "validator_turn_wait_max_s": round(max(turn_waits), 2) if turn_waits else None,
             # the round that recomputed longest, as its row says what it was (rows since session 25: versions,
             # mixed claims, alone on the model, the collector's seconds), and the collector over all rounds
-            **{k: v for k, v in judging_summary(judged).items() if k != "validator_verify_s"},
+            **judging_summary(judged),
             "coordinator_commit_max_s": max((w for _, w in commits), default=None),
             "lease_call_max_s": max(lease_max, default=None), "node_idle_s": round(idle, 2)}
 

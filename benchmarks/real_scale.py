@@ -228,7 +228,8 @@ def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
     """Stage 5 of the module docstring: the checkpoint's tensors handed to the serving engine as version 1. What
     must hold: every served byte as before (`weights_unchanged`, from `fingerprint`). The seeded probe's tokens are
     reported beside it, with whether the engine gives the same tokens twice on the same weights at all
-    (`repeatable`: on a GPU the MoE's combine adds in bf16 with atomics, so a sampled token can flip)."""
+    (`repeatable`: until session 25 the MoE combine added in bf16 with atomics on a GPU, where a sampled token could
+    flip; node/model/moe.py)."""
     swaps: list[dict] = []
     engine.on_swap.append(lambda version, row: swaps.append(row))
     probe = _requests(cfg, 4, [16] * 4, [16] * 4, seed=3)  # seeded sampling: the same weights give the same tokens

@@ -294,6 +294,7 @@ class ValidatorNode:
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
         self._round_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for _, c in flat)
         self._round_verify_s = self._round_turn_wait_s = 0.0
+        self._round_shape = {"versions": 0, "mixed": 0, "alone": False}  # nothing recomputed: no shape
         if flat:
             prompt_ids, reward = env_oracle(self.tok)
             ref = TorchReference(self.policies, eos_id=self.tok.eos_id, max_seq_len=fresh_model_max_len(self),

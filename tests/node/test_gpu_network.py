@@ -114,7 +114,7 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     got = stalls(tmp_path, 1, t_from=0.0)
     assert got == {"coordinator_slow_commits": 4, "coordinator_commit_max_s": 4.37, "lease_call_max_s": 8.869,
                    "node_idle_s": 3.5, "validator_turn_wait_s": None, "validator_turn_wait_max_s": None,
-                   "validator_slowest_round": None, "validator_gc_s": None}
+                   "validator_verify_s": 0.0, "validator_slowest_round": None, "validator_gc_s": None}
     (tmp_path / "validator").mkdir()
     (tmp_path / "validator" / "rounds.jsonl").write_text("".join(
         json.dumps({"t0": t, "t1": t + 1, "turn_wait_s": w, "verify_s": v, "units": u, "mixed": m, "gc_s": g}) + "\n"
@@ -122,7 +122,7 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     got = stalls(tmp_path, 1, t_from=2.0)  # the rounds that ended after it
     assert (got["validator_turn_wait_s"], got["validator_turn_wait_max_s"]) == (0.75, 0.5)
     assert got["validator_slowest_round"] == {"turn_wait_s": 0.25, "verify_s": 4.0, "units": 60, "mixed": 12, "gc_s": 0.5}
-    assert got["validator_gc_s"] == 0.75
+    assert got["validator_gc_s"] == 0.75 and got["validator_verify_s"] == 4.1
     assert stalls(tmp_path, 1, t_from=5.5)["node_idle_s"] == 0.5  # only gaps after the steady state began
 
 
