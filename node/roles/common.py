@@ -20,7 +20,7 @@ from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
 from node.model.errors import MismatchedScales, WeightsHashMismatch
 from node.model.fill import allocate, check_against, checkpoint_shapes, meta_model
-from node.model.served_form import served
+from node.model.served_form import ServedForm, served
 from node.model.shards import CheckpointShards
 from node.model.weights_digest import WeightsDigest
 from node.model.spec import DTYPES, TinyMoE, load_model, resolve
@@ -104,6 +104,12 @@ def check_version0(spec: RunSpec, weights: Mapping[str, torch.Tensor]) -> None:
     hash to the spec's pin as a model of the spec's dtype holding them would (WeightsHashMismatch otherwise)."""
     pinned = spec.model.weights_hash
     if pinned is None:
+        return
+    if isinstance(weights, ServedForm) and weights.quantised:
+        # the pin is of the checkpoint's values; e4m3 bytes and block scales do not give them back
+        log.info("version 0 of run %s is in its served form (%d tensors in e4m3): the spec's pin covers the "
+                 "checkpoint's values, which only a member holding the checkpoint checks; this one has the "
+                 "trainer's signature and the shards' hashes", spec.run_id, len(weights.quantised))
         return
     digest, dtype = WeightsDigest(), DTYPES[spec.model.dtype]
     for name in weights:

@@ -270,7 +270,7 @@ class TrainerNode:
         await (await self._start_publication(client, trainer))
 
     def _published_form(self) -> str:
-        """The FP8 mode whose tensors versions after 0 carry in their served form (node/model/served_form.py):
+        """The FP8 mode whose tensors every version carries in its served form (node/model/served_form.py):
         the run's; `PRIMERL_PUBLISH_FORM=plain` publishes every tensor in high precision instead (the previous
         form, kept to measure against: benchmarks/served_form_device.sh)."""
         return "off" if os.environ.get("PRIMERL_PUBLISH_FORM") == "plain" else self.spec.model.fp8

@@ -4,7 +4,9 @@ The spec names version 0's source (a directory every member holds, or the seeded
 pin its hash; the trainer publishes it as any version. A member that can build it locally fetches
 only the signed manifest (a few KB) and uses its own weights when they are exactly what was published:
 the same names, dtypes and shapes, and every shard's raw hash equal to the manifest's (a trainer that
-warmed the model up first publishes other weights, and then the member fetches them as usual).
+warmed the model up first publishes other weights, and then the member fetches them as usual). An FP8
+run publishes version 0 in its served form (node/model/served_form.py): the member quantises its
+checkpoint's values by the same rule as it reads them (`ServedBytes`) and compares those bytes.
 
 A checkpoint is never loaded whole for this: the check reads it shard by shard in payload order
 (`shardcast.codec.matches_manifest` over `StreamedWeights`, hashing the spec's pin in the same pass),
@@ -30,6 +32,7 @@ import torch
 
 from node.model.checkpoint import state_dict_to_hf
 from node.model.errors import ModelLoadError, WeightsHashMismatch
+from node.model.served_form import ServedBytes, quantised_in
 from node.model.spec import DTYPES, resolve
 from node.model.streamed_weights import StreamedWeights
 from node.model.weights_digest import DigestingReads, WeightsDigest
@@ -83,7 +86,9 @@ class LocalVersion0:
             return None
         if weights is None:
             return None
-        return weights if isinstance(weights, StreamedWeights) else StateBytes(dict(weights))
+        reads = weights if isinstance(weights, StreamedWeights) else StateBytes(dict(weights))
+        quantised = quantised_in(e.name for e in m.tensors)
+        return ServedBytes(weights, reads, quantised) if quantised else reads
 
 
 async def local_version0(spec: RunSpec, store: Store, expect_hash: str | None = None,
@@ -123,12 +128,18 @@ def checked_version0(spec: RunSpec, m: Manifest) -> Mapping[str, torch.Tensor] |
     against the spec's pin in the same pass (`WeightsHashMismatch`; ModelLoadError for a checkpoint
     that does not open or fit the architecture)."""
     directory = resolve(spec.model.source)
+    quantised = quantised_in(e.name for e in m.tensors)  # an FP8 run's version 0 is in its served form
     if directory is None:  # the tiny model: built and checked against the pin by load_model
         state = state_dict_to_hf(fresh_model(spec, "cpu"))
-        return state if matches_manifest(m.tensors, m.shards, m.shard_size, StateBytes(state)) else None
+        source = StateBytes(state)
+        source = ServedBytes(state, source, quantised) if quantised else source
+        return state if matches_manifest(m.tensors, m.shards, m.shard_size, source) else None
     weights = StreamedWeights.of_checkpoint(directory, model_config(spec), DTYPES[spec.model.dtype])
     digest = WeightsDigest()
-    if not matches_manifest(m.tensors, m.shards, m.shard_size, DigestingReads(weights, digest)):
+    source = DigestingReads(weights, digest)
+    if quantised:  # each quantised weight's values read once: quantised for the check, hashed for the pin
+        source = ServedBytes(weights, source, quantised, on_value=digest.add)
+    if not matches_manifest(m.tensors, m.shards, m.shard_size, source):
         return None
     for name in weights.names() - digest.names():  # tensors of no bytes: the payload has none to read
         digest.add(name, weights[name])

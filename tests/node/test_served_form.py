@@ -55,18 +55,20 @@ def _fetch(store: Store, key: NodeKey, version: int):
     return asyncio.run(main())
 
 
-def test_an_fp8_run_publishes_its_served_form_after_version_0_and_members_read_its_values(tmp_path):
+def test_an_fp8_run_publishes_every_version_in_its_served_form_and_members_read_its_values(tmp_path):
     key, store = NodeKey.from_seed(b"\x07" * 32), Store(tmp_path / "trainer")
     model = fresh_model(_spec())
+    plain = publish_model(model, None, Store(tmp_path / "plain"), key, "r", 0, None, None).manifest
     v0 = publish_model(model, None, store, key, "r", 0, None, None, fp8="all").manifest
-    assert not any(e.name.endswith(SCALE_SUFFIX) for e in v0.tensors), "version 0 is pinned by its values: plain"
+    assert v0.total_bytes < plain.total_bytes
     _stepped(model, 1)
     v1 = publish_model(model, None, store, key, "r", 1, 0, None, fp8="all").manifest
     quantised = {e.name[: -len(SCALE_SUFFIX)] for e in v1.tensors if e.name.endswith(SCALE_SUFFIX)}
     want = state_dict_to_hf(model)
     # the tiny model's experts are 64 rows wide: gate and up are not on block edges (stay plain); the rest goes e4m3
     assert quantised == {n for n in want if n.endswith("down_proj.weight") or (".self_attn." in n and n.endswith("_proj.weight"))}
-    assert v1.encoding == "full" and v1.total_bytes < v0.total_bytes
+    assert [e.name for e in v0.tensors] == [e.name for e in v1.tensors], "version 0 is in the same served form"
+    assert v1.encoding == "delta" and v1.parent == 0, "so version 1 is a delta of it"
     assert len(fp8_served_params(model, "all")) > len(fp8_served_params(model, "experts")) > 0
 
     got = _fetch(store, key, 1)

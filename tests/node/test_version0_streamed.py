@@ -26,10 +26,13 @@ from node.model.shards import INDEX, CheckpointShards
 from node.model.streamed_weights import StreamedWeights
 from node.rl.parallel.publish import publish_model
 from node.roles.common import blank_model, fetch_policy
-from node.roles.version0 import local_version0
+from node.roles.version0 import LocalVersion0, local_version0
 from protocol.identity import NodeKey
 from protocol.messages import RunSpec
 from protocol.model_spec import ModelSpec
+from node.model.served_form import ServedForm
+from shardcast.fetch import read_held
+from shardcast.manifest import TrustedPublishers
 from shardcast.publish import PublishOptions
 from shardcast.server import ShardServer
 from shardcast.store import Store
@@ -112,6 +115,50 @@ def test_a_checkpoint_that_is_the_manifest_but_not_the_spec_pin_is_refused(tmp_p
     assert got is None
 
 
+def _fp8_spec(directory, sources=(), pin: str | None = None) -> RunSpec:
+    return RunSpec(run_id="r", coordinator=PEER, environment="reverse", trainer=KEY.peer_id,
+                   shardcast_sources=list(sources),
+                   model=ModelSpec(source=str(directory), dtype="bfloat16", weights_hash=pin, fp8="all"))
+
+
+@pytest.mark.parametrize("stored", ["fp8-all", "bfloat16"])
+def test_an_fp8_runs_version_0_is_its_served_form_made_from_the_checkpoint_and_version_1_a_delta_of_it(tmp_path, stored):
+    """An FP8 run publishes version 0 in its served form: a member holding the checkpoint (block-scaled e4m3 or
+    bf16) quantises its values by the same rule as it reads them, matches the signed manifest without a shard
+    downloaded (the spec's pin checked on the values in the same pass), and joining at version 1 downloads only
+    the delta, whose parent it makes from the checkpoint; a pin that differs still refuses the checkpoint."""
+    directory = write_random_shards(CFG, tmp_path / "ckpt", "all" if stored == "fp8-all" else "off",
+                                    max_shard_bytes=256 << 10)
+    trainer = Store(tmp_path / "trainer")
+    model, digest = build_from_shards(CFG, CheckpointShards(directory), torch.bfloat16, "cpu")
+    v0 = publish_model(model, None, trainer, KEY, "r", 0, None, SMALL_SHARDS, fp8="all")
+    assert any(e.name.endswith("_scale_inv") for e in v0.manifest.tensors), "version 0 in its served form"
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[3].add_(0.01)  # an RL step that moves one expert
+    v1 = publish_model(model, None, trainer, KEY, "r", 1, 0, SMALL_SHARDS, fp8="all")
+    assert v1.manifest.encoding == "delta" and v1.manifest.parent == 0
+    assert v1.manifest.wire_bytes < v0.manifest.wire_bytes / 10, "the delta carries the expert that moved"
+
+    member = Store(tmp_path / "member")
+    got, served = _serve(trainer, lambda src: local_version0(_fp8_spec(directory, src, digest), member,
+                                                             v0.manifest.manifest_hash()))
+    assert isinstance(got, StreamedWeights) and served == 0, "only the manifest travelled"
+
+    joiner = Store(tmp_path / "joiner")
+    state, served = _serve(trainer, lambda src: fetch_policy(_fp8_spec(directory, src, digest), joiner, 1,
+                                                             local=LocalVersion0(_fp8_spec(directory, src, digest))))
+    assert served == v1.manifest.wire_bytes, f"served {served}: the delta is {v1.manifest.wire_bytes} bytes"
+    assert joiner.held_shards("r", 0) == []
+    want = ServedForm(read_held(trainer, TrustedPublishers([KEY.peer_id]), "r", 1).tensors(), torch.bfloat16)
+    assert isinstance(state, ServedForm) and state.quantised == want.quantised
+    assert all(torch.equal(state.tensors[k], want.tensors[k]) for k in want.tensors), "the trainer's bytes exactly"
+
+    wrong = "blake3:" + ("0" * 64 if digest[-1] != "0" else "1" * 64)
+    got, _ = _serve(trainer, lambda src: local_version0(_fp8_spec(directory, src, wrong), Store(tmp_path / "m"),
+                                                        v0.manifest.manifest_hash()))
+    assert got is None, "a checkpoint that is the manifest but not the pin is refused"
+
+
 # ---- memory: a checkpoint of a few hundred MB, checked and loaded in a process of its own -------------
 def _big_cfg() -> ModelConfig:
     """~155M parameters (310 MB in bf16), nearly all in 128 experts of 0.75 MiB: the qwen3-moe layout."""
@@ -127,7 +174,7 @@ from node.engine.weight_staging import StagedVersion
 from node.engine.weights import expected_shapes
 from node.model.spec import weights_hash
 from node.roles.common import blank_model
-from node.roles.version0 import local_version0
+from node.roles.version0 import LocalVersion0, local_version0
 from protocol.messages import RunSpec
 from shardcast.store import Store
 

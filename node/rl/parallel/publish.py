@@ -12,7 +12,7 @@ overlap, and the world is free for the next step as soon as the last copy is iss
 
 The payload's layout is the one `shardcast.publish` gives `state_dict_to_hf(model)`, so
 versions published either way are interchangeable (same names, order, dtypes, offsets). An FP8 run
-publishes its versions after 0 in their served form (`fp8`: each tensor the run serves in e4m3 quantised
+publishes every version, 0 too, in its served form (`fp8`: each tensor the run serves in e4m3 quantised
 on the device as it is gathered, beside its block scales: node/model/served_form.py).
 """
 
@@ -165,7 +165,7 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
     t0 = time.perf_counter()
     tied = model.config.tie_word_embeddings
     ready: queue.Queue = queue.Queue()
-    served = frozenset() if sink is None or sink.version == 0 else fp8_served_params(model, sink.fp8)
+    served = frozenset() if sink is None else fp8_served_params(model, sink.fp8)
     if sink is not None:
         tensors = hf_layout(model, groups, dtype, served)
         total = tensors[-1].offset + tensors[-1].nbytes
@@ -246,7 +246,7 @@ def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: i
                     options: PublishOptions | None = None, fp8: FP8Mode = "off") -> SignedManifest:
     """What the trainer role calls to publish a version: a one-process `Trainer` streams its own
     weights; a `world.Leader` has every rank of its world stream theirs. Returns the whole manifest.
-    `fp8`: the run's serving precision (versions after 0 go in their served form)."""
+    `fp8`: the run's serving precision (every version goes in its served form, version 0 too)."""
     return publish_trainer_async(trainer, store, key, run_id, version, parent, options, fp8).whole.result()
 
 
