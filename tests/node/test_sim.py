@@ -139,9 +139,11 @@ def test_an_fp8_run_serves_and_verifies_in_fp8_and_trains(tmp_path):
         assert "serves FP8 weights (experts)" in (tmp_path / f"inference-{i}" / "log.txt").read_text()
     assert "recomputed with FP8 weights (experts)" in (tmp_path / "validator" / "log.txt").read_text()
     assert s["rollouts_trained"] == 3 * 4 * 4 and s["rollouts_rejected"] == 0 and s["honest_banned"] == 0
-    # versions after 0 travelled in their served form (the experts' e4m3 down projections beside their scales)
+    # every version travelled in its served form (the experts' e4m3 down projections beside their scales), version 0
+    # too, so version 1 is a delta of it
     store = Store(tmp_path / "shardcast")  # the host's one store, shared by its roles
     run_id = json.loads((tmp_path / "coordinator" / "spec.json").read_text())["run_id"]
-    for v in (2, 3):
+    for v in (0, 1, 2, 3):
         names = [e.name for e in store.manifest(run_id, v).manifest.tensors]
         assert any(n.endswith("experts.0.down_proj.weight_scale_inv") for n in names), v
+    assert store.manifest(run_id, 1).manifest.parent == 0
