@@ -31,10 +31,12 @@ block-scaled FP8 checkpoint (the Hugging Face / DeepSeek layout Qwen3 publishes)
    first token after it. That is the engine's part of a new version at this size; the fetch before it is not
    timed (no store here: the host's 64 GB disk holds the checkpoint and not one more version). The validator
    holds the same version 1 beside its judging (`ResidentPolicies.add`): `validator_hold_s`.
+   5b. A sparse delta of version 1 (`apply_delta`): 0.25% of the experts' e4m3 bytes moved, as a fetch that
+   decoded a delta against the version the engine serves hands it over (the changed bytes beside the version),
+   written into the served tensors alone (`delta_apply`, `delta_apply_s`: the issue's figure for the engine's
+   part), then put back (`restored_exact`). The delta's fetch and decode are not timed here.
 Host memory: peak private memory (RssAnon, sampled every 50 ms: what the process holds beyond the page
 cache the shards are read through) and peak RSS. GPU memory: the plan against `max_memory_allocated`.
-Not measured here: a new version applied from a sparse delta (the issue's `delta_apply_s`: docs/scale.md,
-session 24, says what it runs into at this size).
 Writes `real_scale.json` under $OUT (or benchmarks/results) after every stage, so a cut run keeps what
 it measured; the last line printed is the JSON.
 """
@@ -260,6 +262,82 @@ def apply_version(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
                                                        for x, y in zip(a.logprobs, b.logprobs))}
     result["version_apply_s"] = staged + first
     log(f"version 1 into the engine: {result['version_apply']}")
+
+
+DELTA_SHARE = 0.0025
+"""Share of the experts' e4m3 bytes a delta moves in `apply_delta`: what one RL step changed of SmolLM2's served
+form at lr 1e-6 (0.25%, `benchmarks/results/shardcast_delta-real-served-cpu-2core.json`)."""
+
+
+def changed_bytes(state, parent: int, share: float, seed: int, back=None):  # noqa: ANN001, ANN201
+    """A delta of `state` (version 1 as `version1` gives it) as a fetch that decoded it against its parent finds it
+    (`shardcast.fetch.ChangedBytes` over the payload's layout): `share` of every expert weight's e4m3 bytes moved by
+    one bit (none made a NaN), at random positions; with `back` (such a delta), the same positions put back."""
+    import numpy as np
+
+    from shardcast.codec import layout
+    from shardcast.fetch import ChangedBytes
+
+    published = state.tensors
+    tensors, _ = layout(published)
+    if back is not None:
+        old = back.values ^ np.uint8(1)  # the delta's values hold the moved bit: flip it back
+        return ChangedBytes(parent, tensors, back.positions, old)
+    rng = np.random.default_rng(seed)
+    pos, val = [], []
+    for e in tensors:
+        if ".mlp.experts." not in e.name or e.dtype != "float8_e4m3fn":
+            continue
+        k = max(1, int(e.nbytes * share))
+        at = np.unique(rng.integers(0, e.nbytes, size=k))
+        now = published[e.name].reshape(-1).view(torch.uint8).numpy()[at]
+        moved = now ^ np.uint8(1)
+        ok = (moved & 0x7F) != 0x7F  # e4m3's NaN
+        pos.append(at[ok] + e.offset)
+        val.append(moved[ok])
+    order = np.argsort(np.concatenate(pos), kind="stable")
+    return ChangedBytes(parent, tensors, np.concatenate(pos)[order], np.concatenate(val)[order])
+
+
+def apply_delta(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
+    """Stage 5b: a sparse delta of the version the engine serves (version 1, stage 5), handed over as the inference
+    role hands a fetched one (`load_weights` of the version with its `changes`, the swap between two decode
+    steps): `DELTA_SHARE` of the experts' e4m3 bytes moved (`changed_bytes`), written alone (`SparseWrites`). Then
+    the same positions put back as version 3: the served bytes must equal version 1's again (`restored_exact`,
+    from `fingerprint`), which shows every write went where the payload's bytes lie. Not timed here: the fetch
+    and decode before `load_weights` (docs/scale.md)."""
+    from shardcast.fetch import PayloadTensors
+    from node.model.served_form import ServedForm
+
+    swaps: list[dict] = []
+    engine.on_swap.append(lambda version, row: swaps.append(row))
+    state = version1(spec)
+    served_v1 = fingerprint(engine.model)
+    out = {}
+    delta = None
+    for version, parent in ((2, 1), (3, 2)):
+        t = time.perf_counter()
+        delta = changed_bytes(state, parent, DELTA_SHARE, seed=version, back=delta if version == 3 else None)
+        made = time.perf_counter() - t
+        moved = ServedForm(PayloadTensors(dict(state.tensors), None, delta), state.dtype)
+        t = time.perf_counter()
+        engine.load_weights(moved, version)
+        staged = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.generate(_requests(cfg, 1, [16], [1], seed=2))  # the writes land before this step's forward
+        first = time.perf_counter() - t
+        row = swaps[-1]
+        if engine.version != version:
+            raise RuntimeError(f"version {version} was not applied (engine at version {engine.version})")
+        out[f"v{version}"] = {"changed_bytes": int(len(delta.positions)), "made_s": made, "load_weights_s": staged,
+                              "apply_s": row.get("apply_s"), "first_token_after_s": first,
+                              "sparse_bytes": row.get("sparse_bytes"),
+                              "served_changed": fingerprint(engine.model) != served_v1}
+    out["restored_exact"] = fingerprint(engine.model) == served_v1
+    out["share"] = DELTA_SHARE
+    result["delta_apply"] = out
+    result["delta_apply_s"] = out["v2"]["load_weights_s"] + out["v2"]["first_token_after_s"]
+    log(f"sparse delta into the engine: {out}")
 
 
 def hold_version(model, spec, manifest: bytes, result: dict) -> None:  # noqa: ANN001
@@ -513,6 +591,13 @@ def main() -> None:
         result["version_apply_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         log(f"version 1 not applied: {result['version_apply_error']}")
     write_result(args.name, result)
+    if "version_apply_error" not in result:
+        try:
+            apply_delta(engine, cfg, spec, result)
+        except Exception as exc:  # noqa: BLE001
+            result["delta_apply_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log(f"sparse delta not applied: {result['delta_apply_error']}")
+        write_result(args.name, result)
     if args.release_engine:
         engine.close()
         del engine, done

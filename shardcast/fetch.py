@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -57,13 +58,41 @@ server, measured here): 256/s at N = 8 (6% of a 2-core host), 1,024/s at N = 16 
 
 
 class PayloadTensors(dict):
-    """A version's tensors over its payload's mapping (name -> tensor, no copy), and `files`: where that
+    """A version's tensors over its payload's mapping (name -> tensor, no copy), `files`: where that
     payload lies in the store, for an engine of its own process that maps it itself (vLLM) instead of
-    being handed a copy."""
+    being handed a copy, and `changes`: the bytes a delta changed in its parent (`ChangedBytes`), for a
+    consumer holding that parent."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], files: PayloadFiles | None):
+    def __init__(self, tensors: dict[str, torch.Tensor], files: PayloadFiles | None,
+                 changes: ChangedBytes | None = None):
         super().__init__(tensors)
-        self.files = files
+        self.files, self.changes = files, changes
+
+
+CHANGES_UP_TO = 1 / 16
+"""A delta's changed bytes are kept (`ChangedBytes`) while they are at most this share of the version's:
+beyond it a whole copy into the served weights costs about what the writes would."""
+
+
+@dataclass
+class ChangedBytes:
+    """Where a version fetched as a delta differs from its parent, found as its shards were decoded: the payload
+    positions of every byte that differs (sorted) and its new value. A consumer that holds exactly the parent's
+    bytes, laid out as `tensors` say, holds this version once these bytes are written (node/engine/
+    weight_staging.py `SparseWrites`): a few MB where the version is GB."""
+
+    parent: int
+    tensors: list
+    positions: np.ndarray
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, parent: int, tensors: list, per_shard: dict[int, tuple[np.ndarray, np.ndarray]]) -> ChangedBytes:
+        order = sorted(per_shard)
+        pos = [per_shard[i][0] for i in order]
+        val = [per_shard[i][1] for i in order]
+        return cls(parent, tensors, np.concatenate(pos) if pos else np.empty(0, np.int64),
+                   np.concatenate(val) if val else np.empty(0, np.uint8))
 
 
 @dataclass
@@ -77,10 +106,13 @@ class FetchedVersion:
     file and shard file), and `wall_s` (the fetch as a whole, its parent's excluded)."""
     files: PayloadFiles | None = None
     """The payload's files in the store (None: a payload held in memory only)."""
+    changes: ChangedBytes | None = None
+    """For a delta decoded here against its parent: the bytes that differ (None: not a delta, held already,
+    or more changed than `CHANGES_UP_TO`)."""
 
     def tensors(self) -> PayloadTensors:
         """Tensors over the payload (no copy), keyed by parameter name, for `load_weights`."""
-        return PayloadTensors(unflatten(self.manifest.tensors, self.payload), self.files)
+        return PayloadTensors(unflatten(self.manifest.tensors, self.payload), self.files, self.changes)
 
 
 class Fetcher:
@@ -240,6 +272,9 @@ class Fetcher:
         max_raw = max((e.raw_size for e in m.shards), default=0)
         max_wire = max((e.wire_size for e in m.shards), default=0)
         t_start, spent = time.perf_counter(), Counter()  # Counter updates of distinct keys: fine under the GIL
+        changed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        budget = [int(m.total_bytes * CHANGES_UP_TO)]  # changed bytes still kept (< 0: too many, none kept)
+        changed_lock = threading.Lock()  # the decoding threads'
 
         def verify_into_payload(i: int, wire: bytes | memoryview, scratch: np.ndarray) -> None:
             # Both hashes pass before the decoded range is written. Decoded into `scratch` (reused,
@@ -249,12 +284,27 @@ class Fetcher:
             check_wire(e, wire)
             t1 = time.perf_counter()
             out = scratch[: e.raw_size]
-            decode_shard(e, wire, out, None if parent is None else np.asarray(parent[start : start + e.raw_size]))
+            parent_raw = None if parent is None else np.asarray(parent[start : start + e.raw_size])
+            decode_shard(e, wire, out, parent_raw)
+            if parent_raw is not None:
+                keep_changes(i, start, out, parent_raw)
             t2 = time.perf_counter()
             payload.write(start, out)
             spent["verify_s"] += t1 - t0
             spent["decode_s"] += t2 - t1
             spent["write_s"] += time.perf_counter() - t2
+
+        def keep_changes(i: int, start: int, out: np.ndarray, parent_raw: np.ndarray) -> None:
+            if budget[0] < 0:
+                return
+            at = np.flatnonzero(out != parent_raw)
+            kept = (at + start, out[at])
+            with changed_lock:
+                budget[0] -= len(at)  # each shard is decoded once (its raw hash is checked before this)
+                if budget[0] < 0:
+                    changed.clear()  # too many: the consumer copies the version whole
+                else:
+                    changed[i] = kept
 
         def accept(i: int, wire: memoryview, scratch: np.ndarray) -> None:
             verify_into_payload(i, wire, scratch)
@@ -348,7 +398,8 @@ class Fetcher:
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
         stages = {k: round(v, 4) for k, v in spent.items()}
         stages["wall_s"] = round(time.perf_counter() - t_start, 4)
-        return FetchedVersion(m, verified, downloaded, stages, files=self.store.payload_files(m))
+        changes = None if parent is None or budget[0] < 0 else ChangedBytes.of(m.parent, m.tensors, changed)
+        return FetchedVersion(m, verified, downloaded, stages, files=self.store.payload_files(m), changes=changes)
 
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:
     if manifest_hash is not None and m.manifest_hash() != manifest_hash:

@@ -142,7 +142,7 @@ class CudaEngine(EngineCore):
         return StagedVersion.of(self.model, state_dict, self._shapes, self._ring)
 
     def _swap_weights(self, staged: StagedVersion) -> None:
-        staged.apply()  # copies into the existing storage: captured graphs read the new weights
+        staged.apply(self.version)  # into the existing storage: captured graphs read the new weights
 
     # ---- the validator's recomputation --------------------------------------------------
     def verify_prefill(self, sequences: list[list[int]], prompt_lens: list[int], params: list,

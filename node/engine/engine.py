@@ -59,7 +59,7 @@ class Engine(EngineCore):
         return StagedVersion.of(self.model, state_dict, self._shapes)
 
     def _swap_weights(self, staged: StagedVersion) -> None:
-        staged.apply()  # tensor by tensor from the payload's pages into the served tensors
+        staged.apply(self.version)  # a delta's changes alone, or tensor by tensor from the payload's pages
 
     def _prefill(self, seqs: list[SlotSequence]) -> list[Completion]:
         lens = [len(s.request.prompt_ids) for s in seqs]

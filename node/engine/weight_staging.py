@@ -34,7 +34,7 @@ from node.engine.fp8.model import _QuantizedWeights
 from node.engine.pinned_ring import PinnedRing, settle
 from node.engine.weights import Target, WeightsMismatch, plan_weights
 from node.model.checkpoint import InternalTensors, InvalidCheckpoint
-from node.model.quantization import dequantize, scale_shape
+from node.model.quantization import SCALE_SUFFIX, dequantize, scale_shape
 from node.model.qwen3_moe import CausalLM
 from node.model.served_form import ServedForm
 from node.model.streamed_weights import headers
@@ -47,12 +47,94 @@ STAGING_HEADROOM = 1 << 30
 
 @dataclass
 class SwapTimes:
-    """Seconds spent on a version: staged (off the engine's thread) and applied (between two steps)."""
+    """Seconds spent on a version: staged (off the engine's thread) and applied (between two steps);
+    `sparse_bytes`: bytes written where a delta's changes went in alone (`SparseWrites`), else 0."""
 
     stage_s: float = 0.0
     apply_s: float = 0.0
     staged_on_device: bool = False
     bytes: int = 0
+    sparse_bytes: int = 0
+
+
+@dataclass
+class SparseWrites:
+    """A delta's changed bytes (`shardcast.fetch.ChangedBytes`) placed in the served tensors: for each served
+    tensor a delta changed, the byte positions in it and their new values, on its device. Written into a model
+    that serves exactly the delta's parent, they make it serve the new version (the bytes the delta did not
+    change are the parent's, which it holds): a few MB written where a whole copy moves GB.
+
+    Only where every tensor the delta changed lands byte for byte in a served tensor: a plain tensor in one of its
+    dtype, an e4m3 piece of a version in its served form (and its scales) in an FP8 module's buffers, each a
+    contiguous range of its destination. A plain tensor an FP8 module quantises on arrival does not (its e4m3
+    bytes are not the payload's): where the delta changed one, `of` gives None and the version is copied whole
+    (one it did not change is the parent's, and so is what the module made of it)."""
+
+    parent: int
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """(the served tensor's bytes, flat uint8; positions, int64; values, uint8), on its device."""
+    bytes: int
+
+    @classmethod
+    def of(cls, model: CausalLM, plan: dict[str, Target], state: Mapping[str, torch.Tensor],
+           changes) -> SparseWrites | None:  # noqa: ANN001 (a ChangedBytes)
+        import numpy as np
+
+        placed = _byte_places(model, plan, state)
+
+        per_dest: dict[int, tuple[torch.Tensor, list, list]] = {}
+        for e in changes.tensors:
+            lo, hi = np.searchsorted(changes.positions, [e.offset, e.offset + e.nbytes])
+            if hi == lo:
+                continue
+            place = placed.get(e.name)
+            if place is None or place[2] != e.nbytes:
+                return None  # a changed tensor that has no byte-exact place
+            whole, base, _ = place
+            got = per_dest.setdefault(id(whole), (whole, [], []))
+            got[1].append(changes.positions[lo:hi] - e.offset + base)
+            got[2].append(changes.values[lo:hi])
+        inside = sum(sum(len(p) for p in pos) for _, pos, _ in per_dest.values())
+        if inside != len(changes.positions):
+            return None  # a changed byte outside every tensor (padding is zeros in both): not this layout
+        writes = []
+        for whole, pos, val in per_dest.values():
+            flat = whole.view(-1).view(torch.uint8)
+            writes.append((flat, torch.from_numpy(np.concatenate(pos)).to(flat.device),
+                           torch.from_numpy(np.concatenate(val)).to(flat.device)))
+        return cls(changes.parent, writes, len(changes.positions))
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for flat, pos, val in self.writes:
+            flat.index_put_((pos,), val)
+
+
+def _byte_places(model: CausalLM, plan: dict[str, Target],
+                 state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """HF name (scales included) -> (the served tensor its bytes are in, byte offset there, byte length), for each
+    tensor of the version that lands byte for byte (see `SparseWrites`; one that does not is left out)."""
+    live = _served(model)
+    published = state.tensors if isinstance(state, ServedForm) else state
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+    for name, target in plan.items():
+        whole = live.get(target.internal)
+        if whole is None:
+            continue
+        pair = state.fp8(name) if isinstance(state, ServedForm) else None
+        if pair is not None:
+            scales = live.get(f"{target.internal}_scale")
+            if whole.dtype != torch.float8_e4m3fn or scales is None:
+                continue
+            places = [(name, whole, target.view(whole)), (f"{name}{SCALE_SUFFIX}", scales, target.scale_view(scales))]
+        elif _plain(whole) and whole.dtype == published[name].dtype:
+            places = [(name, whole, target.view(whole))]
+        else:  # quantised on arrival: its served bytes are not the published ones
+            continue
+        for hf, w, view in places:
+            if w.is_contiguous() and view.is_contiguous():
+                out[hf] = (w, view.data_ptr() - w.data_ptr(), view.numel() * view.element_size())
+    return out
 
 
 @dataclass
@@ -68,6 +150,8 @@ class StagedVersion:
     """Internal name -> device copy, once staged (None: `apply` copies from `state`)."""
     ready: torch.cuda.Event | None = None
     times: SwapTimes = field(default_factory=SwapTimes)
+    sparse: SparseWrites | None = None
+    """A delta's changes alone, for a model serving its parent (`apply(serving=parent)`)."""
 
     @classmethod
     def of(cls, model: CausalLM, state_dict: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
@@ -78,8 +162,11 @@ class StagedVersion:
         _check_served(v)
         published = state_dict.tensors if isinstance(state_dict, ServedForm) else state_dict  # as it travels
         v.times.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(published).values())
+        changes = getattr(state_dict, "changes", None)  # a delta decoded against its parent (shardcast.fetch)
+        if changes is not None:
+            v.sparse = SparseWrites.of(model, v.plan, state_dict, changes)
         device = _device(model)
-        if device.type == "cuda" and stage:
+        if device.type == "cuda" and stage and v.sparse is None:  # (a delta's writes need no staged copy)
             need, (free, _) = _staged_bytes(model, v.plan, shapes, state_dict), torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cache
             if need + STAGING_HEADROOM <= free:
@@ -171,9 +258,18 @@ class StagedVersion:
             dst.copy_(tmp)  # the dtype change (or a strided destination) on the device
 
     @torch.no_grad()
-    def apply(self) -> None:
-        """Into the served tensors, in place (between two decode steps, on the engine's thread)."""
+    def apply(self, serving: int | None = None) -> None:
+        """Into the served tensors, in place (between two decode steps, on the engine's thread). `serving`: the
+        version the model holds now; where it is this delta's parent, only the changed bytes are written."""
         t0 = time.perf_counter()
+        if self.sparse is not None and serving is not None and serving == self.sparse.parent:
+            self.sparse.apply()
+            if self.sparse.writes and self.sparse.writes[0][0].is_cuda:
+                torch.cuda.current_stream(self.sparse.writes[0][0].device).synchronize()
+            self.times.sparse_bytes, self.sparse, self.state = self.sparse.bytes, None, {}
+            self.times.apply_s = time.perf_counter() - t0
+            return
+        self.sparse = None
         live = _served(self.model)
         if self.staged is not None:
             torch.cuda.current_stream(_device(self.model)).wait_event(self.ready)

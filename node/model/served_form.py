@@ -83,6 +83,8 @@ class ServedForm(IndexedTensors):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype):
         self.tensors, self.dtype = tensors, dtype
+        self.changes = getattr(tensors, "changes", None)
+        """A delta's changed bytes in the published form (shardcast.fetch.ChangedBytes), when fetched as one."""
         self.quantised: set[str] = set()
         self.index = {}
         for name, t in tensors.items():

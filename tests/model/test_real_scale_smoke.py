@@ -37,6 +37,14 @@ def test_real_scale_runs_end_to_end_on_the_cpu_and_reports_what_the_device_run_i
     assert applied["bytes"] > 0 and applied["apply_s"] > 0 and applied["staged_on_device"] is False  # the CPU copies in
     assert applied["weights_unchanged"] and applied["tensors_changed"] == []  # the same bytes, served as before
     assert applied["repeatable"] and applied["same_tokens"] and applied["logprob_diff_max"] == 0.0  # the CPU's sums
+    # a sparse delta of version 1 (0.25% of the experts' e4m3 bytes) goes in as its changed bytes alone, and put
+    # back it leaves exactly version 1's bytes
+    delta = result["delta_apply"]
+    assert "delta_apply_error" not in result and result["delta_apply_s"] > 0
+    for v, changed in (("v2", True), ("v3", False)):
+        assert delta[v]["changed_bytes"] > 0 and delta[v]["sparse_bytes"] == delta[v]["changed_bytes"], delta
+        assert delta[v]["served_changed"] is changed, delta
+    assert delta["restored_exact"] is True
     # the validator's resident model takes the same version 1: its step against version 0 holds nothing, and the
     # judging after it (pooled, calibration below) still passes every honest claim
     assert "validator_hold_error" not in result and result["validator_hold_s"] > 0
