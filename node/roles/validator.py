@@ -305,7 +305,7 @@ class ValidatorNode:
             # holds (nothing switches it), else a writer: the round's switches, or a hold's read-in, go alone
             t_turn = time.time()
             reader = await self._turns.enter(lambda: policies.at_newest and versions <= {policies.newest})
-            self._round_shape = {"versions": len(versions), "mixed": sum(len(c.versions) > 1 for _, c in flat),
+            self._round_shape = {"versions": len(versions), "mixed": sum(len(set(c.versions)) > 1 for _, c in flat),
                                  "alone": not reader}
             t_verify = time.time()
             self._round_turn_wait_s = t_verify - t_turn  # behind a hold reading a version in (not busy time)
