@@ -155,25 +155,27 @@ class TorchReference(Reference):
     @torch.inference_mode()
     def prefill_mixed_many(self, items: list[MixedItem], with_routes: bool = False,
                            with_router_logits: bool = False) -> list[tuple]:
-        """`Reference.prefill_mixed_many`: every sequence whose versions rise along it (an engine's do: a swap
-        only moves forward) is computed version by version, each version's segments of all of them while
-        it is active, so a resident model (node/roles/resident_policy.py) switches once per version, not
-        twice per sequence; the same forwards, so the same results. Any other sequence alone."""
+        """`Reference.prefill_mixed_many`: every sequence whose versions rise along it, one segment per version
+        (an engine's do: a swap only moves forward), is computed version by version, each version's segments of
+        all of them while it is active, so a resident model (node/roles/resident_policy.py) switches once per
+        version, not twice per sequence; and in batches (`_MixedBatch`: sequences of similar length, bounded in
+        padded tokens as `prefill`'s are, each segment at its own positions over the KV its earlier segments
+        wrote), one forward per version and batch, not one per segment. Any other sequence alone."""
         with exact_float32(self.exact_float32):
             out: list[tuple | None] = [None] * len(items)
-            rising = [i for i, it in enumerate(items) if all(a[0] <= b[0] for a, b in zip(it[1], it[1][1:]))]
+            rising = [i for i, it in enumerate(items) if all(a[0] < b[0] for a, b in zip(it[1], it[1][1:]))]
             for i in sorted(set(range(len(items))) - set(rising)):
                 seq, segments, start, replay = items[i]
                 out[i] = self._prefill_mixed(seq, segments, with_routes, with_router_logits, start, replay)
-            states = {i: self._mixed_state(items[i][0]) for i in rising}
+            groups = padded_groups([len(items[i][0]) for i in rising], self.batch_tokens, GROUP_OVERHEAD_TOKENS)
+            batches = [_MixedBatch(self, [rising[j] for j in g], items) for g in groups]
             for version in sorted({v for i in rising for v, _, _ in items[i][1]}):
-                for i in rising:
-                    seq, segments, start, replay = items[i]
-                    for v, a, b in segments:
-                        if v == version:
-                            self._mixed_segment(states[i], v, a, b, start, replay)
-            for i in rising:
-                out[i] = _mixed_result(states[i], with_routes, with_router_logits)
+                model = self.policies[version][0]  # a resident model switches here, once per version
+                for batch in batches:
+                    batch.run(model, version, with_routes)
+            for batch in batches:
+                for i, state in batch.states.items():
+                    out[i] = _mixed_result(state, with_routes, with_router_logits)
             return out  # type: ignore[return-value]
 
     def _prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]], with_routes: bool,
@@ -393,6 +395,56 @@ def replay_on_device(logits: torch.Tensor, spec: SamplingSpec, positions: list[i
     top2 = scores.topk(2, dim=-1)
     tokens = top2.indices[:, 0]
     return Replay(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top2.values[:, 0] - top2.values[:, 1])
+
+
+class _MixedBatch:
+    """Sequences of several versions recomputed together (`TorchReference.prefill_mixed_many`): one KV cache row
+    each, and per version one forward of every member's segment of that version, right-padded, each row at its
+    own positions (the attention masks keys by position, so a row sees exactly the KV its earlier segments wrote;
+    a padded position writes past its row's end, where the next segment writes again before anything reads it).
+    The cache has room for a last segment padded to the longest member's length."""
+
+    def __init__(self, ref: TorchReference, members: list[int], items: list):
+        cfg = ref.config
+        self.ref, self.items, self.members = ref, items, members
+        longest = max(len(items[i][0]) for i in members)
+        self.cache = KVCache(cfg.num_hidden_layers, len(members), cfg.num_key_value_heads, 2 * longest, cfg.head_dim,
+                             dtype=ref.param_dtype, device=ref.device)
+        self.states = {i: {"logits": [], "hidden": [], "routes": [], "router": []} for i in members}
+
+    def run(self, model: CausalLM, version: int, with_routes: bool) -> None:
+        rows = [(row, i, a, b) for row, i in enumerate(self.members) for v, a, b in self.items[i][1] if v == version]
+        if not rows:
+            return
+        device, t = self.ref.device, max(b - a for _, _, a, b in rows)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        positions = torch.empty(len(rows), t, dtype=torch.long)
+        firsts = []  # each row's first position whose logits are kept (`_mixed_segment`'s logits_at)
+        forced = None
+        for r, (_, i, a, b) in enumerate(rows):
+            seq, _, start, replay = self.items[i]
+            ids[r, : b - a] = torch.tensor(seq[a:b])
+            positions[r] = torch.arange(a, a + t)
+            firsts.append(min(max(0, start - a), b - a))
+            if replay is not None:  # padded positions route to experts 0..k-1 (they touch no real row)
+                if forced is None:
+                    k = replay.shape[-1]
+                    forced = torch.arange(k).expand(len(rows), t, replay.shape[1], k).clone()
+                forced[r, : b - a] = replay[a:b]
+        base = min(firsts)
+        slots = torch.tensor([row for row, _, _, _ in rows], device=device)
+        out = model(ids.to(device), positions.to(device), self.cache, slots,
+                    routed_experts=None if forced is None else forced.to(device), logits_at=base)
+        router = _router_logits(out, len(rows), t) if with_routes else None
+        routes = out.routed_experts.cpu() if with_routes and out.routed_experts is not None else None
+        on_device = self.ref.on_device
+        for r, (_, i, a, b) in enumerate(rows):
+            n, state = b - a, self.states[i]
+            logits = out.logits[r, firsts[r] - base : n - base].float()
+            state["logits"].append(logits if on_device else logits.cpu())
+            state["hidden"].append(out.hidden[r, :n] if on_device else out.hidden[r, :n].cpu())
+            state["routes"].append(None if routes is None else routes[r, :n])
+            state["router"].append(None if router is None else router[r, :n])
 
 
 def _rows(x: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:

@@ -15,9 +15,9 @@ hidden; `fp8(name)` gives a quantised tensor's bytes as they are. An FP8 module 
 as they are (node/engine/fp8/model.py `_QuantizedWeights`): the engines through their staging
 (node/engine/weight_staging.py: e4m3 bytes to the device, half a bf16 tensor's), the validator's resident
 model through `InternalTensors.fp8`. Version 0 goes in its served form too: a member holding the run's
-checkpoint makes the same bytes from it (`ServedBytes`: the checkpoint's values quantised by the same rule as
-they are read), so it checks version 0 against the signed manifest without downloading it, and version 1 is a
-delta whose parent is that checkpoint (only the e4m3 bytes and scales an RL step moved travel). The spec's
+checkpoint makes the same bytes from it (node/roles/version0.py `ServedBytes`: the checkpoint's values
+quantised by the same rule as they are read), so it checks version 0 against the signed manifest without
+downloading it, and version 1 is a delta whose parent is that checkpoint (only the e4m3 bytes and scales an RL step moved travel). The spec's
 pin covers the checkpoint's values: a member with the checkpoint checks it as it reads them; one without it
 has the served bytes only, and the trainer's signature vouches for them (node/roles/common.py
 `check_version0`).
@@ -30,14 +30,12 @@ precision gets `ServedForm(v)[name]`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 
 import torch
 
 from torch import nn
 
-from node.fp8.quantize import quantize_weight
 from node.model.errors import MismatchedScales
 from node.model.moe import GroupedExperts
 from node.model.quantization import BLOCK, SCALE_SUFFIX, dequantize, scale_shape
@@ -115,57 +113,6 @@ class ServedForm(IndexedTensors):
         if name not in self.quantised:
             return None
         return self.tensors[name], self.tensors[f"{name}{SCALE_SUFFIX}"]
-
-
-class ServedBytes:
-    """A version's served form made from its values as they are read (a `shardcast.codec.TensorBytes`): each
-    weight named in `quantised` is quantised whole by the engines' rule (node/fp8/quantize.py) when its bytes
-    or its scales are first asked for, the pair kept while the last `KEEP` weights asked for are (a check reads
-    in payload order; a delta's decode reads its parent shard by shard on several threads); every other
-    tensor's bytes come from `reads`. Made from the values the trainer quantised (the checkpoint's, in the
-    run's dtype), it is the trainer's served version 0 byte for byte: the blocks of a piece are the blocks of
-    the stacked tensor it was cut from, and the rule gives the same bytes on any device. `on_value(name,
-    tensor)` sees each quantised weight's values when they are read (a check reads each once: a digest of
-    the values, the spec's pin, in the same pass)."""
-
-    KEEP = 16
-
-    def __init__(self, values: Mapping[str, torch.Tensor], reads, quantised: set[str],  # noqa: ANN001 (TensorBytes)
-                 on_value=None):  # noqa: ANN001 (a callable)
-        self.values, self.reads, self.quantised, self.on_value = values, reads, set(quantised), on_value
-        self._recent: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lock = threading.Lock()  # a delta's decode reads its parent's shards on several threads
-
-    def names(self) -> set[str]:
-        return self.reads.names() | {f"{n}{SCALE_SUFFIX}" for n in self.quantised}
-
-    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
-        weight = name.removesuffix(SCALE_SUFFIX)
-        if weight not in self.quantised:
-            return self.reads.header(name)
-        shape = self.reads.header(weight)[1]
-        return ("float8_e4m3fn", shape) if name == weight else ("float32", scale_shape(shape))
-
-    def read(self, name: str, lo: int, hi: int):  # noqa: ANN201 (uint8 numpy)
-        weight = name.removesuffix(SCALE_SUFFIX)
-        if weight not in self.quantised:
-            return self.reads.read(name, lo, hi)
-        q, s = self._pair(weight)
-        return (q if name == weight else s).reshape(-1).view(torch.uint8).numpy()[lo:hi]
-
-    def _pair(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._lock:
-            got = self._recent.get(weight)
-        if got is None:
-            value = self.values[weight]
-            if self.on_value is not None:
-                self.on_value(weight, value)
-            got = quantize_weight(value.cpu())
-            with self._lock:
-                self._recent[weight] = got
-                while len(self._recent) > self.KEEP:
-                    self._recent.pop(next(iter(self._recent)))
-        return got
 
 
 def quantised_in(names) -> set[str]:  # noqa: ANN001 (an iterable of HF names)

@@ -30,9 +30,11 @@ from collections.abc import Mapping
 
 import torch
 
+from node.fp8.quantize import quantize_weight
 from node.model.checkpoint import state_dict_to_hf
 from node.model.errors import ModelLoadError, WeightsHashMismatch
-from node.model.served_form import ServedBytes, quantised_in
+from node.model.quantization import SCALE_SUFFIX, scale_shape
+from node.model.served_form import quantised_in
 from node.model.spec import DTYPES, resolve
 from node.model.streamed_weights import StreamedWeights
 from node.model.weights_digest import DigestingReads, WeightsDigest
@@ -45,6 +47,57 @@ from shardcast.manifest import Manifest, TrustedPublishers
 from shardcast.store import Store
 
 log = logging.getLogger(__name__)
+
+
+class ServedBytes:
+    """A version's served form made from its values as they are read (a `shardcast.codec.TensorBytes`): each
+    weight named in `quantised` is quantised whole by the engines' rule (node/fp8/quantize.py) when its bytes
+    or its scales are first asked for, the pair kept while the last `KEEP` weights asked for are (a check reads
+    in payload order; a delta's decode reads its parent shard by shard on several threads); every other
+    tensor's bytes come from `reads`. Made from the values the trainer quantised (the checkpoint's, in the
+    run's dtype), it is the trainer's served version 0 byte for byte: the blocks of a piece are the blocks of
+    the stacked tensor it was cut from, and the rule gives the same bytes on any device. `on_value(name,
+    tensor)` sees each quantised weight's values when they are read (a check reads each once: a digest of
+    the values, the spec's pin, in the same pass)."""
+
+    KEEP = 16
+
+    def __init__(self, values: Mapping[str, torch.Tensor], reads, quantised: set[str],  # noqa: ANN001 (TensorBytes)
+                 on_value=None):  # noqa: ANN001 (a callable)
+        self.values, self.reads, self.quantised, self.on_value = values, reads, set(quantised), on_value
+        self._recent: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()  # a delta's decode reads its parent's shards on several threads
+
+    def names(self) -> set[str]:
+        return self.reads.names() | {f"{n}{SCALE_SUFFIX}" for n in self.quantised}
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if weight not in self.quantised:
+            return self.reads.header(name)
+        shape = self.reads.header(weight)[1]
+        return ("float8_e4m3fn", shape) if name == weight else ("float32", scale_shape(shape))
+
+    def read(self, name: str, lo: int, hi: int):  # noqa: ANN201 (uint8 numpy)
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if weight not in self.quantised:
+            return self.reads.read(name, lo, hi)
+        q, s = self._pair(weight)
+        return (q if name == weight else s).reshape(-1).view(torch.uint8).numpy()[lo:hi]
+
+    def _pair(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            got = self._recent.get(weight)
+        if got is None:
+            value = self.values[weight]
+            if self.on_value is not None:
+                self.on_value(weight, value)
+            got = quantize_weight(value.cpu())
+            with self._lock:
+                self._recent[weight] = got
+                while len(self._recent) > self.KEEP:
+                    self._recent.pop(next(iter(self._recent)))
+        return got
 
 
 def has_checkpoint(spec: RunSpec) -> bool:

@@ -67,7 +67,13 @@ def mixed_world(versions: int = 3):
     return states, claims, held
 
 
-def test_mixed_rollouts_recomputed_together_are_bit_for_bit_those_recomputed_alone_and_switch_once_a_version():
+def _close(a, b) -> bool:
+    """Equal to float32 rounding: a batched forward (rows of several lengths, padded) sums in another order
+    than one row alone; the checks' bounds are orders of magnitude wider."""
+    return all(x.shape == y.shape and torch.allclose(x, y, rtol=0, atol=1e-5) for x, y in zip(a, b))
+
+
+def test_mixed_rollouts_recomputed_together_in_batches_are_those_recomputed_alone_and_switch_once_a_version():
     states, claims, held = mixed_world()
     mixed = [c for c in claims if len(set(c.versions)) > 1]
     assert len(mixed) >= 4 and any(len(set(c.versions)) == 3 for c in mixed)
@@ -77,14 +83,16 @@ def test_mixed_rollouts_recomputed_together_are_bit_for_bit_those_recomputed_alo
     alone = [ref.prefill_mixed(*it[:2], logits_from=it[2]) for it in items]
     switches_alone, counted.switches = counted.switches, 0
     together = ref.prefill_mixed_many(items)
-    for a, b in zip(alone, together):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(_close(a, b) for a, b in zip(alone, together))
     assert counted.switches <= 3 < switches_alone, (counted.switches, switches_alone)
+    # in batches: two rows of different lengths and starts, and one batch per version, give the same
+    ref.batch_tokens = 1  # each sequence a batch of its own: the order of the sums of the path alone
+    assert all(_close(a, b) for a, b in zip(alone, ref.prefill_mixed_many(items)))
     # a sequence whose versions do not rise (no engine makes one) is computed alone, with the same result
     seq, segments, start, replay = items[0]
     backwards = [(2 - v, a, b) for v, a, b in segments]
     odd = ref.prefill_mixed_many([items[1], (seq, backwards, start, replay)])
-    assert all(torch.equal(x, y) for x, y in zip(odd[0], together[1]))
+    assert _close(odd[0], together[1])
     assert all(torch.equal(x, y) for x, y in zip(odd[1], ref.prefill_mixed(seq, backwards, logits_from=start)))
 
 
