@@ -171,8 +171,9 @@ def _mixed_item(claim: RolloutClaim, p: _Plan) -> tuple:
 def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: list[_Plan | None],
                         failures: list[Failure | None], ref: Reference, evidence: list[Evidence]) -> None:
     """Mixed-version claims (all with routes or all without) recomputed together, version by version
-    (`Reference.prefill_mixed_many`: a resident model switches once per version, not twice per claim),
-    then each checked as `_verify_mixed` checks it; should the shared recomputation fail, one by one."""
+    (`Reference.prefill_mixed_many`: a resident model switches once per version, not twice per claim, and
+    forwards in batches), then each checked as `_verify_mixed` checks it; a claim that fails is recomputed
+    alone and checked again, and only that verdict stands; should the shared recomputation fail, one by one."""
     routed = plans[members[0]].routes is not None
     turned = [i for i in members if _turn_passes(claims[i]) is not None]
     for i in turned:  # the policy changed between its turns: recomputed turn by turn, alone
@@ -188,7 +189,18 @@ def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: l
                       lambda half: _verify_mixed_group(half, claims, plans, failures, ref, evidence))
         return
     for i, out in zip(members, outs):
-        failures[i] = _verify_mixed(claims[i], plans[i], ref, evidence[i], out)
+        ev = Evidence()
+        f = _verify_mixed(claims[i], plans[i], ref, ev, out)
+        if f is not None and f.reason != Reason.UNJUDGED:
+            # a failure of the batched recomputation stands only if the claim's own one-row recomputation (the
+            # path that recomputed mixed claims before they were batched) fails it too
+            ev, again = Evidence(), f
+            f = _verify_mixed(claims[i], plans[i], ref, ev)
+            if f is None:
+                log.warning("claim %s: failed recomputed in a batch (%s: %s), passed alone: the batch's verdict "
+                            "is dropped", claims[i].work_id, again.reason, again.detail[:200])
+        failures[i] = f
+        evidence[i].add(ev)
 
 
 def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence, out: tuple | None = None) -> Failure | None:

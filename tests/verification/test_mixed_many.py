@@ -105,3 +105,25 @@ def test_the_validator_accepts_honest_mixed_rollouts_and_rejects_a_relabelled_on
     cheat = R.relabel(mixed[:1], 2)[0]  # every token claimed as the newest version
     verdicts = verify_claims([cheat, *mixed[1:3]], ref)
     assert [v.accepted for v in verdicts] == [False, True, True], [v.detail for v in verdicts]
+
+
+def test_a_mixed_claim_the_batch_fails_is_recomputed_alone_and_only_that_verdict_stands(caplog):
+    """The batched recomputation's failure is confirmed on the claim's own one-row path before it counts: a
+    batch that came out wrong (here: hidden states shifted) costs no honest claim, and one that the one-row
+    path fails too is rejected."""
+    _, claims, held = mixed_world()
+    mixed = [c for c in claims if len(set(c.versions)) > 1][:4]
+    ref = resident_reference(held)
+    batched = ref.prefill_mixed_many
+
+    def shifted(items, **kw):
+        return [(out[0], out[1] + 1.0, *out[2:]) for out in batched(items, **kw)]
+
+    ref.prefill_mixed_many = shifted
+    verdicts = verify_claims(mixed, ref)
+    assert all(v.accepted for v in verdicts), [v.detail for v in verdicts]
+    assert "passed alone: the batch's verdict is dropped" in caplog.text
+    alone = ref.prefill_mixed
+    ref.prefill_mixed = lambda *a, **kw: (lambda out: (out[0], out[1] + 1.0, *out[2:]))(alone(*a, **kw))
+    verdicts = verify_claims(mixed, ref)
+    assert not any(v.accepted for v in verdicts), "a failure the one-row path confirms stands"
