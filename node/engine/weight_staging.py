@@ -72,7 +72,8 @@ class SparseWrites:
 
     parent: int
     writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    """(the served tensor's bytes, flat uint8; positions, int64; values, uint8), on its device."""
+    """(the served tensor's bytes, flat uint8; positions, int32 where they fit, else int64; values, uint8), on its
+    device."""
     bytes: int
 
     @classmethod
@@ -100,8 +101,9 @@ class SparseWrites:
         writes = []
         for whole, pos, val in per_dest.values():
             flat = whole.view(-1).view(torch.uint8)
-            writes.append((flat, torch.from_numpy(np.concatenate(pos)).to(flat.device),
-                           torch.from_numpy(np.concatenate(val)).to(flat.device)))
+            at = np.concatenate(pos)
+            at = at.astype(np.int32) if flat.numel() < 2**31 else at  # half the bytes where they fit
+            writes.append((flat, torch.from_numpy(at).to(flat.device), torch.from_numpy(np.concatenate(val)).to(flat.device)))
         return cls(changes.parent, writes, len(changes.positions))
 
     @torch.no_grad()
@@ -164,7 +166,11 @@ class StagedVersion:
         v.times.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in headers(published).values())
         changes = getattr(state_dict, "changes", None)  # a delta decoded against its parent (shardcast.fetch)
         if changes is not None:
-            v.sparse = SparseWrites.of(model, v.plan, state_dict, changes)
+            try:
+                v.sparse = SparseWrites.of(model, v.plan, state_dict, changes)
+            except torch.OutOfMemoryError:  # no room for the positions on the device: the version goes whole
+                log.warning("weights: no device memory for a delta's %d changed bytes; copied whole", len(changes.positions))
+                torch.cuda.empty_cache()
         device = _device(model)
         if device.type == "cuda" and stage and v.sparse is None:  # (a delta's writes need no staged copy)
             need, (free, _) = _staged_bytes(model, v.plan, shapes, state_dict), torch.cuda.mem_get_info(device)
