@@ -134,3 +134,30 @@ def test_a_plain_version_into_an_fp8_engine_is_copied_whole_its_bytes_being_quan
     _load(ref, dict(got[1]), 1)
     mine, want = _served_bytes(engine), _served_bytes(ref)
     assert all(torch.equal(mine[n], want[n]) for n in want)
+
+
+def test_a_delta_that_changes_most_bytes_keeps_no_changes_and_goes_whole(tmp_path):
+    """Past `CHANGES_UP_TO` of the version the fetch keeps no changed bytes (they would cost what a whole copy
+    does): the engine copies the version whole, and holds it exactly."""
+    from shardcast.fetch import CHANGES_UP_TO
+
+    torch.manual_seed(6)
+    model = CausalLM(ModelConfig(vocab_size=64, hidden_size=128, moe_intermediate_size=128, head_dim=32)).eval()
+    trainer = Store(tmp_path / "trainer")
+    publish_model(model, None, trainer, KEY, "r", 0, None, SHARDS)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # every weight moves: a dense step
+    signed = publish_model(model, None, trainer, KEY, "r", 1, 0, SHARDS)
+    assert signed.manifest.encoding == "delta"
+    got = _fetch_all(trainer, Store(tmp_path / "member"), "off", [0, 1])
+    assert got[1].changes is None and CHANGES_UP_TO < 1
+    rows: list = []
+    engine = _engine(model, "off", "cpu", rows)
+    _load(engine, got[0], 0)
+    _load(engine, got[1], 1)
+    assert rows[-1][1]["sparse_bytes"] == 0
+    ref = _engine(model, "off", "cpu", [])
+    _load(ref, dict(got[1]), 1)
+    mine, want = _served_bytes(engine), _served_bytes(ref)
+    assert all(torch.equal(mine[n], want[n]) for n in want)

@@ -1,6 +1,7 @@
 """The model spec travels in the signed run spec and run.toml; every role builds version 0 from it."""
 
 import pytest
+import torch
 
 from node.model.errors import UnknownModelName, WeightsHashMismatch
 from node.model.spec import weights_hash
@@ -80,6 +81,18 @@ def test_a_fetched_version_loads_into_a_blank_model_and_version0_is_checked():
     check_version0(_spec(model=ModelSpec(weights_hash=weights_hash(v0))), state_dict_to_hf(blank))
     with pytest.raises(WeightsHashMismatch, match="version 0"):
         check_version0(_spec(model=ModelSpec(weights_hash="blake3:" + "1" * 64)), state_dict_to_hf(blank))
+    # a version 0 in its served form (an FP8 run's) carries e4m3 bytes, not the values the pin covers: a member
+    # without the checkpoint cannot check it and relies on the trainer's signature (it says so), while one in the
+    # plain form is still checked, as above
+    from node.fp8.quantize import quantize_weight
+    from node.model.quantization import SCALE_SUFFIX
+    from node.model.served_form import ServedForm
+
+    plain = state_dict_to_hf(blank)
+    name = next(n for n in plain if n.endswith("down_proj.weight"))
+    q, scales = quantize_weight(plain[name])
+    served = ServedForm({**plain, name: q, f"{name}{SCALE_SUFFIX}": scales}, torch.float32)
+    check_version0(_spec(model=ModelSpec(weights_hash="blake3:" + "1" * 64)), served)
 
 
 def test_a_real_checkpoint_defaults_to_bfloat16_and_the_tiny_model_to_float32():
