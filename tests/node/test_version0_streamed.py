@@ -133,11 +133,13 @@ def test_an_fp8_runs_version_0_is_its_served_form_made_from_the_checkpoint_and_v
     model, digest = build_from_shards(CFG, CheckpointShards(directory), torch.bfloat16, "cpu")
     v0 = publish_model(model, None, trainer, KEY, "r", 0, None, SMALL_SHARDS, fp8="all")
     assert any(e.name.endswith("_scale_inv") for e in v0.manifest.tensors), "version 0 in its served form"
-    with torch.no_grad():
-        model.model.layers[1].mlp.experts.down_proj[3].add_(0.01)  # an RL step that moves one expert
+    with torch.no_grad():  # an RL step that moves one expert weight (not its block's largest) and the final norm
+        w = model.model.layers[1].mlp.experts.down_proj[3]
+        w.view(-1)[w.abs().argmin()] += 0.01
+        model.model.norm.weight.add_(0.01)
     v1 = publish_model(model, None, trainer, KEY, "r", 1, 0, SMALL_SHARDS, fp8="all")
     assert v1.manifest.encoding == "delta" and v1.manifest.parent == 0
-    assert v1.manifest.wire_bytes < v0.manifest.wire_bytes / 10, "the delta carries the expert that moved"
+    assert v1.manifest.wire_bytes < v0.manifest.wire_bytes / 10, "the delta carries what moved"
 
     member = Store(tmp_path / "member")
     got, served = _serve(trainer, lambda src: local_version0(_fp8_spec(directory, src, digest), member,
@@ -152,6 +154,28 @@ def test_an_fp8_runs_version_0_is_its_served_form_made_from_the_checkpoint_and_v
     want = ServedForm(read_held(trainer, TrustedPublishers([KEY.peer_id]), "r", 1).tensors(), torch.bfloat16)
     assert isinstance(state, ServedForm) and state.quantised == want.quantised
     assert all(torch.equal(state.tensors[k], want.tensors[k]) for k in want.tensors), "the trainer's bytes exactly"
+
+    # the node's way on: an FP8 engine that loaded version 0 from its checkpoint (quantising the values itself)
+    # takes version 1 as the delta's changed bytes alone, and holds what a whole copy of version 1 gives
+    from node.engine import Engine
+    from node.engine.fp8.model import apply_fp8_mode
+
+    def engine() -> Engine:
+        return Engine(apply_fp8_mode(blank_model(_fp8_spec(directory), "cpu"), "all"), max_batch=2, eos_id=-1)
+
+    rows: list = []
+    node = engine()
+    node.on_swap.append(lambda v, row: rows.append(row))
+    for v, version in ((0, got), (1, state)):
+        node.load_weights(version, v)
+        node._apply_pending()
+    assert state.changes is not None and rows[-1]["sparse_bytes"] == len(state.changes.positions) > 0
+    whole = engine()
+    whole.load_weights(want, 1)
+    whole._apply_pending()
+    mine, other = dict(node.model.named_buffers()), dict(whole.model.named_buffers())
+    assert all(torch.equal(t.view(torch.uint8), other[n].view(torch.uint8)) if t.dtype == torch.float8_e4m3fn
+               else torch.equal(t, other[n]) for n, t in mine.items())
 
     wrong = "blake3:" + ("0" * 64 if digest[-1] != "0" else "1" * 64)
     got, _ = _serve(trainer, lambda src: local_version0(_fp8_spec(directory, src, wrong), Store(tmp_path / "m"),
