@@ -100,6 +100,14 @@ class ServedBytes:
         return got
 
 
+def _quantisable(source, quantised: set[str]) -> bool:  # noqa: ANN001 (a TensorBytes)
+    """Whether every weight a manifest lists with scales is one of `source`'s that the rule quantises (a float
+    tensor of rank >= 2): else the manifest is not this checkpoint's served form, whatever its signer says."""
+    names = source.names()
+    return all(n in names and len(source.header(n)[1]) >= 2 and source.header(n)[0] in ("float32", "bfloat16", "float16")
+               for n in quantised)
+
+
 def has_checkpoint(spec: RunSpec) -> bool:
     """Whether this member can build version 0 itself (the tiny model, or the spec's directory is here)."""
     try:
@@ -185,9 +193,13 @@ def checked_version0(spec: RunSpec, m: Manifest) -> Mapping[str, torch.Tensor] |
     if directory is None:  # the tiny model: built and checked against the pin by load_model
         state = state_dict_to_hf(fresh_model(spec, "cpu"))
         source = StateBytes(state)
+        if quantised and not _quantisable(source, quantised):
+            return None
         source = ServedBytes(state, source, quantised) if quantised else source
         return state if matches_manifest(m.tensors, m.shards, m.shard_size, source) else None
     weights = StreamedWeights.of_checkpoint(directory, model_config(spec), DTYPES[spec.model.dtype])
+    if quantised and not _quantisable(weights, quantised):
+        return None
     digest = WeightsDigest()
     source = DigestingReads(weights, digest)
     if quantised:  # each quantised weight's values read once: quantised for the check, hashed for the pin

@@ -363,3 +363,19 @@ def test_a_checkpoint_changed_on_disk_after_its_check_is_refused_when_loaded(tmp
     assert torch.equal(got["model.norm.weight"], published["model.norm.weight"])  # the others still load
     with pytest.raises(InvalidCheckpoint, match="changed on disk"):
         got[LAST_EXPERT]
+
+
+def test_a_served_manifest_naming_scales_for_a_tensor_the_rule_cannot_quantise_is_not_the_checkpoint(tmp_path):
+    """A signed manifest that lists a norm (rank 1) as e4m3 with scales: the member's check says it is not its
+    checkpoint (version 0 is fetched instead), it does not raise."""
+    from node.roles.version0 import checked_version0
+
+    directory = write_random_shards(CFG, tmp_path / "ckpt", max_shard_bytes=256 << 10)
+    signed, _, _ = _publish(directory, Store(tmp_path / "trainer"))
+    m = signed.manifest
+    norm = next(e for e in m.tensors if e.name == "model.norm.weight")
+    # the check reads names and headers before any byte: a manifest that lists the norm's scales is enough
+    tensors = [e.model_copy(update={"dtype": "float8_e4m3fn"}) if e is norm else e for e in m.tensors]
+    scale = norm.model_copy(update={"name": "model.norm.weight_scale_inv", "dtype": "float32", "shape": [1, 1]})
+    odd = m.model_copy(update={"tensors": [scale, *tensors]})
+    assert checked_version0(_fp8_spec(directory), odd) is None
