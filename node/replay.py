@@ -402,13 +402,17 @@ class _MixedBatch:
     each, and per version one forward of every member's segment of that version, right-padded, each row at its
     own positions (the attention masks keys by position, so a row sees exactly the KV its earlier segments wrote;
     a padded position writes past its row's end, where the next segment writes again before anything reads it).
-    The cache has room for a last segment padded to the longest member's length."""
+    The cache has room for every segment padded to its version's longest here, and no more."""
 
     def __init__(self, ref: TorchReference, members: list[int], items: list):
         cfg = ref.config
         self.ref, self.items, self.members = ref, items, members
-        longest = max(len(items[i][0]) for i in members)
-        self.cache = KVCache(cfg.num_hidden_layers, len(members), cfg.num_key_value_heads, 2 * longest, cfg.head_dim,
+        widest: dict[int, int] = {}  # version -> its longest segment here: every row of its forward is padded to it
+        for i in members:
+            for v, a, b in items[i][1]:
+                widest[v] = max(widest.get(v, 0), b - a)
+        room = max(a + widest[v] for i in members for v, a, _ in items[i][1])  # the last position a forward writes
+        self.cache = KVCache(cfg.num_hidden_layers, len(members), cfg.num_key_value_heads, room, cfg.head_dim,
                              dtype=ref.param_dtype, device=ref.device)
         self.states = {i: {"logits": [], "hidden": [], "routes": [], "router": []} for i in members}
 
