@@ -50,7 +50,9 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert all(r["turn_wait_s"] >= 0 and r["verify_s"] >= 0 for r in judged)
     # what each round was: the versions its claims name, mixed claims, alone on the model or not, the collector
     assert all(r["versions"] >= 1 and 0 <= r["mixed"] <= r["units"] * 8 and r["gc_s"] >= 0 for r in judged)
-    assert any(r["alone"] for r in judged)  # the first round of each new version switches the model
+    # a round whose claims name two versions switches the model between them: never beside a hold (whether any
+    # round does depends on when versions land against the units in flight, so it is not asserted)
+    assert all(isinstance(r["alone"], bool) for r in judged) and all(r["alone"] for r in judged if r["versions"] > 1)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["validator_verify_s"] == round(sum(r["verify_s"] for r in judged), 2)
     assert summary["validator_slowest_round"]["verify_s"] == max(r["verify_s"] for r in judged)
