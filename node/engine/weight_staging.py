@@ -81,13 +81,15 @@ class SparseWrites:
            changes) -> SparseWrites | None:  # noqa: ANN001 (a ChangedBytes)
         import numpy as np
 
-        placed = _byte_places(model, plan, state)
-
-        per_dest: dict[int, tuple[torch.Tensor, list, list]] = {}
+        changed = []  # (tensor entry, its changed bytes' range in `changes`)
         for e in changes.tensors:
             lo, hi = np.searchsorted(changes.positions, [e.offset, e.offset + e.nbytes])
-            if hi == lo:
-                continue
+            if hi > lo:
+                changed.append((e, lo, hi))
+        weights = {e.name.removesuffix(SCALE_SUFFIX) for e, _, _ in changed}  # a scale is placed with its weight
+        placed = _byte_places(model, {n: plan[n] for n in weights if n in plan}, state)
+        per_dest: dict[int, tuple[torch.Tensor, list, list]] = {}
+        for e, lo, hi in changed:
             place = placed.get(e.name)
             if place is None or place[2] != e.nbytes:
                 return None  # a changed tensor that has no byte-exact place
@@ -115,7 +117,8 @@ class SparseWrites:
 def _byte_places(model: CausalLM, plan: dict[str, Target],
                  state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int, int]]:
     """HF name (scales included) -> (the served tensor its bytes are in, byte offset there, byte length), for each
-    tensor of the version that lands byte for byte (see `SparseWrites`; one that does not is left out)."""
+    tensor of `plan` (the ones a delta changed) that lands byte for byte (see `SparseWrites`; one that does not
+    is left out)."""
     live = _served(model)
     published = state.tensors if isinstance(state, ServedForm) else state
     out: dict[str, tuple[torch.Tensor, int, int]] = {}
