@@ -2,13 +2,17 @@
 # One device call: the tiny model learns `reverse` in `primerl-node sim --device cuda` (every role a real process,
 # trainer / validator / inference node on cuda:0), for at most LEARN_S seconds; summary, metrics, report and every
 # role's log come back in $OUT. Carried, git-ignored: .whl (make_wheels.sh).
-#   LEARN_S=470 NODES=1 [VSPEED=0] bash benchmarks/gpu_learn.sh
+#   LEARN_S=470 NODES=1 [VSPEED=0] [GPU_TESTS="tests/..."] bash benchmarks/gpu_learn.sh
+# GPU_TESTS: test files run first (their log comes back as gpu_tests.log).
 set -u
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || echo "wheels not installed"
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L
+if [ -n "${GPU_TESTS:-}" ]; then
+  timeout 150 python3 -m pytest -q -ra -p no:cacheprovider $GPU_TESTS > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
+fi
 L=/tmp/learn; rm -rf $L
 keep() {
   [ -d $L ] || return 0
