@@ -117,7 +117,7 @@ def watch(net: Network) -> tuple[str, bool]:
                 break
         # every VIEW_EVERY_S, and at each look until the view holds every member (a run of fast steps may end
         # within VIEW_EVERY_S of a view taken before its last member had joined)
-        if time.time() - net.view_at[0] >= VIEW_EVERY_S or not members.issubset(net.view_at[1]):
+        if time.time() - net.view_at[0] >= VIEW_EVERY_S or not all_alive(members, net.view_at[1]):
             net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
         if done_steps >= reported + PROGRESS_EVERY:
             reported = done_steps
@@ -132,8 +132,10 @@ def watch(net: Network) -> tuple[str, bool]:
     net.ended_at = time.time()
     # A run that ends right after a coordinator restart may end before its members have joined it again: the
     # last view waits for them (every 0.5 s, at most VIEW_SETTLE_S), so the audit names only a member that is gone.
+    # It waits for each to be alive, not only listed: a restarted coordinator lists the members its state kept
+    # before their next beats reach it, and a member two beats late there is "unhealthy" (session 26's flake).
     settle = time.time() + VIEW_SETTLE_S
-    while not members.issubset(net.view_at[1]) and time.time() < settle:
+    while not all_alive(members, net.view_at[1]) and time.time() < settle:
         time.sleep(0.5)
         net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
     for sig, handler in previous.items():
@@ -195,9 +197,14 @@ def progress_line(done: int, steps: int, elapsed: float, reached: bool, stop_aft
 
 
 VIEW_EVERY_S = 5.0
-VIEW_SETTLE_S = 15.0
-"""How long the end of a run waits for the membership view to hold every member (rejoins after a restart)."""
 """How often the sim reads the coordinator's membership view (its status page) for `membership_at_end`."""
+VIEW_SETTLE_S = 15.0
+"""How long the end of a run waits for the membership view to count every member alive (rejoins after a restart)."""
+
+
+def all_alive(members: set[str], view: dict[str, str]) -> bool:
+    """Whether the coordinator's `view` (peer id -> state) counts every one of `members` alive."""
+    return all(view.get(p) == "alive" for p in members)
 
 
 def _membership_view(port: int) -> dict[str, str] | None:

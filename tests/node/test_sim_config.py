@@ -32,3 +32,24 @@ def test_a_default_sim_runs_the_default_run(tmp_path):
     assert (run.task, run.batch_groups, run.group_size) == \
         (default["task"].default, default["batch_groups"].default, default["group_size"].default)
     assert run.model.fp8 == "off" and run.engines == ["builtin"]
+
+
+def test_the_audit_counts_a_listed_but_unhealthy_member_as_not_alive_and_excuses_only_a_late_restart(tmp_path):
+    """The end-of-run audit (`membership_at_end`): a member the coordinator's view lists but calls "unhealthy" is
+    not alive (the settle loop waits for `all_alive`, not for presence); after a restart too close to the end the
+    same member is reported as not rejoined instead; a member alive in the view is never named."""
+    from node.sim import all_alive, membership_at_end
+    from node.sim_procs import Proc
+
+    keys = {**_keys(), "relay": NodeKey.from_seed(b"relay".ljust(32, b"."))}
+    (tmp_path / "coordinator").mkdir()
+    (tmp_path / "coordinator" / "log.txt").write_text("")
+    procs = {n: Proc(n, ["x"], tmp_path / f"{n}.log") for n in keys}
+    view = {keys["trainer"].peer_id: "alive", keys["validator"].peer_id: "unhealthy", keys["relay"].peer_id: "alive"}
+    members = {k.peer_id for k in keys.values()}
+    assert not all_alive(members, view) and members.issubset(view)
+    assert all_alive(members, {p: "alive" for p in members})
+    judged = membership_at_end(tmp_path, keys, [], (100.0, view), procs)
+    assert judged["honest_not_alive_at_end"] == ["validator"]
+    late = membership_at_end(tmp_path, keys, [], (100.0, view), procs, restarted_before_end=True)
+    assert late["honest_not_alive_at_end"] == [] and late["honest_not_rejoined_before_end"] == ["validator"]
