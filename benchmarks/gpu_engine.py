@@ -85,9 +85,16 @@ def profiled(fn, steps: int = 1, top: int = 15) -> dict:  # noqa: ANN001
         rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(t for _, t, _ in rows) or 1.0
     rows.sort(key=lambda r: -r[1])
-    return {"wall_s_per_step": wall / steps, "kernels_s_per_step": total / 1e6 / steps,
-            "top": [{"kernel": k[:120], "us_per_step": round(t / steps, 1), "calls_per_step": c / steps,
-                     "share": round(t / total, 4)} for k, t, c in rows[:top]]}
+    out = {"wall_s_per_step": wall / steps, "kernels_s_per_step": total / 1e6 / steps,
+           "top": [{"kernel": k[:120], "us_per_step": round(t / steps, 1), "calls_per_step": c / steps,
+                    "share": round(t / total, 4)} for k, t, c in rows[:top]]}
+    if cuda:  # where the host's time went beside the kernels: operators and CUDA runtime calls by their own CPU time
+        host = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()
+                       if e.self_cpu_time_total > 0 and e.device_type == torch.autograd.DeviceType.CPU),
+                      key=lambda r: -r[1])
+        out["host_top"] = [{"op": k[:80], "self_cpu_us_per_step": round(t / steps, 1), "calls_per_step": c / steps}
+                           for k, t, c in host[:top]]
+    return out
 
 
 def decode_profile(engine: CudaEngine, cfg, b: int, steps: int = 4, top: int = 15) -> dict:  # noqa: ANN001

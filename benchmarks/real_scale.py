@@ -446,8 +446,11 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
         result["verify_profile"] = prof = profiled(lambda: verify_claims(claims[:64], ref))
         log(f"validator, 64 claims: {prof['wall_s_per_step']:.2f} s, kernels {prof['kernels_s_per_step']:.2f} s: "
             + "; ".join(f"{k['us_per_step'] / 1e3:.0f} ms {k['kernel'][:60]}" for k in prof["top"][:8]))
+        log("validator, 64 claims, host: " + "; ".join(f"{k['self_cpu_us_per_step'] / 1e3:.0f} ms {k['op'][:40]} "
+                                                       f"x{k['calls_per_step']:.0f}" for k in prof.get("host_top", [])[:10]))
     except Exception as exc:  # noqa: BLE001 - costs only this figure
         log(f"validator profile failed: {type(exc).__name__}: {exc}")
+    result["verify_python_profile"] = python_profile(lambda: verify_claims(claims[:64], ref))
     # untimed: the same claims as the role meets them, submissions of 8 judged together (pooled evidence)
     units = [c.model_copy(update={"work_id": i // UNIT}) for i, c in enumerate(claims)]
     pooled = verify_claims(units, ref)
@@ -457,6 +460,29 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     log(f"validator, submissions of {UNIT}: {len(failed_units)} of {result['verify_units']} rejected")
     write_result(result["name"], result)
     calibrate(claims, ref, evidence, result, [v.accepted for v in verdicts])
+
+
+def python_profile(fn, top: int = 30) -> dict:  # noqa: ANN001
+    """`fn()` once under cProfile (no torch profiler: its per-operator cost is not in this wall): the wall seconds and
+    the `top` functions by their own time and by cumulative time, as pstats prints them (for the host's share)."""
+    import cProfile
+    import io
+    import pstats
+
+    _sync()
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    fn()
+    _sync()
+    pr.disable()
+    out = {"wall_s": time.perf_counter() - t}
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats(key).print_stats(top)
+        out[key] = [line.strip()[:200] for line in text.getvalue().splitlines() if line.strip()][-top:]
+    log(f"validator, 64 claims under cProfile: {out['wall_s']:.2f} s; by own time: " + " | ".join(out["tottime"][:6]))
+    return out
 
 
 def calibrate(claims: list, ref, evidence: list, result: dict, passed: list[bool], group: int = UNIT,
