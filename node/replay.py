@@ -6,6 +6,7 @@ Kept here (not in `verification/`) because `verification` may import only `proto
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -320,14 +321,30 @@ def measure_rows(parts: list[torch.Tensor], claimed: list[int], temps: list[floa
 
     device, n = parts[0].device, len(claimed)
     temps_t, top_p_t = torch.tensor(temps, dtype=torch.float32), torch.tensor(top_p, dtype=torch.float32)
-    # every row's inputs in one transfer of floats (divisor, top-p) and one of integers (claimed token, token
-    # seed), not a few a chunk: a copy from pageable host memory waits for the work queued on the device
-    floats = torch.stack([torch.where(temps_t > 0, temps_t, torch.ones_like(temps_t)), top_p_t]).to(device)
+    # every row's inputs in one transfer of floats (divisor, top-p, temperature) and one of integers (claimed
+    # token, token seed), not a few a chunk: a copy from pageable host memory waits for the work queued on the device
+    drawn_t = torch.tensor([s is not None for s in seeds], dtype=torch.bool)
+    floats = torch.stack([torch.where(temps_t > 0, temps_t, torch.ones_like(temps_t)), top_p_t,
+                          torch.where(drawn_t, temps_t, torch.zeros_like(temps_t))]).to(device)
     ints = torch.tensor([claimed, [0 if s is None else s for s in seeds]], dtype=torch.long).to(device)
     divisor, claimed_t = floats[0], ints[0]
+    fused = fused_replay(device) and bool(((temps_t > 0) == drawn_t).all())
     figures = torch.empty(3, n, dtype=torch.float32, device=device)  # claimed logprob, replayed token, margin
     for a, x in _row_chunks(parts, chunk_rows):
         b = a + x.shape[0]
+        if fused:  # two Triton passes over the chunk's logits; the nucleus (if any row has one) from torch
+            from node.engine.sampling_kernels import replay_triton
+
+            keep = None
+            nucleus = (top_p_t[a:b] < 1).nonzero().squeeze(-1)
+            if len(nucleus):
+                keep = torch.ones(x.shape, dtype=torch.bool, device=device)
+                rows = nucleus.to(device)
+                logp = torch.log_softmax(x[rows].float() / divisor[a:b][rows, None], dim=-1)
+                keep[rows] = top_p_mask(logp, floats[1, a:b][rows])
+            lp, tok, margin = replay_triton(x, floats[2, a:b], ints[1, a:b], claimed_t[a:b], keep)
+            figures[0, a:b], figures[1, a:b], figures[2, a:b] = lp, tok.float(), margin
+            continue
         logp = torch.log_softmax(x.float() / divisor[a:b, None], dim=-1)
         figures[0, a:b] = logp.gather(-1, claimed_t[a:b, None]).squeeze(-1)
         scores = logp
@@ -358,6 +375,18 @@ def measure_rows(parts: list[torch.Tensor], claimed: list[int], temps: list[floa
         figures[2, a:b] = top2.values[:, 0] - top2.values[:, 1]
     host = figures.cpu()
     return host[0], host[1].long(), host[2]
+
+
+def fused_replay(device: torch.device) -> bool:
+    """Whether `measure_rows` replays the seeded rule with the Triton passes (`sampling_kernels.replay_triton`:
+    no [rows, V] noise or score temporaries) rather than torch ops: on a GPU (unless PRIMERL_REPLAY=torch, kept to
+    measure against), and on the CPU only in Triton's interpreter with PRIMERL_REPLAY=triton (tests)."""
+    choice = os.environ.get("PRIMERL_REPLAY", "")
+    if choice == "torch":
+        return False
+    if device.type == "cuda":
+        return True
+    return choice == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _row_chunks(parts: list[torch.Tensor], chunk_rows: int) -> Iterator[tuple[int, torch.Tensor]]:

@@ -26,17 +26,27 @@ log = logging.getLogger(__name__)
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr):
-    row = tl.program_id(0)
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
+                      ROWS: tl.constexpr):
+    # ROWS rows x one GROUP-wide block a program (one row a program made a grid of rows x K / 128 programs of 256
+    # bytes each: 160 ms of a 30B validator's 1.18 s of kernels for 64 claims on an H100, ~9x off bandwidth)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, GROUP)
-    mask = offs < K
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+    live = rows < M
+    mask = live[:, None] & (offs < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
     scale = amax / 448.0
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, scale)
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=live)
+
+
+def quant_act_rows(m: int) -> int:
+    """Rows one program of `_quant_act_kernel` quantises: 32 for prefill-sized inputs, fewer for a decode step's
+    few rows (the grid still spreads over the GPU's SMs)."""
+    return 32 if m > 1024 else 8 if m > 64 else 1
 
 
 def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +56,9 @@ def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, kb), dtype=torch.float32, device=x.device)
     if m:
-        _quant_act_kernel[(m, kb)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=BLOCK)
+        rows = quant_act_rows(m)
+        _quant_act_kernel[(triton.cdiv(m, rows), kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+                                                     GROUP=BLOCK, ROWS=rows)
     return q, s
 
 

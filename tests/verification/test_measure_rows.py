@@ -1,8 +1,10 @@
 """The validator's per-token measurement (`node.replay.measure_rows`), its inputs sent to the device once and
 whole chunks noised or nucleus-cut without gathering rows, gives the figures the row-gathering rule gives."""
 
+import importlib.util
 import random
 
+import pytest
 import torch
 
 from node.engine.sampling import gumbel_noise, token_seeds, top_p_mask
@@ -57,3 +59,48 @@ def test_rows_measured_by_whole_chunks_get_the_figures_of_the_row_gathering_rule
         want = _row_by_row(parts, claimed, temps, top_p, seeds, chunk)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def _triton_or_skip(device: str, monkeypatch) -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("no Triton here")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_fused_replay_gets_the_figures_of_the_torch_ops(device, monkeypatch):
+    """`measure_rows` through `sampling_kernels.replay_triton` (two Triton passes, the noise drawn in the kernel) and
+    through torch ops: the same replayed token wherever the margin is clear, the claimed log-probability and the
+    margin within float32 rounding of a log-sum-exp reduced in another order, an infinite margin (a one-token
+    nucleus) in the same rows. On the CPU in Triton's interpreter (small vocabularies), on a GPU at Qwen3's 151,936."""
+    _triton_or_skip(device, monkeypatch)
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(1)
+    vocabs = [5, 88, 300, 5000] if device == "cpu" else [88, 49_152, 151_936]
+    for it in range(10 if device == "cpu" else 6):
+        vocab = vocabs[it % len(vocabs)]
+        rows = [rng.randrange(1, 12 if device == "cpu" else 300) for _ in range(rng.randrange(1, 4))]
+        parts = [(torch.randn(r, vocab, generator=gen) * rng.choice([1, 4])).to(torch.bfloat16).to(device)
+                 for r in rows]
+        n = sum(rows)
+        mix = ["sampled", "greedy", "mixed"][it % 3]
+        temps = [0.0 if mix == "greedy" or (mix == "mixed" and rng.random() < 0.4) else rng.choice([0.7, 1.0])
+                 for _ in range(n)]
+        top_p = [rng.choice([1.0, 0.9, 0.5]) for _ in range(n)] if it % 2 else [rng.choice([1.0, 0.8])] * n
+        seeds = [s if t > 0 else None for s, t in zip(token_seeds(rng.randrange(1 << 40), range(n)), temps)]
+        claimed = [rng.randrange(vocab) for _ in range(n)]
+        chunk = rng.choice([1, 7, 64, 1000])
+        monkeypatch.setenv("PRIMERL_REPLAY", "torch")
+        want = [t.cpu() for t in measure_rows(parts, claimed, temps, top_p, seeds, chunk)]
+        monkeypatch.setenv("PRIMERL_REPLAY", "triton")
+        got = [t.cpu() for t in measure_rows(parts, claimed, temps, top_p, seeds, chunk)]
+        clear = want[2] > 1e-4
+        assert clear.float().mean() > 0.5
+        assert torch.equal(got[1][clear], want[1][clear])
+        assert (got[0] - want[0]).abs().max() <= 1e-5 * max(1.0, float(want[0].abs().max()))
+        finite = torch.isfinite(want[2])
+        assert torch.equal(torch.isfinite(got[2]), finite)
+        assert (got[2][finite] - want[2][finite]).abs().max() <= 1e-5 * max(1.0, float(want[2][finite].abs().max()))
