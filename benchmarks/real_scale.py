@@ -435,6 +435,18 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
                   verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
+    if device != "cpu":  # the same judging with the seeded replay in torch ops (the way before session 27), same GPU
+        os.environ["PRIMERL_REPLAY"] = "torch"
+        try:
+            t = time.perf_counter()
+            same = verify_claims(claims, ref)
+            _sync()
+            result["verify_s_torch_replay"] = time.perf_counter() - t
+            result["verify_same_verdicts_torch_replay"] = [v.accepted for v in same] == [v.accepted for v in verdicts]
+        finally:
+            del os.environ["PRIMERL_REPLAY"]
+        log(f"validator, the replay in torch ops: {result['verify_s_torch_replay']:.1f}s "
+            f"(same verdicts: {result['verify_same_verdicts_torch_replay']})")
     write_result(result["name"], result)  # a run cut later keeps these
     try:  # a failure costs only this figure
         hold_version(model, spec, manifest, result)
