@@ -447,6 +447,19 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
             del os.environ["PRIMERL_REPLAY"]
         log(f"validator, the replay in torch ops: {result['verify_s_torch_replay']:.1f}s "
             f"(same verdicts: {result['verify_same_verdicts_torch_replay']})")
+        # and with cuDNN's attention off (flash / memory-efficient instead): its host cost was 0.9 ms a call in
+        # session 27's profile (171 ms of 64 claims' 1.17 s); the role does not do this, it is measured here first
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
+            t = time.perf_counter()
+            same = verify_claims(claims, ref)
+            _sync()
+            result["verify_s_no_cudnn_sdp"] = time.perf_counter() - t
+            result["verify_same_verdicts_no_cudnn_sdp"] = [v.accepted for v in same] == [v.accepted for v in verdicts]
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+        log(f"validator, cuDNN attention off: {result['verify_s_no_cudnn_sdp']:.1f}s "
+            f"(same verdicts: {result['verify_same_verdicts_no_cudnn_sdp']})")
     write_result(result["name"], result)  # a run cut later keeps these
     try:  # a failure costs only this figure
         hold_version(model, spec, manifest, result)
