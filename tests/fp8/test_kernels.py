@@ -22,15 +22,17 @@ def _cases(device: str):
     from node.fp8.kernels import gemm_triton, grouped_gemm_triton, quant_act_rows, quantize_act_triton
 
     # activation quantisation against the reference at each rows-a-program setting and a ragged last tile: the
-    # scales within a float32 rounding (a GPU's Triton divides amax / 448 approximately: an H100 gave scales one
-    # ulp apart), the e4m3 values the same but for a rare rounding flip (the interpreter's cast to e4m3 rounds
-    # otherwise than a GPU's: there the scales alone are compared)
+    # scales within a float32 rounding (a GPU's Triton divides approximately: on an H100 scales one ulp apart, and
+    # 1 of 1,500 e4m3 values of a bf16 input one code off), the e4m3 values the same but for rare flips to the next
+    # code (the interpreter's cast to e4m3 rounds otherwise than a GPU's: there the scales alone are compared)
     for m in (5, 70, 1100):
         a = (torch.randn(m, 300, device=device) * torch.rand(m, 1, device=device) * 8).to(torch.bfloat16)
         q, s = quantize_act_triton(a)
         rq, rs = quantize_act(a)
         assert torch.allclose(s, rs, rtol=1e-6, atol=0), m
-        assert device == "cpu" or (q.view(torch.uint8) != rq.view(torch.uint8)).float().mean() <= 1e-4, m
+        if device != "cpu":
+            codes = q.view(torch.uint8).int() - rq.view(torch.uint8).int()
+            assert codes.abs().max() <= 1 and (codes != 0).float().mean() <= 5e-3, m
     assert [quant_act_rows(m) for m in (5, 70, 1100)] == [1, 8, 32]
     x, w = torch.randn(37, 300, device=device), torch.randn(150, 300, device=device) * 0.05
     xq, xs = quantize_act(x)
