@@ -106,3 +106,19 @@ def test_the_fused_replay_gets_the_figures_of_the_torch_ops(device, monkeypatch)
         finite = torch.isfinite(want[2])
         assert torch.equal(torch.isfinite(got[2]), finite)
         assert (got[2][finite] - want[2][finite]).abs().max() <= 1e-5 * max(1.0, float(want[2][finite].abs().max()))
+
+
+def test_a_gpu_validator_recomputes_without_cudnn_attention_and_restores_the_process_setting(monkeypatch):
+    """`judging_attention`: on a GPU the recomputation's attention leaves cuDNN's kernel out (its per-call host cost)
+    and the process's settings come back after; on the CPU, or with PRIMERL_JUDGE_SDPA=cudnn, nothing changes."""
+    from node.replay import judging_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
+    with judging_attention(on_device=True):
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    with judging_attention(on_device=False):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+    monkeypatch.setenv("PRIMERL_JUDGE_SDPA", "cudnn")
+    with judging_attention(on_device=True):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
