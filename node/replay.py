@@ -128,7 +128,9 @@ class TorchReference(Reference):
             ends = [max(lo, n - base) for n, lo in zip(lens, los)]
             # copies, not views: a view would keep the whole batch's [B, T, V] logits alive
             if self.on_device:  # every member's rows in one gather each, views of them (2 kernels, not 2 a member)
-                logits = _rows(res.logits, los, ends).to(torch.float32)
+                # in the model's dtype: the replay reads them as float32 (`measure_rows`), exact, with no [N, V]
+                # float32 copy beside them (twice the bytes of bf16 logits, written and read again)
+                logits = _rows(res.logits, los, ends)
                 hidden = _rows(res.hidden, [0] * len(lens), lens)
                 rows, a, h = [], 0, 0
                 for lo, end, n in zip(los, ends, lens):
