@@ -447,7 +447,7 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
             del os.environ["PRIMERL_REPLAY"]
         log(f"validator, the replay in torch ops: {result['verify_s_torch_replay']:.1f}s "
             f"(same verdicts: {result['verify_same_verdicts_torch_replay']})")
-        # and with cuDNN's attention (the way before session 27: `node.replay.judging_attention` leaves it out)
+        # and with cuDNN's attention (the way before session 27: `node.replay.judging_kernels` leaves it out)
         os.environ["PRIMERL_JUDGE_SDPA"] = "cudnn"
         try:
             t = time.perf_counter()

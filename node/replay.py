@@ -7,7 +7,7 @@ Kept here (not in `verification/`) because `verification` may import only `proto
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 import torch
@@ -95,7 +95,7 @@ class TorchReference(Reference):
     def prefill(self, version: int, sequences: list[list[int]], with_routes: bool = False,
                 with_router_logits: bool = False, logits_from: list[int] | None = None,
                 replay: list[torch.Tensor] | None = None) -> list[tuple]:
-        with exact_float32(self.exact_float32), judging_attention(self.on_device):
+        with exact_float32(self.exact_float32), judging_kernels(self.on_device):
             return self._prefill(version, sequences, with_routes, with_router_logits, logits_from, replay)
 
     def _prefill(self, version: int, sequences: list[list[int]], with_routes: bool, with_router_logits: bool,
@@ -151,7 +151,7 @@ class TorchReference(Reference):
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
                       with_routes: bool = False, with_router_logits: bool = False, logits_from: int = 0,
                       replay: torch.Tensor | None = None, free_before: int = 0) -> tuple:
-        with exact_float32(self.exact_float32), judging_attention(self.on_device):
+        with exact_float32(self.exact_float32), judging_kernels(self.on_device):
             return self._prefill_mixed(sequence, segments, with_routes, with_router_logits, logits_from, replay,
                                        free_before)
 
@@ -164,7 +164,7 @@ class TorchReference(Reference):
         version, not twice per sequence; and in batches (`_MixedBatch`: sequences of similar length, bounded in
         padded tokens as `prefill`'s are, each segment at its own positions over the KV its earlier segments
         wrote), one forward per version and batch, not one per segment. Any other sequence alone."""
-        with exact_float32(self.exact_float32), judging_attention(self.on_device):
+        with exact_float32(self.exact_float32), judging_kernels(self.on_device):
             out: list[tuple | None] = [None] * len(items)
             rising = [i for i, it in enumerate(items) if all(a[0] < b[0] for a, b in zip(it[1], it[1][1:]))]
             for i in sorted(set(range(len(items))) - set(rising)):
@@ -257,18 +257,35 @@ class TorchReference(Reference):
 
 
 @contextmanager
-def judging_attention(on_device: bool) -> Iterator[None]:
-    """The recomputation's attention on a GPU without cuDNN's kernel (flash, memory-efficient, or math where neither
-    takes the shapes): cuDNN's cost 0.9 ms of host time a call (a graph per new shape; 171 ms of 64 claims' 1.17 s on
-    an H100 at the 30B shape), and 256 claims were judged in 3.5 s without it against 4.1 s, every verdict the same
-    (session 27, `benchmarks.real_scale`'s `verify_s_no_cudnn_sdp`). PRIMERL_JUDGE_SDPA=cudnn keeps it (to measure)."""
-    if not on_device or os.environ.get("PRIMERL_JUDGE_SDPA") == "cudnn":
+def judging_kernels(on_device: bool) -> Iterator[None]:
+    """The recomputation's kernels on a GPU. Attention without cuDNN's kernel (flash, memory-efficient, or math where
+    neither takes the shapes): cuDNN's cost 0.9 ms of host time a call (a graph per new shape; 171 ms of 64 claims'
+    1.17 s on an H100 at the 30B shape), and 256 claims were judged in 3.5 s without it against 4.1 s, every verdict
+    the same (session 27, `benchmarks.real_scale`'s `verify_s_no_cudnn_sdp`); PRIMERL_JUDGE_SDPA=cudnn keeps it (to
+    measure). RMSNorm as the engine's one Triton kernel (`norm_kernels.rms_norm`, what a node's `CudaEngine` runs:
+    the module's float32 path is seven kernels, ~10% of those 64 claims' kernel time; not measured apart yet);
+    PRIMERL_FUSED_KERNELS=0 keeps the module's, as it does in the engine."""
+    if not on_device:
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
+    from node.engine.forward import FUSED
+    from node.model.qwen3_moe import FUSED_NORM
+
+    attention = (nullcontext() if os.environ.get("PRIMERL_JUDGE_SDPA") == "cudnn"
+                 else sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+    token = None
+    if FUSED and torch.cuda.is_available():
+        from node.engine.norm_kernels import rms_norm
+
+        token = FUSED_NORM.set(rms_norm)
+    try:
+        with attention:
+            yield
+    finally:
+        if token is not None:
+            FUSED_NORM.reset(token)
 
 
 @contextmanager

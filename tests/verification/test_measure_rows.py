@@ -109,16 +109,43 @@ def test_the_fused_replay_gets_the_figures_of_the_torch_ops(device, monkeypatch)
 
 
 def test_a_gpu_validator_recomputes_without_cudnn_attention_and_restores_the_process_setting(monkeypatch):
-    """`judging_attention`: on a GPU the recomputation's attention leaves cuDNN's kernel out (its per-call host cost)
+    """`judging_kernels`: on a GPU the recomputation's attention leaves cuDNN's kernel out (its per-call host cost)
     and the process's settings come back after; on the CPU, or with PRIMERL_JUDGE_SDPA=cudnn, nothing changes."""
-    from node.replay import judging_attention
+    from node.replay import judging_kernels
 
     before = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
-    with judging_attention(on_device=True):
+    with judging_kernels(on_device=True):
         assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
-    with judging_attention(on_device=False):
+    with judging_kernels(on_device=False):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
     monkeypatch.setenv("PRIMERL_JUDGE_SDPA", "cudnn")
-    with judging_attention(on_device=True):
+    with judging_kernels(on_device=True):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+
+
+def test_the_fused_norm_a_judge_sets_is_taken_on_a_gpu_outside_autograd_only():
+    """`qwen3_moe.FUSED_NORM`: RMSNorm takes the kernel a caller set only for CUDA tensors with autograd off, so a
+    trainer's forward (and any CPU forward) stays the module's; with no kernel set, the module's always."""
+    from node.model.qwen3_moe import FUSED_NORM, RMSNorm
+
+    calls = []
+    norm = RMSNorm(8, 1e-6)
+    x = torch.randn(3, 8)
+    want = norm(x)
+    token = FUSED_NORM.set(lambda *a: calls.append(a) or a[0])
+    try:
+        with torch.no_grad():
+            assert torch.equal(norm(x), want)  # a CPU tensor: the module's
+        assert torch.equal(norm(x), want) and calls == []
+    finally:
+        FUSED_NORM.reset(token)
+    if torch.cuda.is_available():
+        from node.engine.norm_kernels import rms_norm
+        from node.replay import judging_kernels
+
+        g = norm.cuda().to(torch.bfloat16)
+        xg = (torch.randn(37, 8, device="cuda") * 3).to(torch.bfloat16)
+        with torch.no_grad(), judging_kernels(on_device=True):
+            assert torch.equal(g(xg), rms_norm(xg, g.weight, 1e-6))
+        assert FUSED_NORM.get() is None
