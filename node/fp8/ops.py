@@ -96,20 +96,21 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.T
 
 def grouped_linear(
     x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor | None = None,
-    capacity: int | None = None,
+    capacity: int | None = None, tiles: dict | None = None,
 ) -> torch.Tensor:
     """Rows of x [T, K] sorted by expert (counts [E]) times w[e] [N, K]^T.
 
     With w_s the weight is e4m3 with 128x128 block scales and x is quantised per row per group;
     without it this is the plain (bf16) grouped product, the comparison path. `capacity` (the most
-    rows any expert can have: the token count) lets decode-sized batches take DeepGEMM.
+    rows any expert can have: the token count) lets decode-sized batches take DeepGEMM. `tiles`: the
+    Triton kernel's tile tables, kept by the caller across products over the same rows and counts.
     """
     if _use_triton(x):
         from node.fp8.kernels import grouped_gemm_triton
 
         x = x.contiguous()
         if w_s is None:
-            return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype)
+            return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype, tiles=tiles)
         x_q, x_s = quantize_activation(x)
         if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.is_cuda and deepgemm_shape(w)
                 and grouped_backend(x.device) == "deepgemm-masked+triton"):
@@ -121,7 +122,7 @@ def grouped_linear(
                 if torch.cuda.is_current_stream_capturing():
                     raise
                 deepgemm.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
-        return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype)
+        return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype, tiles=tiles)
     out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0
     for e, c in enumerate(counts.tolist()):

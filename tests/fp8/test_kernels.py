@@ -45,6 +45,10 @@ def _cases(device: str):
     xq, xs = quantize_act(xe)
     wq, ws = quantize_weight(we)
     out = grouped_gemm_triton(xq, wq, counts, xs, ws, out_dtype=torch.float32)
+    tiles: dict = {}  # one tile table for products over the same rows and counts, built by the first, read by the next
+    assert torch.equal(grouped_gemm_triton(xq, wq, counts, xs, ws, out_dtype=torch.float32, tiles=tiles), out)
+    assert len(tiles) == 1 and torch.equal(grouped_gemm_triton(xq, wq, counts, xs, ws, out_dtype=torch.float32,
+                                                               tiles=tiles), out)
     xd, wd = dequantize_act(xq, xs).double(), dequantize_weight(wq, ws).double()
     bounds = [0, 3, 3, 20, 21, 30]
     ref = torch.cat([xd[bounds[e]:bounds[e + 1]] @ wd[e].t() for e in range(5)])

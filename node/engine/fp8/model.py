@@ -115,10 +115,11 @@ class FP8GroupedExperts(_QuantizedWeights):
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         cap = None if self.top_k is None else -(-x_sorted.shape[0] // self.top_k)
-        gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale, capacity=cap)
+        tiles: dict = {}  # the two products share their rows and counts: one tile table
+        gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale, capacity=cap, tiles=tiles)
         gate, up = gu.chunk(2, dim=-1)
         return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj, self.down_proj_scale,
-                              capacity=cap)
+                              capacity=cap, tiles=tiles)
 
     def fill_from(self, prefix: str, source) -> None:  # noqa: ANN001 (node.model.fill.WeightSource)
         """Expert by expert: a checkpoint's gate and up blocks stacked as they are when the gate rows end on a
