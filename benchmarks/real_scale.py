@@ -435,30 +435,10 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
                   verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
-    if device != "cpu":  # the same judging with the seeded replay in torch ops (the way before session 27), same GPU
-        os.environ["PRIMERL_REPLAY"] = "torch"
-        try:
-            t = time.perf_counter()
-            same = verify_claims(claims, ref)
-            _sync()
-            result["verify_s_torch_replay"] = time.perf_counter() - t
-            result["verify_same_verdicts_torch_replay"] = [v.accepted for v in same] == [v.accepted for v in verdicts]
-        finally:
-            del os.environ["PRIMERL_REPLAY"]
-        log(f"validator, the replay in torch ops: {result['verify_s_torch_replay']:.1f}s "
-            f"(same verdicts: {result['verify_same_verdicts_torch_replay']})")
-        # and with cuDNN's attention (the way before session 27: `node.replay.judging_kernels` leaves it out)
-        os.environ["PRIMERL_JUDGE_SDPA"] = "cudnn"
-        try:
-            t = time.perf_counter()
-            same = verify_claims(claims, ref)
-            _sync()
-            result["verify_s_cudnn_sdp"] = time.perf_counter() - t
-            result["verify_same_verdicts_cudnn_sdp"] = [v.accepted for v in same] == [v.accepted for v in verdicts]
-        finally:
-            del os.environ["PRIMERL_JUDGE_SDPA"]
-        log(f"validator, cuDNN attention: {result['verify_s_cudnn_sdp']:.1f}s "
-            f"(same verdicts: {result['verify_same_verdicts_cudnn_sdp']})")
+    if device != "cpu":  # the same judging the ways before session 27, same GPU, same claims
+        for name, var, what in (("torch_replay", "PRIMERL_REPLAY", "torch"),  # the seeded replay in torch ops
+                                ("cudnn_sdp", "PRIMERL_JUDGE_SDPA", "cudnn")):  # cuDNN's attention kept
+            judge_again(claims, ref, verdicts, result, name, var, what)
     write_result(result["name"], result)  # a run cut later keeps these
     try:  # a failure costs only this figure
         hold_version(model, spec, manifest, result)
@@ -484,6 +464,23 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     log(f"validator, submissions of {UNIT}: {len(failed_units)} of {result['verify_units']} rejected")
     write_result(result["name"], result)
     calibrate(claims, ref, evidence, result, [v.accepted for v in verdicts])
+
+
+def judge_again(claims: list, ref, verdicts: list, result: dict, name: str, var: str, value: str) -> None:  # noqa: ANN001
+    """`claims` judged again with the environment variable `var` set to `value` (a way the role judged before):
+    `verify_s_{name}` and whether every verdict came out the same (`verify_same_verdicts_{name}`)."""
+    from verification.validator import verify_claims
+
+    os.environ[var] = value
+    try:
+        t = time.perf_counter()
+        same = verify_claims(claims, ref)
+        _sync()
+        result[f"verify_s_{name}"] = time.perf_counter() - t
+        result[f"verify_same_verdicts_{name}"] = [v.accepted for v in same] == [v.accepted for v in verdicts]
+    finally:
+        del os.environ[var]
+    log(f"validator, {var}={value}: {result[f'verify_s_{name}']:.1f}s (same verdicts: {result[f'verify_same_verdicts_{name}']})")
 
 
 def python_profile(fn, top: int = 30) -> dict:  # noqa: ANN001

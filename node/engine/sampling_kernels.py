@@ -16,6 +16,17 @@ BLOCK = 1024
 
 
 @triton.jit
+def _gumbel(seed, offs):
+    """Gumbel noise (float32) of word ids `offs` for a token seed (uint64): splitmix64 of seed + (id + 1) * golden."""
+    h = seed + (offs + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+    h = h ^ (h >> 31)
+    u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    return (-tl.log(-tl.log(u))).to(tl.float32)
+
+
+@triton.jit
 def _lse_kernel(x_ptr, t_ptr, m_ptr, s_ptr, V, stride_x, NC,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -52,13 +63,7 @@ def _argmax_kernel(x_ptr, t_ptr, seed_ptr, lse_ptr, best_ptr, idx_ptr, V, stride
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=float("-inf")).to(tl.float32)
         x = tl.where(t > 0, x / tl.where(t > 0, t, 1.0), x)
         logp = x - lse
-        h = seed + (offs + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-        h = h ^ (h >> 31)
-        u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)
-        g = (-tl.log(-tl.log(u))).to(tl.float32)
-        score = logp + tl.where(t > 0, g, 0.0)
+        score = logp + tl.where(t > 0, _gumbel(seed, offs), 0.0)
         score = tl.where(valid, score, float("-inf"))
         take = score > best
         best = tl.where(take, score, best)
@@ -110,13 +115,7 @@ def _top2_kernel(x_ptr, t_ptr, seed_ptr, lse_ptr, keep_ptr, b1_ptr, i1_ptr, b2_p
         valid = offs < V
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=float("-inf")).to(tl.float32)
         x = tl.where(t > 0, x / tl.where(t > 0, t, 1.0), x)
-        h = seed + (offs + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-        h = h ^ (h >> 31)
-        u = ((h >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)
-        g = (-tl.log(-tl.log(u))).to(tl.float32)
-        score = (x - lse) + tl.where(t > 0, g, 0.0)
+        score = (x - lse) + tl.where(t > 0, _gumbel(seed, offs), 0.0)
         if MASKED:
             keep = tl.load(keep_ptr + row.to(tl.int64) * stride_keep + offs, mask=valid, other=0)
             score = tl.where(keep != 0, score, float("-inf"))
