@@ -1,4 +1,5 @@
-"""Triton passes of the seeded sampler (`device_sampling`): log-sum-exp, then the perturbed argmax.
+"""Triton passes of the seeded sampler (`device_sampling`) and of the validator's replay of it: log-sum-exp, then the
+perturbed best (and second-best) word of each chunk.
 
 Each program reads one CHUNK of one row's logits; per-chunk partials are reduced in torch. The
 hash that draws the noise is splitmix64 in uint64 (Triton's shifts on unsigned types are logical
@@ -47,53 +48,31 @@ def _lse_kernel(x_ptr, t_ptr, m_ptr, s_ptr, V, stride_x, NC,
     tl.store(s_ptr + row * NC + c, ss)
 
 
-@triton.jit
-def _argmax_kernel(x_ptr, t_ptr, seed_ptr, lse_ptr, best_ptr, idx_ptr, V, stride_x, NC,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    t = tl.load(t_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    seed = tl.load(seed_ptr + row).to(tl.uint64)
-    best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_i = tl.zeros((BLOCK,), tl.int32)
-    for j in range(0, CHUNK, BLOCK):
-        offs = c * CHUNK + j + tl.arange(0, BLOCK)
-        valid = offs < V
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=float("-inf")).to(tl.float32)
-        x = tl.where(t > 0, x / tl.where(t > 0, t, 1.0), x)
-        logp = x - lse
-        score = logp + tl.where(t > 0, _gumbel(seed, offs), 0.0)
-        score = tl.where(valid, score, float("-inf"))
-        take = score > best
-        best = tl.where(take, score, best)
-        best_i = tl.where(take, offs, best_i)
-    b = tl.max(best, 0)
-    i = tl.min(tl.where(best == b, best_i, 2147483647), 0)
-    tl.store(best_ptr + row * NC + c, b)
-    tl.store(idx_ptr + row * NC + c, i)
-
-
 def sample_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B] long, logprobs [B], log-sum-exp [B]) by the seeded rule, top_p = 1; no host sync."""
+    temps = temps.float().contiguous()
+    lse = _lse(logits, temps)
+    b1, i1, _ = _chunk_best(logits, temps, seeds, lse)
+    tokens = i1.gather(1, b1.argmax(1, keepdim=True)).squeeze(1).long()
+    return tokens, _logprob_of(logits, temps, lse, tokens), lse
+
+
+def _lse(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp of logits / T (T <= 0: of the logits), [B] float32: per-chunk partials, reduced here."""
     b, v = logits.shape
     nc = triton.cdiv(v, CHUNK)
-    dev = logits.device
-    m = torch.empty(b, nc, dtype=torch.float32, device=dev)
-    s = torch.empty(b, nc, dtype=torch.float32, device=dev)
-    temps = temps.float().contiguous()
+    m = torch.empty(b, nc, dtype=torch.float32, device=logits.device)
+    s = torch.empty(b, nc, dtype=torch.float32, device=logits.device)
     _lse_kernel[(b, nc)](logits, temps, m, s, v, logits.stride(0), nc, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
     mx = m.max(1, keepdim=True).values
-    lse = (mx + torch.log((s * torch.exp(m - mx)).sum(1, keepdim=True))).squeeze(1).contiguous()
-    best = torch.empty(b, nc, dtype=torch.float32, device=dev)
-    idx = torch.empty(b, nc, dtype=torch.int32, device=dev)
-    _argmax_kernel[(b, nc)](logits, temps, seeds.contiguous(), lse, best, idx, v, logits.stride(0), nc,
-                            CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
-    tokens = idx.gather(1, best.argmax(1, keepdim=True)).squeeze(1).long()
+    return (mx + torch.log((s * torch.exp(m - mx)).sum(1, keepdim=True))).squeeze(1).contiguous()
+
+
+def _logprob_of(logits: torch.Tensor, temps: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T)[token] of each row, from its log-sum-exp."""
     x = logits.gather(1, tokens[:, None]).squeeze(1).float()
-    scaled = torch.where(temps > 0, x / torch.where(temps > 0, temps, torch.ones_like(temps)), x)
-    return tokens, scaled - lse, lse
+    return torch.where(temps > 0, x / torch.where(temps > 0, temps, torch.ones_like(temps)), x) - lse
 
 
 @triton.jit
@@ -132,36 +111,37 @@ def _top2_kernel(x_ptr, t_ptr, seed_ptr, lse_ptr, keep_ptr, b1_ptr, i1_ptr, b2_p
     tl.store(b2_ptr + row * NC + c, s)
 
 
+def _chunk_best(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, lse: torch.Tensor,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row and chunk of `CHUNK` words ([B, chunks] each): the best score, its word, the second-best score."""
+    n, v = logits.shape
+    nc = triton.cdiv(v, CHUNK)
+    dev = logits.device
+    b1 = torch.empty(n, nc, dtype=torch.float32, device=dev)
+    i1 = torch.empty(n, nc, dtype=torch.int32, device=dev)
+    b2 = torch.empty(n, nc, dtype=torch.float32, device=dev)
+    masked = keep is not None
+    keep_u8 = keep.to(torch.uint8).contiguous() if masked else b1
+    _top2_kernel[(n, nc)](logits, temps, seeds.contiguous(), lse, keep_u8, b1, i1, b2, v, logits.stride(0),
+                          keep_u8.stride(0) if masked else 0, nc, MASKED=masked, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    return b1, i1, b2
+
+
 def replay_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, claimed: torch.Tensor,
                   keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The validator's replay of the seeded rule over rows of logits [N, V] in two passes of Triton (no [N, V]
     temporaries): (the claimed token's log_softmax(logits / T) [N], the rule's token [N] long, its margin over the
     runner-up [N]). T = `temps` where > 0, where noise is drawn from `seeds` (`sampling.uniforms`' bits); T <= 0
     is greedy: no scaling, no noise. `keep` (bool [N, V]): each row's nucleus, the rest never chosen."""
-    n, v = logits.shape
-    nc = triton.cdiv(v, CHUNK)
-    dev = logits.device
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    temps, seeds = temps.float().contiguous(), seeds.contiguous()
-    m = torch.empty(n, nc, dtype=torch.float32, device=dev)
-    s = torch.empty(n, nc, dtype=torch.float32, device=dev)
-    _lse_kernel[(n, nc)](logits, temps, m, s, v, logits.stride(0), nc, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
-    mx = m.max(1, keepdim=True).values
-    lse = (mx + torch.log((s * torch.exp(m - mx)).sum(1, keepdim=True))).squeeze(1).contiguous()
-    b1 = torch.empty(n, nc, dtype=torch.float32, device=dev)
-    i1 = torch.empty(n, nc, dtype=torch.int32, device=dev)
-    b2 = torch.empty(n, nc, dtype=torch.float32, device=dev)
-    masked = keep is not None
-    keep_u8 = keep.to(torch.uint8).contiguous() if masked else b1
-    _top2_kernel[(n, nc)](logits, temps, seeds, lse, keep_u8, b1, i1, b2, v, logits.stride(0),
-                          keep_u8.stride(0) if masked else 0, nc, MASKED=masked, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
-    if nc == 1:
+    temps = temps.float().contiguous()
+    lse = _lse(logits, temps)
+    b1, i1, b2 = _chunk_best(logits, temps, seeds, lse, keep)
+    if b1.shape[1] == 1:
         first, runner_up, token = b1[:, 0], b2[:, 0], i1[:, 0]
     else:  # the best chunk's best, against the larger of its runner-up and the next chunk's best
         top = b1.topk(2, dim=1)
         at = top.indices[:, :1]
         first, token = top.values[:, 0], i1.gather(1, at).squeeze(1)
         runner_up = torch.maximum(b2.gather(1, at).squeeze(1), top.values[:, 1])
-    x = logits.gather(1, claimed[:, None]).squeeze(1).float()
-    scaled = torch.where(temps > 0, x / torch.where(temps > 0, temps, torch.ones_like(temps)), x)
-    return scaled - lse, token.long(), first - runner_up
+    return _logprob_of(logits, temps, lse, claimed), token.long(), first - runner_up
