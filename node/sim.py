@@ -163,7 +163,8 @@ def report(net: Network, status: str, coordinator_restarted: bool) -> dict:
         summary.update(judging_summary([json.loads(x) for x in judged.read_text().splitlines() if x.strip()]))
     restarts = [t for t, what in coord.events if what == "start"][1:]
     late = bool(restarts) and net.ended_at - restarts[-1] < VIEW_SETTLE_S
-    summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs, restarted_before_end=late))
+    summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs, restarted_before_end=late,
+                                     ended_at=net.ended_at))
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
@@ -219,14 +220,17 @@ def _membership_view(port: int) -> dict[str, str] | None:
 
 
 def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: tuple[float, dict[str, str]],
-                      procs: dict[str, Proc], restarted_before_end: bool = False) -> dict:
+                      procs: dict[str, Proc], restarted_before_end: bool = False, ended_at: float | None = None) -> dict:
     """Honest members the coordinator did not count alive in its last view (read every `VIEW_EVERY_S` until the
-    run ended; an inference node SIGKILLed in the 15 s before that view is excused: it is restarting; with
-    `restarted_before_end`, the run ended too soon after a coordinator restart for that view to judge anyone: they
-    are listed as not rejoined instead), and how often its log ejected each as dead (churn's SIGKILLs eject
+    run ended, then until every member is alive or `VIEW_SETTLE_S` more passed; an inference node SIGKILLed in the
+    15 s before that view, or before the run ended at `ended_at`, is excused: it is restarting, and a run that has
+    ended takes no joins (a churn kill 8 s before the end, the view 15 s after it, named a node: session 27's CI);
+    with `restarted_before_end`, the run ended too soon after a coordinator restart for that view to judge anyone:
+    they are listed as not rejoined instead), and how often its log ejected each as dead (churn's SIGKILLs eject
     inference nodes, as they should)."""
     at, view = view_at
-    killed = {name for name, p in procs.items() if any(w == "kill" and at - 15 <= t <= at for t, w in p.events)}
+    since = min(at, ended_at) - 15 if ended_at is not None else at - 15
+    killed = {name for name, p in procs.items() if any(w == "kill" and since <= t <= at for t, w in p.events)}
     honest = [n for n in keys if n != "coordinator" and n not in cheater_names]
     missing = sorted(n for n in honest if view.get(keys[n].peer_id) != "alive" and n not in killed)
     log_text = (out / "coordinator" / "log.txt").read_text(errors="replace") if view else ""

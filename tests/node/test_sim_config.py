@@ -53,3 +53,10 @@ def test_the_audit_counts_a_listed_but_unhealthy_member_as_not_alive_and_excuses
     assert judged["honest_not_alive_at_end"] == ["validator"]
     late = membership_at_end(tmp_path, keys, [], (100.0, view), procs, restarted_before_end=True)
     assert late["honest_not_alive_at_end"] == [] and late["honest_not_rejoined_before_end"] == ["validator"]
+    # a member SIGKILLed 8 s before the run ended, the last view 15 s after the end: restarting, excused; one
+    # SIGKILLed 30 s before the end had time to join again: named
+    procs["validator"].events = [(72.0, "kill"), (73.0, "start")]
+    assert membership_at_end(tmp_path, keys, [], (95.0, view), procs, ended_at=80.0)["honest_not_alive_at_end"] == []
+    procs["validator"].events = [(50.0, "kill"), (51.0, "start")]
+    assert membership_at_end(tmp_path, keys, [], (95.0, view), procs,
+                             ended_at=80.0)["honest_not_alive_at_end"] == ["validator"]
