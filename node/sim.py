@@ -118,7 +118,7 @@ def watch(net: Network) -> tuple[str, bool]:
         # every VIEW_EVERY_S, and at each look until the view holds every member (a run of fast steps may end
         # within VIEW_EVERY_S of a view taken before its last member had joined)
         if time.time() - net.view_at[0] >= VIEW_EVERY_S or not all_alive(members, net.view_at[1]):
-            net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
+            look(net)
         if done_steps >= reported + PROGRESS_EVERY:
             reported = done_steps
             log.info("%s", progress_line(done_steps, steps, time.time() - t0, reached_at is not None,
@@ -130,14 +130,14 @@ def watch(net: Network) -> tuple[str, bool]:
             coord.start()
             coordinator_restarted = True
     net.ended_at = time.time()
-    # A run that ends right after a coordinator restart may end before its members have joined it again: the
-    # last view waits for them (every 0.5 s, at most VIEW_SETTLE_S), so the audit names only a member that is gone.
-    # It waits for each to be alive, not only listed: a restarted coordinator lists the members its state kept
-    # before their next beats reach it, and a member two beats late there is "unhealthy" (session 26's flake).
+    # A member is alive at the end when a view counted it alive in the last RECENT_S of the run (members leave
+    # when the run ends, so a view read after it lacks them: twice in sessions 26-27's CI a view read then named
+    # every member that had just left). One not seen alive that recently (a node restarting after churn, members
+    # rejoining a restarted coordinator) is waited for, every 0.5 s, at most VIEW_SETTLE_S.
     settle = time.time() + VIEW_SETTLE_S
-    while not all_alive(members, net.view_at[1]) and time.time() < settle:
+    while not seen_alive_since(members, net.alive_seen, net.ended_at - RECENT_S) and time.time() < settle:
         time.sleep(0.5)
-        net.view_at = (time.time(), _membership_view(net.run_toml["status_port"]) or net.view_at[1])
+        look(net)
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     return status, coordinator_restarted
@@ -164,7 +164,7 @@ def report(net: Network, status: str, coordinator_restarted: bool) -> dict:
     restarts = [t for t, what in coord.events if what == "start"][1:]
     late = bool(restarts) and net.ended_at - restarts[-1] < VIEW_SETTLE_S
     summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs, restarted_before_end=late,
-                                     ended_at=net.ended_at))
+                                     ended_at=net.ended_at, alive_seen=net.alive_seen))
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
@@ -200,12 +200,32 @@ def progress_line(done: int, steps: int, elapsed: float, reached: bool, stop_aft
 VIEW_EVERY_S = 5.0
 """How often the sim reads the coordinator's membership view (its status page) for `membership_at_end`."""
 VIEW_SETTLE_S = 15.0
-"""How long the end of a run waits for the membership view to count every member alive (rejoins after a restart)."""
+"""How long the end of a run waits for a membership view to count every member alive (rejoins after a restart)."""
+RECENT_S = 2 * VIEW_EVERY_S
+"""A member counted alive by a view this long before the run ended (or after) was alive at its end."""
 
 
 def all_alive(members: set[str], view: dict[str, str]) -> bool:
     """Whether the coordinator's `view` (peer id -> state) counts every one of `members` alive."""
     return all(view.get(p) == "alive" for p in members)
+
+
+def seen_alive_since(members: set[str], alive_seen: dict[str, float], since: float) -> bool:
+    """Whether a membership view counted every one of `members` alive at `since` or later."""
+    return all(alive_seen.get(p, 0.0) >= since for p in members)
+
+
+def look(net: Network) -> None:
+    """Read the coordinator's membership view now, kept with its time, and note who it counts alive; an
+    unreachable coordinator (restarting) leaves the last view as it was, with its own time."""
+    view = _membership_view(net.run_toml["status_port"])
+    if view is None:
+        return
+    now = time.time()
+    net.view_at = (now, view)
+    for peer, state in view.items():
+        if state == "alive":
+            net.alive_seen[peer] = now
 
 
 def _membership_view(port: int) -> dict[str, str] | None:
@@ -220,19 +240,28 @@ def _membership_view(port: int) -> dict[str, str] | None:
 
 
 def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: tuple[float, dict[str, str]],
-                      procs: dict[str, Proc], restarted_before_end: bool = False, ended_at: float | None = None) -> dict:
-    """Honest members the coordinator did not count alive in its last view (read every `VIEW_EVERY_S` until the
-    run ended, then until every member is alive or `VIEW_SETTLE_S` more passed; an inference node SIGKILLed in the
-    15 s before that view, or before the run ended at `ended_at`, is excused: it is restarting, and a run that has
-    ended takes no joins (a churn kill 8 s before the end, the view 15 s after it, named a node: session 27's CI);
-    with `restarted_before_end`, the run ended too soon after a coordinator restart for that view to judge anyone:
-    they are listed as not rejoined instead), and how often its log ejected each as dead (churn's SIGKILLs eject
-    inference nodes, as they should)."""
+                      procs: dict[str, Proc], restarted_before_end: bool = False, ended_at: float | None = None,
+                      alive_seen: dict[str, float] | None = None) -> dict:
+    """Honest members not alive at the end of the run: with `alive_seen` (peer id -> the last time a view counted it
+    alive; views are read every `VIEW_EVERY_S` until the run ended at `ended_at`, then until every member is seen
+    alive or `VIEW_SETTLE_S` more passed), those no view counted alive in the run's last `RECENT_S` or after;
+    without it, those the last view `view_at` did not count alive. An inference node SIGKILLed in the 15 s before
+    the last view, or before the run ended, is excused: it is restarting, and a run that has ended takes no joins
+    (a churn kill 8 s before the end named a node in session 27's CI). With `restarted_before_end`, the run ended
+    too soon after a coordinator restart to judge anyone: they are listed as not rejoined instead. Also how often
+    the coordinator's log ejected each as dead (churn's SIGKILLs eject inference nodes, as they should)."""
     at, view = view_at
     since = min(at, ended_at) - 15 if ended_at is not None else at - 15
     killed = {name for name, p in procs.items() if any(w == "kill" and since <= t <= at for t, w in p.events)}
     honest = [n for n in keys if n != "coordinator" and n not in cheater_names]
-    missing = sorted(n for n in honest if view.get(keys[n].peer_id) != "alive" and n not in killed)
+
+    def alive(name: str) -> bool:
+        peer = keys[name].peer_id
+        if alive_seen is not None and ended_at is not None:
+            return alive_seen.get(peer, 0.0) >= ended_at - RECENT_S
+        return view.get(peer) == "alive"
+
+    missing = sorted(n for n in honest if not alive(n) and n not in killed)
     log_text = (out / "coordinator" / "log.txt").read_text(errors="replace") if view else ""
     ejected = {n: c for n in honest if (c := sum("dead, ejected" in line and keys[n].peer_id in line
                                                    for line in log_text.splitlines()))}

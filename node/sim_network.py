@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.adversary import CHEATS
@@ -91,9 +91,11 @@ class Network:
     cheaters: list[str]
     t0: float
     view_at: tuple[float, dict[str, str]] = (0.0, {})
+    """When the sim last read the coordinator's membership view, and that view (peer id -> state)."""
+    alive_seen: dict[str, float] = field(default_factory=dict)
+    """Peer id -> the last time a membership view counted it alive (`node.sim.look`)."""
     ended_at: float = 0.0
     """When the sim's loop ended (the run's last step, or its stop): the membership audit's reference."""
-    """When the sim last read the coordinator's membership view, and that view (peer id -> state)."""
 
 
 def store_of(out: Path, name: str) -> Path:

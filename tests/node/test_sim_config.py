@@ -36,8 +36,9 @@ def test_a_default_sim_runs_the_default_run(tmp_path):
 
 def test_the_audit_counts_a_listed_but_unhealthy_member_as_not_alive_and_excuses_only_a_late_restart(tmp_path):
     """The end-of-run audit (`membership_at_end`): a member the coordinator's view lists but calls "unhealthy" is
-    not alive (the settle loop waits for `all_alive`, not for presence); after a restart too close to the end the
-    same member is reported as not rejoined instead; a member alive in the view is never named."""
+    not alive; after a restart too close to the end the same member is reported as not rejoined instead; a member
+    killed just before the end is excused; judged by the last time a view counted each alive, members that left
+    as the run ended are alive at its end; a member alive in the view is never named."""
     from node.sim import all_alive, membership_at_end
     from node.sim_procs import Proc
 
@@ -60,3 +61,9 @@ def test_the_audit_counts_a_listed_but_unhealthy_member_as_not_alive_and_excuses
     procs["validator"].events = [(50.0, "kill"), (51.0, "start")]
     assert membership_at_end(tmp_path, keys, [], (95.0, view), procs,
                              ended_at=80.0)["honest_not_alive_at_end"] == ["validator"]
+    # what the sim judges by: the last time a view counted each alive. Members leave when the run ends, so a view
+    # read after it lacks them all: those counted alive shortly before the end were alive at it
+    procs["validator"].events = []
+    seen = {keys["trainer"].peer_id: 77.0, keys["relay"].peer_id: 85.0, keys["validator"].peer_id: 40.0}
+    assert membership_at_end(tmp_path, keys, [], (95.0, {}), procs, ended_at=80.0,
+                             alive_seen=seen)["honest_not_alive_at_end"] == ["validator"]
