@@ -163,8 +163,8 @@ def report(net: Network, status: str, coordinator_restarted: bool) -> dict:
         summary.update(judging_summary([json.loads(x) for x in judged.read_text().splitlines() if x.strip()]))
     restarts = [t for t, what in coord.events if what == "start"][1:]
     late = bool(restarts) and net.ended_at - restarts[-1] < VIEW_SETTLE_S
-    summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs, restarted_before_end=late,
-                                     ended_at=net.ended_at, alive_seen=net.alive_seen))
+    summary.update(membership_at_end(out, net.keys, net.cheaters, net.view_at, procs, net.ended_at, net.alive_seen,
+                                     restarted_before_end=late))
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if k != "work_ids"}) + "\n")
@@ -240,28 +240,22 @@ def _membership_view(port: int) -> dict[str, str] | None:
 
 
 def membership_at_end(out: Path, keys: dict, cheater_names: list[str], view_at: tuple[float, dict[str, str]],
-                      procs: dict[str, Proc], restarted_before_end: bool = False, ended_at: float | None = None,
-                      alive_seen: dict[str, float] | None = None) -> dict:
-    """Honest members not alive at the end of the run: with `alive_seen` (peer id -> the last time a view counted it
-    alive; views are read every `VIEW_EVERY_S` until the run ended at `ended_at`, then until every member is seen
-    alive or `VIEW_SETTLE_S` more passed), those no view counted alive in the run's last `RECENT_S` or after;
-    without it, those the last view `view_at` did not count alive. An inference node SIGKILLed in the 15 s before
-    the last view, or before the run ended, is excused: it is restarting, and a run that has ended takes no joins
-    (a churn kill 8 s before the end named a node in session 27's CI). With `restarted_before_end`, the run ended
-    too soon after a coordinator restart to judge anyone: they are listed as not rejoined instead. Also how often
-    the coordinator's log ejected each as dead (churn's SIGKILLs eject inference nodes, as they should)."""
+                      procs: dict[str, Proc], ended_at: float, alive_seen: dict[str, float],
+                      restarted_before_end: bool = False) -> dict:
+    """Honest members not alive at the end of the run: those no membership view counted alive in the run's last
+    `RECENT_S` or after (`alive_seen`: peer id -> the last time a view did; views are read every `VIEW_EVERY_S`
+    until the run ended at `ended_at`, then until every member is seen alive or `VIEW_SETTLE_S` more passed, the
+    last of them `view_at`). An inference node SIGKILLed in the 15 s before the last view, or before the run ended,
+    is excused: it is restarting, and a run that has ended takes no joins (a churn kill 8 s before the end named a
+    node in session 27's CI). With `restarted_before_end`, the run ended too soon after a coordinator restart to
+    judge anyone: they are listed as not rejoined instead. Also how often the coordinator's log ejected each as
+    dead (churn's SIGKILLs eject inference nodes, as they should)."""
     at, view = view_at
-    since = min(at, ended_at) - 15 if ended_at is not None else at - 15
-    killed = {name for name, p in procs.items() if any(w == "kill" and since <= t <= at for t, w in p.events)}
+    killed = {name for name, p in procs.items()
+              if any(w == "kill" and min(at, ended_at) - 15 <= t <= at for t, w in p.events)}
     honest = [n for n in keys if n != "coordinator" and n not in cheater_names]
-
-    def alive(name: str) -> bool:
-        peer = keys[name].peer_id
-        if alive_seen is not None and ended_at is not None:
-            return alive_seen.get(peer, 0.0) >= ended_at - RECENT_S
-        return view.get(peer) == "alive"
-
-    missing = sorted(n for n in honest if not alive(n) and n not in killed)
+    missing = sorted(n for n in honest if alive_seen.get(keys[n].peer_id, 0.0) < ended_at - RECENT_S
+                     and n not in killed)
     log_text = (out / "coordinator" / "log.txt").read_text(errors="replace") if view else ""
     ejected = {n: c for n in honest if (c := sum("dead, ejected" in line and keys[n].peer_id in line
                                                    for line in log_text.splitlines()))}

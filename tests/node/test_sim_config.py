@@ -34,12 +34,15 @@ def test_a_default_sim_runs_the_default_run(tmp_path):
     assert run.model.fp8 == "off" and run.engines == ["builtin"]
 
 
-def test_the_audit_counts_a_listed_but_unhealthy_member_as_not_alive_and_excuses_only_a_late_restart(tmp_path):
-    """The end-of-run audit (`membership_at_end`): a member the coordinator's view lists but calls "unhealthy" is
-    not alive; after a restart too close to the end the same member is reported as not rejoined instead; a member
-    killed just before the end is excused; judged by the last time a view counted each alive, members that left
-    as the run ended are alive at its end; a member alive in the view is never named."""
-    from node.sim import all_alive, membership_at_end
+def test_the_audit_names_a_member_not_seen_alive_near_the_end_and_excuses_only_a_late_restart_or_kill(tmp_path,
+                                                                                                      monkeypatch):
+    """The end-of-run audit (`membership_at_end`), by the last time a membership view counted each member alive:
+    members leave when the run ends, so those counted alive in its last `RECENT_S` (or after) were alive at its end,
+    and one last counted alive long before is named (a member a restarted coordinator lists as "unhealthy" is not
+    counted alive: `look`); after a restart too close to the end it is reported as not rejoined instead; a member
+    SIGKILLed just before the end is excused, one killed long before had time to join again."""
+    import node.sim as sim
+    from node.sim import RECENT_S, all_alive, look, membership_at_end
     from node.sim_procs import Proc
 
     keys = {**_keys(), "relay": NodeKey.from_seed(b"relay".ljust(32, b"."))}
@@ -50,20 +53,25 @@ def test_the_audit_counts_a_listed_but_unhealthy_member_as_not_alive_and_excuses
     members = {k.peer_id for k in keys.values()}
     assert not all_alive(members, view) and members.issubset(view)
     assert all_alive(members, {p: "alive" for p in members})
-    judged = membership_at_end(tmp_path, keys, [], (100.0, view), procs)
+
+    class Net:  # what `look` reads and writes of a sim's Network
+        run_toml = {"status_port": 0}
+        view_at, alive_seen = (0.0, {}), {}
+
+    net = Net()
+    monkeypatch.setattr(sim, "_membership_view", lambda port: view)
+    look(net)
+    assert set(net.alive_seen) == {keys["trainer"].peer_id, keys["relay"].peer_id} and net.view_at[1] == view
+
+    end = 80.0
+    seen = {keys["trainer"].peer_id: end - RECENT_S + 3, keys["relay"].peer_id: end + 5,
+            keys["validator"].peer_id: end - RECENT_S - 30}
+    judged = membership_at_end(tmp_path, keys, [], (end + 15, {}), procs, end, seen)
     assert judged["honest_not_alive_at_end"] == ["validator"]
-    late = membership_at_end(tmp_path, keys, [], (100.0, view), procs, restarted_before_end=True)
+    late = membership_at_end(tmp_path, keys, [], (end + 15, {}), procs, end, seen, restarted_before_end=True)
     assert late["honest_not_alive_at_end"] == [] and late["honest_not_rejoined_before_end"] == ["validator"]
-    # a member SIGKILLed 8 s before the run ended, the last view 15 s after the end: restarting, excused; one
-    # SIGKILLed 30 s before the end had time to join again: named
-    procs["validator"].events = [(72.0, "kill"), (73.0, "start")]
-    assert membership_at_end(tmp_path, keys, [], (95.0, view), procs, ended_at=80.0)["honest_not_alive_at_end"] == []
-    procs["validator"].events = [(50.0, "kill"), (51.0, "start")]
-    assert membership_at_end(tmp_path, keys, [], (95.0, view), procs,
-                             ended_at=80.0)["honest_not_alive_at_end"] == ["validator"]
-    # what the sim judges by: the last time a view counted each alive. Members leave when the run ends, so a view
-    # read after it lacks them all: those counted alive shortly before the end were alive at it
-    procs["validator"].events = []
-    seen = {keys["trainer"].peer_id: 77.0, keys["relay"].peer_id: 85.0, keys["validator"].peer_id: 40.0}
-    assert membership_at_end(tmp_path, keys, [], (95.0, {}), procs, ended_at=80.0,
-                             alive_seen=seen)["honest_not_alive_at_end"] == ["validator"]
+    procs["validator"].events = [(end - 8, "kill"), (end - 7, "start")]
+    assert membership_at_end(tmp_path, keys, [], (end + 15, {}), procs, end, seen)["honest_not_alive_at_end"] == []
+    procs["validator"].events = [(end - 30, "kill"), (end - 29, "start")]
+    assert membership_at_end(tmp_path, keys, [], (end + 15, {}), procs, end, seen)["honest_not_alive_at_end"] == \
+        ["validator"]
