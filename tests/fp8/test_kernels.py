@@ -16,23 +16,26 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref.double()).norm() / ref.double().norm())
 
 
+def _same_quantisation(q: torch.Tensor, s: torch.Tensor, rq: torch.Tensor, rs: torch.Tensor, case: object) -> None:
+    """The kernel's activation quantisation against the reference: scales within a float32 rounding, the e4m3
+    codes at most one step apart in at most 0.5% of values (a GPU's Triton divides approximately; the
+    interpreter's cast to e4m3 rounds otherwise than a GPU's, so there the scales alone are compared)."""
+    assert torch.allclose(s, rs, rtol=1e-6, atol=0), case
+    if q.device.type != "cpu":
+        codes = q.view(torch.uint8).int() - rq.view(torch.uint8).int()
+        assert codes.abs().max() <= 1 and (codes != 0).float().mean() <= 5e-3, case
+
+
 def _cases(device: str):
     # Against the exact product of the quantised inputs: Hopper's FP8 tensor cores keep fewer
     # accumulator bits than fp32 within each 128-wide block (measured 1.2e-4 on an H200), hence 1e-3.
     from node.fp8.kernels import gemm_triton, grouped_gemm_triton, quant_act_rows, quantize_act_triton
 
-    # activation quantisation against the reference at each rows-a-program setting and a ragged last tile: the
-    # scales within a float32 rounding (a GPU's Triton divides approximately: on an H100 scales one ulp apart, and
-    # 1 of 1,500 e4m3 values of a bf16 input one code off), the e4m3 values the same but for rare flips to the next
-    # code (the interpreter's cast to e4m3 rounds otherwise than a GPU's: there the scales alone are compared)
+    # activation quantisation at each rows-a-program setting and a ragged last tile (on an H100: scales one ulp
+    # apart, 1 of 1,500 e4m3 values of a bf16 input one code off, and a float32 input's codes too)
     for m in (5, 70, 1100):
         a = (torch.randn(m, 300, device=device) * torch.rand(m, 1, device=device) * 8).to(torch.bfloat16)
-        q, s = quantize_act_triton(a)
-        rq, rs = quantize_act(a)
-        assert torch.allclose(s, rs, rtol=1e-6, atol=0), m
-        if device != "cpu":
-            codes = q.view(torch.uint8).int() - rq.view(torch.uint8).int()
-            assert codes.abs().max() <= 1 and (codes != 0).float().mean() <= 5e-3, m
+        _same_quantisation(*quantize_act_triton(a), *quantize_act(a), m)
     assert [quant_act_rows(m) for m in (5, 70, 1100)] == [1, 8, 32]
     x, w = torch.randn(37, 300, device=device), torch.randn(150, 300, device=device) * 0.05
     xq, xs = quantize_act(x)
@@ -113,10 +116,8 @@ def test_kernels_match_float64_on_cuda():
     from node.fp8.kernels import quantize_act_triton
 
     _cases("cuda")
-    x = torch.randn(64, 1000, device="cuda")
-    q, s = quantize_act_triton(x)
-    rq, rs = quantize_act(x)
-    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.allclose(s, rs)
+    x = torch.randn(64, 1000, device="cuda")  # float32 input (the cases above quantise bf16)
+    _same_quantisation(*quantize_act_triton(x), *quantize_act(x), "float32")
 
 
 @pytest.mark.gpu
