@@ -1,4 +1,4 @@
-"""FP8 kernel checks and speeds on CUDA: `python -m benchmarks.fp8_kernels [--decode-tiles]`.
+"""FP8 kernel checks and speeds on CUDA: `python -m benchmarks.fp8_kernels [--decode-tiles | --grouped-tiles]`.
 
 Correctness against float64 (relative Frobenius error) for the block-scaled GEMM, the row-group
 GEMM used by weight gradients, the grouped expert GEMM and activation quantisation; then TFLOP/s
@@ -130,10 +130,62 @@ def time_decode_tiles(shapes: list[tuple[int, int, int]] = DECODE_SHAPES) -> dic
             "speedup_max": max(r["speedup"] for r in rows)}
 
 
+GROUPED_SHAPES = [(11_500, 1536, 2048), (11_500, 2048, 768), (2048, 1536, 2048), (2048, 2048, 768)]
+"""Qwen3-30B-A3B's expert projections (gate+up 2048 -> 2x768, down 768 -> 2048; 128 experts, top-8) at a 30B
+validator's 64 claims (11,500 tokens, ~720 rows an expert) and at a 2,048-token prefill."""
+
+
+def time_grouped_tiles(shapes: list[tuple[int, int, int]] = GROUPED_SHAPES, experts: int = 128, top_k: int = 8) -> dict:
+    """The grouped FP8 kernel over a sweep of (BLOCK_M, BLOCK_N, warps, stages) against the tiles in force
+    (`grouped_tiles`), same inputs, each config checked against the one in force; peers: torch's bf16
+    `_grouped_mm` on the same rows and our dense FP8 GEMM over all the rows against one expert's weight."""
+    from node.fp8.kernels import grouped_tiles
+
+    rows_out = []
+    sweep = [(bm, bn, w, st) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4)
+             if not (bm == 128 and bn == 256 and st == 4)]
+    for tokens, n, k in shapes:
+        t = tokens * top_k
+        routed = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).reshape(-1)
+        counts = torch.bincount(routed, minlength=experts)
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_weight(w)
+        xq, xs = quantize_act_triton(x)
+        flops = 2 * t * n * k
+        now = grouped_tiles(t, experts)
+        ref = grouped_gemm_triton(xq, wq, counts, xs, ws, config=now)
+        table: dict = {}
+        row: dict = {"tokens": tokens, "rows": t, "n": n, "k": k, "in_force": list(now), "configs": {}}
+        for cfg in [now] + [c for c in sweep if c != now]:
+            try:
+                out = grouped_gemm_triton(xq, wq, counts, xs, ws, config=cfg, tiles=table)
+                err = rel(out.float(), ref.double())
+                sec = cuda_time(lambda: grouped_gemm_triton(xq, wq, counts, xs, ws, config=cfg, tiles=table))
+                row["configs"][",".join(map(str, cfg))] = {"tflops": round(flops / sec / 1e12, 1),
+                                                           "us": sec * 1e6, "rel_to_in_force": err}
+            except Exception as exc:  # noqa: BLE001 - a tile shape this Triton or this card will not build
+                row["configs"][",".join(map(str, cfg))] = {"error": str(exc)[:160]}
+        good = {c: v for c, v in row["configs"].items() if "tflops" in v}
+        best, in_force = min(good, key=lambda c: good[c]["us"]), good[",".join(map(str, now))]
+        row["best"], row["best_tflops"], row["in_force_tflops"] = best, good[best]["tflops"], in_force["tflops"]
+        row["best_over_in_force"] = round(in_force["us"] / good[best]["us"], 3)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        row["torch_grouped_mm_bf16_tflops"] = round(flops / cuda_time(
+            lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)) / 1e12, 1)
+        row["ours_dense_fp8_tflops"] = round(flops / cuda_time(lambda: gemm_triton(xq, wq[0], xs, ws[0])) / 1e12, 1)
+        log(str({key: v for key, v in row.items() if key != "configs"}))
+        rows_out.append(row)
+    return {"grouped_tiles": rows_out, "best_over_in_force": [r["best_over_in_force"] for r in rows_out]}
+
+
 def main() -> None:
     import sys
 
     torch.manual_seed(0)
+    if "--grouped-tiles" in sys.argv:  # only the grouped expert kernel's tiles at the 30B shapes
+        write_result("fp8_grouped_tiles", {"machine": machine_facts(), **time_grouped_tiles()})
+        return
     if "--decode-tiles" in sys.argv:  # only the decode-sized dense GEMM's tiles, new against old
         write_result("fp8_decode_tiles", {"machine": machine_facts(), **time_decode_tiles()})
         return

@@ -228,6 +228,12 @@ def grouped_block_m(rows: int, experts: int) -> int:
     return 128
 
 
+def grouped_tiles(rows: int, experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the grouped kernel for `rows` routed rows over `experts`."""
+    bm = grouped_block_m(rows, experts)
+    return bm, 64 if bm <= 32 else 128, 4 if bm <= 32 else 8, 4 if bm <= 64 else 3
+
+
 def expert_tile_table(counts: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, ...]:
     """Map each of `max_tiles` row tiles to (expert, first row, end row), on the device.
 
@@ -252,17 +258,19 @@ def grouped_gemm_triton(
     x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
     x_s: torch.Tensor | None = None, w_s: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """c [T, N]: rows of x [T, K] (sorted by expert, counts [E]) times w[e] [N, K]^T. `tiles`: a dict the caller
     keeps for products over the same rows and counts (an expert block's two projections), so their tile table is
-    built once (a dozen small kernels each time: 384 builds for 64 claims of a 30B validator, 0.2 s of host time)."""
+    built once (a dozen small kernels each time: 384 builds for 64 claims of a 30B validator, 0.2 s of host time).
+    `config`: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `grouped_tiles`' (benchmarks.fp8_kernels
+    --grouped-tiles sweeps them)."""
     t, k = x.shape
     e, n, _ = w.shape
     c = torch.empty((t, n), dtype=out_dtype, device=x.device)
     if t == 0:
         return c
-    bm = grouped_block_m(t, e)
-    bn = 64 if bm <= 32 else 128
+    bm, bn, warps, stages = config or grouped_tiles(t, e)
     max_tiles = triton.cdiv(t, bm) + e
     key = (bm, max_tiles)
     table = None if tiles is None else tiles.get(key)
@@ -278,12 +286,12 @@ def grouped_gemm_triton(
         n, k,
         x.stride(0), w.stride(0), w.stride(1), c.stride(0),
         x_s.stride(0) if scaled else 0, w_s.stride(0) if scaled else 0, w_s.stride(1) if scaled else 0,
-        SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
-        num_warps=4 if bm <= 32 else 8, num_stages=4 if bm <= 64 else 3,
+        SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages,
     )
     return c
 
 
 __all__ = [
-    "FP8_MAX", "expert_tile_table", "gemm_triton", "grouped_block_m", "grouped_gemm_triton", "quantize_act_triton",
+    "FP8_MAX", "expert_tile_table", "gemm_triton", "grouped_block_m", "grouped_gemm_triton", "grouped_tiles",
+    "quantize_act_triton",
 ]
