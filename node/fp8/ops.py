@@ -16,6 +16,7 @@ was rounded to whole tiles (that fix is not yet re-measured on a GPU).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -94,8 +95,36 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.T
     return scaled_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype).view(*lead, w_q.shape[0])
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activation rows already quantised per row per 128 channels (e4m3 `q` [M, K], float32 `s` [M, K/128]) and
+    the dtype the products come back in. Per-row quantisation commutes with taking rows, so an FP8 MoE block
+    quantises its T tokens once and dispatches their top-k copies in e4m3: T rows quantised instead of T x k, and
+    a copy of half the bytes (`FP8GroupedExperts.dispatchable`). Rows are taken as from a tensor."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def __getitem__(self, rows) -> QuantizedRows:  # noqa: ANN001 - any tensor index
+        return QuantizedRows(self.q[rows], self.s[rows], self.dtype)
+
+
+def quantized_rows(x: torch.Tensor) -> QuantizedRows | torch.Tensor:
+    """`x` quantised as `QuantizedRows` where the Triton kernels take it (else `x` as it is: the reference path
+    quantises each expert's rows itself, the same function)."""
+    if not _use_triton(x):
+        return x
+    q, s = quantize_activation(x)
+    return QuantizedRows(q, s, x.dtype)
+
+
 def grouped_linear(
-    x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor | None = None,
+    x: torch.Tensor | QuantizedRows, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor | None = None,
     capacity: int | None = None, tiles: dict | None = None,
 ) -> torch.Tensor:
     """Rows of x [T, K] sorted by expert (counts [E]) times w[e] [N, K]^T.
@@ -103,26 +132,20 @@ def grouped_linear(
     With w_s the weight is e4m3 with 128x128 block scales and x is quantised per row per group;
     without it this is the plain (bf16) grouped product, the comparison path. `capacity` (the most
     rows any expert can have: the token count) lets decode-sized batches take DeepGEMM. `tiles`: the
-    Triton kernel's tile tables, kept by the caller across products over the same rows and counts.
+    Triton kernel's tile tables, kept by the caller across products over the same rows and counts. `x` may come
+    quantised (`QuantizedRows`, Triton path and e4m3 `w` only).
     """
+    if isinstance(x, QuantizedRows):
+        if w_s is None or not _use_triton(x.q):
+            raise UnsupportedTensor("quantised rows take the Triton path and an e4m3 weight with block scales")
+        return _grouped_fp8(x, counts, w, w_s, capacity, tiles)
     if _use_triton(x):
-        from node.fp8.kernels import grouped_gemm_triton
-
         x = x.contiguous()
         if w_s is None:
-            return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype, tiles=tiles)
-        x_q, x_s = quantize_activation(x)
-        if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.is_cuda and deepgemm_shape(w)
-                and grouped_backend(x.device) == "deepgemm-masked+triton"):
-            from node.fp8 import deepgemm
+            from node.fp8.kernels import grouped_gemm_triton
 
-            try:
-                return deepgemm.masked_grouped_gemm(x_q, x_s, counts, w, w_s, capacity, out_dtype=x.dtype)
-            except Exception as exc:  # noqa: BLE001 - a JIT compile failure: logged, Triton from now on
-                if torch.cuda.is_current_stream_capturing():
-                    raise
-                deepgemm.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
-        return grouped_gemm_triton(x_q, w, counts, x_s, w_s, out_dtype=x.dtype, tiles=tiles)
+            return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype, tiles=tiles)
+        return _grouped_fp8(QuantizedRows(*quantize_activation(x), x.dtype), counts, w, w_s, capacity, tiles)
     out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0
     for e, c in enumerate(counts.tolist()):
@@ -134,3 +157,22 @@ def grouped_linear(
                 out[start : start + c] = fp8_linear(rows, w[e], w_s[e])
         start += c
     return out
+
+
+def _grouped_fp8(x: QuantizedRows, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, capacity: int | None,
+                 tiles: dict | None) -> torch.Tensor:
+    """The grouped FP8 product on a GPU: DeepGEMM's masked kernel for decode-sized batches where chosen, else
+    (and from a failed compile on) our Triton kernel."""
+    from node.fp8.kernels import grouped_gemm_triton
+
+    if (capacity is not None and capacity <= DEEPGEMM_MAX_TOKENS and x.q.is_cuda and deepgemm_shape(w)
+            and grouped_backend(x.q.device) == "deepgemm-masked+triton"):
+        from node.fp8 import deepgemm
+
+        try:
+            return deepgemm.masked_grouped_gemm(x.q, x.s, counts, w, w_s, capacity, out_dtype=x.dtype)
+        except Exception as exc:  # noqa: BLE001 - a JIT compile failure: logged, Triton from now on
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            deepgemm.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
+    return grouped_gemm_triton(x.q, w, counts, x.s, w_s, out_dtype=x.dtype, tiles=tiles)

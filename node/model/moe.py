@@ -3,7 +3,8 @@
 The three stages are separate so that parallelism is applied from outside the model: expert
 parallelism replaces `dispatch`/`combine` with an all-to-all and gives each rank a slice of
 `GroupedExperts`; FP8 replaces `GroupedExperts` with a quantised twin. The block never assumes
-all experts live in this process beyond calling `self.experts(x_sorted, counts)`.
+all experts live in this process beyond calling `self.experts(x_sorted, counts)` (on rows `dispatch` took from
+`self.experts.dispatchable(x)`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def dispatchable(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's token rows in the form `dispatch` copies to the experts (`forward` takes its rows): here `x`
+        itself; an FP8 twin quantises them first (node/engine/fp8/model.py)."""
+        return x
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of `x_sorted` are grouped by expert, `counts[e]` rows for expert e, in order."""
@@ -138,7 +144,7 @@ class MoEBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         routing = self.route(x, replay)
-        x_sorted, counts, order = self.dispatch(x, routing)
+        x_sorted, counts, order = self.dispatch(self.experts.dispatchable(x), routing)
         y_sorted = self.experts(x_sorted, counts)
         return self.combine(y_sorted, routing, order, x.shape[0]).reshape(shape), routing
 

@@ -61,24 +61,32 @@ def _cases(device: str):
     assert rel(plain, ref) < 5e-3  # tf32 on CUDA
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def _triton_on(device: str, monkeypatch) -> None:
+    """Run the kernels on `device`: a GPU's Triton, or on the CPU Triton's interpreter (skipped where a GPU is:
+    kernels built for it stay in this process) with the FP8 ops sent to it."""
+    if not HAS_TRITON:
+        pytest.skip("triton not installed")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cpu":
+        if torch.cuda.is_available():
+            pytest.skip("CPU-machine test: kernels already built for the GPU in this process (GPU tests cover them)")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        import triton.runtime.interpreter as interp
+
+        # Triton 3.6's interpreter converts 1-element loop bounds with int(array), which numpy >= 2.4
+        # rejects; index the element instead (test-only shim, the GPU path does not use it).
+        orig = interp._patch_lang_tensor
+
+        def patched(tensor, scope):  # noqa: ANN001
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
 def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("CPU-machine test: kernels already built for the GPU in this process (GPU tests cover them)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import triton.runtime.interpreter as interp
-
-    # Triton 3.6's interpreter converts 1-element loop bounds with int(array), which numpy >= 2.4
-    # rejects; index the element instead (test-only shim, the GPU path does not use it).
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):  # noqa: ANN001
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("interpreter not enabled")
+    _triton_on("cpu", monkeypatch)
     _cases("cpu")
     from node.fp8 import kernels
 
@@ -144,3 +152,34 @@ def test_cuda_graph_replay_equals_eager_decode():
         pos = torch.full((4,), 6 + i, device="cuda", dtype=torch.long)
         a, b = eager.step(tokens[:, i], pos).float(), graphed.step(tokens[:, i], pos).float()
         assert ((a - b).norm() / a.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_fp8_moe_block_quantises_its_tokens_once_before_dispatching_them(device, monkeypatch):
+    """On the Triton path `FP8GroupedExperts.dispatchable` quantises the block's T tokens and `dispatch` copies the
+    e4m3 rows to the experts: the block's output is bit for bit the one of quantising each of the T x k copies (the
+    way before; per-row quantisation commutes with taking rows). Off it (the reference path) the rows stay a tensor."""
+    from node.engine.fp8.model import FP8GroupedExperts, place
+    from node.fp8.ops import QuantizedRows
+    from node.model.moe import MoEBlock
+
+    torch.manual_seed(0)
+    block = MoEBlock(256, 128, num_experts=8, top_k=2, norm_topk_prob=True)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    block.experts = FP8GroupedExperts(block.experts, top_k=2)
+    x = torch.randn(37, 256).to(torch.bfloat16)
+    assert block.experts.dispatchable(x) is x  # the CPU's reference path: each expert's rows quantised there
+    _triton_on(device, monkeypatch)
+    monkeypatch.setenv("PRIMERL_FP8_TRITON", "1")
+    block, x = place(block, device, torch.bfloat16), x.to(device)
+    taken: list = []
+    forward = block.experts.forward
+    monkeypatch.setattr(block.experts, "forward", lambda rows, counts: taken.append(rows) or forward(rows, counts))
+    out, routing = block(x)
+    assert isinstance(taken[0], QuantizedRows) and taken[0].shape == (37 * 2, 256) and taken[0].dtype == torch.bfloat16
+    monkeypatch.setattr(block.experts, "dispatchable", lambda rows: rows)  # every copy quantised by the product
+    before, _ = block(x)
+    assert isinstance(taken[1], torch.Tensor) and out.dtype == torch.bfloat16
+    assert torch.equal(out, before) and out.abs().sum() > 0
+

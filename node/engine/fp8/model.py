@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.fp8.ops import fp8_linear, grouped_linear
+from node.fp8.ops import QuantizedRows, fp8_linear, grouped_linear, quantized_rows
 from node.fp8.quantize import BLOCK, dequantize_weight, quantize_weight
 from node.model.moe import GroupedExperts, MoEBlock
 from node.model.served_form import is_decoder_projection
@@ -113,7 +113,12 @@ class FP8GroupedExperts(_QuantizedWeights):
             self.register_buffer(name + "_scale", torch.empty(0), persistent=False)
             self._set(name, getattr(experts, name))
 
-    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def dispatchable(self, x: torch.Tensor) -> QuantizedRows | torch.Tensor:
+        """The block's tokens quantised once, before `dispatch` copies each to its k experts (on the Triton path:
+        the same e4m3 rows the product would make from each copy, from T rows instead of T x k)."""
+        return quantized_rows(x)
+
+    def forward(self, x_sorted: torch.Tensor | QuantizedRows, counts: torch.Tensor) -> torch.Tensor:
         cap = None if self.top_k is None else -(-x_sorted.shape[0] // self.top_k)
         tiles: dict = {}  # the two products share their rows and counts: one tile table
         gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale, capacity=cap, tiles=tiles)
