@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from node.fp8.quantize import BLOCK, FP8_DTYPE, FP8_MAX
 
@@ -36,11 +37,41 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     live = rows < M
     mask = live[:, None] & (offs < K)[None, :]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    _quant_store(x, rows, g, offs, live, mask, q_ptr, s_ptr, stride_qm, stride_sm)
+
+
+@triton.jit
+def _quant_store(x, rows, g, offs, live, mask, q_ptr, s_ptr, stride_qm, stride_sm):
+    # float32 x [ROWS, GROUP] -> e4m3 + one scale a row, divided as `quantize.quantize_act` divides (IEEE-rounded
+    # division: Triton's `/` on float32 is approximate, which left scales one ulp from the reference on an H100)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
-    scale = amax / 448.0
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0, 448.0)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=live)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, M, I, stride_gm, stride_qm, stride_sm, GROUP: tl.constexpr,
+                           ROWS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # rows of [gate | up] (bf16, I each) -> silu(gate) * up rounded to bf16 as torch's two kernels round it (silu
+    # in float32 as x / (1 + exp(-x)) with IEEE division and libdevice's expf, then the product), quantised. (Triton's
+    # interpreter has no libdevice: there LIBDEVICE is off and numpy's exp serves.)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, GROUP)
+    live = rows < M
+    mask = live[:, None] & (offs < I)[None, :]
+    base = gu_ptr + rows[:, None].to(tl.int64) * stride_gm + offs[None, :]
+    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    act = tl.math.div_rn(gate, 1.0 + e).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    h = (act * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    _quant_store(h, rows, g, offs, live, mask, q_ptr, s_ptr, stride_qm, stride_sm)
 
 
 def quant_act_rows(m: int) -> int:
@@ -59,6 +90,22 @@ def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = quant_act_rows(m)
         _quant_act_kernel[(triton.cdiv(m, rows), kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
                                                      GROUP=BLOCK, ROWS=rows)
+    return q, s
+
+
+def silu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [M, 2I] (a SwiGLU's gate columns, then its up columns) -> `quantize_act(silu(gate) * up)` in one pass, the
+    product rounded to gu's dtype first as torch's ops round it (one read of gu, no bf16 intermediate written)."""
+    m, two_i = gu.shape
+    i = two_i // 2
+    kb = triton.cdiv(i, BLOCK)
+    q = torch.empty((m, i), dtype=FP8_DTYPE, device=gu.device)
+    s = torch.empty((m, kb), dtype=torch.float32, device=gu.device)
+    if m:
+        rows = quant_act_rows(m)
+        _silu_mul_quant_kernel[(triton.cdiv(m, rows), kb)](gu, q, s, m, i, gu.stride(0), q.stride(0), s.stride(0),
+                                                          GROUP=BLOCK, ROWS=rows,
+                                                          LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1")
     return q, s
 
 
@@ -293,5 +340,5 @@ def grouped_gemm_triton(
 
 __all__ = [
     "FP8_MAX", "expert_tile_table", "gemm_triton", "grouped_block_m", "grouped_gemm_triton", "grouped_tiles",
-    "quantize_act_triton",
+    "quantize_act_triton", "silu_mul_quant_triton",
 ]

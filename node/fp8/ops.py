@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from node.fp8.quantize import BLOCK, UnsupportedTensor, quantize_act, reference_gemm
 
@@ -121,6 +122,18 @@ def quantized_rows(x: torch.Tensor) -> QuantizedRows | torch.Tensor:
         return x
     q, s = quantize_activation(x)
     return QuantizedRows(q, s, x.dtype)
+
+
+def swiglu(gu: torch.Tensor) -> QuantizedRows | torch.Tensor:
+    """silu(gate) * up of a SwiGLU's [gate | up] rows: on the Triton path fused with the next product's
+    quantisation (one pass over gu, `QuantizedRows` out: node/fp8/kernels.py `silu_mul_quant_triton`, the same
+    bf16 rounding as these ops), else the torch ops."""
+    if _use_triton(gu):
+        from node.fp8.kernels import silu_mul_quant_triton
+
+        return QuantizedRows(*silu_mul_quant_triton(gu.contiguous()), gu.dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    return (F.silu(gate) * up).contiguous()
 
 
 def grouped_linear(

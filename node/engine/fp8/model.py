@@ -18,10 +18,9 @@ through shardcast is served in FP8 by the same `engine.load_weights` call, witho
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from node.fp8.ops import QuantizedRows, fp8_linear, grouped_linear, quantized_rows
+from node.fp8.ops import QuantizedRows, fp8_linear, grouped_linear, quantized_rows, swiglu
 from node.fp8.quantize import BLOCK, dequantize_weight, quantize_weight
 from node.model.moe import GroupedExperts, MoEBlock
 from node.model.served_form import is_decoder_projection
@@ -122,9 +121,7 @@ class FP8GroupedExperts(_QuantizedWeights):
         cap = None if self.top_k is None else -(-x_sorted.shape[0] // self.top_k)
         tiles: dict = {}  # the two products share their rows and counts: one tile table
         gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale, capacity=cap, tiles=tiles)
-        gate, up = gu.chunk(2, dim=-1)
-        return grouped_linear((F.silu(gate) * up).contiguous(), counts, self.down_proj, self.down_proj_scale,
-                              capacity=cap, tiles=tiles)
+        return grouped_linear(swiglu(gu), counts, self.down_proj, self.down_proj_scale, capacity=cap, tiles=tiles)
 
     def fill_from(self, prefix: str, source) -> None:  # noqa: ANN001 (node.model.fill.WeightSource)
         """Expert by expert: a checkpoint's gate and up blocks stacked as they are when the gate rows end on a
