@@ -96,6 +96,12 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.T
     return scaled_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype).view(*lead, w_q.shape[0])
 
 
+def fused() -> bool:
+    """Whether FP8 experts quantise before dispatch and fuse their SwiGLU with the next quantisation (the default;
+    PRIMERL_FP8_FUSED=0: the torch ops and a quantisation per product, the way before session 28, same function)."""
+    return os.environ.get("PRIMERL_FP8_FUSED", "1") != "0"
+
+
 @dataclass(frozen=True)
 class QuantizedRows:
     """Activation rows already quantised per row per 128 channels (e4m3 `q` [M, K], float32 `s` [M, K/128]) and
@@ -118,7 +124,7 @@ class QuantizedRows:
 def quantized_rows(x: torch.Tensor) -> QuantizedRows | torch.Tensor:
     """`x` quantised as `QuantizedRows` where the Triton kernels take it (else `x` as it is: the reference path
     quantises each expert's rows itself, the same function)."""
-    if not _use_triton(x):
+    if not _use_triton(x) or not fused():
         return x
     q, s = quantize_activation(x)
     return QuantizedRows(q, s, x.dtype)
@@ -128,7 +134,7 @@ def swiglu(gu: torch.Tensor) -> QuantizedRows | torch.Tensor:
     """silu(gate) * up of a SwiGLU's [gate | up] rows: on the Triton path fused with the next product's
     quantisation (one pass over gu, `QuantizedRows` out: node/fp8/kernels.py `silu_mul_quant_triton`, the same
     bf16 rounding as these ops), else the torch ops."""
-    if _use_triton(gu):
+    if _use_triton(gu) and fused():
         from node.fp8.kernels import silu_mul_quant_triton
 
         return QuantizedRows(*silu_mul_quant_triton(gu.contiguous()), gu.dtype)

@@ -182,6 +182,10 @@ def test_an_fp8_moe_block_quantises_its_tokens_once_before_dispatching_them(devi
     before, _ = block(x)
     assert isinstance(taken[1], torch.Tensor) and out.dtype == torch.bfloat16
     assert torch.equal(out, before) and out.abs().sum() > 0
+    if device == "cuda":  # and the fused SwiGLU + quantisation: the bytes of torch's ops (the way before, same block)
+        monkeypatch.setenv("PRIMERL_FP8_FUSED", "0")
+        unfused, _ = block(x)
+        assert torch.equal(out, unfused)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
