@@ -438,7 +438,8 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
     if device != "cpu":  # the same judging the ways before sessions 27 and 28, same GPU, same claims
         for name, var, what in (("torch_replay", "PRIMERL_REPLAY", "torch"),  # the seeded replay in torch ops
                                 ("cudnn_sdp", "PRIMERL_JUDGE_SDPA", "cudnn"),  # cuDNN's attention kept
-                                ("unfused_fp8", "PRIMERL_FP8_FUSED", "0")):  # FP8 experts as before session 28
+                                ("unfused_fp8", "PRIMERL_FP8_FUSED", "0"),  # FP8 experts as before session 28
+                                ("gather_combine", "PRIMERL_MOE_COMBINE", "gather")):  # the MoE combine's torch ops
             judge_again(claims, ref, verdicts, result, name, var, what)
     write_result(result["name"], result)  # a run cut later keeps these
     try:  # a failure costs only this figure

@@ -15,13 +15,15 @@ Quantised (FP8) projections and experts plug in as modules, as in the model.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 from node.engine.attention import decode_attention
 from node.model.cache import KVCache
-from node.model.moe import MoEBlock
+from node.model.moe import FUSED_COMBINE, MoEBlock
 from node.model.qwen3_moe import CausalLM, RMSNorm, rope, rope_tables
 from node.model.rope import inv_frequencies
 
@@ -41,10 +43,27 @@ def _norm(mod: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp(layer, h: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
     if isinstance(layer.mlp, MoEBlock):
-        y, routing = layer.mlp(h)
+        with fused_combine(FUSED and h.is_cuda):
+            y, routing = layer.mlp(h)
         routes.append(routing.experts)
         return y
     return layer.mlp(h)
+
+
+@contextmanager
+def fused_combine(on: bool) -> Iterator[None]:
+    """MoE blocks combine their experts' rows in one kernel while it lasts (`moe_kernels.moe_combine`; the model's
+    `FUSED_COMBINE`), where `on`: the engine's forward, and the validator's recomputation of it on a GPU."""
+    if not on:
+        yield
+        return
+    from node.engine.moe_kernels import moe_combine
+
+    token = FUSED_COMBINE.set(moe_combine)
+    try:
+        yield
+    finally:
+        FUSED_COMBINE.reset(token)
 
 
 def decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor,

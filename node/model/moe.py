@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+FUSED_COMBINE: ContextVar[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None] = ContextVar(
+    "fused_combine", default=None)
+"""The combine as one kernel, (y_sorted, rows, weights, top_k) -> out, where a caller sets it (the engine's forward
+and the validator's recomputation on a GPU: `node.engine.moe_kernels.moe_combine`); CUDA tensors outside autograd
+only, so a trainer's forward and backward stay these ops."""
 _warned_host_path: set[torch.dtype] = set()
 """Dtypes whose host-synced expert path on a GPU this process has logged."""
 
@@ -131,9 +138,17 @@ class MoEBlock(nn.Module):
         in token order (a gather by the inverse of `order`; no two threads write one row) and summed over k with
         float32 accumulation, one rounding. Repeatable on a GPU, where an `index_add_` of bf16 rows adds them in
         whatever order its atomics land (the way before session 25, `PRIMERL_MOE_COMBINE=index_add`, kept to
-        measure against: a seeded request's tokens could differ between two runs on the same weights)."""
+        measure against: a seeded request's tokens could differ between two runs on the same weights). Where a
+        caller set `FUSED_COMBINE` (the engine's forward and the validator's recomputation on a GPU), outside
+        autograd, one kernel does it (`PRIMERL_MOE_COMBINE=gather` keeps these ops)."""
+        way = os.environ.get("PRIMERL_MOE_COMBINE")
+        fused = FUSED_COMBINE.get()
+        if fused is not None and way is None and y_sorted.is_cuda and not torch.is_grad_enabled():
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            return fused(y_sorted, inverse, routing.weights.reshape(-1), self.top_k)
         y = y_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
-        if os.environ.get("PRIMERL_MOE_COMBINE") == "index_add":
+        if way == "index_add":
             out = torch.zeros(n_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
             return out.index_add_(0, order // self.top_k, y)
         inverse = torch.empty_like(order)
