@@ -176,7 +176,16 @@ def time_grouped_tiles(shapes: list[tuple[int, int, int]] = GROUPED_SHAPES, expe
         row["ours_dense_fp8_tflops"] = round(flops / cuda_time(lambda: gemm_triton(xq, wq[0], xs, ws[0])) / 1e12, 1)
         log(str({key: v for key, v in row.items() if key != "configs"}))
         rows_out.append(row)
-    return {"grouped_tiles": rows_out, "best_over_in_force": [r["best_over_in_force"] for r in rows_out]}
+    # one config for both projections of a prefill of this size (what PRIMERL_FP8_GROUPED_TILES can set): the least
+    # summed time over the shapes of the most tokens
+    most = [r for r in rows_out if r["tokens"] == max(x["tokens"] for x in rows_out)]
+    common = [c for c in most[0]["configs"] if all("us" in r["configs"].get(c, {}) for r in most)]
+    both = min(common, key=lambda c: sum(r["configs"][c]["us"] for r in most))
+    in_force = ",".join(map(str, most[0]["in_force"]))
+    return {"grouped_tiles": rows_out, "best_over_in_force": [r["best_over_in_force"] for r in rows_out],
+            "best_prefill_config": both,
+            "best_prefill_over_in_force": round(sum(r["configs"][in_force]["us"] for r in most)
+                                                / sum(r["configs"][both]["us"] for r in most), 3)}
 
 
 def main() -> None:

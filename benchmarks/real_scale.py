@@ -441,6 +441,9 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
                                 ("unfused_fp8", "PRIMERL_FP8_FUSED", "0"),  # FP8 experts as before session 28
                                 ("gather_combine", "PRIMERL_MOE_COMBINE", "gather")):  # the MoE combine's torch ops
             judge_again(claims, ref, verdicts, result, name, var, what)
+        if tiles := os.environ.get("RS_GROUPED_TILES"):  # the expert GEMM's tiles a sweep found best on this card
+            result["judge_grouped_tiles"] = tiles
+            judge_again(claims, ref, verdicts, result, "grouped_tiles", "PRIMERL_FP8_GROUPED_TILES", tiles)
     write_result(result["name"], result)  # a run cut later keeps these
     try:  # a failure costs only this figure
         hold_version(model, spec, manifest, result)

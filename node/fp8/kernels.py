@@ -276,8 +276,16 @@ def grouped_block_m(rows: int, experts: int) -> int:
 
 
 def grouped_tiles(rows: int, experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the grouped kernel for `rows` routed rows over `experts`."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the grouped kernel for `rows` routed rows over `experts`.
+    PRIMERL_FP8_GROUPED_TILES="BM,BN,WARPS,STAGES" sets them for prefill-sized products (more than 64 rows an
+    expert: benchmarks.fp8_kernels --grouped-tiles prints the best it found, benchmarks.real_scale judges with it)."""
     bm = grouped_block_m(rows, experts)
+    if bm == 128 and (given := os.environ.get("PRIMERL_FP8_GROUPED_TILES")):
+        try:
+            bm, bn, warps, stages = (int(v) for v in given.split(","))
+            return bm, bn, warps, stages
+        except ValueError:
+            log.warning("PRIMERL_FP8_GROUPED_TILES=%r is not BM,BN,WARPS,STAGES: the tiles in force", given)
     return bm, 64 if bm <= 32 else 128, 4 if bm <= 32 else 8, 4 if bm <= 64 else 3
 
 
