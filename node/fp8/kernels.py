@@ -82,30 +82,26 @@ def quant_act_rows(m: int) -> int:
 
 def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `quantize.quantize_act` for a 2-D tensor with unit stride on K."""
-    m, k = x.shape
-    kb = triton.cdiv(k, BLOCK)
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, kb), dtype=torch.float32, device=x.device)
-    if m:
-        rows = quant_act_rows(m)
-        _quant_act_kernel[(triton.cdiv(m, rows), kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                                                     GROUP=BLOCK, ROWS=rows)
-    return q, s
+    return _quantised_rows(_quant_act_kernel, x, x.shape[1])
 
 
 def silu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gu [M, 2I] (a SwiGLU's gate columns, then its up columns) -> `quantize_act(silu(gate) * up)` in one pass, the
     product rounded to gu's dtype first as torch's ops round it (one read of gu, no bf16 intermediate written)."""
-    m, two_i = gu.shape
-    i = two_i // 2
-    kb = triton.cdiv(i, BLOCK)
-    q = torch.empty((m, i), dtype=FP8_DTYPE, device=gu.device)
-    s = torch.empty((m, kb), dtype=torch.float32, device=gu.device)
+    return _quantised_rows(_silu_mul_quant_kernel, gu, gu.shape[1] // 2,
+                           LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def _quantised_rows(kernel, x: torch.Tensor, k: int, **consts) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """e4m3 [M, k] and float32 scales [M, k / 128] from `kernel` over the rows of x, a program per row tile and group."""
+    m = x.shape[0]
+    kb = triton.cdiv(k, BLOCK)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, kb), dtype=torch.float32, device=x.device)
     if m:
         rows = quant_act_rows(m)
-        _silu_mul_quant_kernel[(triton.cdiv(m, rows), kb)](gu, q, s, m, i, gu.stride(0), q.stride(0), s.stride(0),
-                                                          GROUP=BLOCK, ROWS=rows,
-                                                          LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1")
+        kernel[(triton.cdiv(m, rows), kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), GROUP=BLOCK,
+                                           ROWS=rows, **consts)
     return q, s
 
 

@@ -1,23 +1,11 @@
 """The engine's MoE combine kernel against the model's combine (torch ops): on a GPU, and on the CPU in
 Triton's interpreter where Triton is installed (CI has none: skipped there)."""
 
-import importlib.util
-
 import pytest
 import torch
+from triton_on import triton_on
 
 from node.model.moe import FUSED_COMBINE, MoEBlock
-
-
-def _triton_on(device: str, monkeypatch) -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("no Triton here")
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    if device == "cpu":
-        if torch.cuda.is_available():  # the interpreter's kernels would stay in this process for the GPU's test
-            pytest.skip("CPU-machine test: the GPU's variant covers the kernel here")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -25,7 +13,7 @@ def test_the_fused_combine_sums_what_the_models_combine_sums(device, monkeypatch
     """Each token's k expert rows times the router's weights, each product rounded to bf16, summed in float32: on a
     GPU within one bf16 step of the model's gather-and-sum wherever they differ (the order of the float32 sum), in
     few places, and the engine's forward takes it (`fused_combine`), the trainer's autograd does not."""
-    _triton_on(device, monkeypatch)
+    triton_on(device, monkeypatch)
     from node.engine.forward import fused_combine
     from node.engine.moe_kernels import moe_combine
 

@@ -1,16 +1,13 @@
 """Triton kernels against float64: on CUDA (marked gpu), and through Triton's CPU interpreter when
 Triton is installed here (the kernels' indexing and masking, with inputs quantised by torch)."""
 
-import importlib.util
 import os
 
 import pytest
 import torch
+from triton_on import triton_on
 
 from node.fp8.quantize import dequantize_act, dequantize_weight, quantize_act, quantize_weight
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref.double()).norm() / ref.double().norm())
@@ -61,32 +58,8 @@ def _cases(device: str):
     assert rel(plain, ref) < 5e-3  # tf32 on CUDA
 
 
-def _triton_on(device: str, monkeypatch) -> None:
-    """Run the kernels on `device`: a GPU's Triton, or on the CPU Triton's interpreter (skipped where a GPU is:
-    kernels built for it stay in this process) with the FP8 ops sent to it."""
-    if not HAS_TRITON:
-        pytest.skip("triton not installed")
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if device == "cpu":
-        if torch.cuda.is_available():
-            pytest.skip("CPU-machine test: kernels already built for the GPU in this process (GPU tests cover them)")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        import triton.runtime.interpreter as interp
-
-        # Triton 3.6's interpreter converts 1-element loop bounds with int(array), which numpy >= 2.4
-        # rejects; index the element instead (test-only shim, the GPU path does not use it).
-        orig = interp._patch_lang_tensor
-
-        def patched(tensor, scope):  # noqa: ANN001
-            orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
-
-
 def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkeypatch):
-    _triton_on("cpu", monkeypatch)
+    triton_on("cpu", monkeypatch)
     _cases("cpu")
     from node.fp8 import kernels
 
@@ -170,7 +143,7 @@ def test_an_fp8_moe_block_quantises_its_tokens_once_before_dispatching_them(devi
     block.experts = FP8GroupedExperts(block.experts, top_k=2)
     x = torch.randn(37, 256).to(torch.bfloat16)
     assert block.experts.dispatchable(x) is x  # the CPU's reference path: each expert's rows quantised there
-    _triton_on(device, monkeypatch)
+    triton_on(device, monkeypatch)
     monkeypatch.setenv("PRIMERL_FP8_TRITON", "1")
     block, x = place(block, device, torch.bfloat16), x.to(device)
     taken: list = []
@@ -193,7 +166,7 @@ def test_the_fused_swiglu_quantises_what_torchs_ops_make(device, monkeypatch):
     """`silu_mul_quant_triton` (one pass over a SwiGLU's [gate | up] rows) against torch's silu, product and the
     reference quantisation: on a GPU the same bytes (IEEE division, libdevice's expf, the product rounded to bf16
     as torch rounds it); in the interpreter (numpy's exp, its own e4m3 cast) near the quantisation kernel's there."""
-    _triton_on(device, monkeypatch)
+    triton_on(device, monkeypatch)
     import torch.nn.functional as F
 
     from node.fp8.kernels import quant_act_rows, quantize_act_triton, silu_mul_quant_triton

@@ -1,11 +1,11 @@
 """The validator's per-token measurement (`node.replay.measure_rows`), its inputs sent to the device once and
 whole chunks noised or nucleus-cut without gathering rows, gives the figures the row-gathering rule gives."""
 
-import importlib.util
 import random
 
 import pytest
 import torch
+from triton_on import triton_on
 
 from node.engine.sampling import gumbel_noise, token_seeds, top_p_mask
 from node.replay import _row_chunks, measure_rows
@@ -61,24 +61,13 @@ def test_rows_measured_by_whole_chunks_get_the_figures_of_the_row_gathering_rule
             assert g.dtype == w.dtype and torch.equal(g, w)
 
 
-def _triton_or_skip(device: str, monkeypatch) -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("no Triton here")
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    if device == "cpu":
-        if torch.cuda.is_available():  # the interpreter's kernels would stay in this process for the GPU's test
-            pytest.skip("CPU-machine test: the GPU's variant covers the kernels here")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_fused_replay_gets_the_figures_of_the_torch_ops(device, monkeypatch):
     """`measure_rows` through `sampling_kernels.replay_triton` (two Triton passes, the noise drawn in the kernel) and
     through torch ops: the same replayed token wherever the margin is clear, the claimed log-probability and the
     margin within float32 rounding of a log-sum-exp reduced in another order, an infinite margin (a one-token
     nucleus) in the same rows. On the CPU in Triton's interpreter (small vocabularies), on a GPU at Qwen3's 151,936."""
-    _triton_or_skip(device, monkeypatch)
+    triton_on(device, monkeypatch)
     rng = random.Random(1)
     gen = torch.Generator().manual_seed(1)
     vocabs = [5, 88, 300, 5000] if device == "cpu" else [88, 49_152, 151_936]
