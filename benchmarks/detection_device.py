@@ -24,6 +24,7 @@ borderline apart) and the reasons; the peer is the honest case of the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -72,6 +73,10 @@ def case_claims(case: str, precision: str, base, ref, args) -> list:
     eng = engine_for(case, base, D.PRECISIONS[precision][1], args)
     claims = D.claims_of(eng, work, base.config)
     eng.close()
+    del eng  # its model (a tampered copy) and graphs: a 5.2B shape's last cases ran out of an H100's memory
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     claims = D.relabel(claims, 1, ref.hidden_size) if case == "stale_version" else claims
     return [c.model_copy(update={"work_id": 5000 + i // args.group}) for i, c in enumerate(claims)]
 
