@@ -271,8 +271,9 @@ def grouped_block_m(rows: int, experts: int) -> int:
     return 128
 
 
-def grouped_tiles(rows: int, experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the grouped kernel for `rows` routed rows over `experts`.
+def grouped_tiles(rows: int, experts: int, fp8: bool = True) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the grouped kernel for `rows` routed rows over `experts`, its
+    operands e4m3 (`fp8`) or 16-bit (the plain comparison path keeps the tiles before: twice the bytes a stage).
     PRIMERL_FP8_GROUPED_TILES="BM,BN,WARPS,STAGES" sets them for prefill-sized products (more than 64 rows an
     expert: benchmarks.fp8_kernels --grouped-tiles prints the best it found, benchmarks.real_scale judges with it).
     Prefill-sized products take 64 x 256 tiles, 8 warps, 4 stages: of 23 configurations swept on an H100 at the
@@ -281,6 +282,8 @@ def grouped_tiles(rows: int, experts: int) -> tuple[int, int, int, int]:
     in 2.4 s against 2.8 s, every verdict the same: session 28, `benchmarks/results/fp8_grouped_tiles-s28-h100.json`).
     A tile shape changes no output bit: each product sums its 128-wide K blocks in the same order."""
     bm = grouped_block_m(rows, experts)
+    if not fp8:
+        return bm, 64 if bm <= 32 else 128, 4 if bm <= 32 else 8, 4 if bm <= 64 else 3
     if bm == 128 and (given := os.environ.get("PRIMERL_FP8_GROUPED_TILES")):
         try:
             bm, bn, warps, stages = (int(v) for v in given.split(","))
@@ -328,7 +331,7 @@ def grouped_gemm_triton(
     c = torch.empty((t, n), dtype=out_dtype, device=x.device)
     if t == 0:
         return c
-    bm, bn, warps, stages = config or grouped_tiles(t, e)
+    bm, bn, warps, stages = config or grouped_tiles(t, e, fp8=x_s is not None)
     max_tiles = triton.cdiv(t, bm) + e
     key = (bm, max_tiles)
     table = None if tiles is None else tiles.get(key)
