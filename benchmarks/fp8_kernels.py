@@ -155,13 +155,12 @@ def time_grouped_tiles(shapes: list[tuple[int, int, int]] = GROUPED_SHAPES, expe
         flops = 2 * t * n * k
         now = grouped_tiles(t, experts)
         ref = grouped_gemm_triton(xq, wq, counts, xs, ws, config=now)
-        table: dict = {}
         row: dict = {"tokens": tokens, "rows": t, "n": n, "k": k, "in_force": list(now), "configs": {}}
         for cfg in [now] + [c for c in sweep if c != now]:
             try:
-                out = grouped_gemm_triton(xq, wq, counts, xs, ws, config=cfg, tiles=table)
+                out = grouped_gemm_triton(xq, wq, counts, xs, ws, config=cfg)
                 err = rel(out.float(), ref.double())
-                sec = cuda_time(lambda: grouped_gemm_triton(xq, wq, counts, xs, ws, config=cfg, tiles=table))
+                sec = cuda_time(lambda: grouped_gemm_triton(xq, wq, counts, xs, ws, config=cfg))
                 row["configs"][",".join(map(str, cfg))] = {"tflops": round(flops / sec / 1e12, 1),
                                                            "us": sec * 1e6, "rel_to_in_force": err}
             except Exception as exc:  # noqa: BLE001 - a tile shape this Triton or this card will not build

@@ -5,9 +5,9 @@ Every kernel accumulates in float32 and applies the two scales once per 128-wide
 DeepSeek-V3 recipe: the tensor cores see e4m3 x e4m3, the scales are applied on the way out of
 each block, so a 128x128 weight scale costs one multiply per output element per K block.
 
-The grouped kernel takes rows already sorted by expert and a tile table built on the device
-(`expert_tile_table`), so it launches a fixed grid with no host synchronisation: a decode step
-that calls it can be captured in a CUDA graph.
+The grouped kernel takes rows already sorted by expert and the experts' row counts on the device; each
+program finds its expert's rows from them, so it launches a grid fixed by the shapes with no host
+synchronisation: a decode step that calls it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -224,20 +224,27 @@ def _launch_gemm(a, b, c, a_s, b_s, b_group_n: int, tiles: tuple[int, int, int, 
 
 @triton.jit
 def _grouped_kernel(
-    x_ptr, w_ptr, c_ptr, xs_ptr, ws_ptr,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    N, K,
+    x_ptr, w_ptr, c_ptr, xs_ptr, ws_ptr, counts_ptr,
+    E, N, K,
     stride_xm, stride_we, stride_wn, stride_cm, stride_xsm, stride_wse, stride_wsn,
     SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr,
 ):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + tile)
-    if e < 0:
+    # which expert's rows this row tile holds, from the counts themselves: experts' tiles laid end to end, expert
+    # e the one whose tiles end past this one (a table built by a dozen torch ops before each product cost 0.4 ms of
+    # host time a layer at the 30B validator's shape); a tile past the last expert's exits
+    idx = tl.arange(0, E_POW2)
+    cnt = tl.load(counts_ptr + idx, mask=idx < E, other=0).to(tl.int32)
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    e = tl.sum((tl.cumsum(tiles, 0) <= tile).to(tl.int32), 0)
+    if e >= E:
         return
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+    before = idx < e
+    first_row = tl.sum(tl.where(before, cnt, 0), 0)
+    start = first_row + (tile - tl.sum(tl.where(before, tiles, 0), 0)) * BLOCK_M
+    end = first_row + tl.sum(tl.where(idx == e, cnt, 0), 0)
     offs_m = start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -295,64 +302,35 @@ def grouped_tiles(rows: int, experts: int, fp8: bool = True) -> tuple[int, int, 
     return bm, 64 if bm <= 32 else 128, 4 if bm <= 32 else 8, 4
 
 
-def expert_tile_table(counts: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, ...]:
-    """Map each of `max_tiles` row tiles to (expert, first row, end row), on the device.
-
-    Tiles past the last expert's get expert -1 and exit at once. No host synchronisation.
-    """
-    counts = counts.to(torch.int32)
-    ends = torch.cumsum(counts, 0)
-    starts = ends - counts
-    tiles = (counts + block_m - 1) // block_m
-    tile_ends = torch.cumsum(tiles, 0)
-    ids = torch.arange(max_tiles, device=counts.device, dtype=torch.int32)
-    expert = torch.searchsorted(tile_ends, ids, right=True).to(torch.int32)
-    valid = expert < counts.numel()
-    e_safe = expert.clamp(max=counts.numel() - 1).long()
-    local = ids - (tile_ends[e_safe] - tiles[e_safe])
-    row_start = starts[e_safe] + local * block_m
-    tile_expert = torch.where(valid, expert, torch.full_like(expert, -1))
-    return tile_expert, row_start.to(torch.int32), ends[e_safe].to(torch.int32)
-
-
 def grouped_gemm_triton(
     x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
     x_s: torch.Tensor | None = None, w_s: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16, tiles: dict | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16, config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """c [T, N]: rows of x [T, K] (sorted by expert, counts [E]) times w[e] [N, K]^T. `tiles`: a dict the caller
-    keeps for products over the same rows and counts (an expert block's two projections), so their tile table is
-    built once (a dozen small kernels each time: 384 builds for 64 claims of a 30B validator, 0.2 s of host time).
-    `config`: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `grouped_tiles`' (benchmarks.fp8_kernels
-    --grouped-tiles sweeps them)."""
+    """c [T, N]: rows of x [T, K] (sorted by expert, counts [E]) times w[e] [N, K]^T, on a grid fixed by the
+    shapes alone (each program finds its expert's rows from `counts` on the device: no host synchronisation, so a
+    decode step that calls it can be captured in a CUDA graph). `config`: (BLOCK_M, BLOCK_N, num_warps,
+    num_stages) instead of `grouped_tiles`' (benchmarks.fp8_kernels --grouped-tiles sweeps them)."""
     t, k = x.shape
     e, n, _ = w.shape
     c = torch.empty((t, n), dtype=out_dtype, device=x.device)
     if t == 0:
         return c
     bm, bn, warps, stages = config or grouped_tiles(t, e, fp8=x_s is not None)
-    max_tiles = triton.cdiv(t, bm) + e
-    key = (bm, max_tiles)
-    table = None if tiles is None else tiles.get(key)
-    if table is None:
-        table = expert_tile_table(counts, bm, max_tiles)
-        if tiles is not None:
-            tiles[key] = table
-    tile_expert, tile_start, tile_end = table
+    max_tiles = triton.cdiv(t, bm) + e  # every expert's last tile may be partial
     scaled = x_s is not None
     _grouped_kernel[(max_tiles, triton.cdiv(n, bn))](
-        x, w, c, x_s if scaled else x, w_s if scaled else w,
-        tile_expert, tile_start, tile_end,
-        n, k,
+        x, w, c, x_s if scaled else x, w_s if scaled else w, counts,
+        e, n, k,
         x.stride(0), w.stride(0), w.stride(1), c.stride(0),
         x_s.stride(0) if scaled else 0, w_s.stride(0) if scaled else 0, w_s.stride(1) if scaled else 0,
-        SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages,
+        SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, E_POW2=triton.next_power_of_2(e),
+        num_warps=warps, num_stages=stages,
     )
     return c
 
 
 __all__ = [
-    "FP8_MAX", "expert_tile_table", "gemm_triton", "grouped_block_m", "grouped_gemm_triton", "grouped_tiles",
+    "FP8_MAX", "gemm_triton", "grouped_block_m", "grouped_gemm_triton", "grouped_tiles",
     "quantize_act_triton", "silu_mul_quant_triton",
 ]

@@ -144,27 +144,26 @@ def swiglu(gu: torch.Tensor) -> QuantizedRows | torch.Tensor:
 
 def grouped_linear(
     x: torch.Tensor | QuantizedRows, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor | None = None,
-    capacity: int | None = None, tiles: dict | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """Rows of x [T, K] sorted by expert (counts [E]) times w[e] [N, K]^T.
 
     With w_s the weight is e4m3 with 128x128 block scales and x is quantised per row per group;
     without it this is the plain (bf16) grouped product, the comparison path. `capacity` (the most
-    rows any expert can have: the token count) lets decode-sized batches take DeepGEMM. `tiles`: the
-    Triton kernel's tile tables, kept by the caller across products over the same rows and counts. `x` may come
-    quantised (`QuantizedRows`, Triton path and e4m3 `w` only).
+    rows any expert can have: the token count) lets decode-sized batches take DeepGEMM. `x` may come quantised
+    (`QuantizedRows`, Triton path and e4m3 `w` only).
     """
     if isinstance(x, QuantizedRows):
         if w_s is None or not _use_triton(x.q):
             raise UnsupportedTensor("quantised rows take the Triton path and an e4m3 weight with block scales")
-        return _grouped_fp8(x, counts, w, w_s, capacity, tiles)
+        return _grouped_fp8(x, counts, w, w_s, capacity)
     if _use_triton(x):
         x = x.contiguous()
         if w_s is None:
             from node.fp8.kernels import grouped_gemm_triton
 
-            return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype, tiles=tiles)
-        return _grouped_fp8(QuantizedRows(*quantize_activation(x), x.dtype), counts, w, w_s, capacity, tiles)
+            return grouped_gemm_triton(x, w, counts, out_dtype=x.dtype)
+        return _grouped_fp8(QuantizedRows(*quantize_activation(x), x.dtype), counts, w, w_s, capacity)
     out = x.new_empty((x.shape[0], w.shape[1]))
     start = 0
     for e, c in enumerate(counts.tolist()):
@@ -178,8 +177,8 @@ def grouped_linear(
     return out
 
 
-def _grouped_fp8(x: QuantizedRows, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, capacity: int | None,
-                 tiles: dict | None) -> torch.Tensor:
+def _grouped_fp8(x: QuantizedRows, counts: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor,
+                 capacity: int | None) -> torch.Tensor:
     """The grouped FP8 product on a GPU: DeepGEMM's masked kernel for decode-sized batches where chosen, else
     (and from a failed compile on) our Triton kernel."""
     from node.fp8.kernels import grouped_gemm_triton
@@ -194,4 +193,4 @@ def _grouped_fp8(x: QuantizedRows, counts: torch.Tensor, w: torch.Tensor, w_s: t
             if torch.cuda.is_current_stream_capturing():
                 raise
             deepgemm.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
-    return grouped_gemm_triton(x.q, w, counts, x.s, w_s, out_dtype=x.dtype, tiles=tiles)
+    return grouped_gemm_triton(x.q, w, counts, x.s, w_s, out_dtype=x.dtype)

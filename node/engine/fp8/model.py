@@ -119,9 +119,8 @@ class FP8GroupedExperts(_QuantizedWeights):
 
     def forward(self, x_sorted: torch.Tensor | QuantizedRows, counts: torch.Tensor) -> torch.Tensor:
         cap = None if self.top_k is None else -(-x_sorted.shape[0] // self.top_k)
-        tiles: dict = {}  # the two products share their rows and counts: one tile table
-        gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale, capacity=cap, tiles=tiles)
-        return grouped_linear(swiglu(gu), counts, self.down_proj, self.down_proj_scale, capacity=cap, tiles=tiles)
+        gu = grouped_linear(x_sorted, counts, self.gate_up_proj, self.gate_up_proj_scale, capacity=cap)
+        return grouped_linear(swiglu(gu), counts, self.down_proj, self.down_proj_scale, capacity=cap)
 
     def fill_from(self, prefix: str, source) -> None:  # noqa: ANN001 (node.model.fill.WeightSource)
         """Expert by expert: a checkpoint's gate and up blocks stacked as they are when the gate rows end on a
