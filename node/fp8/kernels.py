@@ -289,17 +289,15 @@ def grouped_tiles(rows: int, experts: int, fp8: bool = True) -> tuple[int, int, 
     in 2.4 s against 2.8 s, every verdict the same: session 28, `benchmarks/results/fp8_grouped_tiles-s28-h100.json`).
     A tile shape changes no output bit: each product sums its 128-wide K blocks in the same order."""
     bm = grouped_block_m(rows, experts)
-    if not fp8:
-        return bm, 64 if bm <= 32 else 128, 4 if bm <= 32 else 8, 4 if bm <= 64 else 3
-    if bm == 128 and (given := os.environ.get("PRIMERL_FP8_GROUPED_TILES")):
-        try:
-            bm, bn, warps, stages = (int(v) for v in given.split(","))
-            return bm, bn, warps, stages
-        except ValueError:
-            log.warning("PRIMERL_FP8_GROUPED_TILES=%r is not BM,BN,WARPS,STAGES: the tiles in force", given)
-    if bm == 128:
+    if fp8 and bm == 128:
+        if given := os.environ.get("PRIMERL_FP8_GROUPED_TILES"):
+            try:
+                bm, bn, warps, stages = (int(v) for v in given.split(","))
+                return bm, bn, warps, stages
+            except ValueError:
+                log.warning("PRIMERL_FP8_GROUPED_TILES=%r is not BM,BN,WARPS,STAGES: the tiles in force", given)
         return 64, 256, 8, 4
-    return bm, 64 if bm <= 32 else 128, 4 if bm <= 32 else 8, 4
+    return bm, 64 if bm <= 32 else 128, 4 if bm <= 32 else 8, 4 if bm <= 64 else 3
 
 
 def grouped_gemm_triton(

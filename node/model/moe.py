@@ -142,17 +142,16 @@ class MoEBlock(nn.Module):
         caller set `FUSED_COMBINE` (the engine's forward and the validator's recomputation on a GPU), outside
         autograd, one kernel does it (`PRIMERL_MOE_COMBINE=gather` keeps these ops)."""
         way = os.environ.get("PRIMERL_MOE_COMBINE")
-        fused = FUSED_COMBINE.get()
-        if fused is not None and way is None and y_sorted.is_cuda and not torch.is_grad_enabled():
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            return fused(y_sorted, inverse, routing.weights.reshape(-1), self.top_k)
-        y = y_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
         if way == "index_add":
+            y = y_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
             out = torch.zeros(n_tokens, y.shape[-1], dtype=y.dtype, device=y.device)
             return out.index_add_(0, order // self.top_k, y)
-        inverse = torch.empty_like(order)
+        inverse = torch.empty_like(order)  # where each token's choice sits among the sorted rows
         inverse[order] = torch.arange(order.numel(), device=order.device)
+        fused = FUSED_COMBINE.get()
+        if fused is not None and way is None and y_sorted.is_cuda and not torch.is_grad_enabled():
+            return fused(y_sorted, inverse, routing.weights.reshape(-1), self.top_k)
+        y = y_sorted * routing.weights.reshape(-1)[order].unsqueeze(-1)
         return y[inverse].view(n_tokens, self.top_k, -1).sum(dim=1)
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
