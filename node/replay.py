@@ -264,14 +264,14 @@ def judging_kernels(on_device: bool) -> Iterator[None]:
     the same (session 27, `benchmarks.real_scale`'s `verify_s_no_cudnn_sdp`); PRIMERL_JUDGE_SDPA=cudnn keeps it (to
     measure). RMSNorm as the engine's one Triton kernel (`norm_kernels.rms_norm`, what a node's `CudaEngine` runs:
     the module's float32 path is seven kernels, ~10% of those 64 claims' kernel time; not measured apart yet) and the
-    MoE combine as the engine's one kernel (`forward.fused_combine`); PRIMERL_FUSED_KERNELS=0 keeps the modules' ops,
+    MoE combine and the q/k norm and rotation as the engine's kernels (`forward.fused_kernels`); PRIMERL_FUSED_KERNELS=0 keeps the modules' ops,
     as it does in the engine."""
     if not on_device:
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from node.engine.forward import FUSED, fused_combine
+    from node.engine.forward import FUSED, fused_kernels
     from node.model.qwen3_moe import FUSED_NORM
 
     attention = (nullcontext() if os.environ.get("PRIMERL_JUDGE_SDPA") == "cudnn"
@@ -282,7 +282,7 @@ def judging_kernels(on_device: bool) -> Iterator[None]:
 
         token = FUSED_NORM.set(rms_norm)
     try:
-        with attention, fused_combine(FUSED and torch.cuda.is_available()):
+        with attention, fused_kernels(FUSED and torch.cuda.is_available()):
             yield
     finally:
         if token is not None:

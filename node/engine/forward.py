@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from node.engine.attention import decode_attention
 from node.model.cache import KVCache
 from node.model.moe import FUSED_COMBINE, MoEBlock
-from node.model.qwen3_moe import CausalLM, RMSNorm, rope, rope_tables
+from node.model.qwen3_moe import FUSED_ROPE, CausalLM, RMSNorm, rope, rope_tables
 from node.model.rope import inv_frequencies
 
 
@@ -43,31 +43,40 @@ def _norm(mod: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp(layer, h: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
     if isinstance(layer.mlp, MoEBlock):
-        with fused_combine(FUSED and h.is_cuda):
-            y, routing = layer.mlp(h)
+        y, routing = layer.mlp(h)
         routes.append(routing.experts)
         return y
     return layer.mlp(h)
 
 
 @contextmanager
-def fused_combine(on: bool) -> Iterator[None]:
-    """MoE blocks combine their experts' rows in one kernel while it lasts (`moe_kernels.moe_combine`; the model's
-    `FUSED_COMBINE`), where `on`: the engine's forward, and the validator's recomputation of it on a GPU."""
+def fused_kernels(on: bool) -> Iterator[None]:
+    """While it lasts, where `on` (the engine's forwards, and the validator's recomputation of them on a GPU), on CUDA
+    tensors outside autograd: MoE blocks combine their experts' rows in one kernel (`moe_kernels.moe_combine`, the
+    model's `FUSED_COMBINE`), and attention norms and rotates q and k in one (`rope_kernels.norm_rope`, the model's
+    `FUSED_ROPE`)."""
     if not on:
         yield
         return
     from node.engine.moe_kernels import moe_combine
+    from node.engine.rope_kernels import norm_rope
 
-    token = FUSED_COMBINE.set(moe_combine)
+    tokens = FUSED_COMBINE.set(moe_combine), FUSED_ROPE.set(norm_rope)
     try:
         yield
     finally:
-        FUSED_COMBINE.reset(token)
+        FUSED_ROPE.reset(tokens[1])
+        FUSED_COMBINE.reset(tokens[0])
 
 
 def decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor,
                 slots: torch.Tensor, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with fused_kernels(FUSED and ids.is_cuda):
+        return _decode_step(model, cache, ids, pos, slots, splits)
+
+
+def _decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor,
+                 slots: torch.Tensor, splits: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Feed ids [B] at positions pos [B] of cache slots [B]; returns (final hidden [B, H], routes
     [B, n_moe_layers, k] or None). Row b attends to positions 0..pos[b] of its slot."""
     cfg = model.config
@@ -100,6 +109,12 @@ def prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, c
     """ids, positions [B, T] (right-padded). Without a cache, or with read_len 0 (every row's chunk
     starts at position 0), rows attend causally within the chunk; otherwise to cache positions
     [0, read_len) masked by position. Returns (final hidden [B, T, H], routes [B, T, n_moe, k] | None)."""
+    with fused_kernels(FUSED and ids.is_cuda):
+        return _prefill_chunk(model, ids, positions, cache, slots, read_len)
+
+
+def _prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                   slots: torch.Tensor | None, read_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     cfg = model.config
     b, t = ids.shape
     x = model.model.embed_tokens(ids)

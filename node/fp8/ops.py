@@ -88,8 +88,11 @@ def scaled_gemm(
     return reference_gemm(a_q, a_s, b_q, b_s, b_group_n).to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W^T with W block-quantised; x is quantised per token per group."""
+def fp8_linear(x: torch.Tensor | QuantizedRows, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T with W block-quantised; x is quantised per token per group (given as
+    `QuantizedRows` [M, K], quantised already: y is [M, N])."""
+    if isinstance(x, QuantizedRows):
+        return scaled_gemm(x.q, x.s, w_q, w_s, out_dtype=x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x_q, x_s = quantize_activation(x2)

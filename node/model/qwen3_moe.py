@@ -27,6 +27,10 @@ FUSED_NORM: ContextVar[Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
 """RMSNorm as one kernel, (x, weight, eps) -> y, where a caller sets it (the validator's recomputation on a GPU:
 `node.replay.judging_kernels`, with the engine's own Triton kernel): used on CUDA tensors outside autograd only,
 so a trainer's forward and backward stay the module's."""
+FUSED_ROPE: ContextVar[Callable[..., tuple[torch.Tensor, torch.Tensor]] | None] = ContextVar("fused_rope", default=None)
+"""q/k per-head RMSNorm and rotary embedding as one kernel, (q, k, cos, sin, norms) -> (q, k) where a caller sets it
+(the engine's forward and the validator's recomputation on a GPU: `node.engine.rope_kernels.norm_rope`): used on
+CUDA tensors outside autograd only, as `FUSED_NORM` is."""
 
 
 class RMSNorm(nn.Module):
@@ -60,15 +64,23 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [..., NH, D], k and v [..., NKV, D] of normed input x [..., H], before any norm or rotation. Projections
+        that take their input prepared (an FP8 one's `prepared`: the rows quantised) get it made once for the three."""
+        lead = x.shape[:-1]
+        prepared = getattr(self.q_proj, "prepared", None)
+        src = prepared(x) if prepared is not None and type(self.k_proj) is type(self.v_proj) is type(self.q_proj) else x
+        q = self.q_proj(src).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(src).view(*lead, self.n_kv, self.head_dim)
+        v = self.v_proj(src).view(*lead, self.n_kv, self.head_dim)
+        return q, k, v
+
     def qkv(self, x: torch.Tensor, norm: Callable[[RMSNorm, torch.Tensor], torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prelude before rotation: q [..., NH, D], k and v [..., NKV, D] of normed input x [..., H],
         q and k RMS-normed per head. `norm(module, t)` stands in for the norms' own forward (the CUDA
         engine's fused kernel); the decode step rotates q and k itself, fused with the cache write."""
-        lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        q, k, v = self.projections(x)
         if self.q_norm is not None:
             q, k = (self.q_norm(q), self.k_norm(k)) if norm is None else (norm(self.q_norm, q), norm(self.k_norm, k))
         return q, k, v
@@ -78,7 +90,15 @@ class Attention(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole prelude, what every attention of this model (this forward, the engine's prefill,
         ring attention) starts with: q [B, NH, T, D], k and v [B, NKV, T, D] of x [B, T, H], q and k
-        rotated by `rope_cs` (`rope_tables` of the positions)."""
+        rotated by `rope_cs` (`rope_tables` of the positions). Where a caller set `FUSED_ROPE` (CUDA, no autograd),
+        q and k are normed and rotated in one kernel, the same function as the engine's norm kernel (which `norm`
+        stands for there) and `rope`."""
+        fused = FUSED_ROPE.get()
+        if fused is not None and x.is_cuda and not torch.is_grad_enabled():
+            q, k, v = self.projections(x)
+            norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q, k = fused(q, k, *rope_cs, norms)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k, v = self.qkv(x, norm)
         return rope(q.transpose(1, 2), *rope_cs), rope(k.transpose(1, 2), *rope_cs), v.transpose(1, 2)
 

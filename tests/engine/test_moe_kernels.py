@@ -9,12 +9,12 @@ from node.model.moe import FUSED_COMBINE, MoEBlock
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_fused_combine_sums_what_the_models_combine_sums(device, monkeypatch):
+def test_the_fused_kernels_sums_what_the_models_combine_sums(device, monkeypatch):
     """Each token's k expert rows times the router's weights, each product rounded to bf16, summed in float32: on a
     GPU within one bf16 step of the model's gather-and-sum wherever they differ (the order of the float32 sum), in
-    few places, and the engine's forward takes it (`fused_combine`), the trainer's autograd does not."""
+    few places, and the engine's forward takes it (`fused_kernels`), the trainer's autograd does not."""
     triton_on(device, monkeypatch)
-    from node.engine.forward import fused_combine
+    from node.engine.forward import fused_kernels
     from node.engine.moe_kernels import moe_combine
 
     torch.manual_seed(0)
@@ -38,10 +38,10 @@ def test_the_fused_combine_sums_what_the_models_combine_sums(device, monkeypatch
     else:
         assert bool((diff <= want.float().abs() * 2**-7 + 1e-6).all()), float(diff.max())
         assert (diff > 0).float().mean() <= 0.01
-        with torch.no_grad(), fused_combine(True):
+        with torch.no_grad(), fused_kernels(True):
             assert FUSED_COMBINE.get() is moe_combine
             fused, _ = block(x)
         assert torch.equal(fused, got) and FUSED_COMBINE.get() is None
-        with fused_combine(True):  # autograd on: the model's ops, whose backward exists
+        with fused_kernels(True):  # autograd on: the model's ops, whose backward exists
             trained, _ = block(x)
         assert trained.requires_grad and torch.equal(trained.detach(), want)

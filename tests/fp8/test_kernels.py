@@ -169,6 +169,39 @@ def test_an_fp8_moe_block_quantises_its_tokens_once_before_dispatching_them(devi
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp8_attention_quantises_its_input_once_for_q_k_and_v(device, monkeypatch):
+    """`Attention.projections` of FP8 projections on the Triton path: the normed input quantised once
+    (`FP8Linear.prepared`) and its rows given to q, k and v, bit for bit what each projection quantising it again
+    makes (one activation kernel a layer instead of three). Off it (the reference path) x is passed as it is."""
+    from node.engine.fp8.model import place, quantize_model_fp8
+    from node.fp8.ops import QuantizedRows
+    from node.model.config import ModelConfig
+    from node.model.qwen3_moe import Attention
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    attn = Attention(cfg, 0)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    attn = quantize_model_fp8(torch.nn.ModuleDict({"layers": torch.nn.ModuleList([attn])})).layers[0]
+    x = torch.randn(3, 11, 256).to(torch.bfloat16)
+    assert not isinstance(attn.q_proj.prepared(x), QuantizedRows)
+    triton_on(device, monkeypatch)
+    monkeypatch.setenv("PRIMERL_FP8_TRITON", "1")
+    attn, x = place(attn, device, torch.bfloat16), x.to(device)
+    taken: list = []
+    for name in ("q_proj", "k_proj", "v_proj"):
+        proj = getattr(attn, name)
+        monkeypatch.setattr(proj, "forward", (lambda f: lambda rows: taken.append(rows) or f(rows))(proj.forward))
+    q, k, v = attn.projections(x)
+    assert len(taken) == 3 and all(t is taken[0] for t in taken) and isinstance(taken[0], QuantizedRows)
+    assert q.shape == (3, 11, 4, 128) and k.shape == v.shape == (3, 11, 2, 128)
+    for got, proj, heads in ((q, attn.q_proj, 4), (k, attn.k_proj, 2), (v, attn.v_proj, 2)):
+        want = proj(x).view(3, 11, heads, 128)
+        assert torch.equal(got, want) and want.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_fused_swiglu_quantises_what_torchs_ops_make(device, monkeypatch):
     """`silu_mul_quant_triton` (one pass over a SwiGLU's [gate | up] rows) against torch's silu, product and the
     reference quantisation: on a GPU the same bytes (IEEE division, libdevice's expf, the product rounded to bf16

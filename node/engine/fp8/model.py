@@ -87,7 +87,12 @@ class FP8Linear(_QuantizedWeights):
         self.register_buffer("weight_scale", torch.empty(0), persistent=False)
         self._set("weight", linear.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prepared(self, x: torch.Tensor) -> QuantizedRows | torch.Tensor:
+        """x [..., K] as `forward` takes it from several projections of one input (attention's q, k and v): its rows
+        quantised once on the Triton path (`QuantizedRows` [M, K]; each projection's output is then [M, N]), else x."""
+        return quantized_rows(x.reshape(-1, x.shape[-1]))
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale)
 
     def fill_from(self, prefix: str, source) -> None:  # noqa: ANN001 (node.model.fill.WeightSource)
