@@ -22,6 +22,11 @@ from verification.claim import SamplingSpec
 from verification.reference import Reference, Replay
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype that holds expert ids below `num_experts` (routes sent to a device as ids)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2**15 else torch.int64
+
+
 def sampling_params(spec: SamplingSpec) -> SamplingParams:
     return SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=spec.max_new_tokens,
                           seed=spec.seed, stop_token_ids=tuple(spec.stop_token_ids),
@@ -111,7 +116,10 @@ class TorchReference(Reference):
             forced = None
             if replay is not None:  # right padding routes to experts 0..k-1: causal, so it touches no real row
                 k = replay[members[0]].shape[-1]
-                forced = torch.arange(k).expand(len(members), t, replay[members[0]].shape[1], k).clone()
+                # in the narrowest integer type that holds the expert ids (the router widens each layer's slice on
+                # the device): [B, T, layers, k] int64 was 35 MB of pageable copy a batch at the 30B shape
+                forced = torch.arange(k, dtype=route_dtype(self.config.num_experts)).expand(
+                    len(members), t, replay[members[0]].shape[1], k).clone()
                 for row, i in enumerate(members):
                     forced[row, : len(sequences[i])] = replay[i]
                 forced = forced.to(device)
@@ -497,7 +505,8 @@ class _MixedBatch:
             if replay is not None:  # padded positions route to experts 0..k-1 (they touch no real row)
                 if forced is None:
                     k = replay.shape[-1]
-                    forced = torch.arange(k).expand(len(rows), t, replay.shape[1], k).clone()
+                    forced = torch.arange(k, dtype=route_dtype(self.ref.config.num_experts)).expand(
+                        len(rows), t, replay.shape[1], k).clone()
                 forced[r, : b - a] = replay[a:b]
         base = min(firsts)
         slots = torch.tensor([row for row, _, _, _ in rows], device=device)
