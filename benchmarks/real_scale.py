@@ -435,11 +435,12 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
                   verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
-    if device != "cpu":  # the same judging the ways before sessions 27 and 28, same GPU, same claims
+    if device != "cpu":  # the same judging the ways before sessions 27, 28 and 29, same GPU, same claims
         for name, var, what in (("torch_replay", "PRIMERL_REPLAY", "torch"),  # the seeded replay in torch ops
                                 ("cudnn_sdp", "PRIMERL_JUDGE_SDPA", "cudnn"),  # cuDNN's attention kept
                                 ("unfused_fp8", "PRIMERL_FP8_FUSED", "0"),  # FP8 experts as before session 28
-                                ("gather_combine", "PRIMERL_MOE_COMBINE", "gather")):  # the MoE combine's torch ops
+                                ("gather_combine", "PRIMERL_MOE_COMBINE", "gather"),  # the MoE combine's torch ops
+                                ("padded", "PRIMERL_JUDGE_PACKED", "0")):  # claims padded into rectangles
             judge_again(claims, ref, verdicts, result, name, var, what)
         if tiles := os.environ.get("RS_GROUPED_TILES"):  # the expert GEMM's tiles a sweep found best on this card
             result["judge_grouped_tiles"] = tiles

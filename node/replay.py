@@ -16,10 +16,31 @@ from node.engine.fp8.model import fp8_mode_of
 from node.engine.sampling import SamplingParams, sample, token_seeds, top_p_mask
 from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, right_pad
 from node.model.cache import KVCache
+from node.model.packed import Packed, varlen_usable
 from node.model.qwen3_moe import CausalLM
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from verification.claim import SamplingSpec
 from verification.reference import Reference, Replay
+
+
+def packing(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a recomputation packs its sequences end to end (no padding; node/model/packed.py): on a GPU in bf16 or
+    fp16, where attention over them is one variable-length flash kernel; PRIMERL_JUDGE_PACKED=0 pads them into
+    rectangles as before session 29. The CPU pads (its attention over packed rows would be a loop)."""
+    return varlen_usable(device, dtype) and os.environ.get("PRIMERL_JUDGE_PACKED", "1") != "0"
+
+
+def packed_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices in order, cut into runs of at most `budget` tokens (a longer sequence alone)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and total + n > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return [g for g in groups if g]
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -108,6 +129,11 @@ class TorchReference(Reference):
         model = self.policies[version][0]
         device = next(model.parameters()).device
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
+        if packing(device, self.param_dtype) and all(sequences):
+            for members in packed_groups([len(s) for s in sequences], self.batch_tokens):
+                self._prefill_packed(model, sequences, members, with_routes, with_router_logits, logits_from, replay,
+                                     out)
+            return out  # type: ignore[return-value]
         # batches of similar length, bounded in padded tokens (right padding; causal, so exact), grouped to pad
         # least (a long-tailed round's longest rows would pad the shorter ones beside them up to their length)
         for members in padded_groups([len(s) for s in sequences], self.batch_tokens, GROUP_OVERHEAD_TOKENS):
@@ -154,6 +180,39 @@ class TorchReference(Reference):
                     if with_router_logits:
                         out[i] += (None if router_host is None else router_host[row, :n],)
         return out  # type: ignore[return-value]
+
+    def _prefill_packed(self, model: CausalLM, sequences: list[list[int]], members: list[int], with_routes: bool,
+                        with_router_logits: bool, logits_from: list[int] | None, replay: list[torch.Tensor] | None,
+                        out: list) -> None:
+        """`members` end to end in one row (node/model/packed.py: no padded position in any projection or expert),
+        the LM head applied to the rows the checks read only (each member's from its `logits_from`)."""
+        device = self.device
+        lens = [len(sequences[i]) for i in members]
+        packed = Packed.of(lens, device)
+        ids = torch.tensor([t for i in members for t in sequences[i]])[None].to(device, non_blocking=True)
+        forced = None
+        if replay is not None:
+            forced = torch.cat([replay[i].to(route_dtype(self.config.num_experts)) for i in members])[None].to(device)
+        res = model(ids, routed_experts=forced, logits_at=packed.tokens, packed=packed)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        los = [min(logits_from[i], n) if logits_from is not None else 0 for i, n in zip(members, lens)]
+        keep = torch.cat([torch.arange(a + lo, b) for a, b, lo in zip(starts, starts[1:], los)])
+        hidden = res.hidden[0]
+        logits = model.lm_head(hidden.index_select(0, keep.to(device)))  # [kept rows, V] in the model's dtype
+        routes_host = res.routed_experts[0].cpu() if with_routes and res.routed_experts is not None else None
+        router = (_router_logits(res, 1, packed.tokens, host=False)
+                  if with_routes and with_router_logits else None)
+        a = 0
+        for i, start, end, lo in zip(members, starts, starts[1:], los):
+            cnt = end - start - lo
+            out[i] = (logits[a : a + cnt], hidden[start:end])
+            a += cnt
+            if with_routes:
+                out[i] += (None if routes_host is None else routes_host[start:end],)
+                if with_router_logits:
+                    out[i] += (None if router is None else router[0, start:end],)
 
     @torch.inference_mode()
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],

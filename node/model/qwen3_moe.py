@@ -19,6 +19,7 @@ from torch import nn
 from node.model.cache import KVCache
 from node.model.config import ModelConfig
 from node.model.moe import MoEBlock, load_balancing_loss
+from node.model.packed import Packed, packed_attention
 from node.model.rope import inv_frequencies, rope, rope_tables
 
 
@@ -103,9 +104,13 @@ class Attention(nn.Module):
         return rope(q.transpose(1, 2), *rope_cs), rope(k.transpose(1, 2), *rope_cs), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache | None, slots: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | None, slots: torch.Tensor | None, packed: Packed | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.rotated_qkv(x, rope_cs)
+        if packed is not None:  # one row of sequences end to end, each causal within itself
+            if cache is not None:
+                raise ValueError("packed sequences are for cacheless prefills")
+            return self.o_proj(packed_attention(q, k, v, packed).transpose(1, 2).reshape(b, t, -1))
         if cache is None:
             mask = None
         else:
@@ -141,8 +146,9 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rope_cs, cache, slots, replay):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope_cs, cache, slots)
+    def forward(self, x, positions, rope_cs, cache, slots, replay, packed=None):
+        attend = (cache, slots) if packed is None else (cache, slots, packed)
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope_cs, *attend)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoEBlock):
             y, routing = self.mlp(h, replay)
@@ -188,13 +194,18 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None,
-                routed_experts: torch.Tensor | None = None, logits_at: int | torch.Tensor | None = None) -> ModelOutput:
+                routed_experts: torch.Tensor | None = None, logits_at: int | torch.Tensor | None = None,
+                packed: Packed | None = None) -> ModelOutput:
         """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay).
         `logits_at` bounds the LM head's work (with a 49k-151k vocabulary it is most of the memory):
-        an int s keeps positions s.. ([B, T - s, V]); a [B] tensor one position per row ([B, 1, V])."""
+        an int s keeps positions s.. ([B, T - s, V]); a [B] tensor one position per row ([B, 1, V]).
+        `packed`: input_ids [1, N] are its sequences end to end (node/model/packed.py), no KV cache."""
         b, t = input_ids.shape
+        if packed is not None and (b != 1 or packed.tokens != t):
+            raise ValueError(f"packed sequences of {packed.tokens} tokens in one row, got input ids {b} x {t}")
         if positions is None:
-            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+            positions = (torch.arange(t, device=input_ids.device).expand(b, t) if packed is None
+                         else packed.positions(input_ids.device))
         x = self.model.embed_tokens(input_ids)
         rope_cs = rope_tables(positions, inv_frequencies(self.config, positions.device), x.dtype)
         router_logits, chosen = [], []
@@ -203,7 +214,7 @@ class CausalLM(nn.Module):
             replay = None
             if routed_experts is not None and isinstance(layer.mlp, MoEBlock):
                 replay = routed_experts[:, :, moe_i].reshape(b * t, -1)
-            x, routing = layer(x, positions, rope_cs, cache, slots, replay)
+            x, routing = layer(x, positions, rope_cs, cache, slots, replay, packed)
             if routing is not None:
                 router_logits.append(routing.logits)
                 chosen.append(routing.experts)

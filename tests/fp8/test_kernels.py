@@ -53,7 +53,8 @@ def _cases(device: str):
     ref = torch.cat([xe[bounds[e]:bounds[e + 1]].double() @ we[e].double().t() for e in range(5)])
     assert rel(plain, ref) < 5e-3  # tf32 on CUDA
     # each program finds its expert's rows from the counts: experts of no rows first, between and last, one of
-    # several tiles, seven experts (not a power of two), each tile height; no output bit depends on the tiles
+    # several tiles, seven experts (not a power of two), each tile height (on an H100 the float32 outputs of the
+    # three tilings differ in low bits: other MMA shapes accumulate each 128-wide block otherwise)
     counts = torch.tensor([0, 5, 0, 40, 2, 0, 0], device=device)
     xe, we = torch.randn(47, 256, device=device), torch.randn(7, 128, 256, device=device) * 0.05
     xq, xs = quantize_act(xe)
@@ -62,7 +63,7 @@ def _cases(device: str):
     ref = torch.cat([xd[bounds[e]:bounds[e + 1]] @ wd[e].t() for e in range(7)])
     outs = [grouped_gemm_triton(xq, wq, counts, xs, ws, out_dtype=torch.float32, config=(bm, bn, 4, 3))
             for bm, bn in ((16, 32), (32, 64), (64, 128))]
-    assert rel(outs[0], ref) < 1e-3 and all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert all(rel(o, ref) < 1e-3 for o in outs), [rel(o, ref) for o in outs]
 
 
 def test_kernels_compute_the_reference_function_in_the_triton_interpreter(monkeypatch):
