@@ -17,6 +17,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 _gqa_native: bool | None = None
 """Whether this torch's variable-length flash kernel took k/v with fewer heads than q (found at the first call)."""
+_varlen_failed: str | None = None
+"""Why this torch's variable-length flash kernel failed, once it has (then nothing is packed: `varlen_usable`)."""
 
 
 @dataclass(frozen=True)
@@ -48,22 +50,33 @@ class Packed:
 
 def varlen_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed attention runs as one flash kernel on `device` in `dtype` (else a loop over sequences)."""
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen_failed is None
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Causal attention within each packed sequence: q [1, NH, N, D], k and v [1, NKV, N, D] -> [1, NH, N, D]."""
+    global _varlen_failed
+    if varlen_usable(q.device, q.dtype):
+        try:
+            return _varlen(q, k, v, packed)
+        except (RuntimeError, TypeError) as e:  # this torch's kernel or its signature: said once, never silent
+            _varlen_failed = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            log.warning("variable-length flash attention failed (%s): packed rows attend one sequence at a time, "
+                        "and prefills pad their sequences from now on", _varlen_failed)
     nh, nkv = q.shape[1], k.shape[1]
-    if not varlen_usable(q.device, q.dtype):
-        out = torch.empty_like(q)
-        start = 0
-        for n in packed.lengths:
-            s = slice(start, start + n)
-            out[:, :, s] = F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True,
-                                                          enable_gqa=nh != nkv)
-            start += n
-        return out
+    out = torch.empty_like(q)
+    start = 0
+    for n in packed.lengths:
+        s = slice(start, start + n)
+        out[:, :, s] = F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True,
+                                                      enable_gqa=nh != nkv)
+        start += n
+    return out
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed) -> torch.Tensor:
     global _gqa_native
+    nh, nkv = q.shape[1], k.shape[1]
     qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [N, heads, D]
     if nh != nkv and _gqa_native is not False:
         try:

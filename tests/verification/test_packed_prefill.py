@@ -67,6 +67,10 @@ def test_the_packed_prefill_hands_each_claim_the_padded_prefills_rows(device, mo
         packed = ref.prefill(0, seqs, with_routes=True, with_router_logits=True, logits_from=starts, replay=replay)
     finally:
         handle.remove()
+    if device == "cuda":  # the variable-length flash kernel ran (a failure would pad from then on, logged)
+        import node.model.packed as packed_mod
+
+        assert packed_mod._varlen_failed is None and packed_mod._gqa_native is not None
     assert len(forwards) >= 2 and all(p is not None and p.tokens <= 200 or len(p.lengths) == 1 for p in forwards)
     tol = 1e-5 if dtype == torch.float32 else 0.05
     for i, (a, b) in enumerate(zip(padded, packed)):
