@@ -100,6 +100,11 @@ class TorchReference(Reference):
         # checks' log_softmax): bound them by the budget (CPU: 256 MiB, 65,536 tokens of the tiny model's
         # 88-token vocabulary, ~1,300 of SmolLM2's 49,152; GPU: a share of free memory, at most GPU_PREFILL_TOKENS)
         self.batch_tokens = batch_tokens or prefill_batch_tokens(budget, self.vocab_size, self.on_device)
+        self.packed_tokens = max(self.batch_tokens, budget // (4 * self.vocab_size)) if self.on_device else None
+        """Tokens one packed prefill takes (`packing`): a whole group of claims the validator sizes by `logits_bytes`
+        (float32 logits of every token), in one forward; its logits are only the judged rows', in the model's dtype.
+        Padded, the group took 3 forwards on an H100 at the 30B shape (each forward's kernels are ~2,000 launches
+        of the host's, ~60 us each for a Triton kernel)."""
         self.logits_bytes = budget if self.on_device else None
         """Completion logits (float32) one group of claims may hold at once on a GPU (None: the CPU's
         `verification.validator.PREFILL_LOGITS_BYTES`)."""
@@ -130,7 +135,7 @@ class TorchReference(Reference):
         device = next(model.parameters()).device
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
         if packing(device, self.param_dtype) and all(sequences):
-            for members in packed_groups([len(s) for s in sequences], self.batch_tokens):
+            for members in packed_groups([len(s) for s in sequences], self.packed_tokens or self.batch_tokens):
                 self._prefill_packed(model, sequences, members, with_routes, with_router_logits, logits_from, replay,
                                      out)
             return out  # type: ignore[return-value]

@@ -59,7 +59,7 @@ def test_the_packed_prefill_hands_each_claim_the_padded_prefills_rows(device, mo
     monkeypatch.delenv("PRIMERL_JUDGE_PACKED")
     if device == "cpu":
         monkeypatch.setattr(replay_mod, "packing", lambda *_: True)
-    ref.batch_tokens = 200  # several packed groups
+    ref.batch_tokens, ref.packed_tokens = 10, 200  # several packed groups, of the packed size
     forwards: list = []
     handle = model.register_forward_hook(lambda _m, args, kwargs, out: forwards.append(kwargs.get("packed")),
                                          with_kwargs=True)
