@@ -100,7 +100,7 @@ class TorchReference(Reference):
         # checks' log_softmax): bound them by the budget (CPU: 256 MiB, 65,536 tokens of the tiny model's
         # 88-token vocabulary, ~1,300 of SmolLM2's 49,152; GPU: a share of free memory, at most GPU_PREFILL_TOKENS)
         self.batch_tokens = batch_tokens or prefill_batch_tokens(budget, self.vocab_size, self.on_device)
-        self.packed_tokens = max(self.batch_tokens, budget // (4 * self.vocab_size)) if self.on_device else None
+        self.packed_tokens = forward_tokens(budget, self.vocab_size, device, self.param_dtype) if self.on_device else None
         """Tokens one packed prefill takes (`packing`): a whole group of claims the validator sizes by `logits_bytes`
         (float32 logits of every token), in one forward; its logits are only the judged rows', in the model's dtype.
         Padded, the group took 3 forwards on an H100 at the 30B shape (each forward's kernels are ~2,000 launches
@@ -408,6 +408,14 @@ def prefill_batch_tokens(budget: int, vocab_size: int, on_device: bool) -> int:
     """Padded tokens one recomputation prefill takes: its [tokens, vocab] logits held three times over
     (model dtype, float32 copy, the checks' log_softmax) within `budget`."""
     return max(256, min(65_536 if not on_device else 1 << 20, budget // (12 * vocab_size)))
+
+
+def forward_tokens(budget: int, vocab_size: int, device: torch.device, dtype: torch.dtype) -> int:
+    """Tokens one recomputation forward takes on `device`: packed (`packing`), a whole group of claims the validator
+    sizes by float32 logits of every token (`budget // (4 x vocab)`), its logits the judged rows' only, in the model's
+    dtype; else the padded batch (`prefill_batch_tokens`). What the memory plan counts activations for."""
+    padded = prefill_batch_tokens(budget, vocab_size, device.type == "cuda")
+    return max(padded, budget // (4 * vocab_size)) if packing(device, dtype) else padded
 
 
 MEASURE_SCRATCH_FACTOR = 32

@@ -8,10 +8,12 @@ no tensors, so a model far too large for the machine is refused in well under a 
 
 from __future__ import annotations
 
+import torch
+
 from node.engine import registry as engines
 from node.engine.memory_plan import MemoryPlan, host_or_gpu_free, plan_inference, plan_trainer, plan_validator
 from node.model.spec import DTYPES
-from node.replay import logits_budget_of, prefill_batch_tokens
+from node.replay import forward_tokens, logits_budget_of
 from node.rl.loss import LOGPROB_CHUNK_BYTES
 from node.rl.trainer import TrainerConfig
 from node.roles.common import model_config
@@ -39,7 +41,7 @@ def role_plan(spec: RunSpec, role: str, device: str, free_bytes: int | None = No
     if role == "validator":
         budget = logits_budget_of(device, free, cfg.vocab_size)
         return plan_validator(cfg, dtype, device, free, spec.model.fp8, budget,
-                              prefill_batch_tokens(budget, cfg.vocab_size, device.startswith("cuda")))
+                              forward_tokens(budget, cfg.vocab_size, torch.device(device), dtype))
     if role == "inference" and engine in ("builtin", "builtin-cuda"):
         mode = engines.serving_fp8(spec.model.fp8, fp8)
         slots = spec.group_size if device.startswith("cuda") else LEASES_PER_REQUEST * spec.group_size

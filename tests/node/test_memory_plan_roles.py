@@ -140,6 +140,25 @@ def test_a_gpu_validators_logits_are_capped_at_a_token_count_not_a_quarter_of_th
     assert logits_budget_of("cpu", free, 151_936) == CPU_LOGITS_BYTES
 
 
+def test_a_gpu_validator_plans_activations_for_the_tokens_one_forward_takes(monkeypatch):
+    """Packed on a GPU in bf16 (`node.replay.packing`), one forward takes a whole group of claims (logits budget / 4
+    bytes a vocabulary row: 3x the padded batch at Qwen3's vocabulary); padded (float32, or PRIMERL_JUDGE_PACKED=0)
+    the padded batch; the CPU always pads."""
+    import torch
+
+    from node.replay import forward_tokens, logits_budget_of, prefill_batch_tokens
+
+    budget = logits_budget_of("cuda", 137 << 30, 151_936)
+    padded = prefill_batch_tokens(budget, 151_936, on_device=True)
+    cuda = torch.device("cuda")
+    assert forward_tokens(budget, 151_936, cuda, torch.bfloat16) == budget // (4 * 151_936) == 3 * padded
+    assert forward_tokens(budget, 151_936, cuda, torch.float32) == padded
+    assert forward_tokens(budget, 151_936, torch.device("cpu"), torch.bfloat16) == prefill_batch_tokens(
+        budget, 151_936, on_device=False)
+    monkeypatch.setenv("PRIMERL_JUDGE_PACKED", "0")
+    assert forward_tokens(budget, 151_936, cuda, torch.bfloat16) == padded
+
+
 def test_the_trainers_plan_matches_what_the_5b_trainer_held_on_an_h200():
     """Session 15's measurement (`python -m benchmarks.trainer_profile`, one H200): the 5.2B qwen3-30b-a3b-8l
     trainer in bf16 with 16,384-token micro-batches peaked at 73.0 GiB allocated; the per-tensor count
