@@ -287,7 +287,9 @@ def grouped_tiles(rows: int, experts: int, fp8: bool = True) -> tuple[int, int, 
     Qwen3-30B-A3B expert shapes (128 experts, top-8; 2,048 and 11,500 tokens) the fastest for three of the four
     products and faster than the 128 x 128 x 8 x 3 before for all (1.04-1.26x; 64 claims of a 30B validator judged
     in 2.4 s against 2.8 s, every verdict the same: session 28, `benchmarks/results/fp8_grouped_tiles-s28-h100.json`).
-    A tile shape changes no output bit: each product sums its 128-wide K blocks in the same order."""
+    Each product sums its 128-wide K blocks in the same order; the swept configurations changed no bf16 output bit
+    at those shapes, but tile heights whose MMA instructions differ (16 against 64 rows, session 29's GPU test) move
+    low bits of float32 outputs."""
     bm = grouped_block_m(rows, experts)
     if fp8 and bm == 128:
         if given := os.environ.get("PRIMERL_FP8_GROUPED_TILES"):
