@@ -433,9 +433,9 @@ def judge(spec, device: str, claims: list, manifest: bytes, tok, result: dict) -
                                           for c, v, e in zip(claims, verdicts, evidence) if not v.accepted],
                   verify_evidence_max={k: max(e.means()[k] for e in evidence) for k in evidence[0].means()},
                   verify_over_generate=(tokens / took) / result["rl_workload_tok_s"])
-    import node.model.packed as packed_mod
+    from node.model.packed import varlen_status
 
-    result["judge_varlen"] = {"failed": packed_mod._varlen_failed, "gqa_native": packed_mod._gqa_native}
+    result["judge_varlen"] = varlen_status()
     log(f"validator: {len(claims)} rollouts, {tokens} tokens in {took:.1f}s ({tokens / took:.0f} tok/s, "
         f"{result['verify_over_generate']:.1f}x generation), {len(rejected)} rejected")
     if device != "cpu":  # the same judging the ways before sessions 27, 28 and 29, same GPU, same claims

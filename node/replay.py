@@ -14,7 +14,7 @@ import torch
 
 from node.engine.fp8.model import fp8_mode_of
 from node.engine.sampling import SamplingParams, sample, token_seeds, top_p_mask
-from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, right_pad
+from node.model.batching import GROUP_OVERHEAD_TOKENS, packed_groups, padded_groups, right_pad
 from node.model.cache import KVCache
 from node.model.packed import Packed, varlen_usable
 from node.model.qwen3_moe import CausalLM
@@ -28,19 +28,6 @@ def packing(device: torch.device, dtype: torch.dtype) -> bool:
     fp16, where attention over them is one variable-length flash kernel; PRIMERL_JUDGE_PACKED=0 pads them into
     rectangles as before session 29. The CPU pads (its attention over packed rows would be a loop)."""
     return varlen_usable(device, dtype) and os.environ.get("PRIMERL_JUDGE_PACKED", "1") != "0"
-
-
-def packed_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices in order, cut into runs of at most `budget` tokens (a longer sequence alone)."""
-    groups: list[list[int]] = [[]]
-    total = 0
-    for i, n in enumerate(lengths):
-        if groups[-1] and total + n > budget:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += n
-    return [g for g in groups if g]
 
 
 def route_dtype(num_experts: int) -> torch.dtype:

@@ -1,7 +1,9 @@
-"""Sequences of different lengths in one forward: right padding, and groups bounded in padded tokens.
+"""Sequences of different lengths in one forward: right padding, groups bounded in padded tokens, and groups of
+sequences packed end to end bounded in tokens.
 
 Right padding is exact under causal attention: a real position never attends to the padding after it.
-Every batched prefill (the engines', the validator's recomputation) pads and groups with these two.
+Every batched prefill (the engines', the validator's recomputation) pads and groups with these (a GPU
+validator packs instead, `packed_groups`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ assumption (the kernels' fixed cost, not measured): on that benchmark's long-tai
 the validator's no-grad prefill 0.251 -> 0.207 s (1.21x, benchmarks.prefill_grouping) and the trainer's no-grad
 pass 0.36 -> 0.23 s; but the trainer's forward/backward slower (a step 2.95 -> 3.60 s), so a trainer on a GPU
 takes the fewest micro-batches there (`TrainerConfig.micro_batch_overhead_tokens` "auto")."""
+
+
+def packed_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices in order, cut into runs of at most `budget` tokens in all (a longer sequence alone): groups of
+    sequences laid end to end (node/model/packed.py), where no member pads another, so order costs nothing."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and total + n > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return [g for g in groups if g]
 
 
 def padded_groups(lengths: Sequence[int], budget: int, overhead: int) -> list[list[int]]:

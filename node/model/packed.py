@@ -48,6 +48,12 @@ class Packed:
         return (torch.arange(self.tokens) - starts)[None].to(device)
 
 
+def varlen_status() -> dict:
+    """What this process found of the variable-length flash kernel: `failed` (why, or None) and `gqa_native` (k/v
+    with fewer heads than q taken as they are; None before the first call)."""
+    return {"failed": _varlen_failed, "gqa_native": _gqa_native}
+
+
 def varlen_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed attention runs as one flash kernel on `device` in `dtype` (else a loop over sequences)."""
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen_failed is None

@@ -147,7 +147,8 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, positions, rope_cs, cache, slots, replay, packed=None):
-        attend = (cache, slots) if packed is None else (cache, slots, packed)
+        attend = (cache, slots) if packed is None else (cache, slots, packed)  # a context-parallel attention
+        # (node/rl/parallel/context.py, training only) takes no `packed`
         x = x + self.self_attn(self.input_layernorm(x), positions, rope_cs, *attend)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoEBlock):

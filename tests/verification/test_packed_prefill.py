@@ -37,6 +37,13 @@ def test_a_packed_forward_is_each_sequence_alone():
         Packed.of([3, 0], "cpu")
 
 
+def test_packed_groups_keep_order_and_bound_their_tokens():
+    from node.model.batching import packed_groups
+
+    assert packed_groups([5, 3, 9, 2, 2, 30, 1], 10) == [[0, 1], [2], [3, 4], [5], [6]]
+    assert packed_groups([], 10) == []
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_packed_prefill_hands_each_claim_the_padded_prefills_rows(device, monkeypatch):
     """`TorchReference.prefill` packed (a GPU's way; on the CPU forced, its attention a loop over sequences) against
@@ -68,10 +75,10 @@ def test_the_packed_prefill_hands_each_claim_the_padded_prefills_rows(device, mo
     finally:
         handle.remove()
     if device == "cuda":  # the variable-length flash kernel ran (a failure would pad from then on, logged)
-        import node.model.packed as packed_mod
+        from node.model.packed import varlen_status
 
-        assert packed_mod._varlen_failed is None and packed_mod._gqa_native is not None
-    assert len(forwards) >= 2 and all(p is not None and p.tokens <= 200 or len(p.lengths) == 1 for p in forwards)
+        assert varlen_status()["failed"] is None and varlen_status()["gqa_native"] is not None
+    assert len(forwards) >= 2 and all(p is not None and (p.tokens <= 200 or len(p.lengths) == 1) for p in forwards)
     tol = 1e-5 if dtype == torch.float32 else 0.05
     for i, (a, b) in enumerate(zip(padded, packed)):
         assert a[0].shape == b[0].shape == (len(seqs[i]) - starts[i], R.TOK.vocab_size), i
