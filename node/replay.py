@@ -16,18 +16,19 @@ from node.engine.fp8.model import fp8_mode_of
 from node.engine.sampling import SamplingParams, sample, token_seeds, top_p_mask
 from node.model.batching import GROUP_OVERHEAD_TOKENS, packed_groups, padded_groups, right_pad
 from node.model.cache import KVCache
-from node.model.packed import Packed, varlen_usable
+from node.model.packed import Packed, PackedKV, varlen_usable
 from node.model.qwen3_moe import CausalLM
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from verification.claim import SamplingSpec
 from verification.reference import Reference, Replay
 
 
-def packing(device: torch.device, dtype: torch.dtype) -> bool:
+def packing(device: torch.device, dtype: torch.dtype, continued: bool = False) -> bool:
     """Whether a recomputation packs its sequences end to end (no padding; node/model/packed.py): on a GPU in bf16 or
     fp16, where attention over them is one variable-length flash kernel; PRIMERL_JUDGE_PACKED=0 pads them into
-    rectangles as before session 29. The CPU pads (its attention over packed rows would be a loop)."""
-    return varlen_usable(device, dtype) and os.environ.get("PRIMERL_JUDGE_PACKED", "1") != "0"
+    rectangles as before session 29. The CPU pads (its attention over packed rows would be a loop). `continued`:
+    mixed-version sequences, one forward per version's parts (`_PackedMixed`)."""
+    return varlen_usable(device, dtype, continued) and os.environ.get("PRIMERL_JUDGE_PACKED", "1") != "0"
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -229,8 +230,16 @@ class TorchReference(Reference):
             for i in sorted(set(range(len(items))) - set(rising)):
                 seq, segments, start, replay = items[i]
                 out[i] = self._prefill_mixed(seq, segments, with_routes, with_router_logits, start, replay)
-            groups = padded_groups([len(items[i][0]) for i in rising], self.batch_tokens, GROUP_OVERHEAD_TOKENS)
-            batches = [_MixedBatch(self, [rising[j] for j in g], items) for g in groups]
+            batches: list[_MixedBatch | _PackedMixed] = []
+            packs = packing(self.device, self.param_dtype, continued=True)
+            for forced in (False, True):  # rows that replay routes and rows that route freely, apart
+                kind = [i for i in rising if (items[i][3] is not None) == forced]
+                lens = [len(items[i][0]) for i in kind]
+                if packs:
+                    groups = packed_groups(lens, self.packed_tokens or self.batch_tokens)
+                else:
+                    groups = padded_groups(lens, self.batch_tokens, GROUP_OVERHEAD_TOKENS)
+                batches += [(_PackedMixed if packs else _MixedBatch)(self, [kind[j] for j in g], items) for g in groups]
             for version in sorted({v for i in rising for v, _, _ in items[i][1]}):
                 model = self.policies[version][0]  # a resident model switches here, once per version
                 for batch in batches:
@@ -581,6 +590,50 @@ class _MixedBatch:
             state["hidden"].append(out.hidden[r, :n] if on_device else out.hidden[r, :n].cpu())
             state["routes"].append(None if routes is None else routes[r, :n])
             state["router"].append(None if router is None else router[r, :n])
+
+
+class _PackedMixed:
+    """`_MixedBatch` packed (a GPU's way, `packing`): every member's tokens end to end in a `PackedKV`, and per
+    version one forward of every member's segment of that version, end to end at their own positions, each
+    attending to the keys its earlier segments wrote (node/model/packed.py). No padded row in any projection
+    or expert, the LM head on the judged rows only; the same outputs, in the model's dtype."""
+
+    def __init__(self, ref: TorchReference, members: list[int], items: list):
+        cfg = ref.config
+        self.ref, self.items, self.members = ref, items, members
+        self.kv = PackedKV(cfg.num_hidden_layers, [len(items[i][0]) for i in members], cfg.num_key_value_heads,
+                           cfg.head_dim, ref.param_dtype, ref.device)
+        self.states = {i: {"logits": [], "hidden": [], "routes": [], "router": []} for i in members}
+
+    def run(self, model: CausalLM, version: int, with_routes: bool) -> None:
+        rows = [(j, i, a, b) for j, i in enumerate(self.members) for v, a, b in self.items[i][1] if v == version]
+        if not rows:
+            return
+        device = self.ref.device
+        packed = self.kv.part([(j, a, b) for j, _, a, b in rows])
+        ids = torch.tensor([t for _, i, a, b in rows for t in self.items[i][0][a:b]])[None].to(device, non_blocking=True)
+        forced = None
+        if self.items[rows[0][1]][3] is not None:  # every member replays routes, or none (`prefill_mixed_many`)
+            dt = route_dtype(self.ref.config.num_experts)
+            forced = torch.cat([self.items[i][3][a:b].to(dt) for _, i, a, b in rows])[None].to(device)
+        res = model(ids, routed_experts=forced, logits_at=packed.tokens, packed=packed)
+        firsts = [min(max(0, self.items[i][2] - a), b - a) for _, i, a, b in rows]  # each row's first judged position
+        starts = [0]
+        for _, _, a, b in rows:
+            starts.append(starts[-1] + b - a)
+        keep = torch.cat([torch.arange(s + f, e) for s, e, f in zip(starts, starts[1:], firsts)])
+        hidden = res.hidden[0]
+        logits = model.lm_head(hidden.index_select(0, keep.to(device)))  # [kept rows, V] in the model's dtype
+        routes = res.routed_experts[0].cpu() if with_routes and res.routed_experts is not None else None
+        router = _router_logits(res, 1, packed.tokens, host=not self.ref.on_device) if with_routes else None
+        on_device, c = self.ref.on_device, 0
+        for (_, i, _, _), s, e, f in zip(rows, starts, starts[1:], firsts):
+            state = self.states[i]
+            state["logits"].append(logits[c : c + e - s - f] if on_device else logits[c : c + e - s - f].float().cpu())
+            state["hidden"].append(hidden[s:e] if on_device else hidden[s:e].cpu())
+            state["routes"].append(None if routes is None else routes[s:e])
+            state["router"].append(None if router is None else router[0, s:e])
+            c += e - s - f
 
 
 def _rows(x: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:

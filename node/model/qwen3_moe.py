@@ -109,7 +109,9 @@ class Attention(nn.Module):
         q, k, v = self.rotated_qkv(x, rope_cs)
         if packed is not None:  # one row of sequences end to end, each causal within itself
             if cache is not None:
-                raise ValueError("packed sequences are for cacheless prefills")
+                raise ValueError("packed sequences keep their keys in a PackedKV (packed.context), not a KV cache")
+            if packed.context is not None:  # parts of longer sequences: their keys so far
+                k, v = packed.context.kv.write_and_read(self.layer, k, v, packed.context)
             return self.o_proj(packed_attention(q, k, v, packed).transpose(1, 2).reshape(b, t, -1))
         if cache is None:
             mask = None
@@ -200,7 +202,8 @@ class CausalLM(nn.Module):
         """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay).
         `logits_at` bounds the LM head's work (with a 49k-151k vocabulary it is most of the memory):
         an int s keeps positions s.. ([B, T - s, V]); a [B] tensor one position per row ([B, 1, V]).
-        `packed`: input_ids [1, N] are its sequences end to end (node/model/packed.py), no KV cache."""
+        `packed`: input_ids [1, N] are its sequences end to end (node/model/packed.py), no KV cache; or parts of
+        longer ones (`PackedKV.part`), each at its own positions over the keys its earlier parts wrote."""
         b, t = input_ids.shape
         if packed is not None and (b != 1 or packed.tokens != t):
             raise ValueError(f"packed sequences of {packed.tokens} tokens in one row, got input ids {b} x {t}")

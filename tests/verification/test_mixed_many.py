@@ -149,3 +149,85 @@ def test_on_a_gpu_mixed_rollouts_recomputed_in_batches_are_those_recomputed_alon
     assert all(_close(a, b) for a, b in zip(alone, together)), worst
     verdicts = verify_claims(claims, ref)
     assert all(v.accepted for v in verdicts), [v.detail for v in verdicts if not v.accepted]
+
+
+def test_a_sequence_computed_in_packed_parts_is_the_sequence_whole():
+    """`PackedKV.part`: parts of sequences end to end in one forward, each at its own positions over the keys its
+    sequence's earlier parts wrote (the parts of one forward in any order), give each sequence's rows whole."""
+    from node.model.packed import PackedKV
+
+    model = R.tiny_model()
+    cfg = model.config
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (9, 5, 12)]
+    kv = PackedKV(cfg.num_hidden_layers, [len(s) for s in seqs], cfg.num_key_value_heads, cfg.head_dim,
+                  torch.float32, "cpu")
+    rows: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+    with torch.no_grad():
+        for spans in ([(0, 0, 4), (1, 0, 5), (2, 0, 3)], [(2, 3, 7), (0, 4, 9)], [(2, 7, 12)]):
+            packed = kv.part(spans)
+            out = model(torch.cat([seqs[j][a:b] for j, a, b in spans])[None], packed=packed)
+            start = 0
+            for j, a, b in spans:
+                rows[j].append(out.logits[0, start : start + b - a])
+                start += b - a
+        for j, s in enumerate(seqs):
+            whole = model(s[None]).logits[0]
+            assert torch.allclose(torch.cat(rows[j]), whole, atol=1e-5), (j, (torch.cat(rows[j]) - whole).abs().max())
+        with pytest.raises(ValueError, match=r"part \[3, 6\) of a packed sequence of 5 tokens"):
+            kv.part([(1, 3, 6)])
+        from node.model.cache import KVCache
+
+        with pytest.raises(ValueError, match="PackedKV"):
+            model(seqs[1][None], cache=KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 8, cfg.head_dim),
+                  slots=torch.zeros(1, dtype=torch.long), packed=kv.part([(1, 0, 5)]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_mixed_rollouts_recomputed_packed_are_those_recomputed_padded(device, monkeypatch):
+    """`prefill_mixed_many` packed (`_PackedMixed`: a GPU's way in bf16; on the CPU forced, its attention a loop over
+    sequences) against the same claims padded (`_MixedBatch`): every claim's logits, hidden states, routes and router
+    logits, within the dtype's rounding, with routes replayed (the validator's way for a routed claim) and, on the
+    CPU, routed freely; one forward per version, each a packed part over the keys of the versions before."""
+    import node.replay as replay_mod
+    from node.model.packed import continued_usable
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    states, claims, _ = mixed_world()
+    models = [copy.deepcopy(m).to(device, dtype).eval() for m in states]
+    ref = resident_reference({v: (m, R.manifest(v)) for v, m in enumerate(models)})
+    free = [_mixed_item(c, _plan(c, ref)) for c in claims if len(set(c.versions)) > 1]
+    monkeypatch.setenv("PRIMERL_JUDGE_PACKED", "0")
+    padded_free = ref.prefill_mixed_many(free, with_routes=True, with_router_logits=True)
+    replayed = [(*it[:3], out[2]) for it, out in zip(free, padded_free)]  # the routes the padded forwards chose
+    padded = ref.prefill_mixed_many(replayed, with_routes=True, with_router_logits=True)
+    monkeypatch.delenv("PRIMERL_JUDGE_PACKED")
+    if device == "cpu":
+        assert not replay_mod.packing(ref.device, ref.param_dtype, continued=True)  # the CPU pads unless told
+        monkeypatch.setattr(replay_mod, "packing", lambda *_, **__: True)
+    else:
+        assert continued_usable(ref.device, dtype)  # bottom-right causal alignment, checked on this GPU
+    ref.packed_tokens = 10_000  # one group: one forward per version
+    forwards: list = []
+    hooks = [m.register_forward_hook(lambda _m, args, kwargs, out: forwards.append(kwargs.get("packed")),
+                                     with_kwargs=True) for m in models]
+    try:
+        packed = ref.prefill_mixed_many(replayed, with_routes=True, with_router_logits=True)
+        pairs = [(padded, packed)]
+        if device == "cpu":  # routed freely, in float32 the same experts are chosen
+            pairs.append((padded_free, ref.prefill_mixed_many(free, with_routes=True, with_router_logits=True)))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(forwards) == 3 * len(pairs) and all(p is not None and p.context is not None for p in forwards)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    for want, got in pairs:
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert a[0].shape == b[0].shape and a[1].shape == b[1].shape, i
+            for x, y in ((a[0], b[0]), (a[1], b[1]), (a[3], b[3])):
+                assert torch.allclose(x.float().cpu(), y.float().cpu(), atol=tol, rtol=tol), (
+                    i, (x.float().cpu() - y.float().cpu()).abs().max())
+            assert torch.equal(a[2], b[2])
+    assert all(torch.equal(b[2], it[3]) for b, it in zip(packed, replayed))
