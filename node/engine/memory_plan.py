@@ -240,10 +240,14 @@ def plan_trainer(cfg: ModelConfig, dtype: torch.dtype, device: str, free_bytes: 
 def plan_validator(cfg: ModelConfig, dtype: torch.dtype, device: str, free_bytes: int, fp8: str,
                    logits_bytes: int, batch_tokens: int) -> MemoryPlan:
     """A validator: one resident model (other versions as deltas on the host, node/roles/resident_policy.py),
-    a prefill group's logits (float32, its budget) and activations."""
+    a prefill group's logits (float32, its budget), activations, and the keys and values of a group of
+    mixed-version claims recomputed version by version (node/replay.py `_PackedMixed` / `_MixedBatch`)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * item
     return MemoryPlan("validator", device, (("resident model", weight_bytes(cfg, dtype, fp8)),
                                             ("logits", logits_bytes),
-                                            ("activations", batch_tokens * token_activation_bytes(cfg, dtype, train=False))),
+                                            ("activations", batch_tokens * token_activation_bytes(cfg, dtype, train=False)),
+                                            ("mixed-version KV", batch_tokens * kv)),
                       free_bytes, "one resident model; other versions as deltas, sized as they arrive")
 
 
