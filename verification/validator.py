@@ -188,9 +188,14 @@ def _verify_mixed_group(members: list[int], claims: list[RolloutClaim], plans: l
         _halves_after(exc, "recomputing mixed-version claims", members, claims, failures,
                       lambda half: _verify_mixed_group(half, claims, plans, failures, ref, evidence))
         return
-    for i, out in zip(members, outs):
-        ev = Evidence()
-        f = _verify_mixed(claims[i], plans[i], ref, ev, out)
+    evs = [Evidence() for _ in members]
+    try:  # every member's segments measured together, its routes checked together
+        checked = _mixed_checks([(claims[i], plans[i], out) for i, out in zip(members, outs)], ref, evs)
+    except Exception as exc:
+        log.warning("checking %d mixed-version claims together failed (%r): one by one", len(members), exc)
+        evs = [Evidence() for _ in members]
+        checked = [_verify_mixed(claims[i], plans[i], ref, ev, out) for i, out, ev in zip(members, outs, evs)]
+    for i, f, ev in zip(members, checked, evs):
         if f is not None and f.reason != Reason.UNJUDGED:
             # a failure of the batched recomputation stands only if the claim's own one-row recomputation (the
             # path that recomputed mixed claims before they were batched) fails it too
@@ -220,17 +225,32 @@ def _verify_mixed(claim: RolloutClaim, p: _Plan, ref: Reference, ev: Evidence, o
             seq, segments, _, replay = _mixed_item(claim, p)
             out = ref.prefill_mixed(seq, segments, with_routes=p.routes is not None,
                                     with_router_logits=p.routes is not None, logits_from=start, replay=replay)
-        logits, hidden, *routes = out
-        f = next((f for f in check_segments([_segment(claim, p, v, logits, hidden, start, ev) for v in p.tokens], ref)
-                  if f is not None), None)
-        if f is not None:
-            return f
-        if p.routes is not None:
-            return _check_forced_routes([(claim, p.routes, routes)], ref.precision)[0]
+        return _mixed_checks([(claim, p, out)], ref, [ev])[0]
     except Exception as exc:
         log.warning("claim %s: unexpected error in mixed-version checks: %r", claim.work_id, exc)
         return _failure_of(exc)
-    return None
+
+
+def _mixed_checks(items: list[tuple[RolloutClaim, _Plan, tuple]], ref: Reference, evs: list[Evidence]
+                  ) -> list[Failure | None]:
+    """The checks of recomputed mixed-version claims ((claim, plan, its recomputation) each): every version
+    segment of every claim through one `check_segments` (one measurement, one transfer back, as a version's
+    claims are), each claim failing with its first failing segment; then the routes of those that passed,
+    together. Raises what a check raised (the caller decides: one by one)."""
+    owners, segments = [], []
+    for k, (claim, p, out) in enumerate(items):
+        start = len(claim.prompt_ids) - 1  # the position that produced completion token 0
+        for v in p.tokens:
+            owners.append(k)
+            segments.append(_segment(claim, p, v, out[0], out[1], start, evs[k]))
+    failures: list[Failure | None] = [None] * len(items)
+    for k, f in zip(owners, check_segments(segments, ref)):
+        failures[k] = failures[k] or f
+    routed = [k for k, (_, p, _) in enumerate(items) if failures[k] is None and p.routes is not None]
+    for k, f in zip(routed, _check_forced_routes([(items[k][0], items[k][1].routes, list(items[k][2][2:]))
+                                                  for k in routed], ref.precision)):
+        failures[k] = f
+    return failures
 
 
 def _resource_error(exc: BaseException) -> bool:

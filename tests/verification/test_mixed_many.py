@@ -100,8 +100,15 @@ def test_mixed_rollouts_recomputed_together_in_batches_are_those_recomputed_alon
 def test_the_validator_accepts_honest_mixed_rollouts_and_rejects_a_relabelled_one_on_the_resident_model():
     _, claims, held = mixed_world()
     ref = resident_reference(held)
+    measured = []
+    measure = ref.measure_tokens
+    ref.measure_tokens = lambda logits, *a: measured.append(len(logits)) or measure(logits, *a)
     verdicts = verify_claims(claims, ref)
     assert all(v.accepted for v in verdicts), [v.detail for v in verdicts if not v.accepted]
+    # the mixed claims' segments measured in one pass (one transfer back), not one a claim
+    mixed_segments = sum(len(set(c.versions)) for c in claims if len(set(c.versions)) > 1)
+    assert mixed_segments in measured and len(measured) <= 2, measured
+    ref.measure_tokens = measure
     mixed = [c for c in claims if len(set(c.versions)) > 1]
     cheat = R.relabel(mixed[:1], 2)[0]  # every token claimed as the newest version
     verdicts = verify_claims([cheat, *mixed[1:3]], ref)
