@@ -198,10 +198,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None,
                 routed_experts: torch.Tensor | None = None, logits_at: int | torch.Tensor | None = None,
-                packed: Packed | None = None) -> ModelOutput:
+                packed: Packed | None = None, logits_rows: torch.Tensor | None = None) -> ModelOutput:
         """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay).
         `logits_at` bounds the LM head's work (with a 49k-151k vocabulary it is most of the memory):
         an int s keeps positions s.. ([B, T - s, V]); a [B] tensor one position per row ([B, 1, V]).
+        `logits_rows` (instead): flat indices into the B x T positions, logits [N, V] of those only (a trainer's
+        loss positions: no prompt or padding row through the LM head and the log-softmax after it).
         `packed`: input_ids [1, N] are its sequences end to end (node/model/packed.py), no KV cache; or parts of
         longer ones (`PackedKV.part`), each at its own positions over the keys its earlier parts wrote."""
         b, t = input_ids.shape
@@ -224,7 +226,9 @@ class CausalLM(nn.Module):
                 chosen.append(routing.experts)
                 moe_i += 1
         hidden = self.model.norm(x)
-        if logits_at is None:
+        if logits_rows is not None:
+            logits = self.lm_head(hidden.reshape(b * t, -1).index_select(0, logits_rows))
+        elif logits_at is None:
             logits = self.lm_head(hidden)
         elif isinstance(logits_at, int):
             logits = self.lm_head(hidden[:, logits_at:])

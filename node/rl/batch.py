@@ -74,10 +74,10 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 
     return TrainBatch(input_ids, targets, loss_mask, logprobs, adv, experts)
 
 
-def first_loss_position(batch: TrainBatch) -> int:
-    """The first position any row of `batch` takes loss at (0 when none does): logits are computed from there."""
-    mask = batch.loss_mask
-    return int(mask.float().argmax(dim=1).min()) if bool(mask.any()) else 0
+def loss_rows(batch: TrainBatch) -> torch.Tensor:
+    """Flat indices (row x positions + position, int64, on the mask's device) of the positions `batch` takes loss
+    at, in order: the only ones whose logits the trainer computes (`Trainer.logprobs`)."""
+    return batch.loss_mask.reshape(-1).nonzero().squeeze(-1)
 
 
 def micro_batches(batch: TrainBatch, tokens: int,

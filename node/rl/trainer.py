@@ -21,7 +21,7 @@ from node.model.batching import GROUP_OVERHEAD_TOKENS
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint, written_whole
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.rl.batch import TrainBatch, first_loss_position, micro_batches
+from node.rl.batch import TrainBatch, loss_rows, micro_batches
 from node.rl.fp8 import apply_fp8_training
 from node.recipe import DEFAULT as DEFAULT_RECIPE
 from node.recipe import Recipe
@@ -90,17 +90,22 @@ class Trainer:
         """Set by `load` on a distributed checkpoint: its AdamW state is read when first needed
         (a world's ranks read their own shards of it instead; see `node.rl.parallel.world`)."""
 
-    def logprobs(self, batch: TrainBatch, replay: bool | None = None, start: int | None = None
+    def logprobs(self, batch: TrainBatch, replay: bool | None = None, rows: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trainer logprobs of the batch's targets [B, T] and the aux loss. `start`: `first_loss_position` of the
-        batch, read by the caller before the batch went to the GPU (reading it there waits for the GPU)."""
+        """Trainer logprobs of the batch's targets at its loss positions, [B, T] (0 elsewhere: nothing reads
+        them), and the aux loss. `rows`: `loss_rows` of the batch on its device, read by the caller before the
+        batch went to the GPU (reading the mask there waits for the GPU)."""
         replay = self.cfg.router_replay if replay is None else replay
-        # logits only from the first position any row learns from: prompts take no loss, and with a
-        # 49k-151k vocabulary their logits would be most of the step's memory and a fifth of its compute
-        start = first_loss_position(batch) if start is None else start
-        out = self.model(batch.input_ids, routed_experts=batch.routed_experts if replay else None, logits_at=start)
-        logp = token_logprobs(out.logits, batch.targets[:, start:], self.cfg.temperature)
-        return torch.nn.functional.pad(logp, (start, 0)), out.aux_loss
+        # the LM head and the float32 log-softmax after it on the loss positions only: with a 49k-151k vocabulary
+        # they were a third of a step's kernel time (the 0.52B shape on an H100, s30), and a long-tailed
+        # micro-batch's prompts and padding were most of their rows (37,400 padded positions for 14,201 loss tokens)
+        rows = loss_rows(batch).to(batch.input_ids.device) if rows is None else rows
+        b, t = batch.targets.shape
+        out = self.model(batch.input_ids, routed_experts=batch.routed_experts if replay else None, logits_rows=rows)
+        targets = batch.targets.reshape(-1).index_select(0, rows)
+        # [N, 1, V]: `token_logprobs` takes its float32 chunks over the first dimension
+        logp = token_logprobs(out.logits[:, None], targets[:, None], self.cfg.temperature)[:, 0]
+        return logp.new_zeros(b * t).index_copy(0, rows, logp).view(b, t), out.aux_loss
 
     def micro_batches(self, batch: TrainBatch, backward: bool = False) -> list[TrainBatch]:
         """The pieces one forward (`backward`: and backward) takes at a time (`node.rl.batch.micro_batches`
@@ -123,15 +128,16 @@ class Trainer:
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
         return self.cfg.lr * (self.cfg.min_lr_ratio + (1 - self.cfg.min_lr_ratio) * cosine)
 
-    def _on_device(self, micros: list[TrainBatch]) -> Iterator[tuple[TrainBatch, int, int]]:
-        """(micro-batch on the model's device, its first loss position, its loss tokens) of host micro-batches:
+    def _on_device(self, micros: list[TrainBatch]) -> Iterator[tuple[TrainBatch, torch.Tensor, int]]:
+        """(micro-batch on the model's device, its `loss_rows` there, its loss tokens) of host micro-batches:
         the figures are read on the host, so the step never waits for the GPU to learn them (each such wait
         empties the GPU's queue, and a launch-bound step then idles while the next kernels are launched)."""
         device = next(self.model.parameters()).device
         cuda = device.type == "cuda"  # pinned, so the copy queues behind the GPU's work instead of waiting for it
         for micro in micros:
             moved = micro.pinned().to(device, non_blocking=True) if cuda else micro.to(device)
-            yield moved, first_loss_position(micro), int(micro.loss_mask.sum())
+            rows = loss_rows(micro)
+            yield moved, (rows.pin_memory() if cuda else rows).to(device, non_blocking=cuda), len(rows)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One step on `batch`: its micro-batches cut and measured on the host, each moved to the model's device
@@ -152,8 +158,8 @@ class Trainer:
             n_all, kl = max(1, int(batch.loss_mask.sum())), 0.0
             with torch.no_grad():
                 for rows in torch.arange(len(batch)).chunk(self.cfg.minibatches):
-                    for micro, start, tokens in self._on_device(self.micro_batches(batch.select(rows))):
-                        out = policy_loss(self.logprobs(micro, start=start)[0], micro.inference_logprobs,
+                    for micro, loss_at, tokens in self._on_device(self.micro_batches(batch.select(rows))):
+                        out = policy_loss(self.logprobs(micro, rows=loss_at)[0], micro.inference_logprobs,
                                           micro.advantages, micro.loss_mask, self.cfg.loss)
                         kl = kl + out.mismatch_kl * tokens / n_all
             metrics["mismatch_kl"] = kl
@@ -180,8 +186,8 @@ class Trainer:
         micros = self.micro_batches(mb, backward=True)
         n_all = max(1, int(mb.loss_mask.sum()))
         stats: dict[str, float | torch.Tensor] = dict.fromkeys(("loss", "masked_share", "mismatch_kl", "aux_loss"), 0.0)
-        for micro, start, n_tokens in self._on_device(micros):
-            logp, aux = self.logprobs(micro, start=start)
+        for micro, loss_at, n_tokens in self._on_device(micros):
+            logp, aux = self.logprobs(micro, rows=loss_at)
             out = policy_loss(logp, micro.inference_logprobs, micro.advantages, micro.loss_mask, self.cfg.loss)
             tokens, rows = (1.0, 1.0) if len(micros) == 1 else (n_tokens / n_all, len(micro) / len(mb))
             (out.loss * tokens + aux_coef * aux * rows).backward()

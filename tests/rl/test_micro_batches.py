@@ -128,3 +128,27 @@ def test_a_gpu_step_waits_for_the_gpu_only_to_read_its_metrics_whatever_its_micr
         counts.append(waits.n)
         assert all(math.isfinite(v) for v in metrics.values())  # the figures came back
     assert counts[0] == counts[1] <= 6, counts  # the five metrics read at the end (mismatch_kl, loss, ...)
+
+
+def test_the_trainer_computes_logits_at_loss_positions_only_and_they_are_the_full_forwards():
+    """`Trainer.logprobs`: the LM head takes the loss positions' rows only (no prompt or padding row of a long-tailed
+    batch), and their logprobs are those of the whole [B, T, V] forward; every other position is 0."""
+    from node.rl.loss import token_logprobs
+
+    torch.manual_seed(0)
+    model = CausalLM(CFG)
+    batch = long_tailed_batch()
+    trainer = Trainer(model, TrainerConfig(router_replay=False))
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+    try:
+        with torch.no_grad():
+            logp, _ = trainer.logprobs(batch)
+    finally:
+        hook.remove()
+    mask = batch.loss_mask
+    assert seen == [int(mask.sum())] and int(mask.sum()) < mask.numel() / 2
+    with torch.no_grad():
+        whole = token_logprobs(model(batch.input_ids).logits, batch.targets)
+    assert torch.allclose(logp[mask], whole[mask], atol=1e-5)
+    assert torch.equal(logp[~mask], torch.zeros(int((~mask).sum())))
