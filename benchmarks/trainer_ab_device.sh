@@ -16,7 +16,7 @@ for shape in "qwen3-moe-small --vocab-size 49152" "qwen3-30b-a3b-2l --vocab-size
   for tree in old new; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/old
     name=$(echo $shape | cut -d' ' -f1)-$tree
-    (cd $dir && timeout 150 env PYTHONPATH=/tmp/site:$dir python3 -m benchmarks.trainer_profile --shape $shape --steps 3) > $OUT/trainer_profile-$name.log 2>&1
+    (cd $dir && timeout 90 env PYTHONPATH=/tmp/site:$dir python3 -m benchmarks.trainer_profile --shape $shape --steps 3) > $OUT/trainer_profile-$name.log 2>&1
     echo "$name rc=$?"; tail -1 $OUT/trainer_profile-$name.log | cut -c1-900
   done
 done
