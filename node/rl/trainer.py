@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from node.model.batching import GROUP_OVERHEAD_TOKENS
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint, written_whole
 from node.model.config import ModelConfig
-from node.model.qwen3_moe import CausalLM
+from node.model.qwen3_moe import CausalLM, ModelOutput
 from node.rl.batch import TrainBatch, loss_rows, micro_batches
 from node.rl.fp8 import apply_fp8_training
 from node.recipe import DEFAULT as DEFAULT_RECIPE
@@ -79,6 +79,18 @@ class TrainerConfig:
                       "router_replay": recipe.router_replay, "fp8": recipe.train_fp8, **overrides})
 
 
+def logprobs_at(model: CausalLM, batch: TrainBatch, rows: torch.Tensor, temperature: float, **forward
+                ) -> tuple[torch.Tensor, ModelOutput]:
+    """The model's logprobs of `batch`'s targets at flat positions `rows` (`loss_rows`), [B, T] with 0 elsewhere,
+    and the forward's output (`forward`: its other arguments); the LM head and the log-softmax on those rows only."""
+    b, t = batch.targets.shape
+    out = model(batch.input_ids, logits_rows=rows, **forward)
+    targets = batch.targets.reshape(-1).index_select(0, rows)
+    # [N, 1, V]: `token_logprobs` takes its float32 chunks over the first dimension
+    logp = token_logprobs(out.logits[:, None], targets[:, None], temperature)[:, 0]
+    return logp.new_zeros(b * t).index_copy(0, rows, logp).view(b, t), out
+
+
 class Trainer:
     def __init__(self, model: CausalLM, cfg: TrainerConfig = TrainerConfig()):
         self.model = apply_fp8_training(model) if cfg.fp8 else model  # in place: the same parameters and names
@@ -100,12 +112,9 @@ class Trainer:
         # they were a third of a step's kernel time (the 0.52B shape on an H100, s30), and a long-tailed
         # micro-batch's prompts and padding were most of their rows (37,400 padded positions for 14,201 loss tokens)
         rows = loss_rows(batch).to(batch.input_ids.device) if rows is None else rows
-        b, t = batch.targets.shape
-        out = self.model(batch.input_ids, routed_experts=batch.routed_experts if replay else None, logits_rows=rows)
-        targets = batch.targets.reshape(-1).index_select(0, rows)
-        # [N, 1, V]: `token_logprobs` takes its float32 chunks over the first dimension
-        logp = token_logprobs(out.logits[:, None], targets[:, None], self.cfg.temperature)[:, 0]
-        return logp.new_zeros(b * t).index_copy(0, rows, logp).view(b, t), out.aux_loss
+        logp, out = logprobs_at(self.model, batch, rows, self.cfg.temperature,
+                                routed_experts=batch.routed_experts if replay else None)
+        return logp, out.aux_loss
 
     def micro_batches(self, batch: TrainBatch, backward: bool = False) -> list[TrainBatch]:
         """The pieces one forward (`backward`: and backward) takes at a time (`node.rl.batch.micro_batches`

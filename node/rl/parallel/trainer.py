@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor
 
 from node.model.moe import expert_counts
 from node.model.qwen3_moe import CausalLM, ModelOutput
-from node.rl.batch import TrainBatch
-from node.rl.loss import policy_loss, token_logprobs
+from node.rl.batch import TrainBatch, loss_rows
+from node.rl.loss import policy_loss
 from node.rl.parallel.apply import is_expert_param, sync_gradients
 from node.rl.parallel.context import sequence_slice
 from node.rl.parallel.dims import LayoutError, ParallelDims, ParallelGroups, RankCoords
-from node.rl.trainer import Trainer, TrainerConfig
+from node.rl.trainer import Trainer, TrainerConfig, logprobs_at
 
 
 @dataclass
@@ -168,9 +168,8 @@ class DistributedTrainer:
         load-balancing loss (times `aux_weight`). Metrics are global: `loss` is the policy loss alone,
         as `Trainer` reports it; `total` the whole loss summed over ranks."""
         b = local.batch
-        out = self.model(b.input_ids, positions=local.positions,
-                         routed_experts=b.routed_experts if self.cfg.router_replay else None)
-        logp = token_logprobs(out.logits, b.targets, self.cfg.temperature)
+        logp, out = logprobs_at(self.model, b, loss_rows(b), self.cfg.temperature, positions=local.positions,
+                                routed_experts=b.routed_experts if self.cfg.router_replay else None)
         po = policy_loss(logp, b.inference_logprobs, b.advantages, b.loss_mask, self.cfg.loss)
         n_local = b.loss_mask.sum()
         if n_global is None:
