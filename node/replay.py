@@ -187,25 +187,10 @@ class TorchReference(Reference):
         if replay is not None:
             forced = torch.cat([replay[i].to(route_dtype(self.config.num_experts)) for i in members])[None].to(device)
         res = model(ids, routed_experts=forced, logits_at=packed.tokens, packed=packed)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
         los = [min(logits_from[i], n) if logits_from is not None else 0 for i, n in zip(members, lens)]
-        keep = torch.cat([torch.arange(a + lo, b) for a, b, lo in zip(starts, starts[1:], los)])
-        hidden = res.hidden[0]
-        logits = model.lm_head(hidden.index_select(0, keep.to(device)))  # [kept rows, V] in the model's dtype
-        routes_host = res.routed_experts[0].cpu() if with_routes and res.routed_experts is not None else None
-        router = (_router_logits(res, 1, packed.tokens, host=False)
-                  if with_routes and with_router_logits else None)
-        a = 0
-        for i, start, end, lo in zip(members, starts, starts[1:], los):
-            cnt = end - start - lo
-            out[i] = (logits[a : a + cnt], hidden[start:end])
-            a += cnt
-            if with_routes:
-                out[i] += (None if routes_host is None else routes_host[start:end],)
-                if with_router_logits:
-                    out[i] += (None if router is None else router[0, start:end],)
+        for i, (logits, hidden, routes, router) in zip(members, _packed_rows(model, res, lens, los, with_routes,
+                                                                             with_routes and with_router_logits)):
+            out[i] = (logits, hidden, routes, router)[: 2 + with_routes + (with_routes and with_router_logits)]
 
     @torch.inference_mode()
     def prefill_mixed(self, sequence: list[int], segments: list[tuple[int, int, int]],
@@ -611,29 +596,39 @@ class _PackedMixed:
             return
         device = self.ref.device
         packed = self.kv.part([(j, a, b) for j, _, a, b in rows])
-        ids = torch.tensor([t for _, i, a, b in rows for t in self.items[i][0][a:b]])[None].to(device, non_blocking=True)
+        ids = torch.tensor([t for _, i, a, b in rows for t in self.items[i][0][a:b]])[None].to(device,
+                                                                                            non_blocking=True)
         forced = None
         if self.items[rows[0][1]][3] is not None:  # every member replays routes, or none (`prefill_mixed_many`)
             dt = route_dtype(self.ref.config.num_experts)
             forced = torch.cat([self.items[i][3][a:b].to(dt) for _, i, a, b in rows])[None].to(device)
         res = model(ids, routed_experts=forced, logits_at=packed.tokens, packed=packed)
         firsts = [min(max(0, self.items[i][2] - a), b - a) for _, i, a, b in rows]  # each row's first judged position
-        starts = [0]
-        for _, _, a, b in rows:
-            starts.append(starts[-1] + b - a)
-        keep = torch.cat([torch.arange(s + f, e) for s, e, f in zip(starts, starts[1:], firsts)])
-        hidden = res.hidden[0]
-        logits = model.lm_head(hidden.index_select(0, keep.to(device)))  # [kept rows, V] in the model's dtype
-        routes = res.routed_experts[0].cpu() if with_routes and res.routed_experts is not None else None
-        router = _router_logits(res, 1, packed.tokens, host=not self.ref.on_device) if with_routes else None
-        on_device, c = self.ref.on_device, 0
-        for (_, i, _, _), s, e, f in zip(rows, starts, starts[1:], firsts):
-            state = self.states[i]
-            state["logits"].append(logits[c : c + e - s - f] if on_device else logits[c : c + e - s - f].float().cpu())
-            state["hidden"].append(hidden[s:e] if on_device else hidden[s:e].cpu())
-            state["routes"].append(None if routes is None else routes[s:e])
-            state["router"].append(None if router is None else router[0, s:e])
-            c += e - s - f
+        for (_, i, _, _), parts in zip(rows, _packed_rows(model, res, list(packed.lengths), firsts, with_routes,
+                                                           with_routes)):
+            for key, part in zip(("logits", "hidden", "routes", "router"), parts):
+                self.states[i][key].append(part)
+
+
+def _packed_rows(model: CausalLM, res, lens: list[int], firsts: list[int], with_routes: bool, with_router: bool
+                 ) -> list[tuple]:
+    """Each sequence's rows of a packed forward `res` (run with `logits_at=packed.tokens`: no LM head yet), in order:
+    (logits from its `firsts` position on, in the model's dtype: the LM head on those rows only, one product;
+    hidden states; routes on the host and router logits where the model's device is, None unless asked)."""
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    hidden = res.hidden[0]
+    keep = torch.cat([torch.arange(s + f, e) for s, e, f in zip(starts, starts[1:], firsts)])
+    logits = model.lm_head(hidden.index_select(0, keep.to(hidden.device)))  # [kept rows, V]
+    routes = res.routed_experts[0].cpu() if with_routes and res.routed_experts is not None else None
+    router = _router_logits(res, 1, starts[-1], host=False) if with_router else None
+    out, c = [], 0
+    for s, e, f in zip(starts, starts[1:], firsts):
+        out.append((logits[c : c + e - s - f], hidden[s:e], None if routes is None else routes[s:e],
+                    None if router is None else router[0, s:e]))
+        c += e - s - f
+    return out
 
 
 def _rows(x: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:

@@ -52,12 +52,17 @@ class KVPlan:
                 f"({self.free_bytes / GIB:.1f} GiB free)")
 
 
+def kv_token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token, every layer."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def slot_bytes(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> int:
     """What one sequence of `max_seq_len` tokens holds on the device: K and V of every layer, and the
     engine's per-position slot state (the final hidden state for proofs, the sampling seed and
     logprob, the routed experts of each MoE layer)."""
     item = torch.empty((), dtype=dtype).element_size()
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * item
+    kv = kv_token_bytes(cfg, dtype)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     state = cfg.hidden_size * item + 8 + 4 + n_moe * cfg.num_experts_per_tok
     return (kv + state) * max_seq_len
@@ -242,12 +247,10 @@ def plan_validator(cfg: ModelConfig, dtype: torch.dtype, device: str, free_bytes
     """A validator: one resident model (other versions as deltas on the host, node/roles/resident_policy.py),
     a prefill group's logits (float32, its budget), activations, and the keys and values of a group of
     mixed-version claims recomputed version by version (node/replay.py `_PackedMixed` / `_MixedBatch`)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * item
     return MemoryPlan("validator", device, (("resident model", weight_bytes(cfg, dtype, fp8)),
                                             ("logits", logits_bytes),
                                             ("activations", batch_tokens * token_activation_bytes(cfg, dtype, train=False)),
-                                            ("mixed-version KV", batch_tokens * kv)),
+                                            ("mixed-version KV", batch_tokens * kv_token_bytes(cfg, dtype))),
                       free_bytes, "one resident model; other versions as deltas, sized as they arrive")
 
 

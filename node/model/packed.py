@@ -178,7 +178,9 @@ def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Pack
     for i, n in enumerate(packed.lengths):
         s, ks = slice(start, start + n), slice(keys[i], keys[i + 1])
         m = keys[i + 1] - keys[i]
-        mask = None if m == n else (torch.arange(m, device=q.device)[None] <= torch.arange(m - n, m, device=q.device)[:, None])
+        mask = None  # a part's query at row r sees keys up to m - n + r (bottom-right); a whole sequence: causal
+        if m != n:
+            mask = torch.arange(m, device=q.device)[None] <= torch.arange(m - n, m, device=q.device)[:, None]
         out[:, :, s] = F.scaled_dot_product_attention(q[:, :, s], k[:, :, ks], v[:, :, ks], attn_mask=mask,
                                                       is_causal=mask is None, enable_gqa=nh != nkv)
         start += n
