@@ -271,6 +271,9 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "wait_s": med([r["wait_s"] for r in steady]),
         "publish_wait_s": med([r.get("publish_wait_s", 0.0) for r in steady]),
         "train_s": med([r["train_s"] for r in steady]), "publish_s": med([r["publish_s"] for r in steady]),
+        # train_s apart (the trainer role's rows since session 31): the batch built on the host, then the update
+        "batch_s": med([r["batch_s"] for r in steady if "batch_s" in r]),
+        "update_s": med([r["update_s"] for r in steady if "update_s" in r]),
         # the wire shards for other hosts, after the announcement (the trainer role's rows since session 16)
         "wire_s": med([r["wire_s"] for r in steady if "wire_s" in r]),
         "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,

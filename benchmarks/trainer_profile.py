@@ -21,6 +21,7 @@ import torch
 from benchmarks.random_checkpoint import SHAPES
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
+from node.model.routing import RouteShape
 from node.rl.batch import TrainBatch
 from node.rl.loss import policy_loss
 from node.rl.trainer import Trainer, TrainerConfig
@@ -28,8 +29,11 @@ from node.rl.trainer import Trainer, TrainerConfig
 log = logging.getLogger("benchmarks.trainer_profile")
 
 
-def long_tail_batch(rows: int, prompt: int, vocab: int, seed: int = 0) -> TrainBatch:
-    """`rows` rows of a `prompt`-token prompt and a Pareto-tailed completion (median ~30, at most 960)."""
+def long_tail_batch(rows: int, prompt: int, vocab: int, seed: int = 0,
+                    routes: RouteShape | None = None) -> TrainBatch:
+    """`rows` rows of a `prompt`-token prompt and a Pareto-tailed completion (median ~30, at most 960);
+    with `routes`, every position's experts to replay (k consecutive ids from a random first one), as the
+    trainer role's batches carry them when the inference nodes send routes (router replay, the default)."""
     g = torch.Generator().manual_seed(seed)
     lengths = (15 * (1 - torch.rand(rows, generator=g)) ** (-1 / 1.1)).clamp(4, 960).long()
     t = prompt + int(lengths.max()) - 1
@@ -38,7 +42,11 @@ def long_tail_batch(rows: int, prompt: int, vocab: int, seed: int = 0) -> TrainB
     for i, n in enumerate(lengths.tolist()):
         mask[i, prompt - 1:prompt - 1 + n] = True
     adv = torch.where(torch.rand(rows, generator=g) < 0.5, -1.0, 1.0)[:, None].expand(rows, t).contiguous()
-    return TrainBatch(ids[:, :-1], ids[:, 1:], mask, torch.full((rows, t), -2.0), adv, None)
+    replay = None
+    if routes is not None:
+        first = torch.randint(0, routes.num_experts, (rows, t, routes.moe_layers, 1), generator=g)
+        replay = (first + torch.arange(routes.top_k)) % routes.num_experts
+    return TrainBatch(ids[:, :-1], ids[:, 1:], mask, torch.full((rows, t), -2.0), adv, replay)
 
 
 def phases(trainer: Trainer, batch: TrainBatch, device: str) -> dict[str, float]:
@@ -88,6 +96,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--prompt", type=int, default=60)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--router-replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="the batch carries every position's routed experts, replayed as the role does (default)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu with a few --layers (a smoke run)")
     p.add_argument("--overhead-tokens", default=TrainerConfig().micro_batch_overhead_tokens,
                    help="micro-batches grouped to pad least for this cost a micro-batch (-1: the fewest micro-batches; "
@@ -105,7 +115,8 @@ def main() -> None:
     overhead = None if overhead != "auto" and overhead < 0 else overhead  # -1: the fewest micro-batches
     # the recipe's defaults: updates and minibatches per step
     trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_overhead_tokens=overhead))
-    batch = long_tail_batch(args.rows, args.prompt, args.vocab_size)
+    batch = long_tail_batch(args.rows, args.prompt, args.vocab_size,
+                            routes=RouteShape.of(cfg) if args.router_replay else None)
     tokens = args.rows * args.prompt + int(batch.loss_mask.sum())  # each row's prompt and completion
     micros = trainer.micro_batches(batch)
     padded = sum(m.input_ids.numel() for m in micros)
@@ -130,7 +141,7 @@ def main() -> None:
     log.info("top kernels of one step:\n%s", prof.key_averages().table(
         sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25))
     result = {"benchmark": "trainer_profile", "machine": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape,
-              "layers": cfg.num_hidden_layers, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+              "layers": cfg.num_hidden_layers, "router_replay": batch.routed_experts is not None, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
               "updates_per_batch": trainer.cfg.updates_per_batch, "minibatches": trainer.cfg.minibatches,
               "rows": args.rows, "positions": int(batch.input_ids.shape[1]), "tokens": tokens,
               "overhead_tokens": overhead, "backward_overhead_tokens": trainer.overhead_tokens(True),

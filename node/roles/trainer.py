@@ -399,12 +399,15 @@ class TrainerNode:
             return None
 
     def _train(self, trainer: Trainer, step: int, items: list[AcceptedGroup]) -> dict:
+        t0 = time.perf_counter()
         batch, r = self.train_batch(items)
+        t1 = time.perf_counter()
         stats = trainer.train_step(batch)
+        timing = {"batch_s": t1 - t0, "update_s": time.perf_counter() - t1}  # the host's batch, then the step
         lags = [self.ledger.lag(u.group.min_version, step) for u in items]
         routed = sum(sub.routed_experts is not None for u in items for sub in u.group.rollouts)
         from node.engine.memory_plan import gpu_memory_stats
 
         return {**gpu_memory_stats(self.device), "step": step, "reward_mean": float(r.mean()), "lags": lags, "work_ids": [u.work_id for u in items],
                 "router_replay": self.cfg.router_replay and batch.routed_experts is not None,
-                "routed_rollouts": routed, "train_fp8": self.cfg.fp8, **stats}
+                "routed_rollouts": routed, "train_fp8": self.cfg.fp8, **timing, **stats}
