@@ -31,7 +31,7 @@ GEN=$!
 sleep 40  # the engine built and generating
 profile gpu-engine
 kill $GEN 2>/dev/null; pkill -f benchmarks.validator_speed; wait 2>/dev/null
-timeout 200 top -b -c -w 250 -d 3 -n 60 > $OUT/top.log 2>&1 &  # each process's CPU share while the network runs
+timeout 200 sh -c "top -b -c -w 250 -d 3 -n 60 | grep -E \"^top|Cpu|python\"" > $OUT/top.log 2>&1 &  # each process's CPU share while the network runs
 TOP=$!
 ORDER=served KS=1 MODEL=random:qwen3-moe-small STEPS=8 RUN_S=150 TEST_FILES=tests/rl/test_micro_batches.py \
   timeout 230 bash benchmarks/served_form_device.sh
