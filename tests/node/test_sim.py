@@ -34,6 +34,9 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     # starts only once s is out (versions listed in order)
     assert all(b["t_asked"] < a["t"] <= b["t_trained"] + b["publish_wait_s"] + 0.01
                for a, b in zip(rows, rows[1:]))
+    # the step's compute apart: the batch built on the host, then the update; both inside the step's train time
+    assert all(0 < r["batch_s"] and 0 < r["update_s"]
+               and r["batch_s"] + r["update_s"] <= r["t_trained"] - r["t_asked"] - r["wait_s"] + 0.01 for r in rows)
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
     trace = [json.loads(x) for x in (tmp_path / "inference-0" / "versions.jsonl").read_text().splitlines()]
