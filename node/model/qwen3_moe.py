@@ -199,7 +199,8 @@ class CausalLM(nn.Module):
                 cache: KVCache | None = None, slots: torch.Tensor | None = None,
                 routed_experts: torch.Tensor | None = None, logits_at: int | torch.Tensor | None = None,
                 packed: Packed | None = None, logits_rows: torch.Tensor | None = None) -> ModelOutput:
-        """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay).
+        """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay), of any integer dtype (a
+        trainer's batch holds them as compact as the wire does, `compact_routes`; they are widened here, on the device).
         `logits_at` bounds the LM head's work (with a 49k-151k vocabulary it is most of the memory):
         an int s keeps positions s.. ([B, T - s, V]); a [B] tensor one position per row ([B, 1, V]).
         `logits_rows` (instead): flat indices into the B x T positions, logits [N, V] of those only (a trainer's
@@ -207,6 +208,8 @@ class CausalLM(nn.Module):
         `packed`: input_ids [1, N] are its sequences end to end (node/model/packed.py), no KV cache; or parts of
         longer ones (`PackedKV.part`), each at its own positions over the keys its earlier parts wrote."""
         b, t = input_ids.shape
+        if routed_experts is not None and routed_experts.dtype != torch.long:
+            routed_experts = routed_experts.long()
         if packed is not None and (b != 1 or packed.tokens != t):
             raise ValueError(f"packed sequences of {packed.tokens} tokens in one row, got input ids {b} x {t}")
         if positions is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,9 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 
     experts = None
     if all(r.routed_experts is not None for r in rollouts):
         shape = rollouts[0].routed_experts.shape[1:]
-        experts = torch.zeros(b, t, *shape, dtype=torch.long)
+        # in the rollouts' own dtype (the trainer role's are compact: `compact_routes_dtype`), or one that holds all
+        dtype = functools.reduce(torch.promote_types, {r.routed_experts.dtype for r in rollouts})
+        experts = torch.zeros(b, t, *shape, dtype=dtype)
     for i, (r, a) in enumerate(zip(rollouts, advantages)):
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
         n, p = len(seq) - 1, len(r.prompt_ids)

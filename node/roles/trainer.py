@@ -393,7 +393,7 @@ class TrainerNode:
         if self.routes is None or sub.routed_experts is None:
             return None
         try:
-            return decode_routes(sub.routed_experts, prompt_len + sub.n_tokens - 1, self.routes)
+            return decode_routes(sub.routed_experts, prompt_len + sub.n_tokens - 1, self.routes, compact=True)
         except InvalidRoutes as exc:
             log.warning("work %d: routed experts unreadable (%s); trained without replay", sub.work_id, exc)
             return None

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 
 import torch
 
@@ -29,6 +30,12 @@ def test_router_replay_matches_engine_logprobs_after_the_router_moved(tmp_path):
         used = model(batch.input_ids, routed_experts=batch.routed_experts).routed_experts
         moved = model(batch.input_ids).routed_experts
     assert torch.equal(used, batch.routed_experts) and not torch.equal(moved, batch.routed_experts)
+    # the trainer role's batches hold routes as compact as the wire (uint8 here): the same replay, widened in the model
+    narrow = build_batch([dataclasses.replace(r, routed_experts=r.routed_experts.to(torch.uint8)) for r in rollouts],
+                         [0.0] * len(rollouts))
+    assert narrow.routed_experts.dtype == torch.uint8
+    with torch.no_grad():
+        assert torch.equal(trainer.logprobs(narrow, replay=True)[0], replayed)
     with torch.no_grad():
         free, _ = trainer.logprobs(batch, replay=False)
     engine_lp = batch.inference_logprobs

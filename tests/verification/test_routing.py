@@ -31,6 +31,8 @@ def test_routes_round_trip_in_one_or_two_bytes_per_expert_id(num_experts, id_byt
     data = encode_routes(routes, shape)
     assert len(data) == 11 * 3 * 2 * id_bytes == shape.nbytes(11)
     assert torch.equal(decode_routes(data, 11, shape), routes)
+    compact = decode_routes(data, 11, shape, compact=True)  # what the trainer role's batches hold
+    assert compact.dtype == (torch.uint8 if id_bytes == 1 else torch.int16) and torch.equal(compact.long(), routes)
     if id_bytes == 2:  # little-endian on the wire whatever the host
         assert data[:4] == (0).to_bytes(2, "little") + (num_experts - 1).to_bytes(2, "little")
 
