@@ -21,7 +21,7 @@ import torch
 from benchmarks.random_checkpoint import SHAPES
 from node.model.config import ModelConfig
 from node.model.qwen3_moe import CausalLM
-from node.model.routing import RouteShape
+from node.model.routing import RouteShape, compact_routes_dtype
 from node.rl.batch import TrainBatch
 from node.rl.loss import policy_loss
 from node.rl.trainer import Trainer, TrainerConfig
@@ -45,7 +45,8 @@ def long_tail_batch(rows: int, prompt: int, vocab: int, seed: int = 0,
     replay = None
     if routes is not None:
         first = torch.randint(0, routes.num_experts, (rows, t, routes.moe_layers, 1), generator=g)
-        replay = (first + torch.arange(routes.top_k)) % routes.num_experts
+        # as compact as the role's batches hold them (`compact_routes_dtype`)
+        replay = ((first + torch.arange(routes.top_k)) % routes.num_experts).to(compact_routes_dtype(routes))
     return TrainBatch(ids[:, :-1], ids[:, 1:], mask, torch.full((rows, t), -2.0), adv, replay)
 
 

@@ -123,6 +123,9 @@ class TrainerNode:
         """The run's model shape: a unit's tokens must fit its vocabulary and positions (`_open`)."""
         self.routes = RouteShape.of(self._shape) if self.cfg.router_replay else None
         """The route shape submissions' routed experts are decoded with (None: not replayed)."""
+        self._opened: dict[int, tuple[list[Rollout], list[float]]] = {}
+        """Work id -> its rollouts and rewards as `_open` read them from the batch last asked for (`train_batch`
+        takes them instead of reading every submission again: routes decoded, transcripts detokenised, rewards)."""
         if self.cfg.fp8 and self.dims.world > 1:
             raise SystemExit(f"recipe train_fp8 needs the one-process trainer, not {self.dims.world} ranks")
 
@@ -316,6 +319,7 @@ class TrainerNode:
             reply = await client.batch(step, want)
             if len(reply) >= want:
                 units, failures = [], []
+                self._opened.clear()
                 for unit in reply:
                     try:
                         units.append(self._open(step, unit))
@@ -353,24 +357,28 @@ class TrainerNode:
                 if len(prompt) + sub.n_tokens > longest:
                     raise UnitRejected(f"work {unit.work_id}: {len(prompt)} + {sub.n_tokens} tokens, the model "
                                        f"holds {longest}")
-                Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt)))
-                if getattr(self.env, "cheap_reward", True):  # the step recomputes it (`_reward`)
-                    float(self.env.reward(task, self.tok.decode(sub.token_ids)))
+            self._opened[unit.work_id] = self._read(unit)
         except UnitRejected:
             raise
         except Exception as exc:  # whatever else a unit holds that the step could not read
             raise UnitRejected(f"work {unit.work_id}: unreadable: {type(exc).__name__}: {exc}") from None
         return unit
 
+    def _read(self, unit: AcceptedGroup) -> tuple[list[Rollout], list[float]]:
+        """A unit's rollouts as the step trains on them, and their rewards (`_reward`)."""
+        task = self.env.sample_task(unit.task_index)
+        prompt = task.prompt_ids(self.tok)
+        subs = unit.group.rollouts
+        return ([Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt))) for sub in subs],
+                [self._reward(task, sub) for sub in subs])
+
     def train_batch(self, items: list[AcceptedGroup]) -> tuple[TrainBatch, torch.Tensor]:
         """The step's batch from its rollout groups, and the rewards [groups, group size]."""
         rollouts, rewards = [], []
-        for unit in items:
-            task = self.env.sample_task(unit.task_index)
-            prompt = task.prompt_ids(self.tok)
-            rollouts += [Rollout.from_submission(sub, task, prompt, self._routes(sub, len(prompt)))
-                         for sub in unit.group.rollouts]
-            rewards.append([self._reward(task, sub) for sub in unit.group.rollouts])
+        for unit in items:  # as `_open` read them (a unit it did not open is read here)
+            ours, theirs = self._opened.pop(unit.work_id, None) or self._read(unit)
+            rollouts += ours
+            rewards.append(theirs)
         r = torch.tensor(rewards)
         adv = group_advantages(r, normalize_std=True).flatten().tolist()
         return build_batch(rollouts, adv, self.tok.pad_id), r
