@@ -1,6 +1,7 @@
 """What every test shares: one torch thread, the GPU skip, the run order (fast tests first, so a broken
 change fails in the first minutes), and the real SmolLM2 checkpoint loaded once per run."""
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -9,6 +10,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests' shared helpers (cli_runs) under importlib mode
+
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    # Triton's own helpers (`tl.zeros`, ...) are decorated when `triton` is first imported, for its interpreter only if
+    # TRITON_INTERPRET was set then: a CPU test that imports Triton first (the FP8 modules) left helpers that the
+    # interpreter tests (tests/triton_on.py) cannot call. Imported here under it; no CPU test compiles a kernel.
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language  # noqa: F401
+    del os.environ["TRITON_INTERPRET"]
 
 # Tests share 2 cores with each other's processes; one thread keeps timings stable.
 torch.set_num_threads(int(os.environ.get("PRIMERL_TEST_THREADS", "1")))
