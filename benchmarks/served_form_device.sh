@@ -8,6 +8,7 @@
 #   carried, git-ignored: .whl (make_wheels.sh) and .gpumodel (SmolLM2's tokenizer files)
 #   MODEL=random:qwen3-moe-small STEPS=8 RUN_S=200 [ORDER="plain served"] [ARGS="--store-payloads DIR"] [MPS=1] \
 #     timeout 590 bash benchmarks/served_form_device.sh
+# ENGINE_ALONE=1: also the engine alone on the same workload, same GPU (`engine_alone_tok_s`, `trained_over_engine_alone`)
 # MPS=1: the roles reach the GPU through NVIDIA's multi-process service (nvidia-cuda-mps-control), which runs kernels of
 # several processes at once instead of giving each its own time slice
 # (the first run of a call compiles and autotunes the Triton kernels into the cache the second reuses: run both orders)
@@ -29,7 +30,7 @@ for form in ${ORDER:-served plain}; do
   env $([ $form = plain ] && echo PRIMERL_PUBLISH_FORM=plain) timeout ${RUN_S:-200} python3 -m benchmarks.gpu_network \
     --device cuda --model ${MODEL:-random:qwen3-moe-small} --dtype bfloat16 --fp8 ${FP8:-all} --tokenizer-from .gpumodel \
     --ks ${KS:-1} --steps ${STEPS:-8} --warmup 2 --batch-groups ${NGROUPS:-32} --group-size 8 --timeout ${K_S:-150} \
-    --no-engine-alone --out /tmp/net-$form ${ARGS:-} > $OUT/gpu_network-$form.log 2>&1
+    $([ "${ENGINE_ALONE:-0}" = 1 ] || echo --no-engine-alone) --out /tmp/net-$form ${ARGS:-} > $OUT/gpu_network-$form.log 2>&1
   echo "gpu_network $form rc=$?"; date
   cp /tmp/net-$form/result.json $OUT/result-$form.json 2>/dev/null
   cp /tmp/net-$form/report.png $OUT/report-$form.png 2>/dev/null
