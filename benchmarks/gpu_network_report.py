@@ -1,5 +1,6 @@
 """benchmarks.gpu_network's picture: per run (k), each step's time stacked (waiting for the batch,
-training: the host's batch and the update apart where the rows say, publishing), and a timeline of the policy version each inference node sampled with."""
+training: the host's batch and the update apart where the rows say, publishing), and a timeline of the policy
+version each inference node sampled with."""
 
 from __future__ import annotations
 
@@ -20,12 +21,11 @@ def plot(path: Path, runs: list[dict], result: dict) -> None:
         ax = axes[0][col]
         # the trainer's rows since session 31 split train_s: the host's batch, the update, and the rest (the thread's hop)
         split = bool(rows) and all("batch_s" in r and "update_s" in r for r in rows)
-        for r in rows if split else ():
-            r["other_s"] = r["train_s"] - r["batch_s"] - r["update_s"]
         parts = (("batch_s", "#aec7e8"), ("update_s", "#1f77b4"), ("other_s", "#9edae5")) if split else \
             (("train_s", "#1f77b4"),)
         for key, color in (("wait_s", "#bbbbbb"), *parts, ("publish_s", "#ff7f0e")):
-            values = [max(0.0, r[key]) for r in rows]
+            values = [max(0.0, r["train_s"] - r["batch_s"] - r["update_s"] if key == "other_s" else r[key])
+                      for r in rows]
             ax.bar(steps, values, bottom=bottom, color=color, label=key.removesuffix("_s"))
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_title(f"k = {run['k']}: median step {run['step_s']} s")

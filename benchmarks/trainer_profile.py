@@ -142,7 +142,8 @@ def main() -> None:
     log.info("top kernels of one step:\n%s", prof.key_averages().table(
         sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25))
     result = {"benchmark": "trainer_profile", "machine": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape,
-              "layers": cfg.num_hidden_layers, "router_replay": batch.routed_experts is not None, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+              "layers": cfg.num_hidden_layers, "router_replay": batch.routed_experts is not None,
+              "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
               "updates_per_batch": trainer.cfg.updates_per_batch, "minibatches": trainer.cfg.minibatches,
               "rows": args.rows, "positions": int(batch.input_ids.shape[1]), "tokens": tokens,
               "overhead_tokens": overhead, "backward_overhead_tokens": trainer.overhead_tokens(True),

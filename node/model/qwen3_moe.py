@@ -200,7 +200,7 @@ class CausalLM(nn.Module):
                 routed_experts: torch.Tensor | None = None, logits_at: int | torch.Tensor | None = None,
                 packed: Packed | None = None, logits_rows: torch.Tensor | None = None) -> ModelOutput:
         """`routed_experts` [B, T, n_moe_layers, k] replays given experts (router replay), of any integer dtype (a
-        trainer's batch holds them as compact as the wire does, `compact_routes`; they are widened here, on the device).
+        trainer's batch holds them as compact as the wire does, `compact_routes_dtype`; widened here, on the device).
         `logits_at` bounds the LM head's work (with a 49k-151k vocabulary it is most of the memory):
         an int s keeps positions s.. ([B, T - s, V]); a [B] tensor one position per row ([B, 1, V]).
         `logits_rows` (instead): flat indices into the B x T positions, logits [N, V] of those only (a trainer's
