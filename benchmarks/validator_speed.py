@@ -154,6 +154,11 @@ def _run(args: argparse.Namespace) -> dict:
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
         args.profile.write_text(text.getvalue())
         profile_top = args.profile.name
+    kernels = None
+    if args.kernels:  # where one round's GPU time goes (torch.profiler, after the timed rounds: not in their time)
+        from benchmarks.gpu_engine import profiled
+
+        kernels = profiled(lambda: verify_claims(rounds[len(rounds) // 2], ref), steps=1, top=25)
 
     # the peer: the engine's batched prefill over the same sequences, nothing checked
     seqs = [c.prompt_ids + c.token_ids for c in claims]
@@ -199,7 +204,7 @@ def _run(args: argparse.Namespace) -> dict:
         "accepted": sum(v.accepted for v in verdicts), "rejected": sum(not v.accepted for v in verdicts),
         "rejections": sorted({f"{getattr(v.reason, 'value', v.reason)}: {v.detail[:80]}" for v in verdicts
                               if not v.accepted})[:5],
-        "profile": profile_top,
+        "profile": profile_top, "round_kernels": kernels,
     }
 
 
@@ -217,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round", type=int, default=128, help="claims one judging round takes (the role: 16 units of 8)")
     ap.add_argument("--group", type=int, default=8, help="claims of one submission (a work unit)")
     ap.add_argument("--profile", type=Path, default=None, help="cProfile of one round, the top 40 by cumulative time")
+    ap.add_argument("--kernels", action="store_true",
+                    help="one round again under torch.profiler: its top kernels by GPU time (round_kernels)")
     ap.add_argument("--no-settle-heap", dest="settle_heap", action="store_false",
                     help="leave the collector as it is (the role calls node.heap.settle_heap once its model is held)")
     ap.add_argument("--out", type=Path)
