@@ -51,12 +51,12 @@ def long_tail_batch(rows: int, prompt: int, vocab: int, seed: int = 0,
 
 
 def phases(trainer: Trainer, batch: TrainBatch, device: str) -> dict[str, float]:
-    """The step's parts as `Trainer.train_step` runs them, each synchronised: the no-grad pass over the
-    batch (the mismatch, when a step makes several updates), then per update and minibatch the forward
-    and backward of each micro-batch, gradient clipping, AdamW."""
+    """The step's parts as `Trainer.train_step` runs them, each synchronised: per update and minibatch the
+    forward and backward of each micro-batch, gradient clipping, AdamW (no no-grad pass since session 32: the
+    mismatch is read from the first minibatch's forward)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     cfg = trainer.cfg
-    out = {"nograd_pass_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "clip_s": 0.0, "adamw_s": 0.0}
+    out = {"forward_s": 0.0, "backward_s": 0.0, "clip_s": 0.0, "adamw_s": 0.0}
     batch = batch.to(device)
     trainer.model.train()
 
@@ -68,11 +68,6 @@ def phases(trainer: Trainer, batch: TrainBatch, device: str) -> dict[str, float]
         out[key] += time.perf_counter() - t
         return r
 
-    if not (cfg.updates_per_batch == 1 and cfg.minibatches == 1):
-        with torch.no_grad():
-            for rows in torch.arange(len(batch)).chunk(cfg.minibatches):
-                for micro in trainer.micro_batches(batch.select(rows)):
-                    timed("nograd_pass_s", lambda: trainer.logprobs(micro)[0])
     for _ in range(cfg.updates_per_batch):
         for rows in torch.randperm(len(batch)).chunk(cfg.minibatches):
             trainer.optimizer.zero_grad(set_to_none=True)
@@ -119,10 +114,10 @@ def main() -> None:
     batch = long_tail_batch(args.rows, args.prompt, args.vocab_size,
                             routes=RouteShape.of(cfg) if args.router_replay else None)
     tokens = args.rows * args.prompt + int(batch.loss_mask.sum())  # each row's prompt and completion
-    micros = trainer.micro_batches(batch)
+    micros = trainer.micro_batches(batch, backward=True)
     padded = sum(m.input_ids.numel() for m in micros)
     log.info("batch: %d rows x %d positions, %d loss tokens, %d micro-batches of %d padded positions in all "
-             "(no-grad pass; grouped for %s tokens a micro-batch)", *batch.input_ids.shape, int(batch.loss_mask.sum()),
+             "(the whole batch in one minibatch; grouped for %s tokens a micro-batch)", *batch.input_ids.shape, int(batch.loss_mask.sum()),
              len(micros), padded, overhead)
     trainer.train_step(batch)  # warm: allocator, kernels, AdamW states
     steps = []
@@ -147,7 +142,7 @@ def main() -> None:
               "updates_per_batch": trainer.cfg.updates_per_batch, "minibatches": trainer.cfg.minibatches,
               "rows": args.rows, "positions": int(batch.input_ids.shape[1]), "tokens": tokens,
               "overhead_tokens": overhead, "backward_overhead_tokens": trainer.overhead_tokens(True),
-              "nograd_micro_batches": len(micros), "nograd_padded_positions": padded,
+              "micro_batches": len(micros), "padded_positions": padded,
               "loss_tokens": int(batch.loss_mask.sum()), "step_s": round(step_s, 3),
               "tok_s": round(tokens / step_s, 1), **{k: round(v, 3) for k, v in parts.items()},
               "phases_over_step": round(sum(parts.values()) / step_s, 3),

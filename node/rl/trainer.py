@@ -63,8 +63,8 @@ class TrainerConfig:
     completions is split into micro-batches whose gradients add up to the minibatch's (one optimizer step)."""
     micro_batch_overhead_tokens: int | None | str = "auto"
     """What one more micro-batch is taken to cost, in padded tokens: the rows are grouped to pad least for it
-    (`node.rl.batch.micro_batches`; None: the fewest micro-batches). "auto": `GROUP_OVERHEAD_TOKENS` for the
-    no-grad pass, and for the forward/backward on the CPU; the fewest micro-batches for the forward/backward
+    (`node.rl.batch.micro_batches`; None: the fewest micro-batches). "auto": `GROUP_OVERHEAD_TOKENS` for a
+    forward alone (no backward), and for the forward/backward on the CPU; the fewest micro-batches for the forward/backward
     on a GPU (any device but the CPU). Measured (benchmarks.trainer_profile, 5.2B 8-layer 30B-A3B shape, 256
     long-tailed rows): on the H200 a step took 2.95 s with the fewest micro-batches, 3.60 s grouped for 2,048
     tokens and 3.03 s for 16,384 (the forward/backward slower, the no-grad pass 0.36 -> 0.23 s faster); on the
@@ -159,20 +159,11 @@ class Trainer:
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
-        # one update on the whole batch: its own forward (before the step) gives the mismatch, so the
-        # separate no-grad pass is skipped (a quarter of the step's compute on a large model)
-        single = self.cfg.updates_per_batch == 1 and self.cfg.minibatches == 1
+        # `mismatch_kl` (the inference's logprobs against the policy's) is read from the first minibatch's own
+        # forward, before any optimizer step: over its rows, a random 1/minibatches of the batch (all of it at one
+        # minibatch). No separate no-grad pass over the batch for it (a seventh of the update's compute at 2
+        # updates x 2 minibatches: session 31's profile, 0.1-0.15 s of a 1.6 s update).
         metrics: dict[str, float | torch.Tensor] = {"lr": self.learning_rate()}
-        if not single:
-            # in the minibatches' rows, each in micro-batches: a whole batch's logits at once can exceed the GPU
-            n_all, kl = max(1, int(batch.loss_mask.sum())), 0.0
-            with torch.no_grad():
-                for rows in torch.arange(len(batch)).chunk(self.cfg.minibatches):
-                    for micro, loss_at, tokens in self._on_device(self.micro_batches(batch.select(rows))):
-                        out = policy_loss(self.logprobs(micro, rows=loss_at)[0], micro.inference_logprobs,
-                                          micro.advantages, micro.loss_mask, self.cfg.loss)
-                        kl = kl + out.mismatch_kl * tokens / n_all
-            metrics["mismatch_kl"] = kl
         for update in range(self.cfg.updates_per_batch):
             order = torch.randperm(len(batch))
             for rows in order.chunk(self.cfg.minibatches):
@@ -180,8 +171,7 @@ class Trainer:
                 stats = self._accumulate(batch.select(rows))
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
                 self.optimizer.step()
-                if single:
-                    metrics["mismatch_kl"] = stats["mismatch_kl"]
+                metrics.setdefault("mismatch_kl", stats["mismatch_kl"])
                 metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], grad_norm=grad_norm,
                                aux_loss=stats["aux_loss"])
         self.step += 1

@@ -87,10 +87,8 @@ def shard_batch(batch: TrainBatch, groups: ParallelGroups | RankCoords, real_row
 
 @dataclass
 class RankWork:
-    """One rank's share of a step: its part of the whole batch (for the metrics taken before the
-    update) and its part of each minibatch, in the order they are trained."""
+    """One rank's share of a step: its part of each minibatch, in the order they are trained."""
 
-    before: LocalBatch
     minibatches: list[LocalBatch]
 
 
@@ -99,8 +97,6 @@ def plan_rank(batch: TrainBatch, coords: RankCoords, cfg: TrainerConfig, seed: i
     (updates_per_batch passes, each a permutation drawn from a generator seeded with `seed`),
     each padded to a multiple of dp rows and sharded by `shard_batch`."""
     dp = coords.dims.dp
-    padded, real = pad_rows(batch, dp)
-    before = shard_batch(padded, coords, real)
     generator = torch.Generator().manual_seed(seed)
     minibatches = []
     for _ in range(cfg.updates_per_batch):
@@ -108,7 +104,7 @@ def plan_rank(batch: TrainBatch, coords: RankCoords, cfg: TrainerConfig, seed: i
         for rows in order.chunk(cfg.minibatches):
             mb, real = pad_rows(batch.select(rows), dp)
             minibatches.append(shard_batch(mb, coords, real))
-    return RankWork(before, minibatches)
+    return RankWork(minibatches)
 
 
 def plan_world(batch: TrainBatch, dims: ParallelDims, cfg: TrainerConfig, seed: int) -> list[RankWork]:
@@ -276,14 +272,13 @@ class DistributedTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
         device = self._device()
-        with torch.no_grad():
-            before = self._micro_loss(work.before.to(device), backward=False)
-        metrics: dict[str, float] = {"mismatch_kl": before["mismatch_kl"], "lr": self.learning_rate()}
+        metrics: dict[str, float] = {"lr": self.learning_rate()}
         for local in work.minibatches:
             self.optimizer.zero_grad(set_to_none=True)
             _, stats = self._backward(local.to(device))
             metrics["grad_norm"] = self.clip_grad_norm(self.cfg.max_grad_norm)
             self.optimizer.step()
+            metrics.setdefault("mismatch_kl", stats["mismatch_kl"])  # the first minibatch's, as `Trainer` reads it
             metrics.update(loss=stats["loss"], masked_share=stats["masked_share"], aux_loss=stats["aux_loss"])
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step is over when its optimizer update is

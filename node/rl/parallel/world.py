@@ -113,7 +113,7 @@ class TrainerRank:
         if order.kind == "start":
             return self._start(order)
         if order.kind == "train":
-            self.seen_rows += [len(order.work.before.batch)] + [len(mb.batch) for mb in order.work.minibatches]
+            self.seen_rows += [len(mb.batch) for mb in order.work.minibatches]
             return self.trainer.train_work(order.work)
         if order.kind == "publish":
             sink, self.publication = self.publication, None
