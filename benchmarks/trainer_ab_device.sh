@@ -6,13 +6,16 @@
 #   rm -rf old && mkdir old && git archive REF node benchmarks protocol verification shardcast | tar x -C old \
 #     && rm -rf old/benchmarks/results
 #   timeout 330 bash benchmarks/trainer_ab_device.sh        (carry .whl)
+# SMALL_ONLY=1: the 0.52B shape alone (half the call)
 set -u
 [ -d old/node ] || { echo "no old/ tree (see the header)"; exit 2; }
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
 [ -d /tmp/site/zstandard ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || echo "wheels not installed"
 nvidia-smi -L
 timeout 120 env PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -p no:cacheprovider tests/rl/test_micro_batches.py tests/rl/test_router_replay.py > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -2 $OUT/gpu_tests.log
-for shape in "qwen3-moe-small --vocab-size 49152" "qwen3-30b-a3b-2l --vocab-size 151936"; do
+SHAPES=("qwen3-moe-small --vocab-size 49152" "qwen3-30b-a3b-2l --vocab-size 151936")
+[ "${SMALL_ONLY:-0}" = 1 ] && SHAPES=("${SHAPES[0]}")
+for shape in "${SHAPES[@]}"; do
   for tree in old new; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/old
     name=$(echo $shape | cut -d' ' -f1)-$tree
