@@ -6,7 +6,8 @@
 #   rm -rf old && mkdir old && git archive REF node benchmarks protocol verification shardcast | tar x -C old \
 #     && rm -rf old/benchmarks/results
 #   timeout 330 bash benchmarks/trainer_ab_device.sh        (carry .whl)
-# SMALL_ONLY=1: the 0.52B shape alone (half the call)
+# SMALL_ONLY=1: the 0.52B shape alone (half the call); TREES="new old": the other order (the first run of a call
+# pays for compiling and autotuning Triton kernels: session 32's old-first A/B read the old forwards 2x slower)
 set -u
 [ -d old/node ] || { echo "no old/ tree (see the header)"; exit 2; }
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
@@ -16,7 +17,7 @@ timeout 120 env PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -p no:cacheprovid
 SHAPES=("qwen3-moe-small --vocab-size 49152" "qwen3-30b-a3b-2l --vocab-size 151936")
 [ "${SMALL_ONLY:-0}" = 1 ] && SHAPES=("${SHAPES[0]}")
 for shape in "${SHAPES[@]}"; do
-  for tree in old new; do
+  for tree in ${TREES:-old new}; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/old
     name=$(echo $shape | cut -d' ' -f1)-$tree
     (cd $dir && timeout 90 env PYTHONPATH=/tmp/site:$dir python3 -m benchmarks.trainer_profile --shape $shape --steps 3) > $OUT/trainer_profile-$name.log 2>&1
