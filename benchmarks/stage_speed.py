@@ -1,0 +1,131 @@
+"""How fast a policy version is staged onto the GPU by the inference role's own path (`StagedVersion.of`,
+what `CudaEngine.load_weights` runs off the engine's thread): its tensors from a payload's mapping, through
+the pinned ring, to a device copy. `python -m benchmarks.stage_speed [--shape qwen3-30b-a3b-8l] [--repeats 3]`
+
+The version is a random model of `--shape` in bf16, its HF tensors laid back to back in one file on `--dir`
+(tmpfs by default, as the sim's payloads on /dev/shm) and mapped, as a fetched payload is (`shardcast.codec.
+unflatten` views over the mapping). Conditions, alternating, `--repeats` each: the ring's runs of the payload
+(`PinnedRing.copy_many`, session 32) against one piece a tensor (`PinnedRing.copy` per tensor, before), each alone
+and beside a thread that holds the interpreter's lock in a pure-Python loop (NAMED STAND-IN for an engine thread
+between decode steps: the real one's share of the lock is not measured here). Figures: seconds and GB/s per
+condition (medians), the speedup of runs over pieces, and the host-to-device copy of one pinned 1 GiB buffer as
+the physical peer. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import emit
+
+
+def busy(stop: threading.Event) -> None:
+    x = 0
+    while not stop.is_set():
+        for i in range(1000):
+            x += i
+
+
+def main(argv: list[str] | None = None) -> int:
+    import benchmarks.device_rollouts as D
+    from node.engine import pinned_ring
+    from node.engine.weight_staging import StagedVersion
+    from node.engine.weights import expected_shapes
+    from node.model.checkpoint import state_dict_to_hf
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b-8l", choices=list(D.SHAPES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    model = D.random_model(args.shape, torch.bfloat16, "cuda")
+    shapes = expected_shapes(model)
+    hf = state_dict_to_hf(model)
+    total = sum(t.numel() * t.element_size() for t in hf.values())
+    path = args.dir / f"stage_speed-{os.getpid()}.bin"
+    try:
+        mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,))
+        at, spans = 0, {}
+        for name, t in hf.items():
+            n = t.numel() * t.element_size()
+            mm[at : at + n] = t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+            spans[name] = (at, n, t.dtype, tuple(t.shape))
+            at += n
+        mm.flush()
+        del mm, hf
+        payload = np.memmap(path, dtype=np.uint8, mode="c")
+        base = torch.from_numpy(payload)
+        state = {name: base[a : a + n].view(dt).reshape(shape) for name, (a, n, dt, shape) in spans.items()}
+        ring = pinned_ring.PinnedRing(device)
+        gathered = pinned_ring.PinnedRing.copy_many
+
+        def pieces(self, pairs, stream):  # before session 32: one queued piece (or more) a tensor
+            return [f for src, dst in pairs for f in self.copy(src, dst, stream)]
+
+        def stage(mode: str, contended: bool) -> float:
+            pinned_ring.PinnedRing.copy_many = gathered if mode == "runs" else pieces
+            stop = threading.Event()
+            thread = threading.Thread(target=busy, args=(stop,), daemon=True) if contended else None
+            if thread:
+                thread.start()
+            try:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                v = StagedVersion.of(model, state, shapes, ring=ring)
+                torch.cuda.current_stream().wait_event(v.ready)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t
+                assert v.staged is not None, "no room to stage on the device"
+                del v
+                return seconds
+            finally:
+                stop.set()
+                if thread:
+                    thread.join()
+                pinned_ring.PinnedRing.copy_many = gathered
+
+        conditions = [(m, c) for c in (False, True) for m in ("pieces", "runs")]
+        stage("runs", False)  # warm: the mapping's pages, the allocator
+        times: dict[str, list[float]] = {f"{m}{'_contended' if c else ''}": [] for m, c in conditions}
+        for _ in range(args.repeats):
+            for m, c in conditions:
+                times[f"{m}{'_contended' if c else ''}"].append(stage(m, c))
+        host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(3):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d = 3 * (1 << 30) / (time.perf_counter() - t)
+    finally:
+        path.unlink(missing_ok=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "benchmark": "stage_speed", "machine": torch.cuda.get_device_name(), "shape": args.shape,
+        "tensors": len(spans), "bytes": total, "payload_dir": str(args.dir), "repeats": args.repeats,
+        "ring_threads": pinned_ring.HOST_THREADS, "chunk_bytes": pinned_ring.CHUNK_BYTES,
+        "stage_s": {k: round(v, 3) for k, v in med.items()},
+        "stage_gb_s": {k: round(total / v / 1e9, 2) for k, v in med.items()},
+        "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        "runs_over_pieces": round(med["pieces"] / med["runs"], 2),
+        "runs_over_pieces_contended": round(med["pieces_contended"] / med["runs_contended"], 2),
+        "pinned_h2d_gb_s": round(h2d / 1e9, 1),
+        "runs_over_h2d_limit": round(total / med["runs"] / h2d, 3),
+    }
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
