@@ -28,6 +28,8 @@ class PinnedRing:
     pieces travel to the device; a buffer is refilled only once its last piece has left."""
 
     def __init__(self, device: torch.device, threads: int | None = None):
+        if device.index is None:  # "cuda": the current device (a thread's set_device needs an index)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.threads = threads or HOST_THREADS
         self.bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2 * self.threads)]
         self.done: list[torch.cuda.Event | None] = [None] * len(self.bufs)
