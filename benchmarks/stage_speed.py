@@ -6,7 +6,7 @@ The version is a random model of `--shape` in bf16, its HF tensors laid back to 
 (tmpfs by default, as the sim's payloads on /dev/shm) and mapped, as a fetched payload is (`shardcast.codec.
 unflatten` views over the mapping). Conditions, alternating, `--repeats` each: the ring's runs of the payload
 (`PinnedRing.copy_many`, session 32) against one piece a tensor (`PinnedRing.copy` per tensor, before), each alone
-and beside a thread that holds the interpreter's lock in a pure-Python loop (NAMED STAND-IN for an engine thread
+and, with `--contended`, beside a thread that holds the interpreter's lock in a pure-Python loop (NAMED STAND-IN for an engine thread
 between decode steps: the real one's share of the lock is not measured here). Figures: seconds and GB/s per
 condition (medians), the speedup of runs over pieces, and the host-to-device copy of one pinned 1 GiB buffer as
 the physical peer. Ends with one JSON line.
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b-8l", choices=list(D.SHAPES))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--contended", action="store_true", help="also beside the pure-Python stand-in thread")
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             at += n
         mm.flush()
         del mm, hf
+        print(f"payload: {len(spans)} tensors, {total / 1e9:.2f} GB on {args.dir}", flush=True)
         payload = np.memmap(path, dtype=np.uint8, mode="c")
         base = torch.from_numpy(payload)
         state = {name: base[a : a + n].view(dt).reshape(shape) for name, (a, n, dt, shape) in spans.items()}
@@ -94,12 +96,14 @@ def main(argv: list[str] | None = None) -> int:
                     thread.join()
                 pinned_ring.PinnedRing.copy_many = gathered
 
-        conditions = [(m, c) for c in (False, True) for m in ("pieces", "runs")]
+        conditions = [(m, c) for c in ((False, True) if args.contended else (False,)) for m in ("pieces", "runs")]
         stage("runs", False)  # warm: the mapping's pages, the allocator
         times: dict[str, list[float]] = {f"{m}{'_contended' if c else ''}": [] for m, c in conditions}
         for _ in range(args.repeats):
             for m, c in conditions:
-                times[f"{m}{'_contended' if c else ''}"].append(stage(m, c))
+                key = f"{m}{'_contended' if c else ''}"
+                times[key].append(stage(m, c))
+                print(f"{key}: {times[key][-1]:.3f} s", flush=True)
         host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dev.copy_(host, non_blocking=True)
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_gb_s": {k: round(total / v / 1e9, 2) for k, v in med.items()},
         "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
         "runs_over_pieces": round(med["pieces"] / med["runs"], 2),
-        "runs_over_pieces_contended": round(med["pieces_contended"] / med["runs_contended"], 2),
+        "runs_over_pieces_contended": round(med["pieces_contended"] / med["runs_contended"], 2) if args.contended else None,
         "pinned_h2d_gb_s": round(h2d / 1e9, 1),
         "runs_over_h2d_limit": round(total / med["runs"] / h2d, 3),
     }
