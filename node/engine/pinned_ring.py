@@ -50,49 +50,6 @@ class PinnedRing:
         return [self._pool.submit(self._piece, s[at : at + CHUNK_BYTES], d[at : at + CHUNK_BYTES], stream, modes)
                 for at in range(0, s.numel(), CHUNK_BYTES)]
 
-    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> list[Future]:
-        """dst <- src for each (host src, device dst) pair, as `copy` does one, but in runs of one host storage: the
-        sources that view one contiguous uint8 host tensor (a payload's mapping: `shardcast.codec.unflatten`) go
-        through the ring in runs of up to `CHUNK_BYTES` of it (`runs`), one host copy a run, each destination then
-        taking its bytes from the pinned buffer. One queued piece a run instead of one a tensor: a 5.2B version's
-        ~3,400 tensors (each expert its own, 3 MB) are ~160 runs, and its bytes staged in 2.0 s whether they were
-        10.4 GB (bf16) or 4.4 GB (FP8 served form; session 32): the count, not the bytes, set the time. A pair whose
-        source views no such tensor, or is not contiguous, goes through `copy`."""
-        pieces: list[Future] = []
-        by_root: dict[int, tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]] = {}
-        for src, dst in pairs:
-            root = src._base
-            if (root is None or root.dtype != torch.uint8 or root.dim() != 1 or not root.is_contiguous()
-                    or not src.is_contiguous() or not dst.is_contiguous() or src.device.type != "cpu"
-                    or src.numel() * src.element_size() != dst.numel() * dst.element_size()):
-                pieces += self.copy(src, dst, stream)
-                continue
-            _, spans, dsts = by_root.setdefault(root.data_ptr(), (root, [], []))
-            spans.append((src.data_ptr() - root.data_ptr(), src.numel() * src.element_size()))
-            dsts.append(dst.reshape(-1).view(torch.uint8))
-        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        for root, spans, dsts in by_root.values():
-            for lo, hi, segments in runs(spans, CHUNK_BYTES):
-                parts = [(dsts[j][at : at + n], offset, n) for j, at, offset, n in segments]
-                pieces.append(self._pool.submit(self._run, root[lo:hi], parts, stream, modes))
-        return pieces
-
-    def _run(self, s: torch.Tensor, parts: list[tuple[torch.Tensor, int, int]], stream: torch.cuda.Stream,
-             modes: tuple[bool, bool]) -> None:
-        k = self._free.get()
-        try:
-            with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
-                if self.done[k] is not None:
-                    self.done[k].synchronize()
-                self.bufs[k][: s.numel()].copy_(s)
-                with torch.cuda.stream(stream):
-                    for d, offset, n in parts:
-                        d.copy_(self.bufs[k][offset : offset + n], non_blocking=True)
-                    self.done[k] = torch.cuda.Event()
-                    self.done[k].record(stream)
-        finally:
-            self._free.put(k)
-
     def _piece(self, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream, modes: tuple[bool, bool]) -> None:
         k = self._free.get()
         try:
@@ -110,34 +67,6 @@ class PinnedRing:
             d.copy_(self.bufs[k][:n], non_blocking=True)
             self.done[k] = torch.cuda.Event()
             self.done[k].record(stream)
-
-
-def runs(spans: list[tuple[int, int]], chunk: int, gap: int = 1 << 20) -> list[tuple[int, int, list[tuple[int, int, int, int]]]]:
-    """Byte ranges of one host storage (`spans[j]`: start, length) gathered into runs to copy whole: (lo, hi,
-    segments), hi - lo <= `chunk`, each segment (j, at, offset, n): bytes at..at + n of span j lie at offset..offset + n
-    of the run. Spans are taken in address order; a span longer than what is left of a run continues in the next; a run
-    also takes the bytes between two spans up to `gap` of them (a payload's tensors lie back to back). Every byte of
-    every span is in exactly one segment."""
-    out: list[tuple[int, int, list]] = []
-    lo = hi = 0
-    segments: list[tuple[int, int, int, int]] = []
-    for j in sorted(range(len(spans)), key=lambda i: spans[i][0]):
-        start, length = spans[j]
-        at = 0
-        while at < length:
-            a = start + at
-            if not segments or a - hi > gap or a >= lo + chunk:
-                if segments:
-                    out.append((lo, hi, segments))
-                lo = hi = a
-                segments = []
-            n = min(length - at, lo + chunk - a)
-            segments.append((j, at, a - lo, n))
-            hi = max(hi, a + n)
-            at += n
-    if segments:
-        out.append((lo, hi, segments))
-    return out
 
 
 def settle(pieces: list[Future]) -> None:

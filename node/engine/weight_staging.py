@@ -193,18 +193,15 @@ class StagedVersion:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # tensors handed over from this GPU are written
         pieces: list[Future] = []
-        gathered: list[tuple[torch.Tensor, torch.Tensor]] = []  # copied together, in runs of the payload
         for name, target in self.plan.items():
-            if self._copy_raw(name, target, raw, device, stream, pieces, gathered):
+            if self._copy_raw(name, target, raw, device, stream, pieces):
                 continue
             dst_full = staged.get(target.internal)
             if dst_full is None:
                 dtype = _high_precision(self.model, target.internal, live)
                 dst_full = staged[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
                 dst_full.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
-            self._copy(self.state[name], target.view(dst_full), stream, pieces, gathered)
-        if gathered:
-            pieces += self.ring.copy_many(gathered, stream)
+            self._copy(self.state[name], target.view(dst_full), stream, pieces)
         for internal, bufs in raw.items():
             staged[internal] = self._finish_raw(bufs, stream, pieces)
         settle(pieces)
@@ -215,13 +212,11 @@ class StagedVersion:
         self.times.stage_s, self.times.staged_on_device = time.perf_counter() - t0, True
 
     def _copy_raw(self, name: str, target: Target, raw: dict, device: torch.device,
-                  stream: torch.cuda.Stream | None, pieces: list[Future],
-                  gathered: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
+                  stream: torch.cuda.Stream | None, pieces: list[Future]) -> bool:
         """For a tensor of a version in its served form (node/model/served_form.py): its e4m3 bytes into their
         place in a buffer of its whole served tensor on `device`, through the pinned ring to a GPU (half a bf16
         tensor's bytes), and its block scales into the whole tensor's scales on the host (a few bytes a piece:
         they go to the device at once, `_finish_raw`); an FP8 module then holds both as they are (`_load`).
-        `gathered`: where the e4m3 copy is added instead, to go with the others (`PinnedRing.copy_many`).
         False (nothing done) for any other tensor."""
         pair = self.state.fp8(name) if isinstance(self.state, ServedForm) else None
         if pair is None:
@@ -237,10 +232,7 @@ class StagedVersion:
         if device.type == "cuda":
             if self.ring is None:
                 self.ring = PinnedRing(device)
-            if gathered is not None:
-                gathered.append((pair[0], target.view(bufs[0])))
-            else:
-                pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
+            pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
         else:
             target.view(bufs[0]).copy_(pair[0])
         return True
@@ -256,11 +248,9 @@ class StagedVersion:
             scales.copy_(host)
         return q, scales
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future],
-              gathered: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future]) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
-        the ring's pieces join `pieces` (a dtype change waits for its own first). `gathered`: where a plain copy
-        is added instead, to go with the others (`PinnedRing.copy_many`)."""
+        the ring's pieces join `pieces` (a dtype change waits for its own first)."""
         if dst.device.type != "cuda" or src.device.type == "cuda":  # the CPU, or weights already on a GPU
             with torch.cuda.stream(stream) if stream is not None else _nothing():
                 dst.copy_(src)
@@ -268,10 +258,7 @@ class StagedVersion:
         if self.ring is None:
             self.ring = PinnedRing(dst.device)
         if src.dtype == dst.dtype and dst.is_contiguous():
-            if gathered is not None:
-                gathered.append((src, dst))
-            else:
-                pieces += self.ring.copy(src, dst, stream)
+            pieces += self.ring.copy(src, dst, stream)
             return
         tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
         tmp.record_stream(stream)

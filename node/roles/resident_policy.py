@@ -367,8 +367,10 @@ class ResidentPolicies(Mapping):
             if plan is not None:
                 if self._ring is None:
                     self._ring = PinnedRing(self._device)
-                stream = torch.cuda.current_stream(self._device)  # in order after `before`'s clones
-                settle(self._ring.copy_many(plan, stream))
+                stream, pieces = torch.cuda.current_stream(self._device), []  # in order after `before`'s clones
+                for src, view in plan:
+                    pieces += self._ring.copy(src, view, stream)
+                settle(pieces)
                 return
         given: dict[str, torch.Tensor] = {}
         for n in names:
