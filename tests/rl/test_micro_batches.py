@@ -152,3 +152,34 @@ def test_the_trainer_computes_logits_at_loss_positions_only_and_they_are_the_ful
         whole = token_logprobs(model(batch.input_ids).logits, batch.targets)
     assert torch.allclose(logp[mask], whole[mask], atol=1e-5)
     assert torch.equal(logp[~mask], torch.zeros(int((~mask).sum())))
+
+
+def test_the_mismatch_is_the_first_minibatchs_before_any_update_without_a_pass_of_its_own():
+    """`mismatch_kl` comes from the first minibatch's own forward, under the policy the step started from: the
+    step makes no forward beyond its updates' (2 updates x 2 minibatches: 4), and the figure is the first
+    minibatch's rows' mismatch under the unchanged model (not the whole batch's, not one after an update)."""
+    from node.rl.loss import policy_loss
+
+    cfg = CFG.model_copy(update={"router_aux_loss_coef": 0.0})
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    batch = long_tailed_batch()
+    trainer = Trainer(copy.deepcopy(model), TrainerConfig(lr=1e-2, updates_per_batch=2, minibatches=2,
+                                                          router_replay=False))
+    forwards: list[int] = []
+    trainer.model.register_forward_pre_hook(lambda m, args: forwards.append(args[0].shape[0]))
+    torch.manual_seed(1)
+    first = torch.randperm(len(batch)).chunk(2)[0]  # the rows the step's first minibatch takes
+    torch.manual_seed(1)
+    metrics = trainer.train_step(batch)
+    assert len(forwards) == 4 and forwards[0] == len(first)
+
+    def mismatch(rows: torch.Tensor) -> float:
+        before = Trainer(copy.deepcopy(model), trainer.cfg)
+        mb = batch.select(rows)
+        with torch.no_grad():
+            logp = before.logprobs(mb, replay=False)[0]
+        return float(policy_loss(logp, mb.inference_logprobs, mb.advantages, mb.loss_mask, trainer.cfg.loss).mismatch_kl)
+
+    assert metrics["mismatch_kl"] == pytest.approx(mismatch(first), rel=1e-5, abs=1e-8)
+    assert abs(mismatch(torch.arange(len(batch))) - mismatch(first)) > 1e-4  # the whole batch's reads otherwise
