@@ -81,7 +81,8 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
 
     lat, timeline = [], {}
     stages: dict[str, list[float]] = {"announce_s": [], "fetch_verify_s": [], "load_s": [], "download_s": [],
-                                      "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [], "stage_s": [],
+                                      "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [], "lease_wait_s": [],
+                                      "admit_s": [], "stage_s": [],
                                       "swap_s": [], "staged_on_device": []}
     for i in range(n):
         node = out / f"inference-{i}"
@@ -108,6 +109,9 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
                 swap = applied.get(v)
                 if swap is not None:  # the engine's record: staged off its thread, then swapped between two steps
                     stages["swap_wait_s"].append(swap["t_applied"] - queued["t_queued"])
+                    if swap.get("t_granted") is not None:  # since session 32: queued -> leases granted -> applied
+                        stages["lease_wait_s"].append(swap["t_granted"] - queued["t_queued"])
+                        stages["admit_s"].append(swap["t_applied"] - swap["t_granted"])
                     stages["stage_s"].append(swap.get("stage_s", 0.0))
                     stages["swap_s"].append(swap.get("apply_s", 0.0))
                     stages["staged_on_device"].append(float(bool(swap.get("staged_on_device"))))  # median 1: staged

@@ -17,7 +17,8 @@ FILE = "versions.jsonl"
 ROUNDS = "rounds.jsonl"
 SWAPS = "swaps.jsonl"
 """One line per version a built-in engine put into its weights (`version`, `t_applied`, `stage_s`: staged
-on the device off the engine's thread, `apply_s`: the swap between two steps, `staged_on_device`, `bytes`)."""
+on the device off the engine's thread, `apply_s`: the swap between two steps, `staged_on_device`, `bytes`, and since
+session 32 `t_lease_asked`, `t_granted`: when the node first asked for, and first got, leases holding it)."""
 
 
 def judging_summary(rows: list[dict]) -> dict:

@@ -117,8 +117,13 @@ class InferenceNode:
         """Hooks told (version, {t_announced, t_fetch, t_fetched, t_queued, fetch_stages_s}) when a version is
         queued for the engine (node/version_trace.py writes them down for benchmarks.weight_latency)."""
         self.on_swapped: list[Callable[[int, dict], None]] = []
-        """Hooks told (version, {t_applied, stage_s, apply_s, staged_on_device, bytes}) on the engine's thread
-        when a version is in the served weights (built-in engines; node/version_trace.py)."""
+        """Hooks told (version, {t_applied, stage_s, apply_s, staged_on_device, bytes, t_lease_asked, t_granted}) on
+        the engine's thread when a version is in the served weights (built-in engines; node/version_trace.py):
+        `t_lease_asked`, `t_granted`: when this node first asked for leases holding it, and first got some (None
+        where it had not by then: the engine had other work), so a swap's wait splits into the lease's round trip
+        and the admission after it."""
+        self._lease_times: dict[int, dict[str, float]] = {}
+        """Version -> {t_lease_asked, t_granted}: the first lease call holding it, and the first that granted."""
         self._swaps_watched = False
         self.on_round: list[Callable[[dict], None]] = []
         """Hooks told each rollout round ({t0, t1, groups, tokens, versions}: when the engine worked, how many
@@ -228,7 +233,8 @@ class InferenceNode:
                 settle_heap()  # the engine is built: full collector passes no longer walk it between steps
             if self.on_swapped and not self._swaps_watched and hasattr(self.engine, "on_swap"):
                 self._swaps_watched = True  # the built-in engines tell when a version is in their weights
-                self.engine.on_swap.append(lambda v, row: [hook(v, row) for hook in self.on_swapped])
+                self.engine.on_swap.append(lambda v, row: [hook(v, {**row, **self._lease_times_of(v)})
+                                                           for hook in self.on_swapped])
             await asyncio.to_thread(self.engine.load_weights, state, version)
             self._newest_loaded = version
         times = {"t_announced": self._announced_at.get(version), "t_fetch": t_fetch, "t_fetched": t_fetched,
@@ -236,6 +242,12 @@ class InferenceNode:
         for hook in self.on_loaded:
             hook(version, times)
         log.info("policy v%d queued for the engine", version)
+
+    def _lease_times_of(self, version: int) -> dict[str, float | None]:
+        """`t_lease_asked` and `t_granted` of `version` (None where not yet). Read on the engine's thread: lookups
+        only (the event loop's thread writes the dict and drops old versions from it, `_lease_more`)."""
+        times = self._lease_times.get(version, {})
+        return {"t_lease_asked": times.get("t_lease_asked"), "t_granted": times.get("t_granted")}
 
     @property
     def _max_batch(self) -> int:
@@ -284,10 +296,16 @@ class InferenceNode:
                 pass
             return
         try:
-            t = time.perf_counter()
-            grants = await client.lease(min(self.leases_per_request, room), holds_version=self._newest_loaded)
+            t, holding = time.perf_counter(), self._newest_loaded
+            if holding not in self._lease_times:  # a new version held: the oldest records go
+                for old in [v for v in list(self._lease_times) if v < holding - 2]:
+                    self._lease_times.pop(old, None)
+                self._lease_times[holding] = {"t_lease_asked": time.time()}
+            record = self._lease_times[holding]  # the dict the engine's thread reads (`_lease_times_of`)
+            grants = await client.lease(min(self.leases_per_request, room), holds_version=holding)
             if grants:
                 self.lease_s.append(time.perf_counter() - t)
+                record.setdefault("t_granted", time.time())
         except Refused as exc:
             log.warning("lease refused: %s", exc)
             await asyncio.sleep(1.0)

@@ -65,7 +65,10 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         assert run["stalls"]["validator_turn_wait_max_s"] >= 0
         assert run["max_off_policy_seen"] <= run["k"]
         # the weight path's stages as the roles recorded them, and one store for the host (sim shares it)
-        assert {"announce_s", "fetch_verify_s", "swap_wait_s", "swap_s"} <= set(run["weight_latency_stages_s"])
+        stages = run["weight_latency_stages_s"]
+        assert {"announce_s", "fetch_verify_s", "swap_wait_s", "swap_s"} <= set(stages)
+        if "lease_wait_s" in stages:  # the swap's wait split: the leases' round trip, then the admission (session 32)
+            assert stages["admit_s"] >= 0 and stages["lease_wait_s"] <= stages["swap_wait_s"] + 1e-3
         assert run["store_disk"]["stores"] == 1 and run["store_disk"]["versions"] >= 1
         assert run["store_disk"]["bytes"] >= run["store_disk"]["bytes_per_version_max"] > 0
         # where it stood still: the node's slowest lease call is in its log, its idle seconds in its rounds
@@ -76,6 +79,11 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     assert result["engine_alone_tok_s"] > 0 and result["engine_alone_rollouts"] == 2 * 4 * 2
     assert result["trained_over_engine_alone"] > 0 and result["gpu_busy_share"] is None  # no nvidia-smi here
     assert (tmp_path / "report.png").stat().st_size > 10_000 and (tmp_path / "k0.json").exists()
+    # each swap says when the node first asked for, and first got, leases holding that version (None: not yet)
+    swaps = [json.loads(x) for x in (tmp_path / "k0" / "inference-0" / "swaps.jsonl").read_text().splitlines()]
+    assert swaps and all({"t_lease_asked", "t_granted"} <= set(row) for row in swaps)
+    assert any(row["t_granted"] is not None and row["t_lease_asked"] <= row["t_granted"] <= row["t_applied"]
+               for row in swaps)
 
 
 @pytest.mark.slow  # a whole network of processes: runs after the fast tests
