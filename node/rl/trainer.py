@@ -161,8 +161,8 @@ class Trainer:
             group["lr"] = self.learning_rate()
         # `mismatch_kl` (the inference's logprobs against the policy's) is read from the first minibatch's own
         # forward, before any optimizer step: over its rows, a random 1/minibatches of the batch (all of it at one
-        # minibatch). No separate no-grad pass over the batch for it (a seventh of the update's compute at 2
-        # updates x 2 minibatches: session 31's profile, 0.1-0.15 s of a 1.6 s update).
+        # minibatch). No separate no-grad pass over the batch for it: at 2 updates x 2 minibatches it took 0.131 s of
+        # a 1.093 s step (0.52B, 256 long-tailed rows; 1.006 s without it: benchmarks/results/trainer_ab-nograd-h100-s32.json).
         metrics: dict[str, float | torch.Tensor] = {"lr": self.learning_rate()}
         for update in range(self.cfg.updates_per_batch):
             order = torch.randperm(len(batch))
