@@ -81,8 +81,8 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
 
     lat, timeline = [], {}
     stages: dict[str, list[float]] = {"announce_s": [], "fetch_verify_s": [], "load_s": [], "download_s": [],
-                                      "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [], "lease_wait_s": [],
-                                      "admit_s": [], "stage_s": [],
+                                      "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [],
+                                      "lease_wait_s": [], "admit_s": [], "stage_s": [],
                                       "swap_s": [], "staged_on_device": []}
     for i in range(n):
         node = out / f"inference-{i}"

@@ -64,11 +64,11 @@ class TrainerConfig:
     micro_batch_overhead_tokens: int | None | str = "auto"
     """What one more micro-batch is taken to cost, in padded tokens: the rows are grouped to pad least for it
     (`node.rl.batch.micro_batches`; None: the fewest micro-batches). "auto": `GROUP_OVERHEAD_TOKENS` for a
-    forward alone (no backward), and for the forward/backward on the CPU; the fewest micro-batches for the forward/backward
-    on a GPU (any device but the CPU). Measured (benchmarks.trainer_profile, 5.2B 8-layer 30B-A3B shape, 256
-    long-tailed rows): on the H200 a step took 2.95 s with the fewest micro-batches, 3.60 s grouped for 2,048
-    tokens and 3.03 s for 16,384 (the forward/backward slower, the no-grad pass 0.36 -> 0.23 s faster); on the
-    2-core CPU (tiny shape) grouping for 2,048 made the step 1.71x faster."""
+    forward alone (no backward), and for the forward/backward on the CPU; the fewest micro-batches for the
+    forward/backward on a GPU (any device but the CPU). Measured (benchmarks.trainer_profile, 5.2B 8-layer
+    30B-A3B shape, 256 long-tailed rows): on the H200 a step took 2.95 s with the fewest micro-batches, 3.60 s
+    grouped for 2,048 tokens and 3.03 s for 16,384 (the forward/backward slower, the no-grad pass the step had then
+    0.36 -> 0.23 s faster); on the 2-core CPU (tiny shape) grouping for 2,048 made the step 1.71x faster."""
     loss: LossConfig = field(default_factory=LossConfig)
 
     @classmethod
@@ -161,8 +161,8 @@ class Trainer:
             group["lr"] = self.learning_rate()
         # `mismatch_kl` (the inference's logprobs against the policy's) is read from the first minibatch's own
         # forward, before any optimizer step: over its rows, a random 1/minibatches of the batch (all of it at one
-        # minibatch). No separate no-grad pass over the batch for it: at 2 updates x 2 minibatches it took 0.131 s of
-        # a 1.093 s step (0.52B, 256 long-tailed rows; 1.006 s without it: benchmarks/results/trainer_ab-nograd-h100-s32.json).
+        # minibatch). No separate no-grad pass over the batch for it: at 2 updates x 2 minibatches it took 0.131 s
+        # of a 1.093 s step (0.52B, 256 long-tailed rows; 1.006 s without it: trainer_ab-nograd-h100-s32.json).
         metrics: dict[str, float | torch.Tensor] = {"lr": self.learning_rate()}
         for update in range(self.cfg.updates_per_batch):
             order = torch.randperm(len(batch))

@@ -179,7 +179,8 @@ def test_the_mismatch_is_the_first_minibatchs_before_any_update_without_a_pass_o
         mb = batch.select(rows)
         with torch.no_grad():
             logp = before.logprobs(mb, replay=False)[0]
-        return float(policy_loss(logp, mb.inference_logprobs, mb.advantages, mb.loss_mask, trainer.cfg.loss).mismatch_kl)
+        out = policy_loss(logp, mb.inference_logprobs, mb.advantages, mb.loss_mask, trainer.cfg.loss)
+        return float(out.mismatch_kl)
 
     assert metrics["mismatch_kl"] == pytest.approx(mismatch(first), rel=1e-5, abs=1e-8)
     assert abs(mismatch(torch.arange(len(batch))) - mismatch(first)) > 1e-4  # the whole batch's reads otherwise
