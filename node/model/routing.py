@@ -66,6 +66,10 @@ def encode_routes(routes: torch.Tensor, shape: RouteShape) -> bytes:
     return ids.numpy().astype(_dtype(shape)).tobytes()
 
 
+_NUMPY_INT = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}
+"""`compact_routes_dtype`'s dtypes as numpy names them."""
+
+
 def compact_routes_dtype(shape: RouteShape) -> torch.dtype:
     """The narrowest torch integer dtype that holds `shape`'s expert ids: uint8 up to 256 experts, else int16 (int32
     beyond 32,768). A trainer's batch keeps its routes in it, 8 (4) times fewer bytes than int64 to copy, pin and
@@ -83,8 +87,8 @@ def decode_routes(data: bytes, positions: int, shape: RouteShape, compact: bool 
     ids = np.frombuffer(data, dtype=_dtype(shape))
     if ids.size and int(ids.max()) >= shape.num_experts:
         raise InvalidRoutes(f"expert id {int(ids.max())} outside [0, {shape.num_experts})")
-    wide = str(compact_routes_dtype(shape)).removeprefix("torch.") if compact else "int64"  # ids checked: they fit
-    return torch.from_numpy(ids.astype(np.dtype(wide))).view(positions, shape.moe_layers, shape.top_k)
+    wide = _NUMPY_INT[compact_routes_dtype(shape)] if compact else np.int64  # ids checked above: they fit
+    return torch.from_numpy(ids.astype(wide)).view(positions, shape.moe_layers, shape.top_k)
 
 
 def rollout_routes(turns: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
