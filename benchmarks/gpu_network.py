@@ -19,8 +19,9 @@ and versions.jsonl, written by `join --trace-versions`):
   sampled with v (the round's start, or when v was queued if the round was already running: the engine
   swaps between two decode steps), split into announce, fetch + verify, load, with the fetch's work in
   download / verify / decode / write seconds and the engine's own stage (off its thread) and swap
-  (between two steps) seconds (swaps.jsonl); `store_disk`: the bytes the run's shardcast stores took on
-  this host, per version held (every role shares one store: `sim`'s default);
+  (between two steps) seconds (swaps.jsonl), the stage's split per ring thread (`stage_host_s`: copying
+  payload pages into pinned buffers; `stage_dma_wait_s`: waiting for the copies to the GPU); `store_disk`:
+  the bytes the run's shardcast stores took on this host, per version held (every role shares one store: `sim`'s default);
 - generation tok/s (busy and wall), verification tok/s (the validator's recomputed prompt + completion
   tokens per second of judging), GPU busy share per GPU (nvidia-smi, sampled every 0.5 s);
 - rollouts lost / duplicated / off-policy, from the coordinator's store (sim's audit).
@@ -82,7 +83,8 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
     lat, timeline = [], {}
     stages: dict[str, list[float]] = {"announce_s": [], "fetch_verify_s": [], "load_s": [], "download_s": [],
                                       "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [],
-                                      "lease_wait_s": [], "admit_s": [], "stage_s": [],
+                                      "lease_wait_s": [], "admit_s": [], "stage_s": [], "stage_host_s": [],
+                                      "stage_dma_wait_s": [],
                                       "swap_s": [], "staged_on_device": []}
     for i in range(n):
         node = out / f"inference-{i}"
@@ -113,6 +115,9 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
                         stages["lease_wait_s"].append(swap["t_granted"] - queued["t_queued"])
                         stages["admit_s"].append(swap["t_applied"] - swap["t_granted"])
                     stages["stage_s"].append(swap.get("stage_s", 0.0))
+                    if swap.get("ring_threads"):  # since session 33: the staging's ring threads, per thread
+                        stages["stage_host_s"].append(swap["ring_host_s"] / swap["ring_threads"])
+                        stages["stage_dma_wait_s"].append(swap["ring_wait_s"] / swap["ring_threads"])
                     stages["swap_s"].append(swap.get("apply_s", 0.0))
                     stages["staged_on_device"].append(float(bool(swap.get("staged_on_device"))))  # median 1: staged
     return lat, {k: v for k, v in stages.items() if v}, timeline

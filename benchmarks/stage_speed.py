@@ -1,25 +1,38 @@
 """How fast a policy version is staged onto the GPU by the inference role's own path (`StagedVersion.of`,
 what `CudaEngine.load_weights` runs off the engine's thread): its tensors from a payload's mapping, through
-the pinned ring, to a device copy. `python -m benchmarks.stage_speed [--shape qwen3-30b-a3b-8l] [--repeats 3]`
+the pinned ring, to a device copy, in the conditions a role meets on a host it shares.
+
+    python -m benchmarks.stage_speed [--shape qwen3-30b-a3b-8l] [--repeats 3] [--threads 4,8] [--neighbours 12]
 
 The version is a random model of `--shape` in bf16, its HF tensors laid back to back in one file on `--dir`
-(tmpfs by default, as the sim's payloads on /dev/shm) and mapped, as a fetched payload is (`shardcast.codec.
-unflatten` views over the mapping). Conditions, `--repeats` each: alone and, with `--contended`, beside a thread that
-holds the interpreter's lock in a pure-Python loop (NAMED STAND-IN for an engine thread between decode steps: the real
-one's share of the lock is not measured here). Figures: seconds and GB/s per condition (medians), against the
-host-to-device copy of one pinned 1 GiB buffer, the physical peer. Ends with one JSON line.
+(tmpfs by default, as the sim's payloads on /dev/shm), mapped afresh for each staging as a fetched payload is
+(`shardcast.codec.unflatten` views over a new mapping), in a process with one intra-op thread (`--omp 1`: the
+sim's roles run with OMP_NUM_THREADS=1). Conditions, `--repeats` each, for each ring size in `--threads`:
+- `alone`;
+- `gil`: beside a thread of this process that holds the interpreter's lock in a pure-Python loop (NAMED
+  STAND-IN for the engine's thread between decode steps: the real one's share of the lock is not measured here);
+- `wire`, `wire_nice`: beside another process encoding wire shards (`shardcast.codec.encode_shard`, the
+  trainer's step 2 of `publish_stream`: deltas of a bf16 shard, zstd) on `--neighbours` threads, at the
+  process's priority and at `PublishOptions.wire_nice` (what the trainer does since session 33). In the 5.2B
+  network on one H200 the trainer's 12 encoding threads ran while the node staged the same version.
+Figures: seconds and GB/s per condition (medians), the ring threads' seconds split into host copies and waits for
+the device (`pinned_ring.RingSeconds`, per thread), against the host-to-device copy of one pinned 1 GiB
+buffer, the physical peer. Ends with one JSON line.
 
-Session 32 (1x H100, `benchmarks/results/stage_speed-runs-vs-pieces-h100-s32.json`): 10.37 GB staged alone in
-0.80-0.83 s (12.7 GB/s, 0.23 of the 55 GB/s pinned copy), where the 5.2B network's node took 1.7-2.5 s on an H200: the
-network's neighbours, not the path alone, cost the rest. A variant sending the payload in runs of 64 MiB instead of a
-piece a tensor read 0.86-0.96 s and was not kept.
+Session 32 (1x H100, `benchmarks/results/stage_speed-runs-vs-pieces-h100-s32.json`, before the fresh mapping,
+one intra-op thread and the neighbours): 10.37 GB staged alone in 0.80-0.83 s (12.7 GB/s, 0.23 of the 55 GB/s
+pinned copy), where the 5.2B network's node took 1.7-2.5 s on an H200. A variant sending the payload in runs of
+64 MiB instead of a piece a tensor read 0.86-0.96 s and was not kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +42,8 @@ import torch
 
 from benchmarks import emit
 
+SHARD = 64 << 20
+
 
 def busy(stop: threading.Event) -> None:
     x = 0
@@ -37,21 +52,90 @@ def busy(stop: threading.Event) -> None:
             x += i
 
 
+def encode_forever(threads: int, nice: int) -> None:
+    """The `wire` neighbour (its own process): `threads` threads encoding a bf16 shard's delta against its parent
+    until stdin closes, at `nice` (`shardcast.publish.lower_priority`); prints `ready` once they run."""
+    from shardcast.codec import encode_shard
+    from shardcast.publish import lower_priority
+
+    rng = np.random.default_rng(0)
+    parent = rng.standard_normal(SHARD // 2, dtype=np.float32).astype(np.float16).view(np.uint8)
+    raw = parent.copy()
+    raw[::97] ^= 1  # an RL step's small changes: most words differ in their low bits
+    stop = threading.Event()
+
+    def work() -> None:
+        lower_priority(nice)
+        while not stop.is_set():
+            encode_shard(0, raw, parent, word=2)
+
+    pool = [threading.Thread(target=work, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    print("ready", flush=True)
+    sys.stdin.read()
+    stop.set()
+
+
+@contextlib.contextmanager
+def neighbour(kind: str, threads: int, nice: int):
+    """The condition's neighbour running for the body's length: None, the `gil` stand-in thread, or a `wire`
+    encoding process."""
+    if kind == "gil":
+        stop = threading.Event()
+        thread = threading.Thread(target=busy, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+    elif kind.startswith("wire"):
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.stage_speed", "--encode-forever", str(threads),
+                                 str(nice)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        try:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("the wire-encoding neighbour did not start")
+            time.sleep(0.5)  # its threads at full speed
+            yield
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    else:
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] == "--encode-forever":
+        encode_forever(int(sys.argv[2]), int(sys.argv[3]))
+        return 0
     import benchmarks.device_rollouts as D
     from node.engine import pinned_ring
     from node.engine.weight_staging import StagedVersion
     from node.engine.weights import expected_shapes
     from node.model.checkpoint import state_dict_to_hf
+    from shardcast.publish import PublishOptions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b-8l", choices=list(D.SHAPES))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--contended", action="store_true", help="also beside the pure-Python stand-in thread")
+    ap.add_argument("--threads", default=str(pinned_ring.HOST_THREADS), help="ring sizes, comma-separated")
+    ap.add_argument("--conditions", default="alone,gil,wire,wire_nice")
+    ap.add_argument("--neighbours", type=int, default=PublishOptions().threads,
+                    help="the wire neighbour's threads (default: the trainer's publication threads on this host)")
+    ap.add_argument("--omp", type=int, default=1, help="this process's intra-op threads (a role's: 1)")
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.omp)
     device = torch.device("cuda")
+    conditions = args.conditions.split(",")
+    sizes = [int(x) for x in args.threads.split(",")]
+    wire_nice = PublishOptions().wire_nice
     model = D.random_model(args.shape, torch.bfloat16, "cuda")
     shapes = expected_shapes(model)
     hf = state_dict_to_hf(model)
@@ -67,40 +151,37 @@ def main(argv: list[str] | None = None) -> int:
             at += n
         mm.flush()
         del mm, hf
-        print(f"payload: {len(spans)} tensors, {total / 1e9:.2f} GB on {args.dir}", flush=True)
-        payload = np.memmap(path, dtype=np.uint8, mode="c")
-        base = torch.from_numpy(payload)
-        state = {name: base[a : a + n].view(dt).reshape(shape) for name, (a, n, dt, shape) in spans.items()}
-        ring = pinned_ring.PinnedRing(device)
+        print(f"payload: {len(spans)} tensors, {total / 1e9:.2f} GB on {args.dir}; ring threads {sizes}; "
+              f"conditions {conditions}; neighbours {args.neighbours} threads", flush=True)
 
-        def stage(contended: bool) -> float:
-            stop = threading.Event()
-            thread = threading.Thread(target=busy, args=(stop,), daemon=True) if contended else None
-            if thread:
-                thread.start()
-            try:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                v = StagedVersion.of(model, state, shapes, ring=ring)
-                torch.cuda.current_stream().wait_event(v.ready)
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - t
-                assert v.staged is not None, "no room to stage on the device"
-                del v
-                return seconds
-            finally:
-                stop.set()
-                if thread:
-                    thread.join()
+        def stage(ring: pinned_ring.PinnedRing) -> tuple[float, float, float]:
+            payload = np.memmap(path, dtype=np.uint8, mode="c")  # a new mapping, as each fetched version's
+            base = torch.from_numpy(payload)
+            state = {name: base[a : a + n].view(dt).reshape(shape) for name, (a, n, dt, shape) in spans.items()}
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            v = StagedVersion.of(model, state, shapes, ring=ring)
+            torch.cuda.current_stream().wait_event(v.ready)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t
+            assert v.staged is not None, "no room to stage on the device"
+            per, spent = v.times.ring_threads, (v.times.ring_host_s, v.times.ring_wait_s)
+            del v, state, base, payload
+            return seconds, spent[0] / per, spent[1] / per
 
-        conditions = (False, True) if args.contended else (False,)
-        stage(False)  # warm: the mapping's pages, the allocator
-        times: dict[str, list[float]] = {"contended" if c else "alone": [] for c in conditions}
-        for _ in range(args.repeats):
+        times: dict[str, list[tuple[float, float, float]]] = {}
+        for size in sizes:
+            ring = pinned_ring.PinnedRing(device, threads=size)
+            stage(ring)  # warm: the allocator, the ring's threads
             for c in conditions:
-                key = "contended" if c else "alone"
-                times[key].append(stage(c))
-                print(f"{key}: {times[key][-1]:.3f} s", flush=True)
+                key = f"{c}/{size}"
+                times[key] = []
+                with neighbour(c, args.neighbours, wire_nice if c == "wire_nice" else 0):
+                    for _ in range(args.repeats):
+                        times[key].append(stage(ring))
+                        print(f"{key}: {times[key][-1][0]:.3f} s (per ring thread: host copies "
+                              f"{times[key][-1][1]:.3f} s, device waits {times[key][-1][2]:.3f} s)", flush=True)
+            del ring
         host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dev.copy_(host, non_blocking=True)
@@ -112,17 +193,23 @@ def main(argv: list[str] | None = None) -> int:
         h2d = 3 * (1 << 30) / (time.perf_counter() - t)
     finally:
         path.unlink(missing_ok=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(x[0] for x in v) for k, v in times.items()}
+    first = f"alone/{sizes[0]}"
     result = {
-        "benchmark": "stage_speed", "machine": torch.cuda.get_device_name(), "shape": args.shape,
-        "tensors": len(spans), "bytes": total, "payload_dir": str(args.dir), "repeats": args.repeats,
-        "ring_threads": pinned_ring.HOST_THREADS, "chunk_bytes": pinned_ring.CHUNK_BYTES,
+        "benchmark": "stage_speed", "machine": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
+        "shape": args.shape, "tensors": len(spans), "bytes": total, "payload_dir": str(args.dir),
+        "repeats": args.repeats, "omp_threads": args.omp, "ring_threads": sizes, "chunk_bytes": pinned_ring.CHUNK_BYTES,
+        "neighbour_threads": args.neighbours, "wire_nice": wire_nice,
         "stage_s": {k: round(v, 3) for k, v in med.items()},
         "stage_gb_s": {k: round(total / v / 1e9, 2) for k, v in med.items()},
-        "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        "ring_host_s_per_thread": {k: round(statistics.median(x[1] for x in v), 3) for k, v in times.items()},
+        "ring_wait_s_per_thread": {k: round(statistics.median(x[2] for x in v), 3) for k, v in times.items()},
+        "all_s": {k: [round(x[0], 3) for x in v] for k, v in times.items()},
         "pinned_h2d_gb_s": round(h2d / 1e9, 1),
-        "alone_over_h2d_limit": round(total / med["alone"] / h2d, 3),
-        "contended_over_alone": round(med["alone"] / med["contended"], 3) if args.contended else None,
+        "over_h2d_limit": {k: round(total / v / h2d, 3) for k, v in med.items()},
+        "over_alone": {k: round(med[f"alone/{k.split('/')[1]}"] / v, 3) for k, v in med.items()
+                       if f"alone/{k.split('/')[1]}" in med},
+        "alone_s": med.get(first),
     }
     return emit(result, args.out)
 

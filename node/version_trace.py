@@ -18,7 +18,8 @@ ROUNDS = "rounds.jsonl"
 SWAPS = "swaps.jsonl"
 """One line per version a built-in engine put into its weights (`version`, `t_applied`, `stage_s`: staged
 on the device off the engine's thread, `apply_s`: the swap between two steps, `staged_on_device`, `bytes`, and since
-session 32 `t_lease_asked`, `t_granted`: when the node first asked for, and first got, leases holding it)."""
+session 32 `t_lease_asked`, `t_granted`: when the node first asked for, and first got, leases holding it; since
+session 33 `ring_host_s`, `ring_wait_s`, `ring_threads`: the staging's pinned-ring seconds, `SwapTimes`)."""
 
 
 def judging_summary(rows: list[dict]) -> dict:

@@ -9,7 +9,9 @@ a caller may read a destination on its stream only after `settle` (every piece q
 from __future__ import annotations
 
 import queue
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +20,19 @@ CHUNK_BYTES = 64 << 20
 HOST_THREADS = 4
 """Host copies in flight (the ring holds twice as many pinned buffers): one thread copied 10 GB of
 payload pages into pinned memory at ~4.5 GB/s (stage_s 2.2-3.0 s on the H200 host, session 7)."""
+
+
+class RingSeconds(NamedTuple):
+    """Where settled pieces spent their time, summed over the ring's threads (they overlap: seconds of work,
+    not of wall). `host_s`: copying payload pages into pinned buffers (slow where the host's cores or memory
+    are shared); `wait_s`: waiting for a buffer's previous piece to leave for the device (the copies to the GPU
+    behind)."""
+
+    host_s: float = 0.0
+    wait_s: float = 0.0
+
+    def __add__(self, other: tuple) -> RingSeconds:  # type: ignore[override]
+        return RingSeconds(self.host_s + other[0], self.wait_s + other[1])
 
 
 class PinnedRing:
@@ -50,27 +65,34 @@ class PinnedRing:
         return [self._pool.submit(self._piece, s[at : at + CHUNK_BYTES], d[at : at + CHUNK_BYTES], stream, modes)
                 for at in range(0, s.numel(), CHUNK_BYTES)]
 
-    def _piece(self, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream, modes: tuple[bool, bool]) -> None:
+    def _piece(self, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream,
+               modes: tuple[bool, bool]) -> RingSeconds:
         k = self._free.get()
         try:
             with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
-                self._send(k, s, d, stream)
+                return self._send(k, s, d, stream)
         finally:
             self._free.put(k)
 
-    def _send(self, k: int, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _send(self, k: int, s: torch.Tensor, d: torch.Tensor, stream: torch.cuda.Stream) -> RingSeconds:
+        t0 = time.perf_counter()
         if self.done[k] is not None:
             self.done[k].synchronize()  # its last piece has left for the device
+        t1 = time.perf_counter()
         n = s.numel()
         self.bufs[k][:n].copy_(s)
+        t2 = time.perf_counter()
         with torch.cuda.stream(stream):
             d.copy_(self.bufs[k][:n], non_blocking=True)
             self.done[k] = torch.cuda.Event()
             self.done[k].record(stream)
+        return RingSeconds(t2 - t1, t1 - t0)
 
 
-def settle(pieces: list[Future]) -> None:
-    """Wait until every queued piece is on its stream (raises what a piece raised)."""
+def settle(pieces: list[Future]) -> RingSeconds:
+    """Wait until every queued piece is on its stream (raises what a piece raised); their seconds summed."""
+    spent = RingSeconds()
     for f in pieces:
-        f.result()
+        spent += f.result()
     pieces.clear()
+    return spent

@@ -48,13 +48,18 @@ STAGING_HEADROOM = 1 << 30
 @dataclass
 class SwapTimes:
     """Seconds spent on a version: staged (off the engine's thread) and applied (between two steps);
-    `sparse_bytes`: bytes written where a delta's changes went in alone (`SparseWrites`), else 0."""
+    `sparse_bytes`: bytes written where a delta's changes went in alone (`SparseWrites`), else 0;
+    `ring_host_s`, `ring_wait_s`: the pinned ring's threads' seconds copying its pages into pinned buffers and
+    waiting for buffers to leave for the device (`pinned_ring.RingSeconds`, summed over `ring_threads`)."""
 
     stage_s: float = 0.0
     apply_s: float = 0.0
     staged_on_device: bool = False
     bytes: int = 0
     sparse_bytes: int = 0
+    ring_host_s: float = 0.0
+    ring_wait_s: float = 0.0
+    ring_threads: int = 0
 
 
 @dataclass
@@ -204,7 +209,7 @@ class StagedVersion:
             self._copy(self.state[name], target.view(dst_full), stream, pieces)
         for internal, bufs in raw.items():
             staged[internal] = self._finish_raw(bufs, stream, pieces)
-        settle(pieces)
+        self._settle(pieces)
         self.ready = torch.cuda.Event()
         self.ready.record(stream)
         self.staged = staged
@@ -248,6 +253,13 @@ class StagedVersion:
             scales.copy_(host)
         return q, scales
 
+    def _settle(self, pieces: list[Future]) -> None:
+        """`settle`, the ring's seconds added to this version's `times`."""
+        spent = settle(pieces)
+        self.times.ring_host_s += spent.host_s
+        self.times.ring_wait_s += spent.wait_s
+        self.times.ring_threads = self.ring.threads if self.ring is not None else 0
+
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future]) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
         the ring's pieces join `pieces` (a dtype change waits for its own first)."""
@@ -262,7 +274,7 @@ class StagedVersion:
             return
         tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
         tmp.record_stream(stream)
-        settle(self.ring.copy(src, tmp, stream))
+        self._settle(self.ring.copy(src, tmp, stream))
         with torch.cuda.stream(stream):
             dst.copy_(tmp)  # the dtype change (or a strided destination) on the device
 
@@ -304,7 +316,7 @@ class StagedVersion:
                 left[target.internal] -= 1
                 if not left[target.internal]:
                     pair = self._finish_raw(raw.pop(target.internal), stream, pieces)
-                    settle(pieces)
+                    self._settle(pieces)
                     _load(self.model, target.internal, pair, live)
                 continue
             if dest is not None and _plain(dest):
@@ -317,9 +329,9 @@ class StagedVersion:
             self._copy(self.state[name], target.view(buf), stream, pieces)
             left[target.internal] -= 1
             if not left[target.internal]:
-                settle(pieces)  # the module's copy is whole before it is quantised
+                self._settle(pieces)  # the module's copy is whole before it is quantised
                 _load(self.model, target.internal, pending.pop(target.internal), live)
-        settle(pieces)
+        self._settle(pieces)
         self.state = {}
 
 

@@ -1,6 +1,6 @@
 """The pinned ring (node/engine/pinned_ring.py) on a GPU: tensors of a payload-like host buffer, some larger than
 one of its buffers, land byte for byte, also for a ring made for "cuda" without an index (its threads set the
-current device). Skipped without CUDA (CI)."""
+current device), and the ring's threads' seconds come back when the pieces settle. Skipped without CUDA (CI)."""
 
 import pytest
 import torch
@@ -23,7 +23,10 @@ def test_a_ring_for_cuda_without_an_index_copies_every_byte(monkeypatch):
     pieces = []
     for src, dst in pairs:
         pieces += ring.copy(src, dst, stream)
-    pinned_ring.settle(pieces)
+    n_pieces = len(pieces)
+    spent = pinned_ring.settle(pieces)
     stream.synchronize()
+    assert n_pieces > len(pairs) and not pieces  # some tensors went in several pieces; all settled
+    assert spent.host_s > 0 and spent.wait_s >= 0  # the threads' seconds come back with the pieces
     for src, dst in pairs:
         assert torch.equal(dst.cpu().view(torch.uint8), src.view(torch.uint8))

@@ -5,6 +5,8 @@ until the wire shards and the whole manifest are (step 2), then fetch it bit for
 manifest without wire fields is refused as lying."""
 
 import asyncio
+import os
+import sys
 
 import pytest
 
@@ -130,3 +132,41 @@ def test_a_version_whose_wire_shards_failed_goes_once_a_newer_one_is_whole_unles
     else:  # v2 is a delta against v1's payload: v1 stays while v2 is kept
         assert whole.manifest.parent == 1 and store.version_dir("run", 1).exists()
     assert store.versions("run") == [0, 2]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread niceness is Linux's")
+def test_wire_shards_are_encoded_at_a_lower_priority_than_the_listing_and_the_caller(tmp_path, key, sc, monkeypatch):
+    """Step 2 runs after the announcement, beside roles of this host that read the version (a node staging it):
+    its threads yield to them (`PublishOptions.wire_nice`); step 1, which the announcement waits for, and the
+    caller keep the process's priority, and `wire_nice=0` leaves step 2 there too."""
+    import threading
+
+    import shardcast.publish as publish
+
+    seen: dict[str, set[int]] = {"hash": set(), "encode": set()}
+    real_hash, real_encode = publish.content_hash, publish.encode_shard
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def hashing(data):
+        seen["hash"].add(niceness())
+        return real_hash(data)
+
+    def encoding(*args, **kwargs):
+        seen["encode"].add(niceness())
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "content_hash", hashing)
+    monkeypatch.setattr(publish, "encode_shard", encoding)
+    own = niceness()
+    state = sc.make_state(0)
+    for v, nice in ((0, 10), (1, 0)):
+        seen = {"hash": set(), "encode": set()}
+        tensors, payload = flatten(state)
+        signed = publish_stream(Store(tmp_path / f"s{v}"), key, "run", v, tensors, payload, iter([len(payload)]), None,
+                                PublishOptions(shard_size=sc.SHARD, threads=2, wire_nice=nice))
+        assert signed.manifest.wire_complete and len(signed.manifest.shards) > 1
+        assert seen["hash"] == {own}
+        assert seen["encode"] == {min(19, own + nice)}
+    assert niceness() == own
