@@ -71,7 +71,7 @@ def phases(trainer: Trainer, batch: TrainBatch, device: str) -> dict[str, float]
     for _ in range(cfg.updates_per_batch):
         for rows in torch.randperm(len(batch)).chunk(cfg.minibatches):
             trainer.optimizer.zero_grad(set_to_none=True)
-            for micro in trainer.micro_batches(batch.select(rows), backward=True):
+            for micro in trainer.micro_batches(batch.select(rows)):
                 def forward():
                     logp, aux = trainer.logprobs(micro)
                     return policy_loss(logp, micro.inference_logprobs, micro.advantages, micro.loss_mask,
@@ -114,7 +114,7 @@ def main() -> None:
     batch = long_tail_batch(args.rows, args.prompt, args.vocab_size,
                             routes=RouteShape.of(cfg) if args.router_replay else None)
     tokens = args.rows * args.prompt + int(batch.loss_mask.sum())  # each row's prompt and completion
-    micros = trainer.micro_batches(batch, backward=True)
+    micros = trainer.micro_batches(batch)
     padded = sum(m.input_ids.numel() for m in micros)
     log.info("batch: %d rows x %d positions, %d loss tokens, %d micro-batches of %d padded positions in all "
              "(the whole batch in one minibatch; grouped for %s tokens a micro-batch)", *batch.input_ids.shape, int(batch.loss_mask.sum()),
@@ -141,7 +141,7 @@ def main() -> None:
               "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
               "updates_per_batch": trainer.cfg.updates_per_batch, "minibatches": trainer.cfg.minibatches,
               "rows": args.rows, "positions": int(batch.input_ids.shape[1]), "tokens": tokens,
-              "overhead_tokens": overhead, "backward_overhead_tokens": trainer.overhead_tokens(True),
+              "overhead_tokens": overhead, "backward_overhead_tokens": trainer.overhead_tokens(),
               "micro_batches": len(micros), "padded_positions": padded,
               "loss_tokens": int(batch.loss_mask.sum()), "step_s": round(step_s, 3),
               "tok_s": round(tokens / step_s, 1), **{k: round(v, 3) for k, v in parts.items()},

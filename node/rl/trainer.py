@@ -63,9 +63,8 @@ class TrainerConfig:
     completions is split into micro-batches whose gradients add up to the minibatch's (one optimizer step)."""
     micro_batch_overhead_tokens: int | None | str = "auto"
     """What one more micro-batch is taken to cost, in padded tokens: the rows are grouped to pad least for it
-    (`node.rl.batch.micro_batches`; None: the fewest micro-batches). "auto": `GROUP_OVERHEAD_TOKENS` for a
-    forward alone (no backward), and for the forward/backward on the CPU; the fewest micro-batches for the
-    forward/backward on a GPU (any device but the CPU). Measured (benchmarks.trainer_profile, 5.2B 8-layer
+    (`node.rl.batch.micro_batches`; None: the fewest micro-batches). "auto": `GROUP_OVERHEAD_TOKENS` on the
+    CPU; the fewest micro-batches on a GPU (any device but the CPU). Measured (benchmarks.trainer_profile, 5.2B 8-layer
     30B-A3B shape, 256 long-tailed rows): on the H200 a step took 2.95 s with the fewest micro-batches, 3.60 s
     grouped for 2,048 tokens and 3.03 s for 16,384 (the forward/backward slower, the no-grad pass the step had then
     0.36 -> 0.23 s faster); on the 2-core CPU (tiny shape) grouping for 2,048 made the step 1.71x faster."""
@@ -117,19 +116,18 @@ class Trainer:
                                 routed_experts=batch.routed_experts if replay else None)
         return logp, out.aux_loss
 
-    def micro_batches(self, batch: TrainBatch, backward: bool = False) -> list[TrainBatch]:
-        """The pieces one forward (`backward`: and backward) takes at a time (`node.rl.batch.micro_batches`
-        by this config)."""
-        return micro_batches(batch, self.cfg.micro_batch_tokens, self.overhead_tokens(backward))
+    def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """The pieces one forward and backward takes at a time (`node.rl.batch.micro_batches` by this
+        config)."""
+        return micro_batches(batch, self.cfg.micro_batch_tokens, self.overhead_tokens())
 
-    def overhead_tokens(self, backward: bool) -> int | None:
+    def overhead_tokens(self) -> int | None:
         """The micro-batch overhead in force (`TrainerConfig.micro_batch_overhead_tokens`, "auto" resolved
-        by the pass and the model's device)."""
+        by the model's device)."""
         overhead = self.cfg.micro_batch_overhead_tokens
         if overhead != "auto":
             return overhead
-        on_cpu = next(self.model.parameters()).device.type == "cpu"
-        return GROUP_OVERHEAD_TOKENS if on_cpu or not backward else None
+        return GROUP_OVERHEAD_TOKENS if next(self.model.parameters()).device.type == "cpu" else None
 
     def learning_rate(self) -> float:
         if self.cfg.decay_steps <= 0:
@@ -183,7 +181,7 @@ class Trainer:
         each: each one's token-mean loss weighted by its share of the minibatch's loss tokens, so the
         gradients add up to the whole minibatch's (its load-balancing loss by its share of rows)."""
         aux_coef = self.model.config.router_aux_loss_coef
-        micros = self.micro_batches(mb, backward=True)
+        micros = self.micro_batches(mb)
         n_all = max(1, int(mb.loss_mask.sum()))
         stats: dict[str, float | torch.Tensor] = dict.fromkeys(("loss", "masked_share", "mismatch_kl", "aux_loss"), 0.0)
         for micro, loss_at, n_tokens in self._on_device(micros):

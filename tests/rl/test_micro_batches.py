@@ -71,24 +71,23 @@ def test_a_step_in_micro_batches_equals_the_one_forward_step_and_no_forward_exce
 
 
 def test_the_auto_micro_batch_overhead_groups_on_the_cpu_and_takes_the_fewest_for_a_gpu_backward():
-    """`TrainerConfig.micro_batch_overhead_tokens = "auto"`: grouped to pad least for `GROUP_OVERHEAD_TOKENS` in
-    the no-grad pass and on the CPU, the fewest micro-batches for a GPU's forward/backward (measured on the
-    H200: 2.95 s a step against 3.60 s grouped); an explicit value holds for both passes."""
+    """`TrainerConfig.micro_batch_overhead_tokens = "auto"`: grouped to pad least for `GROUP_OVERHEAD_TOKENS` on
+    the CPU, the fewest micro-batches for a GPU's forward/backward (measured on the H200: 2.95 s a step against
+    3.60 s grouped); an explicit value holds on either."""
     from node.model.batching import GROUP_OVERHEAD_TOKENS
 
     trainer = Trainer(CausalLM(CFG), TrainerConfig(micro_batch_tokens=64))
     assert trainer.cfg.micro_batch_overhead_tokens == "auto"
-    assert trainer.overhead_tokens(backward=False) == trainer.overhead_tokens(backward=True) == GROUP_OVERHEAD_TOKENS
+    assert trainer.overhead_tokens() == GROUP_OVERHEAD_TOKENS
     batch = long_tailed_batch()
-    assert [m.input_ids.shape for m in trainer.micro_batches(batch, backward=True)] == \
+    assert [m.input_ids.shape for m in trainer.micro_batches(batch)] == \
         [m.input_ids.shape for m in micro_batches(batch, 64, GROUP_OVERHEAD_TOKENS)]
     for fixed in (None, 0, 512):
         t = Trainer(CausalLM(CFG), TrainerConfig(micro_batch_overhead_tokens=fixed))
-        assert t.overhead_tokens(backward=False) == t.overhead_tokens(backward=True) == fixed
+        assert t.overhead_tokens() == fixed
     with torch.device("meta"):  # a model off the CPU (what a GPU's trainer holds), no memory taken
         off_cpu = Trainer(CausalLM(CFG), TrainerConfig())
-    assert off_cpu.overhead_tokens(backward=True) is None
-    assert off_cpu.overhead_tokens(backward=False) == GROUP_OVERHEAD_TOKENS
+    assert off_cpu.overhead_tokens() is None
 
 
 @pytest.mark.gpu
