@@ -69,6 +69,10 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 
 
 class InferenceNode:
+    LEASE_POLL_S = 0.1
+    """How long a lease loop that got no work waits before asking again (at once when a newer version is queued
+    meanwhile, `_held_newer`, or a fetch it waits on ends)."""
+
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, leases_per_request: int = 8, engine: str = "builtin", vllm: list[str] | None = None,
                  device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
                  store: Store | None = None):
@@ -88,6 +92,8 @@ class InferenceNode:
         self.recipe = Recipe.of(spec)
         self.hashes: dict[int, str] = {}
         self._announced_at: dict[int, float] = {}  # version -> when its announcement arrived (weight-latency breakdown)
+        self._held_newer = asyncio.Event()
+        """Set when a newer version is queued for the engine: a lease loop polling for work asks again at once."""
         self.engine: InferenceEngine | None = None
         self.routes = RouteShape.of(model_config(spec)) if router_replay(spec) else None
         """The route shape when submissions carry routed experts (None: they do not)."""
@@ -236,12 +242,17 @@ class InferenceNode:
                 self.engine.on_swap.append(lambda v, row: [hook(v, {**row, **self._lease_times_of(v)})
                                                            for hook in self.on_swapped])
             await asyncio.to_thread(self.engine.load_weights, state, version)
-            self._newest_loaded = version
+            self._queued(version)
         times = {"t_announced": self._announced_at.get(version), "t_fetch": t_fetch, "t_fetched": t_fetched,
                  "t_queued": time.time(), "fetch_stages_s": fetch_stages}
         for hook in self.on_loaded:
             hook(version, times)
         log.info("policy v%d queued for the engine", version)
+
+    def _queued(self, version: int) -> None:
+        """`version` is queued for the engine: leases holding it may be asked for, at once."""
+        self._newest_loaded = version
+        self._held_newer.set()
 
     def _lease_times_of(self, version: int) -> dict[str, float | None]:
         """`t_lease_asked` and `t_granted` of `version` (None where not yet). Read on the engine's thread: lookups
@@ -302,6 +313,7 @@ class InferenceNode:
                     self._lease_times.pop(old, None)
                 self._lease_times[holding] = {"t_lease_asked": time.time()}
             record = self._lease_times[holding]  # the dict the engine's thread reads (`_lease_times_of`)
+            self._held_newer.clear()  # set again by a version queued from here on
             grants = await client.lease(min(self.leases_per_request, room), holds_version=holding)
             if grants:
                 self.lease_s.append(time.perf_counter() - t)
@@ -316,8 +328,11 @@ class InferenceNode:
                 # a newer version is on its way (the coordinator answers a node behind at once): ask again once
                 # it is loaded, not every 0.1 s while it is fetched
                 await asyncio.wait({fetching}, timeout=1.0)
-            else:
-                await asyncio.sleep(0.1)
+            else:  # poll; a version queued meanwhile (its leases wait on it at k = 1) asks again at once
+                try:
+                    await asyncio.wait_for(self._held_newer.wait(), self.LEASE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
             return
         self._in_flight += len(grants)
         self._inbox.put(grants)
