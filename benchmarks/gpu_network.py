@@ -20,7 +20,7 @@ and versions.jsonl, written by `join --trace-versions`):
   swaps between two decode steps), split into announce, fetch + verify, load, with the fetch's work in
   download / verify / decode / write seconds and the engine's own stage (off its thread) and swap
   (between two steps) seconds (swaps.jsonl), the stage's split per ring thread (`stage_host_s`: copying
-  payload pages into pinned buffers; `stage_dma_wait_s`: waiting for the copies to the GPU); `store_disk`:
+  payload pages into pinned buffers, `stage_host_cpu_s` of it running; `stage_dma_wait_s`: waiting for the copies to the GPU); `store_disk`:
   the bytes the run's shardcast stores took on this host, per version held (every role shares one store: `sim`'s default);
 - generation tok/s (busy and wall), verification tok/s (the validator's recomputed prompt + completion
   tokens per second of judging), GPU busy share per GPU (nvidia-smi, sampled every 0.5 s);
@@ -84,7 +84,7 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
     stages: dict[str, list[float]] = {"announce_s": [], "fetch_verify_s": [], "load_s": [], "download_s": [],
                                       "verify_s": [], "decode_s": [], "write_s": [], "swap_wait_s": [],
                                       "lease_wait_s": [], "admit_s": [], "stage_s": [], "stage_host_s": [],
-                                      "stage_dma_wait_s": [],
+                                      "stage_host_cpu_s": [], "stage_dma_wait_s": [],
                                       "swap_s": [], "staged_on_device": []}
     for i in range(n):
         node = out / f"inference-{i}"
@@ -117,6 +117,7 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
                     stages["stage_s"].append(swap.get("stage_s", 0.0))
                     if swap.get("ring_threads"):  # since session 33: the staging's ring threads, per thread
                         stages["stage_host_s"].append(swap["ring_host_s"] / swap["ring_threads"])
+                        stages["stage_host_cpu_s"].append(swap.get("ring_host_cpu_s", 0.0) / swap["ring_threads"])
                         stages["stage_dma_wait_s"].append(swap["ring_wait_s"] / swap["ring_threads"])
                     stages["swap_s"].append(swap.get("apply_s", 0.0))
                     stages["staged_on_device"].append(float(bool(swap.get("staged_on_device"))))  # median 1: staged

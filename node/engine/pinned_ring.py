@@ -24,15 +24,16 @@ payload pages into pinned memory at ~4.5 GB/s (stage_s 2.2-3.0 s on the H200 hos
 
 class RingSeconds(NamedTuple):
     """Where settled pieces spent their time, summed over the ring's threads (they overlap: seconds of work,
-    not of wall). `host_s`: copying payload pages into pinned buffers (slow where the host's cores or memory
-    are shared); `wait_s`: waiting for a buffer's previous piece to leave for the device (the copies to the GPU
-    behind)."""
+    not of wall). `host_s`: copying payload pages into pinned buffers, of which `host_cpu_s` the thread ran
+    (the copy and its page faults; the rest it waited for a core or for the interpreter's lock to come back);
+    `wait_s`: waiting for a buffer's previous piece to leave for the device (the copies to the GPU behind)."""
 
     host_s: float = 0.0
+    host_cpu_s: float = 0.0
     wait_s: float = 0.0
 
     def __add__(self, other: tuple) -> RingSeconds:  # type: ignore[override]
-        return RingSeconds(self.host_s + other[0], self.wait_s + other[1])
+        return RingSeconds(*(a + b for a, b in zip(self, other)))
 
 
 class PinnedRing:
@@ -78,15 +79,15 @@ class PinnedRing:
         t0 = time.perf_counter()
         if self.done[k] is not None:
             self.done[k].synchronize()  # its last piece has left for the device
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         n = s.numel()
         self.bufs[k][:n].copy_(s)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         with torch.cuda.stream(stream):
             d.copy_(self.bufs[k][:n], non_blocking=True)
             self.done[k] = torch.cuda.Event()
             self.done[k].record(stream)
-        return RingSeconds(t2 - t1, t1 - t0)
+        return RingSeconds(t2 - t1, c2 - c1, t1 - t0)
 
 
 def settle(pieces: list[Future]) -> RingSeconds:

@@ -49,8 +49,9 @@ STAGING_HEADROOM = 1 << 30
 class SwapTimes:
     """Seconds spent on a version: staged (off the engine's thread) and applied (between two steps);
     `sparse_bytes`: bytes written where a delta's changes went in alone (`SparseWrites`), else 0;
-    `ring_host_s`, `ring_wait_s`: the pinned ring's threads' seconds copying its pages into pinned buffers and
-    waiting for buffers to leave for the device (`pinned_ring.RingSeconds`, summed over `ring_threads`)."""
+    `ring_host_s` (`ring_host_cpu_s` of it running), `ring_wait_s`: the pinned ring's threads' seconds copying its
+    pages into pinned buffers and waiting for buffers to leave for the device (`pinned_ring.RingSeconds`, summed
+    over `ring_threads`)."""
 
     stage_s: float = 0.0
     apply_s: float = 0.0
@@ -58,6 +59,7 @@ class SwapTimes:
     bytes: int = 0
     sparse_bytes: int = 0
     ring_host_s: float = 0.0
+    ring_host_cpu_s: float = 0.0
     ring_wait_s: float = 0.0
     ring_threads: int = 0
 
@@ -257,6 +259,7 @@ class StagedVersion:
         """`settle`, the ring's seconds added to this version's `times`."""
         spent = settle(pieces)
         self.times.ring_host_s += spent.host_s
+        self.times.ring_host_cpu_s += spent.host_cpu_s
         self.times.ring_wait_s += spent.wait_s
         self.times.ring_threads = self.ring.threads if self.ring is not None else 0
 
