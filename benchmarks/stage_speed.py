@@ -2,12 +2,14 @@
 what `CudaEngine.load_weights` runs off the engine's thread): its tensors from a payload's mapping, through
 the pinned ring, to a device copy, in the conditions a role meets on a host it shares.
 
-    python -m benchmarks.stage_speed [--shape qwen3-30b-a3b-8l] [--repeats 3] [--threads 4,8] [--neighbours 12]
+    python -m benchmarks.stage_speed [--shape qwen3-30b-a3b-8l] [--repeats 2] [--threads 4,8] [--paths runs,pieces]
 
 The version is a random model of `--shape` in bf16, its HF tensors laid back to back in one file on `--dir`
 (tmpfs by default, as the sim's payloads on /dev/shm), mapped afresh for each staging as a fetched payload is
 (`shardcast.codec.unflatten` views over a new mapping), in a process with one intra-op thread (`--omp 1`: the
-sim's roles run with OMP_NUM_THREADS=1). Conditions, `--repeats` each, for each ring size in `--threads`:
+sim's roles run with OMP_NUM_THREADS=1). Two paths, alternated: `runs` (`PinnedRing.copy_many`: 64 MiB runs of
+the mapping, a device buffer and one batched copy a run: the role's since session 33) and `pieces` (a ring piece a
+tensor: the role's before, the peer). Conditions, `--repeats` each, for each ring size in `--threads`:
 - `alone`;
 - `gil`: beside a thread of this process that holds the interpreter's lock in a pure-Python loop (NAMED
   STAND-IN for the engine's thread between decode steps: the real one's share of the lock is not measured here);
@@ -22,7 +24,9 @@ buffer, the physical peer. Ends with one JSON line.
 Session 32 (1x H100, `benchmarks/results/stage_speed-runs-vs-pieces-h100-s32.json`, before the fresh mapping,
 one intra-op thread and the neighbours): 10.37 GB staged alone in 0.80-0.83 s (12.7 GB/s, 0.23 of the 55 GB/s
 pinned copy), where the 5.2B network's node took 1.7-2.5 s on an H200. A variant sending the payload in runs of
-64 MiB instead of a piece a tensor read 0.86-0.96 s and was not kept.
+64 MiB (a host copy a run, then a copy to the device a tensor) read 0.86-0.96 s and was not kept; in the network
+the staging took the same ~2.0 s for 10.4 GB (bf16) and 4.4 GB (FP8 served form), so the count of calls, not the
+bytes, looked to set it there: `runs` now also makes one copy to the device a run.
 """
 
 from __future__ import annotations
@@ -122,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b-8l", choices=list(D.SHAPES))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", default=str(pinned_ring.HOST_THREADS), help="ring sizes, comma-separated")
     ap.add_argument("--conditions", default="alone,gil,wire,wire_nice")
+    ap.add_argument("--paths", default="runs,pieces", help="runs: PinnedRing.copy_many (the role's since session 33); "
+                    "pieces: a ring piece a tensor (before)")
     ap.add_argument("--neighbours", type=int, default=PublishOptions().threads,
                     help="the wire neighbour's threads (default: the trainer's publication threads on this host)")
     ap.add_argument("--omp", type=int, default=1, help="this process's intra-op threads (a role's: 1)")
@@ -135,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     conditions = args.conditions.split(",")
     sizes = [int(x) for x in args.threads.split(",")]
+    paths = args.paths.split(",")
     wire_nice = PublishOptions().wire_nice
     model = D.random_model(args.shape, torch.bfloat16, "cuda")
     shapes = expected_shapes(model)
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"payload: {len(spans)} tensors, {total / 1e9:.2f} GB on {args.dir}; ring threads {sizes}; "
               f"conditions {conditions}; neighbours {args.neighbours} threads", flush=True)
 
-        def stage(ring: pinned_ring.PinnedRing) -> tuple[float, float, float]:
+        def stage(ring: pinned_ring.PinnedRing, path: str) -> tuple[float, float, float, float]:
+            StagedVersion.RUNS = path == "runs"
             payload = np.memmap(path, dtype=np.uint8, mode="c")  # a new mapping, as each fetched version's
             base = torch.from_numpy(payload)
             state = {name: base[a : a + n].view(dt).reshape(shape) for name, (a, n, dt, shape) in spans.items()}
@@ -172,16 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[tuple[float, float, float, float]]] = {}
         for size in sizes:
             ring = pinned_ring.PinnedRing(device, threads=size)
-            stage(ring)  # warm: the allocator, the ring's threads
+            for path in paths:
+                stage(ring, path)  # warm: the allocator, the ring's threads and device buffers
             for c in conditions:
-                key = f"{c}/{size}"
-                times[key] = []
                 with neighbour(c, args.neighbours, wire_nice if c == "wire_nice" else 0):
                     for _ in range(args.repeats):
-                        times[key].append(stage(ring))
-                        print(f"{key}: {times[key][-1][0]:.3f} s (per ring thread: host copies "
-                              f"{times[key][-1][1]:.3f} s ({times[key][-1][3]:.3f} s running), device waits "
-                              f"{times[key][-1][2]:.3f} s)", flush=True)
+                        for path in paths:  # alternated: both see the neighbour alike
+                            key = f"{path}/{c}/{size}"
+                            times.setdefault(key, []).append(stage(ring, path))
+                            print(f"{key}: {times[key][-1][0]:.3f} s (per ring thread: host copies "
+                                  f"{times[key][-1][1]:.3f} s ({times[key][-1][3]:.3f} s running), device waits "
+                                  f"{times[key][-1][2]:.3f} s)", flush=True)
             del ring
         host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -195,11 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         path.unlink(missing_ok=True)
     med = {k: statistics.median(x[0] for x in v) for k, v in times.items()}
-    first = f"alone/{sizes[0]}"
+    def peer(key: str) -> str:  # the same path and ring size alone
+        path, _, size = key.split("/")
+        return f"{path}/alone/{size}"
+
+    first = f"{paths[0]}/alone/{sizes[0]}"
     result = {
         "benchmark": "stage_speed", "machine": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
         "shape": args.shape, "tensors": len(spans), "bytes": total, "payload_dir": str(args.dir),
-        "repeats": args.repeats, "omp_threads": args.omp, "ring_threads": sizes, "chunk_bytes": pinned_ring.CHUNK_BYTES,
+        "repeats": args.repeats, "omp_threads": args.omp, "ring_threads": sizes, "paths": paths, "chunk_bytes": pinned_ring.CHUNK_BYTES,
         "neighbour_threads": args.neighbours, "wire_nice": wire_nice,
         "stage_s": {k: round(v, 3) for k, v in med.items()},
         "stage_gb_s": {k: round(total / v / 1e9, 2) for k, v in med.items()},
@@ -209,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         "all_s": {k: [round(x[0], 3) for x in v] for k, v in times.items()},
         "pinned_h2d_gb_s": round(h2d / 1e9, 1),
         "over_h2d_limit": {k: round(total / v / h2d, 3) for k, v in med.items()},
-        "over_alone": {k: round(med[f"alone/{k.split('/')[1]}"] / v, 3) for k, v in med.items()
-                       if f"alone/{k.split('/')[1]}" in med},
-        "alone_s": med.get(first),
+        "over_alone": {k: round(med[peer(k)] / v, 3) for k, v in med.items() if peer(k) in med},
+        "runs_over_pieces": {k.removeprefix("runs/"): round(med[f"pieces/{k[5:]}"] / v, 3) for k, v in med.items()
+                             if k.startswith("runs/") and f"pieces/{k[5:]}" in med},
+        "first_alone_s": med.get(first),
     }
     return emit(result, args.out)
 

@@ -2,9 +2,10 @@
 
 `StagedVersion.of(model, state_dict, shapes)` checks the version whole (`weights.plan_weights`), then:
 - on a CUDA device with room for a second copy of the weights, stages it at once, in the caller's
-  thread (the role's fetch, not the engine's): each tensor is copied from the payload's mapping into
-  a ring of pinned host buffers (node/engine/pinned_ring.py: several host copies at a time) and on to a device-side copy by
-  asynchronous host-to-device copies on a side stream, while the engine goes on decoding; `apply()`, between two decode steps, is then
+  thread (the role's fetch, not the engine's): the payload's mapping goes in runs of 64 MiB through a ring of pinned
+  host buffers (node/engine/pinned_ring.py `copy_many`: several host copies at a time) and device buffers beside them
+  (asynchronous host-to-device copies on a side stream), each run then copied into the device-side tensors it holds
+  in one batched call, while the engine goes on decoding; `apply()`, between two decode steps, is then
   device-to-device copies into the served tensors (FP8 modules quantise theirs on the device, or, for a
   version in its served form, node/model/served_form.py, take its e4m3 bytes and scales as they are);
 - otherwise (the CPU, or a GPU without that room: logged) `apply()` copies each tensor straight into
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.engine.fp8.model import _QuantizedWeights
-from node.engine.pinned_ring import PinnedRing, settle
+from node.engine.pinned_ring import CHUNK_BYTES, HOST_THREADS, PinnedRing, settle
 from node.engine.weights import Target, WeightsMismatch, plan_weights
 from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.quantization import SCALE_SUFFIX, dequantize, scale_shape
@@ -151,6 +152,10 @@ def _byte_places(model: CausalLM, plan: dict[str, Target],
 
 @dataclass
 class StagedVersion:
+    RUNS = True
+    """Staged through `PinnedRing.copy_many` (runs of the payload); False: a ring piece a tensor, as before session
+    33 (`benchmarks.stage_speed`'s peer)."""
+
     model: CausalLM
     state: Mapping[str, torch.Tensor]
     """HF-named tensors: views over a fetched payload's mapping, or a checkpoint read at each lookup
@@ -184,6 +189,8 @@ class StagedVersion:
         device = _device(model)
         if device.type == "cuda" and stage and v.sparse is None:  # (a delta's writes need no staged copy)
             need, (free, _) = _staged_bytes(model, v.plan, shapes, state_dict), torch.cuda.mem_get_info(device)
+            if cls.RUNS and (ring is None or ring.dev_bufs is None):
+                need += 2 * (ring.threads if ring is not None else HOST_THREADS) * CHUNK_BYTES  # its device buffers
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cache
             if need + STAGING_HEADROOM <= free:
                 v._stage(device)
@@ -200,15 +207,18 @@ class StagedVersion:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # tensors handed over from this GPU are written
         pieces: list[Future] = []
+        runs: list | None = [] if self.RUNS else None  # (payload view, device destination) pairs: `copy_many`'s
         for name, target in self.plan.items():
-            if self._copy_raw(name, target, raw, device, stream, pieces):
+            if self._copy_raw(name, target, raw, device, stream, pieces, runs):
                 continue
             dst_full = staged.get(target.internal)
             if dst_full is None:
                 dtype = _high_precision(self.model, target.internal, live)
                 dst_full = staged[target.internal] = torch.empty(self.shapes[target.internal], dtype=dtype, device=device)
                 dst_full.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
-            self._copy(self.state[name], target.view(dst_full), stream, pieces)
+            self._copy(self.state[name], target.view(dst_full), stream, pieces, runs)
+        if runs:
+            pieces += self.ring.copy_many(runs, stream)
         for internal, bufs in raw.items():
             staged[internal] = self._finish_raw(bufs, stream, pieces)
         self._settle(pieces)
@@ -219,12 +229,12 @@ class StagedVersion:
         self.times.stage_s, self.times.staged_on_device = time.perf_counter() - t0, True
 
     def _copy_raw(self, name: str, target: Target, raw: dict, device: torch.device,
-                  stream: torch.cuda.Stream | None, pieces: list[Future]) -> bool:
+                  stream: torch.cuda.Stream | None, pieces: list[Future], runs: list | None = None) -> bool:
         """For a tensor of a version in its served form (node/model/served_form.py): its e4m3 bytes into their
         place in a buffer of its whole served tensor on `device`, through the pinned ring to a GPU (half a bf16
-        tensor's bytes), and its block scales into the whole tensor's scales on the host (a few bytes a piece:
-        they go to the device at once, `_finish_raw`); an FP8 module then holds both as they are (`_load`).
-        False (nothing done) for any other tensor."""
+        tensor's bytes; `runs`: left there for `PinnedRing.copy_many`), and its block scales into the whole
+        tensor's scales on the host (a few bytes a piece: they go to the device at once, `_finish_raw`); an FP8
+        module then holds both as they are (`_load`). False (nothing done) for any other tensor."""
         pair = self.state.fp8(name) if isinstance(self.state, ServedForm) else None
         if pair is None:
             return False
@@ -239,7 +249,10 @@ class StagedVersion:
         if device.type == "cuda":
             if self.ring is None:
                 self.ring = PinnedRing(device)
-            pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
+            if runs is not None:
+                runs.append((pair[0], target.view(bufs[0])))
+            else:
+                pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
         else:
             target.view(bufs[0]).copy_(pair[0])
         return True
@@ -263,9 +276,11 @@ class StagedVersion:
         self.times.ring_wait_s += spent.wait_s
         self.times.ring_threads = self.ring.threads if self.ring is not None else 0
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future]) -> None:
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future],
+              runs: list | None = None) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
-        the ring's pieces join `pieces` (a dtype change waits for its own first)."""
+        the ring's pieces join `pieces` (a dtype change waits for its own first); `runs`: a copy as it is is
+        left there for `PinnedRing.copy_many`."""
         if dst.device.type != "cuda" or src.device.type == "cuda":  # the CPU, or weights already on a GPU
             with torch.cuda.stream(stream) if stream is not None else _nothing():
                 dst.copy_(src)
@@ -273,7 +288,10 @@ class StagedVersion:
         if self.ring is None:
             self.ring = PinnedRing(dst.device)
         if src.dtype == dst.dtype and dst.is_contiguous():
-            pieces += self.ring.copy(src, dst, stream)
+            if runs is not None:
+                runs.append((src, dst))
+            else:
+                pieces += self.ring.copy(src, dst, stream)
             return
         tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
         tmp.record_stream(stream)

@@ -30,3 +30,26 @@ def test_a_ring_for_cuda_without_an_index_copies_every_byte(monkeypatch):
     assert spent.host_s > 0 and spent.wait_s >= 0  # the threads' seconds come back with the pieces
     for src, dst in pairs:
         assert torch.equal(dst.cpu().view(torch.uint8), src.view(torch.uint8))
+
+
+def test_copy_many_lands_every_tensor_byte_for_byte_as_copy_does(monkeypatch):
+    """Runs of a payload-like host tensor (small gaps between tensors, tensors split across runs) go through the
+    ring's device buffers and one batched copy a run; a source that views no such tensor goes through `copy`."""
+    from node.engine import pinned_ring
+
+    monkeypatch.setattr(pinned_ring, "CHUNK_BYTES", 1 << 12)  # many runs, tensors split across them
+    root = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    pairs, at = [], 0
+    for i, n in enumerate([7, 4096, 300, 9000, 2, 12_000, 64]):
+        at += 2 * (i % 3)  # small gaps between some of them
+        pairs.append((root[at : at + 2 * n].view(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16, device="cuda")))
+        at += 2 * n
+    strided = torch.arange(20, dtype=torch.float32)[::2]  # not a payload view: goes through `copy`
+    pairs.append((strided, torch.empty(10, device="cuda")))
+    ring = pinned_ring.PinnedRing(torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    spent = pinned_ring.settle(ring.copy_many(pairs, stream))
+    stream.synchronize()
+    assert spent.host_s > 0 and ring.dev_bufs is not None
+    for src, dst in pairs:
+        assert torch.equal(dst.cpu().view(torch.uint8), src.contiguous().view(torch.uint8))
