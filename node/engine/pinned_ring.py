@@ -70,26 +70,25 @@ class PinnedRing:
                 for at in range(0, s.numel(), CHUNK_BYTES)]
 
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> list[Future]:
-        """dst <- src for each (host src, device dst) pair, as `copy` does one, in runs of one host storage: the
-        sources that view one contiguous uint8 host tensor (a payload's mapping: `shardcast.codec.unflatten`) go
-        through the ring in runs of up to `CHUNK_BYTES` of it (`runs`). A run is one host copy into a pinned
+        """dst <- src for each (host src, device dst) pair, as `copy` does one, in runs: contiguous sources that view
+        one host storage (a payload's tensors are dtype views of slices of its mapping: `shardcast.codec.unflatten`)
+        go through the ring in runs of up to `CHUNK_BYTES` of it (`runs`). A run is one host copy into a pinned
         buffer, one copy to the device buffer beside it and one batched device-to-device copy into every
         destination it holds (`torch._foreach_copy_`): a handful of calls a run, where `copy` makes several a
-        tensor. A 5.2B version's ~3,100 tensors (each expert its own, 3 MB) are ~160 runs; in the network
-        every call of a ring thread waits for the interpreter's lock beside the engine's thread, and the version
-        was staged in the same ~2.0 s whether it was 10.4 GB (bf16) or 4.4 GB (FP8 served form; session 32).
-        A pair whose source views no such tensor, or is not contiguous (or its destination), goes through
-        `copy`. Settle the returned pieces as `copy`'s."""
+        tensor. A 5.2B version's ~3,100 tensors (each expert its own, 3 MB) are ~160 runs. In the network every
+        call of a ring thread waits for the interpreter's lock beside the engine's thread, and a version was staged
+        in the same ~2.0 s whether it was 10.4 GB (bf16) or 4.4 GB (FP8 served form; session 32). A pair whose
+        source or destination is not contiguous goes through `copy`. Settle the returned pieces as `copy`'s."""
         pieces: list[Future] = []
         by_root: dict[int, tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]] = {}
         for src, dst in pairs:
-            root = src._base
-            if (root is None or root.dtype != torch.uint8 or root.dim() != 1 or not root.is_contiguous()
-                    or src.device.type != "cpu" or not src.is_contiguous() or not dst.is_contiguous()
+            if (src.device.type != "cpu" or not src.is_contiguous() or not dst.is_contiguous()
                     or src.numel() * src.element_size() != dst.numel() * dst.element_size()):
                 pieces += self.copy(src, dst, stream)
                 continue
-            _, spans, dsts = by_root.setdefault(root.data_ptr(), (root, [], []))
+            storage = src.untyped_storage()  # a payload's tensors share their mapping's
+            root, spans, dsts = by_root.get(storage.data_ptr()) or by_root.setdefault(
+                storage.data_ptr(), (torch.empty(0, dtype=torch.uint8).set_(storage), [], []))
             spans.append((src.data_ptr() - root.data_ptr(), src.numel() * src.element_size()))
             dsts.append(dst.reshape(-1).view(torch.uint8))
         if by_root and self.dev_bufs is None:
