@@ -45,7 +45,8 @@ from node.model.routing import RouteShape
 from node.model.spec import resolve
 from node.recipe import Recipe
 from node.heap import settle_heap
-from node.roles.common import blank_model, environment, fetch_policy, model_config, router_replay, tokenizer
+from node.roles.common import (blank_model, environment, fetch_policy, model_config, retain_policies, router_replay,
+                               tokenizer)
 from node.roles.leased_groups import LeasedGroups
 from node.roles.version0 import LocalVersion0, local_version0
 from protocol.errors import ProtocolError, Refused
@@ -219,7 +220,8 @@ class InferenceNode:
             state = await local_version0(self.spec, self.store, manifest_hash, self.version0) if version == 0 else None
             fetch_stages["local_version0"] = state is not None
             state = state if state is not None else await fetch_policy(self.spec, self.store, version, manifest_hash,
-                                                                        stages=fetch_stages, local=self.version0)
+                                                                        stages=fetch_stages, local=self.version0,
+                                                                        retain=False)
         except ProtocolError as exc:
             log.warning("policy v%d not loaded: %s", version, exc)
             return
@@ -248,6 +250,7 @@ class InferenceNode:
         for hook in self.on_loaded:
             hook(version, times)
         log.info("policy v%d queued for the engine", version)
+        await retain_policies(self.spec, self.store)  # after: deleting old payloads is not the new version's wait
 
     def _queued(self, version: int) -> None:
         """`version` is queued for the engine: leases holding it may be asked for, at once."""
