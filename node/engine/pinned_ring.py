@@ -139,6 +139,15 @@ class PinnedRing:
         return RingSeconds(t2 - t1, c2 - c1, t1 - t0)
 
 
+def shares_storage(src: torch.Tensor) -> bool:
+    """Whether `src` is a contiguous view into a larger host storage (a payload's mapping, a checkpoint file's), which
+    `PinnedRing.copy_many` sends in runs once every tensor is given. A tensor of its own (one a checkpoint reader cast
+    or dequantised at lookup) is better copied at once: gathering those first would hold the whole version on the
+    host."""
+    return (src.device.type == "cpu" and src.is_contiguous()
+            and src.untyped_storage().nbytes() > src.numel() * src.element_size())
+
+
 def runs(spans: list[tuple[int, int]], chunk: int,
          gap: int = 1 << 20) -> list[tuple[int, int, list[tuple[int, int, int, int]]]]:
     """Byte ranges of one host storage (`spans[j]`: start, length) gathered into runs to copy whole: (lo, hi,

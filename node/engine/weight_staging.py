@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.engine.fp8.model import _QuantizedWeights
-from node.engine.pinned_ring import CHUNK_BYTES, HOST_THREADS, PinnedRing, settle
+from node.engine.pinned_ring import CHUNK_BYTES, HOST_THREADS, PinnedRing, settle, shares_storage
 from node.engine.weights import Target, WeightsMismatch, plan_weights
 from node.model.checkpoint import InternalTensors, InvalidCheckpoint
 from node.model.quantization import SCALE_SUFFIX, dequantize, scale_shape
@@ -232,7 +232,7 @@ class StagedVersion:
                   stream: torch.cuda.Stream | None, pieces: list[Future], runs: list | None = None) -> bool:
         """For a tensor of a version in its served form (node/model/served_form.py): its e4m3 bytes into their
         place in a buffer of its whole served tensor on `device`, through the pinned ring to a GPU (half a bf16
-        tensor's bytes; `runs`: left there for `PinnedRing.copy_many`), and its block scales into the whole
+        tensor's bytes; `runs`: left there for `PinnedRing.copy_many` where it views a larger storage), and its block scales into the whole
         tensor's scales on the host (a few bytes a piece: they go to the device at once, `_finish_raw`); an FP8
         module then holds both as they are (`_load`). False (nothing done) for any other tensor."""
         pair = self.state.fp8(name) if isinstance(self.state, ServedForm) else None
@@ -249,7 +249,7 @@ class StagedVersion:
         if device.type == "cuda":
             if self.ring is None:
                 self.ring = PinnedRing(device)
-            if runs is not None:
+            if runs is not None and shares_storage(pair[0]):
                 runs.append((pair[0], target.view(bufs[0])))
             else:
                 pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
@@ -279,8 +279,8 @@ class StagedVersion:
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream | None, pieces: list[Future],
               runs: list | None = None) -> None:
         """dst <- src, through the pinned ring when dst is on a GPU (a dtype change happens on the device);
-        the ring's pieces join `pieces` (a dtype change waits for its own first); `runs`: a copy as it is is
-        left there for `PinnedRing.copy_many`."""
+        the ring's pieces join `pieces` (a dtype change waits for its own first); `runs`: a copy as it is of a
+        view into a larger storage (`pinned_ring.shares_storage`) is left there for `PinnedRing.copy_many`."""
         if dst.device.type != "cuda" or src.device.type == "cuda":  # the CPU, or weights already on a GPU
             with torch.cuda.stream(stream) if stream is not None else _nothing():
                 dst.copy_(src)
@@ -288,7 +288,7 @@ class StagedVersion:
         if self.ring is None:
             self.ring = PinnedRing(dst.device)
         if src.dtype == dst.dtype and dst.is_contiguous():
-            if runs is not None:
+            if runs is not None and shares_storage(src):
                 runs.append((src, dst))
             else:
                 pieces += self.ring.copy(src, dst, stream)

@@ -51,3 +51,14 @@ def test_random_layouts_are_covered_exactly():
         chunk, gap = rng.choice([16, 64, 256]), rng.choice([0, 8, 1000])
         assert covered(spans, runs(spans, chunk, gap), chunk)
     assert runs([], 64) == []
+
+
+def test_views_of_a_mapping_go_in_runs_and_a_tensor_of_its_own_goes_at_once():
+    import torch
+
+    from node.engine.pinned_ring import shares_storage
+
+    payload = torch.zeros(1 << 12, dtype=torch.uint8)
+    assert shares_storage(payload[64:320].view(torch.bfloat16).reshape(8, 16))  # a payload's tensor
+    assert not shares_storage(torch.zeros(8, 16, dtype=torch.bfloat16))  # read (cast) at lookup: held alone
+    assert not shares_storage(payload[64:320].view(torch.bfloat16).reshape(8, 16)[:, ::2])  # not contiguous
