@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"payload: {len(spans)} tensors, {total / 1e9:.2f} GB on {args.dir}; ring threads {sizes}; "
               f"conditions {conditions}; neighbours {args.neighbours} threads", flush=True)
 
-        def stage(ring: pinned_ring.PinnedRing, path: str) -> tuple[float, float, float, float]:
-            StagedVersion.RUNS = path == "runs"
+        def stage(ring: pinned_ring.PinnedRing, way: str) -> tuple[float, float, float, float]:
+            StagedVersion.RUNS = way == "runs"
             payload = np.memmap(path, dtype=np.uint8, mode="c")  # a new mapping, as each fetched version's
             base = torch.from_numpy(payload)
             state = {name: base[a : a + n].view(dt).reshape(shape) for name, (a, n, dt, shape) in spans.items()}
@@ -180,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[tuple[float, float, float, float]]] = {}
         for size in sizes:
             ring = pinned_ring.PinnedRing(device, threads=size)
-            for path in paths:
-                stage(ring, path)  # warm: the allocator, the ring's threads and device buffers
+            for way in paths:
+                stage(ring, way)  # warm: the allocator, the ring's threads and device buffers
             for c in conditions:
                 with neighbour(c, args.neighbours, wire_nice if c == "wire_nice" else 0):
                     for _ in range(args.repeats):
-                        for path in paths:  # alternated: both see the neighbour alike
-                            key = f"{path}/{c}/{size}"
-                            times.setdefault(key, []).append(stage(ring, path))
+                        for way in paths:  # alternated: both see the neighbour alike
+                            key = f"{way}/{c}/{size}"
+                            times.setdefault(key, []).append(stage(ring, way))
                             print(f"{key}: {times[key][-1][0]:.3f} s (per ring thread: host copies "
                                   f"{times[key][-1][1]:.3f} s ({times[key][-1][3]:.3f} s running), device waits "
                                   f"{times[key][-1][2]:.3f} s)", flush=True)
