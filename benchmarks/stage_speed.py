@@ -27,6 +27,10 @@ pinned copy), where the 5.2B network's node took 1.7-2.5 s on an H200. A variant
 64 MiB (a host copy a run, then a copy to the device a tensor) read 0.86-0.96 s and was not kept; in the network
 the staging took the same ~2.0 s for 10.4 GB (bf16) and 4.4 GB (FP8 served form), so the count of calls, not the
 bytes, looked to set it there: `runs` now also makes one copy to the device a run.
+
+Session 33 (1x H100, `benchmarks/results/stage_speed-runs-neighbours-h100-s33.json`): alone runs 0.909 s vs pieces
+1.308 s (1.44x); beside wire encoding 1.205 vs 1.589 s; at niceness +10 1.286 vs 1.438 s (no gain from the
+niceness). The `gil` condition made one staging take 60.8 s (cut): see docs/scale.md, session 33.
 """
 
 from __future__ import annotations

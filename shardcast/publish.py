@@ -52,7 +52,9 @@ class PublishOptions:
     inference node staging it onto the GPU: the next step's critical path) and the trainer's next step come
     first; with nothing else to run, the encoding keeps every core it had. 0: the process's own priority.
     On the 16-core H200 host these 12 threads' ~25 s of encoding ran while the co-located node staged the same
-    version (session 32: staging 1.7-2.5 s there, 0.8 s alone)."""
+    version (session 32: staging 1.7-2.5 s there, 0.8 s alone). Measured beside the staging alone (benchmarks.
+    stage_speed, 1x H100, session 33): the encoding slowed it 1.33x at either niceness (memory bandwidth, not cores);
+    the network's effect is not measured yet."""
 
 
 def default_threads() -> int:
