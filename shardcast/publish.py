@@ -53,7 +53,8 @@ class PublishOptions:
     first; with nothing else to run, the encoding keeps every core it had. 0: the process's own priority.
     On the 16-core H200 host these 12 threads' ~25 s of encoding ran while the co-located node staged the same
     version (session 32: staging 1.7-2.5 s there, 0.8 s alone). Measured beside the staging alone (benchmarks.
-    stage_speed, 1x H100, session 33): the encoding slowed it 1.33x at either niceness (memory bandwidth, not cores);
+    stage_speed, 1x H100, session 33): the encoding slowed it 1.33x at niceness 0 and 1.41x at +10 (two repeats
+    each: no gain; memory bandwidth, not cores);
     the network's effect is not measured yet."""
 
 
