@@ -249,10 +249,7 @@ class StagedVersion:
         if device.type == "cuda":
             if self.ring is None:
                 self.ring = PinnedRing(device)
-            if runs is not None and shares_storage(pair[0]):
-                runs.append((pair[0], target.view(bufs[0])))
-            else:
-                pieces += self.ring.copy(pair[0], target.view(bufs[0]), stream)
+            self._to_ring(pair[0], target.view(bufs[0]), stream, pieces, runs)
         else:
             target.view(bufs[0]).copy_(pair[0])
         return True
@@ -267,6 +264,15 @@ class StagedVersion:
         else:
             scales.copy_(host)
         return q, scales
+
+    def _to_ring(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream, pieces: list[Future],
+                 runs: list | None) -> None:
+        """dst <- src through the ring: left in `runs` for `PinnedRing.copy_many` where given and `src` views a larger
+        storage (`pinned_ring.shares_storage`), else queued now (its pieces join `pieces`)."""
+        if runs is not None and shares_storage(src):
+            runs.append((src, dst))
+        else:
+            pieces += self.ring.copy(src, dst, stream)
 
     def _settle(self, pieces: list[Future]) -> None:
         """`settle`, the ring's seconds added to this version's `times`."""
@@ -288,10 +294,7 @@ class StagedVersion:
         if self.ring is None:
             self.ring = PinnedRing(dst.device)
         if src.dtype == dst.dtype and dst.is_contiguous():
-            if runs is not None and shares_storage(src):
-                runs.append((src, dst))
-            else:
-                pieces += self.ring.copy(src, dst, stream)
+            self._to_ring(src, dst, stream, pieces, runs)
             return
         tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
         tmp.record_stream(stream)

@@ -35,8 +35,7 @@ def test_a_node_polling_for_work_asks_again_at_once_when_a_newer_version_is_queu
     async def body() -> None:
         node._newest_loaded, node._in_flight = 0, 0
         loop = asyncio.create_task(node._lease_more(client))
-        await asyncio.wait_for(client.asked.wait(), 10)
-        await asyncio.sleep(0)  # the loop is in its poll now
+        await asyncio.wait_for(client.asked.wait(), 10)  # the loop ran on from its call into its poll
         assert not loop.done()  # no work, no newer version: it waits
         node._queued(1)  # what `_load` does once the engine has version 1 queued
         await asyncio.wait_for(loop, 10)  # back at once, far inside the 60 s poll
