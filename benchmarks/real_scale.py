@@ -299,6 +299,15 @@ def changed_bytes(state, parent: int, share: float, seed: int, back=None):  # no
     return ChangedBytes(parent, tensors, np.concatenate(pos)[order], np.concatenate(val)[order])
 
 
+class WithChanges(dict):
+    """A version's tensors and `changes`, the bytes a delta changed in its parent, as a fetch hands a decoded delta over
+    (`shardcast.fetch.PayloadTensors` carries them beside its payload's views; here the checkpoint's tensors)."""
+
+    def __init__(self, tensors, changes) -> None:  # noqa: ANN001
+        super().__init__(tensors)
+        self.changes = changes
+
+
 def apply_delta(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
     """Stage 5b: a sparse delta of the version the engine serves (version 1, stage 5), handed over as the inference
     role hands a fetched one (`load_weights` of the version with its `changes`, the swap between two decode
@@ -306,7 +315,6 @@ def apply_delta(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
     the same positions put back as version 3: the served bytes must equal version 1's again (`restored_exact`,
     from `fingerprint`), which shows every write went where the payload's bytes lie. Not timed here: the fetch
     and decode before `load_weights` (docs/scale.md)."""
-    from shardcast.fetch import PayloadTensors
     from node.model.served_form import ServedForm
 
     swaps: list[dict] = []
@@ -319,7 +327,7 @@ def apply_delta(engine, cfg, spec, result: dict) -> None:  # noqa: ANN001
         t = time.perf_counter()
         delta = changed_bytes(state, parent, DELTA_SHARE, seed=version, back=delta if version == 3 else None)
         made = time.perf_counter() - t
-        moved = ServedForm(PayloadTensors(dict(state.tensors), None, delta), state.dtype)
+        moved = ServedForm(WithChanges(state.tensors, delta), state.dtype)
         t = time.perf_counter()
         engine.load_weights(moved, version)
         staged = time.perf_counter() - t

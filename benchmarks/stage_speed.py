@@ -2,14 +2,17 @@
 what `CudaEngine.load_weights` runs off the engine's thread): its tensors from a payload's mapping, through
 the pinned ring, to a device copy, in the conditions a role meets on a host it shares.
 
-    python -m benchmarks.stage_speed [--shape qwen3-30b-a3b-8l] [--repeats 2] [--threads 4,8] [--paths runs,pieces]
+    python -m benchmarks.stage_speed [--shape qwen3-30b-a3b-8l] [--repeats 2] [--threads 4,8] [--paths mirror,runs,pieces]
 
 The version is a random model of `--shape` in bf16, its HF tensors laid back to back in one file on `--dir`
 (tmpfs by default, as the sim's payloads on /dev/shm), mapped afresh for each staging as a fetched payload is
-(`shardcast.codec.unflatten` views over a new mapping), in a process with one intra-op thread (`--omp 1`: the
-sim's roles run with OMP_NUM_THREADS=1). Two paths, alternated: `runs` (`PinnedRing.copy_many`: 64 MiB runs of
-the mapping, a device buffer and one batched copy a run: the role's since session 33) and `pieces` (a ring piece a
-tensor: the role's before, the peer). Conditions, `--repeats` each, for each ring size in `--threads`:
+(`shardcast.fetch.PayloadTensors` over a new mapping), in a process with one intra-op thread (`--omp 1`: the
+sim's roles run with OMP_NUM_THREADS=1). Three paths, alternated: `mirror` (the mapping copied whole in 64 MiB
+pieces, each served tensor a view of the copy: `weight_staging.MirrorPlan`, the role's since session 34), `runs`
+(`PinnedRing.copy_many`: 64 MiB runs of the mapping, a device buffer and one batched copy a run: session 33's) and
+`pieces` (a ring piece a tensor: before, the peer). Each staged version is then applied to the served model
+(`apply_s`: the engine's pause, which the mirror's strided views may lengthen). Conditions, `--repeats` each, for
+each ring size in `--threads`:
 - `alone`;
 - `gil`: beside a thread of this process that holds the interpreter's lock in a pure-Python loop (NAMED
   STAND-IN for the engine's thread between decode steps: the real one's share of the lock is not measured here);
@@ -123,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import benchmarks.device_rollouts as D
     from node.engine import pinned_ring
-    from node.engine.weight_staging import StagedVersion
+    from node.engine.weight_staging import MirrorPlans, StagedVersion
+    from shardcast.fetch import PayloadTensors
+    from shardcast.manifest import TensorEntry
     from node.engine.weights import expected_shapes
     from node.model.checkpoint import state_dict_to_hf
     from shardcast.publish import PublishOptions
@@ -133,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", default=str(pinned_ring.HOST_THREADS), help="ring sizes, comma-separated")
     ap.add_argument("--conditions", default="alone,gil,wire,wire_nice")
-    ap.add_argument("--paths", default="runs,pieces", help="runs: PinnedRing.copy_many (the role's since session 33); "
-                    "pieces: a ring piece a tensor (before)")
+    ap.add_argument("--paths", default="mirror,runs,pieces", help="mirror: the payload copied whole (the role's since "
+                    "session 34); runs: PinnedRing.copy_many (session 33); pieces: a ring piece a tensor (before)")
     ap.add_argument("--neighbours", type=int, default=PublishOptions().threads,
                     help="the wire neighbour's threads (default: the trainer's publication threads on this host)")
     ap.add_argument("--omp", type=int, default=1, help="this process's intra-op threads (a role's: 1)")
@@ -150,38 +155,47 @@ def main(argv: list[str] | None = None) -> int:
     model = D.random_model(args.shape, torch.bfloat16, "cuda")
     shapes = expected_shapes(model)
     hf = state_dict_to_hf(model)
-    total = sum(t.numel() * t.element_size() for t in hf.values())
+    total = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in hf.values())
     path = args.dir / f"stage_speed-{os.getpid()}.bin"
     try:
         mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,))
-        at, spans = 0, {}
-        for name, t in hf.items():
+        at, spans = 0, []
+        for name, t in hf.items():  # back to back, 64-byte aligned, as `shardcast.codec` lays a payload out
             n = t.numel() * t.element_size()
             mm[at : at + n] = t.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
-            spans[name] = (at, n, t.dtype, tuple(t.shape))
-            at += n
+            spans.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+                                     offset=at, nbytes=n))
+            at += -(-n // 64) * 64
         mm.flush()
         del mm, hf
         print(f"payload: {len(spans)} tensors, {total / 1e9:.2f} GB on {args.dir}; ring threads {sizes}; "
               f"conditions {conditions}; neighbours {args.neighbours} threads", flush=True)
 
-        def stage(ring: pinned_ring.PinnedRing, way: str) -> tuple[float, float, float, float]:
-            StagedVersion.RUNS = way == "runs"
+        mirrors = MirrorPlans()  # the engine's: made at the first version (the warm-up), reused after
+
+        def stage(ring: pinned_ring.PinnedRing, way: str) -> tuple[float, float, float, float, float]:
+            StagedVersion.PATH = way
             payload = np.memmap(path, dtype=np.uint8, mode="c")  # a new mapping, as each fetched version's
-            base = torch.from_numpy(payload)
-            state = {name: base[a : a + n].view(dt).reshape(shape) for name, (a, n, dt, shape) in spans.items()}
+            state = PayloadTensors(spans, payload, None)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            v = StagedVersion.of(model, state, shapes, ring=ring)
+            v = StagedVersion.of(model, state, shapes, ring=ring, mirrors=mirrors)
             torch.cuda.current_stream().wait_event(v.ready)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t
             assert v.staged is not None, "no room to stage on the device"
+            held = [x for t in v.staged.values() for x in (t if isinstance(t, tuple) else (t,))]
+            one_copy = len({x.untyped_storage().data_ptr() for x in held}) == 1  # views of the payload's copy
+            assert one_copy == (way == "mirror"), f"{way}: not staged by its path"
+            t = time.perf_counter()
+            v.apply()
+            torch.cuda.synchronize()
+            applied = time.perf_counter() - t
             per, spent = v.times.ring_threads, (v.times.ring_host_s, v.times.ring_host_cpu_s, v.times.ring_wait_s)
-            del v, state, base, payload
-            return seconds, spent[0] / per, spent[2] / per, spent[1] / per
+            del v, state, payload
+            return seconds, spent[0] / per, spent[2] / per, spent[1] / per, applied
 
-        times: dict[str, list[tuple[float, float, float, float]]] = {}
+        times: dict[str, list[tuple[float, float, float, float, float]]] = {}
         for size in sizes:
             ring = pinned_ring.PinnedRing(device, threads=size)
             for way in paths:
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                             times.setdefault(key, []).append(stage(ring, way))
                             print(f"{key}: {times[key][-1][0]:.3f} s (per ring thread: host copies "
                                   f"{times[key][-1][1]:.3f} s ({times[key][-1][3]:.3f} s running), device waits "
-                                  f"{times[key][-1][2]:.3f} s)", flush=True)
+                                  f"{times[key][-1][2]:.3f} s); applied in {times[key][-1][4]:.3f} s", flush=True)
             del ring
         host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -227,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         "pinned_h2d_gb_s": round(h2d / 1e9, 1),
         "over_h2d_limit": {k: round(total / v / h2d, 3) for k, v in med.items()},
         "over_alone": {k: round(med[peer(k)] / v, 3) for k, v in med.items() if peer(k) in med},
-        "runs_over_pieces": {k.removeprefix("runs/"): round(med[f"pieces/{k[5:]}"] / v, 3) for k, v in med.items()
-                             if k.startswith("runs/") and f"pieces/{k[5:]}" in med},
+        "apply_s": {k: round(statistics.median(x[4] for x in v), 4) for k, v in times.items()},
+        "over_pieces": {k: round(med[f"pieces/{k.split('/', 1)[1]}"] / v, 3) for k, v in med.items()
+                        if not k.startswith("pieces/") and f"pieces/{k.split('/', 1)[1]}" in med},
+        "mirror_over_runs": {k.removeprefix("mirror/"): round(med[f"runs/{k[7:]}"] / v, 3) for k, v in med.items()
+                             if k.startswith("mirror/") and f"runs/{k[7:]}" in med},
         "first_alone_s": med.get(first),
     }
     return emit(result, args.out)

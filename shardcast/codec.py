@@ -47,7 +47,7 @@ ELEMENT_SIZES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float
 """Bytes per element of the dtype names manifests carry (others: asked of torch)."""
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     import torch
 
     dt = getattr(torch, name, None)
@@ -59,7 +59,7 @@ def _dtype(name: str) -> torch.dtype:
 def element_size(dtype_name: str) -> int:
     """Bytes per element of a manifest dtype name."""
     size = ELEMENT_SIZES.get(dtype_name)
-    return size if size is not None else _dtype(dtype_name).itemsize
+    return size if size is not None else dtype_of(dtype_name).itemsize
 
 
 def layout(state: dict[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
@@ -91,11 +91,12 @@ def unflatten(tensors: list[TensorEntry], payload: np.ndarray) -> dict[str, torc
     import torch
 
     base = torch.from_numpy(payload)
-    out = {}
-    for e in tensors:
-        dt = _dtype(e.dtype)
-        out[e.name] = base[e.offset : e.offset + e.nbytes].view(dt).reshape(e.shape)
-    return out
+    return {e.name: view_of(base, e) for e in tensors}
+
+
+def view_of(base: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    """Tensor `e` of a payload whose bytes are `base` (uint8), as a view (no copy)."""
+    return base[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).reshape(e.shape)
 
 
 def shard_ranges(total: int, shard_size: int) -> list[tuple[int, int]]:

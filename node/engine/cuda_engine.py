@@ -35,7 +35,7 @@ from node.engine.cuda_state import FP8Unsupported, SlotState, prepare_model
 from node.engine.device_sampling import sample_device
 from node.engine.forward import decode_step, prefill_chunk
 from node.engine.pinned_ring import PinnedRing
-from node.engine.weight_staging import StagedVersion
+from node.engine.weight_staging import MirrorPlans, StagedVersion
 from node.engine.weights import WeightsMismatch, expected_shapes
 from node.model.batching import right_pad, token_budget_groups
 from node.model.cache import KVCache
@@ -80,6 +80,7 @@ class CudaEngine(EngineCore):
         _use_device(device if device is not None else next(model.parameters()).device)
         self._shapes = expected_shapes(model)
         self._ring: PinnedRing | None = None
+        self._mirrors = MirrorPlans()  # how a fetched payload's layout maps onto this model, made once
         """Pinned host buffers every version's tensors pass through on their way to the GPU."""
         model = prepare_model(model, device, dtype, fp8)
         param = next(model.parameters())
@@ -139,7 +140,7 @@ class CudaEngine(EngineCore):
         _use_device(self.device)
         if self.device.type == "cuda" and self._ring is None:
             self._ring = PinnedRing(self.device)
-        return StagedVersion.of(self.model, state_dict, self._shapes, self._ring)
+        return StagedVersion.of(self.model, state_dict, self._shapes, self._ring, mirrors=self._mirrors)
 
     def _swap_weights(self, staged: StagedVersion) -> None:
         staged.apply(self.version)  # into the existing storage: captured graphs read the new weights

@@ -18,7 +18,7 @@ from node.engine.core import Completion, EngineCore, FinishReason, Request, Requ
 from node.engine.sampling import sample
 from node.model.batching import right_pad
 from node.model.cache import KVCache
-from node.engine.weight_staging import StagedVersion
+from node.engine.weight_staging import MirrorPlans, StagedVersion
 from node.engine.weights import expected_shapes
 from node.model.qwen3_moe import CausalLM
 
@@ -38,6 +38,7 @@ class Engine(EngineCore):
         super().__init__(max_batch, max_seq_len or cfg.max_position_embeddings, eos_id, decode, version)
         self.model = model.eval()
         self._shapes = expected_shapes(model)
+        self._mirrors = MirrorPlans()  # how a fetched payload's layout maps onto this model, made once
         self.capture_hidden = capture_hidden
         self.capture_experts = capture_experts and cfg.num_experts > 0
         param = next(model.parameters())
@@ -56,7 +57,7 @@ class Engine(EngineCore):
 
     def _check_weights(self, state_dict: dict[str, torch.Tensor]) -> StagedVersion:
         """Checked at once (`WeightsMismatch`: nothing queued, the current version keeps serving)."""
-        return StagedVersion.of(self.model, state_dict, self._shapes)
+        return StagedVersion.of(self.model, state_dict, self._shapes, mirrors=self._mirrors)
 
     def _swap_weights(self, staged: StagedVersion) -> None:
         staged.apply(self.version)  # a delta's changes alone, or tensor by tensor from the payload's pages

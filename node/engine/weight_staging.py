@@ -1,18 +1,22 @@
-"""A checked policy version on its way into a served model, one tensor at a time.
+"""A checked policy version on its way into a served model.
 
 `StagedVersion.of(model, state_dict, shapes)` checks the version whole (`weights.plan_weights`), then:
 - on a CUDA device with room for a second copy of the weights, stages it at once, in the caller's
-  thread (the role's fetch, not the engine's): the payload's mapping goes in runs of 64 MiB through a ring of pinned
-  host buffers (node/engine/pinned_ring.py `copy_many`: several host copies at a time) and device buffers beside them
-  (asynchronous host-to-device copies on a side stream), each run then copied into the device-side tensors it holds
-  in one batched call, while the engine goes on decoding; `apply()`, between two decode steps, is then
-  device-to-device copies into the served tensors (FP8 modules quantise theirs on the device, or, for a
-  version in its served form, node/model/served_form.py, take its e4m3 bytes and scales as they are);
-- otherwise (the CPU, or a GPU without that room: logged) `apply()` copies each tensor straight into
-  the served one, through the same pinned ring on a GPU.
+  thread (the role's fetch, not the engine's), while the engine goes on decoding. A fetched payload
+  (`shardcast.fetch.PayloadTensors`) is copied whole, its mapping in 64 MiB pieces through a ring of pinned host
+  buffers (node/engine/pinned_ring.py: several host copies at a time, asynchronous host-to-device copies on a side
+  stream), and each served tensor is then one view of that copy, or two (`MirrorPlan`, made once per payload
+  layout): a 5.2B version is ~160 ring calls and no Python a tensor. Any other version (or a payload whose experts
+  are out of order) is staged tensor by tensor, in runs of the mapping where its tensors view one (`copy_many`).
+  `apply()`, between two decode steps, is then device-to-device copies into the served tensors (FP8 modules
+  quantise theirs on the device, or, for a version in its served form, node/model/served_form.py, take its e4m3
+  bytes and scales as they are);
+- on the CPU, `apply()` copies each served tensor from its view of the payload's mapping (`MirrorPlan`), or each
+  tensor straight into the served one; on a GPU without room for a staged copy (logged), tensor by tensor through
+  the same pinned ring.
 Either way no whole-model copy is made on the host: the payload's pages (or a version 0 read from the
-member's checkpoint: node/model/streamed_weights.py) are read once, tensor by tensor, and experts
-land in their rows of the stacked expert tensors where they are served.
+member's checkpoint: node/model/streamed_weights.py) are read once, and experts land in their rows of the stacked
+expert tensors where they are served.
 
 Invariants: nothing served changes before `apply()` (a version refused by the check, or staged and
 then replaced by a newer one, leaves the served weights as they were); `apply()` changes storage in
@@ -28,6 +32,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -35,10 +40,12 @@ from node.engine.fp8.model import _QuantizedWeights
 from node.engine.pinned_ring import CHUNK_BYTES, HOST_THREADS, PinnedRing, settle, shares_storage
 from node.engine.weights import Target, WeightsMismatch, plan_weights
 from node.model.checkpoint import InternalTensors, InvalidCheckpoint
-from node.model.quantization import SCALE_SUFFIX, dequantize, scale_shape
+from node.model.quantization import BLOCK, SCALE_SUFFIX, dequantize, scale_shape
 from node.model.qwen3_moe import CausalLM
 from node.model.served_form import ServedForm
 from node.model.streamed_weights import headers
+from shardcast.codec import dtype_of
+from shardcast.fetch import PayloadTensors
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +157,178 @@ def _byte_places(model: CausalLM, plan: dict[str, Target],
     return out
 
 
+class Strided(NamedTuple):
+    """A served tensor as a view of a payload's copy: its dtype, and shape, strides and offset in elements of it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def of(self, copy: torch.Tensor) -> torch.Tensor:
+        """This view of `copy` (the payload's bytes, uint8, starting at its storage's first byte)."""
+        size = self.dtype.itemsize
+        return copy[: copy.numel() // size * size].view(self.dtype).as_strided(self.shape, self.stride, self.offset)
+
+
+class Rows(list):
+    """A stacked expert tensor given as ranges of its rows (dim 1), each (lo, hi, value or (e4m3, scales)): a version in
+    its served form keeps each expert's gate scales between its gate and up bytes, so their rows are two views."""
+
+
+@dataclass
+class MirrorPlan:
+    """How the served tensors are read from a fetched payload copied whole to the device: each one a single view of
+    the copy (`Strided`), a stacked expert tensor too where its experts lie at one stride from each other in the
+    payload (a trainer publishes each layer's experts in order), or two views (`Rows`: its gate rows and its up
+    rows). So a version is staged as ~160 copies of 64 MiB, with no Python a tensor (`StagedVersion._stage_mirror`),
+    and applied as before: a copy (or a quantisation) or two a served tensor, now from strided views.
+
+    Made once per payload layout (`MirrorPlans`): the table of a version's tensors is the same version after version."""
+
+    nbytes: int
+    """Device bytes of the copy: the payload's, rounded up to 16."""
+    parts: dict[str, list[tuple[tuple[int, int] | None, Strided | tuple[Strided, Strided]]]]
+    """Internal name -> [(rows or None for the whole tensor, its value or its (e4m3 bytes, float32 block scales))]; a
+    value is in the payload's dtype (a served tensor of another dtype converts as it is loaded)."""
+
+    def views(self, copy: torch.Tensor) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Rows]:
+        """What `apply` loads: internal name -> views of `copy` (a value, an (e4m3, scales) pair, or `Rows` of them)."""
+        out: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Rows] = {}
+        for internal, parts in self.parts.items():
+            got = [(rows, (v[0].of(copy), v[1].of(copy)) if isinstance(v, tuple) and not isinstance(v, Strided)
+                    else v.of(copy)) for rows, v in parts]
+            out[internal] = got[0][1] if got[0][0] is None else Rows((lo, hi, v) for (lo, hi), v in got)
+        return out
+
+    @classmethod
+    def of(cls, plan: dict[str, Target], state: Mapping[str, torch.Tensor],
+           shapes: dict[str, tuple[int, ...]]) -> MirrorPlan | None:
+        """None where `state` is not a fetched payload (or a served form of one), or where some served tensor is not
+        one view, or one view per row range, of it (its experts out of order: then the version is staged tensor by
+        tensor)."""
+        payload = _payload(state)
+        if payload is None:
+            return None
+        entries = payload.entries
+        short = [e.name for e in entries.values() if e.offset + e.nbytes > payload.payload.nbytes]
+        if short:
+            raise WeightsMismatch(f"tensors {short[:3]} lie beyond the payload's {payload.payload.nbytes} bytes")
+        pieces: dict[str, list] = {}  # internal -> [(target, entry, its scales' entry or None)]
+        for name, target in plan.items():
+            raw = isinstance(state, ServedForm) and name in state.quantised  # (e4m3, scales) as published
+            pieces.setdefault(target.internal, []).append(
+                (target, entries[name], entries[f"{name}{SCALE_SUFFIX}"] if raw else None))
+        parts = {}
+        for internal, got in pieces.items():
+            raw = got[0][2] is not None
+            if any((p[2] is not None) != raw for p in got):
+                return None
+            whole = _one_view([(t, e) for t, e, _ in got], shapes[internal], Target.view)
+            if whole is not None and raw:
+                scales = _one_view([(t, sc) for t, _, sc in got], scale_shape(shapes[internal]), Target.scale_view)
+                whole = None if scales is None else (whole, scales)
+            if whole is not None:
+                parts[internal] = [(None, whole)]
+                continue
+            split = _row_views(got, shapes[internal])
+            if split is None:
+                return None
+            parts[internal] = split
+        return cls(-(-payload.payload.nbytes // 16) * 16, parts)
+
+
+def _row_views(pieces: list, full: tuple[int, ...]) -> list | None:
+    """A stacked expert tensor's (rows, view or (e4m3, scales) views) per row range its pieces fill, or None."""
+    by_rows: dict[tuple[int, int], list] = {}
+    for target, e, sc in pieces:
+        if target.expert is None or target.rows is None:
+            return None
+        by_rows.setdefault(target.rows, []).append((Target(target.internal, target.expert), e, sc))
+    out = []
+    for (lo, hi), got in sorted(by_rows.items()):
+        shape = (full[0], hi - lo, *full[2:])
+        v = _one_view([(t, e) for t, e, _ in got], shape, Target.view)
+        if v is not None and got[0][2] is not None:
+            scales = _one_view([(t, sc) for t, _, sc in got], scale_shape(shape), Target.scale_view)
+            v = None if scales is None else (v, scales)
+        if v is None:
+            return None
+        out.append(((lo, hi), v))
+    return out
+
+
+def _one_view(pieces: list, full: tuple[int, ...], view) -> Strided | None:  # noqa: ANN001 (Target.view or .scale_view)
+    """The one view of a payload's copy in which every (target, manifest entry) piece of a served tensor shaped
+    `full` lies where its entry says, or None: the tensor contiguous from its first piece, or (stacked experts) each
+    expert's pieces contiguous at one stride from the previous expert's. Checked on a meta tensor, piece by piece."""
+    dtypes = {e.dtype for _, e in pieces}
+    if len(dtypes) != 1:
+        return None
+    dtype = dtype_of(dtypes.pop())
+    size = dtype.itemsize
+    if any(e.offset % size for _, e in pieces):
+        return None
+    contiguous = [1] * len(full)
+    for d in range(len(full) - 2, -1, -1):
+        contiguous[d] = contiguous[d + 1] * full[d + 1]
+    candidates = [(tuple(contiguous), min(e.offset for _, e in pieces) // size)]  # (strides, first element)
+    experts: dict[int, int] = {}  # expert -> its first piece's byte offset
+    for target, e in pieces:
+        if target.expert is not None:
+            experts[target.expert] = min(experts.get(target.expert, e.offset), e.offset)
+    if 0 in experts and 1 in experts and experts[1] > experts[0]:
+        candidates.append((((experts[1] - experts[0]) // size, *contiguous[1:]), experts[0] // size))
+    for stride, first in candidates:
+        meta = torch.empty_strided(full, stride, dtype=dtype, device="meta")
+        for target, e in pieces:
+            v = view(target, meta)
+            if (not v.is_contiguous() or list(v.shape) != list(e.shape)
+                    or (first + v.storage_offset()) * size != e.offset):
+                break
+        else:
+            return Strided(dtype, tuple(full), tuple(stride), first)
+    return None
+
+
+class MirrorPlans:
+    """An engine's `MirrorPlan`s by payload layout (the manifest's tensor table: name, dtype, shape, offset, size),
+    the last few kept: a run publishes every version in one layout."""
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, MirrorPlan | None] = {}
+
+    def get(self, model: CausalLM, plan: dict[str, Target], state: Mapping[str, torch.Tensor],
+            shapes: dict[str, tuple[int, ...]]) -> MirrorPlan | None:
+        payload = _payload(state)
+        if payload is None:
+            return None
+        key = (id(model), isinstance(state, ServedForm), payload.payload.nbytes,
+               tuple((e.name, e.dtype, tuple(e.shape), e.offset, e.nbytes) for e in payload.entries.values()))
+        if key not in self._plans:
+            while len(self._plans) >= self.KEEP:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = MirrorPlan.of(plan, state, shapes)
+            if self._plans[key] is None:
+                log.warning("weights: a served tensor is no single view of this payload layout (experts out of "
+                            "order?): its versions are staged tensor by tensor")
+        return self._plans[key]
+
+
+def _payload(state: Mapping[str, torch.Tensor]) -> PayloadTensors | None:
+    """The fetched payload a version's tensors view (itself, or under its served form), else None."""
+    inner = state.tensors if isinstance(state, ServedForm) else state
+    return inner if isinstance(inner, PayloadTensors) else None
+
+
 @dataclass
 class StagedVersion:
-    RUNS = True
-    """Staged through `PinnedRing.copy_many` (runs of the payload); False: a ring piece a tensor, as before session
-    33 (`benchmarks.stage_speed`'s peer)."""
+    PATH = "mirror"
+    """How a fetched payload is staged on a GPU: "mirror" (copied whole, `MirrorPlan`: session 34), "runs" (tensor by
+    tensor, in runs of the payload through `PinnedRing.copy_many`: session 33) or "pieces" (a ring piece a tensor);
+    `benchmarks.stage_speed` times each against the others. A version the mirror cannot serve goes by "runs"."""
 
     model: CausalLM
     state: Mapping[str, torch.Tensor]
@@ -163,8 +337,9 @@ class StagedVersion:
     plan: dict[str, Target]
     shapes: dict[str, tuple[int, ...]]
     ring: PinnedRing | None = None
-    staged: dict[str, torch.Tensor] | None = None
-    """Internal name -> device copy, once staged (None: `apply` copies from `state`)."""
+    staged: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Internal name -> its value (or e4m3 and scales) once staged: a device copy, or a view of the payload's copy on
+    the device or, on the CPU, of its mapping (`MirrorPlan`); None: `apply` copies from `state` tensor by tensor."""
     ready: torch.cuda.Event | None = None
     times: SwapTimes = field(default_factory=SwapTimes)
     sparse: SparseWrites | None = None
@@ -172,9 +347,10 @@ class StagedVersion:
 
     @classmethod
     def of(cls, model: CausalLM, state_dict: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
-           ring: PinnedRing | None = None, stage: bool = True) -> StagedVersion:
+           ring: PinnedRing | None = None, stage: bool = True, mirrors: MirrorPlans | None = None) -> StagedVersion:
         """Checked now (`WeightsMismatch`); staged on the device now when there is room for it (and `stage`:
-        a model nobody serves yet, as the validator's, is better filled straight at `apply`)."""
+        a model nobody serves yet, as the validator's, is better filled straight at `apply`). `mirrors`: the
+        engine's plans for payloads copied whole (made once per payload layout)."""
         v = cls(model, state_dict, plan_weights(state_dict, model.config, shapes), shapes, ring)
         _check_served(v)
         published = state_dict.tensors if isinstance(state_dict, ServedForm) else state_dict  # as it travels
@@ -187,17 +363,43 @@ class StagedVersion:
                 log.warning("weights: no device memory for a delta's %d changed bytes; copied whole", len(changes.positions))
                 torch.cuda.empty_cache()
         device = _device(model)
-        if device.type == "cuda" and stage and v.sparse is None:  # (a delta's writes need no staged copy)
-            need, (free, _) = _staged_bytes(model, v.plan, shapes, state_dict), torch.cuda.mem_get_info(device)
-            if cls.RUNS and (ring is None or ring.dev_bufs is None):
-                need += 2 * (ring.threads if ring is not None else HOST_THREADS) * CHUNK_BYTES  # its device buffers
+        if device.type == "cpu":  # the served tensors read straight from the payload's mapping, one view each
+            mirror = (mirrors or MirrorPlans()).get(model, v.plan, state_dict, shapes) if cls.PATH == "mirror" else None
+            if mirror is not None:
+                v.staged = mirror.views(_payload(state_dict).base())
+        elif device.type == "cuda" and stage and v.sparse is None:  # (a delta's writes need no staged copy)
+            free, _ = torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cache
-            if need + STAGING_HEADROOM <= free:
+            mirror = (mirrors or MirrorPlans()).get(model, v.plan, state_dict, shapes) if cls.PATH == "mirror" else None
+            need = _staged_bytes(model, v.plan, shapes, state_dict)
+            if cls.PATH != "pieces" and (ring is None or ring.dev_bufs is None):
+                need += 2 * (ring.threads if ring is not None else HOST_THREADS) * CHUNK_BYTES  # its device buffers
+            if mirror is not None and mirror.nbytes + STAGING_HEADROOM <= free:
+                v._stage_mirror(device, mirror)
+            elif need + STAGING_HEADROOM <= free:
                 v._stage(device)
             else:
                 log.warning("weights: no room to stage v on the device (needs %.2f GiB, %.2f GiB free): the swap "
                             "copies from pinned host memory between two decode steps (slower)", need / 2**30, free / 2**30)
         return v
+
+    def _stage_mirror(self, device: torch.device, mirror: MirrorPlan) -> None:
+        """The payload's mapping copied whole to the device through the pinned ring (64 MiB pieces: ~160 for a 5.2B
+        version, and no Python a tensor), each served tensor then a view of that copy (`MirrorPlan`)."""
+        t0 = time.perf_counter()
+        if self.ring is None:
+            self.ring = PinnedRing(device)
+        src = _payload(self.state).base()
+        copy = torch.empty(mirror.nbytes, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        copy.record_stream(stream)  # freed early (a newer version replaced it): not before the copies land
+        self._settle(self.ring.copy(src, copy[: src.numel()], stream))
+        self.ready = torch.cuda.Event()
+        self.ready.record(stream)
+        self.staged = mirror.views(copy)
+        self.state = {}
+        self.times.stage_s, self.times.staged_on_device = time.perf_counter() - t0, True
 
     def _stage(self, device: torch.device) -> None:
         t0 = time.perf_counter()
@@ -207,7 +409,7 @@ class StagedVersion:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # tensors handed over from this GPU are written
         pieces: list[Future] = []
-        runs: list | None = [] if self.RUNS else None  # (payload view, device destination) pairs: `copy_many`'s
+        runs: list | None = [] if self.PATH != "pieces" else None  # (payload view, device destination) pairs: `copy_many`'s
         for name, target in self.plan.items():
             if self._copy_raw(name, target, raw, device, stream, pieces, runs):
                 continue
@@ -317,9 +519,14 @@ class StagedVersion:
         self.sparse = None
         live = _served(self.model)
         if self.staged is not None:
-            torch.cuda.current_stream(_device(self.model)).wait_event(self.ready)
+            engine = torch.cuda.current_stream(_device(self.model)) if self.ready is not None else None
+            if engine is not None:
+                engine.wait_event(self.ready)
             for internal, t in self.staged.items():
                 _load(self.model, internal, t, live)
+                if engine is not None:  # its memory is not reused before these copies have read it
+                    for part in t if isinstance(t, tuple) else (t,):
+                        part.record_stream(engine)
         else:
             self._apply_direct(live)
         self.staged = None
@@ -398,7 +605,10 @@ def _high_precision(model: CausalLM, internal: str, live: dict[str, torch.Tensor
 
 def _load(model: CausalLM, internal: str, t: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
           live: dict[str, torch.Tensor]) -> None:
-    """`internal` <- `t`: a value, or (e4m3, block scales) of a version in its served form."""
+    """`internal` <- `t`: a value, or (e4m3, block scales) of a version in its served form, or `Rows` of them."""
+    if isinstance(t, Rows):
+        _load_rows(model, internal, t, live)
+        return
     dest = live.get(internal)
     if dest is not None and _plain(dest):
         dest.copy_(dequantize(*t, dest.dtype) if isinstance(t, tuple) else t)
@@ -409,6 +619,37 @@ def _load(model: CausalLM, internal: str, t: torch.Tensor | tuple[torch.Tensor, 
         raise TypeError(f"{internal}: neither a served tensor nor an FP8 module's weight")
     # a value is quantised on arrival, on the module's device; e4m3 with its scales is held as it is
     module.load_state_dict({local: t[0], f"{local}_scale": t[1]} if isinstance(t, tuple) else {local: t}, strict=False)
+
+
+def _load_rows(model: CausalLM, internal: str, rows: Rows, live: dict[str, torch.Tensor]) -> None:
+    """A stacked tensor given by row ranges: each copied into its rows where it is served as it is (a plain tensor,
+    or an FP8 module's e4m3 bytes and scales); otherwise gathered whole on the device and loaded as one value."""
+    dest = live.get(internal)
+    if dest is not None and _plain(dest):
+        for lo, hi, v in rows:
+            _copy_rows(dest[:, lo:hi], dequantize(*v, dest.dtype) if isinstance(v, tuple) else v, internal)
+        return
+    module_name, _, local = internal.rpartition(".")
+    module = model.get_submodule(module_name)
+    if all(isinstance(v, tuple) for _, _, v in rows) and isinstance(module, _QuantizedWeights):
+        q, scales = getattr(module, local), getattr(module, f"{local}_scale")
+        for lo, hi, (vq, vs) in rows:
+            _copy_rows(q[:, lo:hi], vq, internal)
+            _copy_rows(scales[:, lo // BLOCK : hi // BLOCK], vs, internal)
+        return
+    first = rows[0][2]
+    like = first[0] if isinstance(first, tuple) else first
+    whole = torch.empty(like.shape[0], max(hi for _, hi, _ in rows), *like.shape[2:],
+                        dtype=module.dtype if isinstance(module, _QuantizedWeights) else like.dtype, device=like.device)
+    for lo, hi, v in rows:
+        _copy_rows(whole[:, lo:hi], dequantize(*v, whole.dtype) if isinstance(v, tuple) else v, internal)
+    _load(model, internal, whole, live)
+
+
+def _copy_rows(dest: torch.Tensor, value: torch.Tensor, internal: str) -> None:
+    if dest.shape != value.shape:  # (copy_ would broadcast)
+        raise TypeError(f"{internal}: rows shaped {tuple(value.shape)} for {tuple(dest.shape)}")
+    dest.copy_(value)
 
 
 def _staged_bytes(model: CausalLM, plan: dict[str, Target], shapes: dict[str, tuple[int, ...]],

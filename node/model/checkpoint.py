@@ -151,20 +151,27 @@ class InternalTensors(IndexedTensors):
         """`InvalidCheckpoint` for a version in its served form with a tensor whose pieces come some in e4m3
         and some not, or in e4m3 rows off 128-row block edges (the engines refuse it too: `weight_staging`);
         nothing is read. Call it before loading anything."""
+        quantised = getattr(self.sd, "quantised", None)  # a served form's e4m3 names: no tensor looked up
         for name in self.index:
-            self._fp8_pieces(name)
+            if quantised is None:
+                self._fp8_pieces(name)
+            else:
+                self._check_pieces(name, [(at, hf in quantised) for at, hf in self._piece_names(name)])
+
+    def _check_pieces(self, name: str, raw: list[tuple[tuple, bool]]) -> bool:
+        """Whether `name`'s pieces ((where, whether in e4m3) each) come in e4m3: all or none, on block edges."""
+        if not any(r for _, r in raw):
+            return False
+        if not all(r for _, r in raw) or any(at and at[1].start % BLOCK for at, _ in raw):
+            raise InvalidCheckpoint(f"{name}: its pieces come partly in e4m3, or in e4m3 rows off 128-row block edges")
+        return True
 
     def _fp8_pieces(self, name: str) -> list[tuple[tuple, tuple[torch.Tensor, torch.Tensor]]] | None:
         get = getattr(self.sd, "fp8", None)
         if get is None or name not in self.index:
             return None
         pairs = [(at, get(hf)) for at, hf in self._piece_names(name)]
-        raw = [p is not None for _, p in pairs]
-        if not any(raw):
-            return None
-        if not all(raw) or any(at and at[1].start % BLOCK for at, _ in pairs):
-            raise InvalidCheckpoint(f"{name}: its pieces come partly in e4m3, or in e4m3 rows off 128-row block edges")
-        return pairs
+        return pairs if self._check_pieces(name, [(at, p is not None) for at, p in pairs]) else None
 
 
 def hf_to_internal(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

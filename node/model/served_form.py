@@ -39,7 +39,7 @@ from torch import nn
 from node.model.errors import MismatchedScales
 from node.model.moe import GroupedExperts
 from node.model.quantization import BLOCK, SCALE_SUFFIX, dequantize, scale_shape
-from node.model.streamed_weights import IndexedTensors
+from node.model.streamed_weights import IndexedTensors, headers
 from protocol.model_spec import FP8Mode
 
 
@@ -85,22 +85,23 @@ class ServedForm(IndexedTensors):
         """A delta's changed bytes in the published form (shardcast.fetch.ChangedBytes), when fetched as one."""
         self.quantised: set[str] = set()
         self.index = {}
-        for name, t in tensors.items():
+        heads = headers(tensors)  # a fetched payload's from its manifest: no tensor viewed
+        for name, (shape, dt) in heads.items():
             if name.endswith(SCALE_SUFFIX):
                 weight = name[: -len(SCALE_SUFFIX)]
-                w = tensors.get(weight)
+                w = heads.get(weight)
                 if w is None:
                     raise MismatchedScales(f"{name}: no weight {weight} beside it")
-                if w.dtype != torch.float8_e4m3fn:
-                    raise MismatchedScales(f"{weight}: has {name} but is {w.dtype}, not float8_e4m3fn")
-                if t.dtype != torch.float32 or tuple(t.shape) != scale_shape(tuple(w.shape)):
-                    raise MismatchedScales(f"{name}: {t.dtype} {tuple(t.shape)}, expected float32 "
-                                           f"{scale_shape(tuple(w.shape))} for {weight} {tuple(w.shape)}")
+                if w[1] != torch.float8_e4m3fn:
+                    raise MismatchedScales(f"{weight}: has {name} but is {w[1]}, not float8_e4m3fn")
+                if dt != torch.float32 or tuple(shape) != scale_shape(tuple(w[0])):
+                    raise MismatchedScales(f"{name}: {dt} {tuple(shape)}, expected float32 "
+                                           f"{scale_shape(tuple(w[0]))} for {weight} {tuple(w[0])}")
                 self.quantised.add(weight)
                 continue
-            if t.dtype == torch.float8_e4m3fn and f"{name}{SCALE_SUFFIX}" not in tensors:
+            if dt == torch.float8_e4m3fn and f"{name}{SCALE_SUFFIX}" not in heads:
                 raise MismatchedScales(f"{name}: stored as float8_e4m3fn but {name}{SCALE_SUFFIX} is missing")
-            self.index[name] = (tuple(t.shape), dtype if t.dtype == torch.float8_e4m3fn else t.dtype)
+            self.index[name] = (tuple(shape), dtype if dt == torch.float8_e4m3fn else dt)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.index:

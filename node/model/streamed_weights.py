@@ -103,6 +103,7 @@ class StreamedWeights(IndexedTensors):
 def headers(state: Mapping) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every tensor of a version: a streamed one's from its index (nothing read),
     a fetched one's from its tensors (views: nothing copied)."""
-    if isinstance(state, IndexedTensors):
-        return state.index
+    index = getattr(state, "index", None)  # IndexedTensors, or a fetched payload's (shardcast.fetch.PayloadTensors)
+    if isinstance(index, dict):
+        return index
     return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}

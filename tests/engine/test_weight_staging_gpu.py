@@ -43,8 +43,10 @@ def run(eng: CudaEngine, steps: int) -> None:
         eng.step()
 
 
-@pytest.mark.parametrize("room", [True, False])
-def test_a_version_from_the_store_mapping_is_staged_then_swapped_under_captured_graphs(tmp_path, monkeypatch, room):
+@pytest.mark.parametrize("room, path", [(True, "mirror"), (True, "runs"), (False, "mirror")])
+def test_a_version_from_the_store_mapping_is_staged_then_swapped_under_captured_graphs(tmp_path, monkeypatch, room, path):
+    """Staged as the payload's copy with views (`mirror`, the role's), tensor by tensor (`runs`), or not at all."""
+    monkeypatch.setattr(weight_staging.StagedVersion, "PATH", path)
     if not room:  # a GPU without room for a staged copy: the swap copies straight from pinned buffers
         monkeypatch.setattr(weight_staging, "STAGING_HEADROOM", 1 << 50)
     old, newer = model(2), model(3)
