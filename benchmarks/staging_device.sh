@@ -14,6 +14,11 @@ echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
 timeout ${SPEED_S:-200} python3 -m benchmarks.stage_speed --threads 4 --repeats 2 --conditions ${CONDITIONS:-alone,wire} \
   --out $OUT/stage_speed.json > $OUT/stage_speed.log 2>&1
 echo "stage_speed rc=$?"; tail -1 $OUT/stage_speed.log | cut -c1-1500
+if [ "${THREADS8:-1}" = 1 ]; then  # the mirror's pieces on twice the ring threads
+  timeout ${SPEED8_S:-120} python3 -m benchmarks.stage_speed --threads 8 --repeats 2 --paths mirror --conditions alone,wire \
+    --out $OUT/stage_speed_8threads.json > $OUT/stage_speed_8threads.log 2>&1
+  echo "stage_speed 8 threads rc=$?"; tail -1 $OUT/stage_speed_8threads.log | cut -c1-800
+fi
 [ "${GIL:-1}" = 1 ] || exit 0
 timeout ${GIL_S:-150} python3 -m benchmarks.stage_speed --threads 4 --repeats 1 --paths mirror,runs --conditions gil \
   --out $OUT/stage_speed_gil.json > $OUT/stage_speed_gil.log 2>&1
