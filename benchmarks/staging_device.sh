@@ -9,7 +9,7 @@ ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps 
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L; nproc
 timeout 240 python3 -m pytest -q -ra -p no:cacheprovider tests/engine/test_weight_staging_gpu.py tests/engine/test_pinned_ring.py \
-  tests/engine/test_mirror_plan.py tests/engine/test_cuda_engine_gpu.py > $OUT/gpu_tests.log 2>&1
+  tests/engine/test_mirror_plan.py tests/engine/test_cuda_engine_gpu.py tests/node/test_resident_policy.py > $OUT/gpu_tests.log 2>&1
 echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
 timeout ${SPEED_S:-200} python3 -m benchmarks.stage_speed --threads 4 --repeats 2 --conditions ${CONDITIONS:-alone,wire} \
   --out $OUT/stage_speed.json > $OUT/stage_speed.log 2>&1

@@ -347,8 +347,10 @@ class ResidentPolicies(Mapping):
 
     def _read_into(self, mod: torch.nn.Module, prefix: str, names: list[str], internal: InternalTensors) -> None:
         """The module's tensors `names` from the version's (host) tensors: on a GPU through a pinned ring,
-        several host copies at a time and each HF tensor straight into its rows (no stacked copy on the host:
-        that and pageable copies took 9-13 s of a 10 GB version, session 9's first 5.2B run); otherwise, and
+        several host copies at a time, in runs of the payload's mapping where they view one (`copy_many`: a
+        layer's 384 expert tensors are ~20 runs, each one batched copy into its tensors' rows on the device), each
+        HF tensor into its rows (no stacked copy on the host: that and pageable copies took 9-13 s of a 10 GB
+        version, session 9's first 5.2B run); otherwise, and
         for an FP8 module (which quantises what it loads, or holds the e4m3 bytes and scales of a version in
         its served form as they are), through `load_state_dict`."""
         if self._device.type == "cuda" and not isinstance(mod, _QuantizedWeights):
@@ -367,10 +369,8 @@ class ResidentPolicies(Mapping):
             if plan is not None:
                 if self._ring is None:
                     self._ring = PinnedRing(self._device)
-                stream, pieces = torch.cuda.current_stream(self._device), []  # in order after `before`'s clones
-                for src, view in plan:
-                    pieces += self._ring.copy(src, view, stream)
-                settle(pieces)
+                stream = torch.cuda.current_stream(self._device)  # in order after `before`'s clones
+                settle(self._ring.copy_many(plan, stream))  # in 64 MiB runs of the payload (a layer's experts: ~20)
                 return
         given: dict[str, torch.Tensor] = {}
         for n in names:
