@@ -171,6 +171,14 @@ class Strided(NamedTuple):
         return copy[: copy.numel() // size * size].view(self.dtype).as_strided(self.shape, self.stride, self.offset)
 
 
+class Raw(NamedTuple):
+    """A served tensor's e4m3 bytes and float32 block scales, as views of a payload's copy (a version in its served
+    form)."""
+
+    q: Strided
+    scales: Strided
+
+
 class Rows(list):
     """A stacked expert tensor given as ranges of its rows (dim 1), each (lo, hi, value or (e4m3, scales)): a version in
     its served form keeps each expert's gate scales between its gate and up bytes, so their rows are two views."""
@@ -188,16 +196,15 @@ class MirrorPlan:
 
     nbytes: int
     """Device bytes of the copy: the payload's, rounded up to 16."""
-    parts: dict[str, list[tuple[tuple[int, int] | None, Strided | tuple[Strided, Strided]]]]
-    """Internal name -> [(rows or None for the whole tensor, its value or its (e4m3 bytes, float32 block scales))]; a
-    value is in the payload's dtype (a served tensor of another dtype converts as it is loaded)."""
+    parts: dict[str, list[tuple[tuple[int, int] | None, Strided | Raw]]]
+    """Internal name -> [(rows or None for the whole tensor, its value or its e4m3 bytes and scales)]; a value is in
+    the payload's dtype (a served tensor of another dtype converts as it is loaded)."""
 
     def views(self, copy: torch.Tensor) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Rows]:
         """What `apply` loads: internal name -> views of `copy` (a value, an (e4m3, scales) pair, or `Rows` of them)."""
         out: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | Rows] = {}
         for internal, parts in self.parts.items():
-            got = [(rows, (v[0].of(copy), v[1].of(copy)) if isinstance(v, tuple) and not isinstance(v, Strided)
-                    else v.of(copy)) for rows, v in parts]
+            got = [(rows, (v.q.of(copy), v.scales.of(copy)) if isinstance(v, Raw) else v.of(copy)) for rows, v in parts]
             out[internal] = got[0][1] if got[0][0] is None else Rows((lo, hi, v) for (lo, hi), v in got)
         return out
 
@@ -227,7 +234,7 @@ class MirrorPlan:
             whole = _one_view([(t, e) for t, e, _ in got], shapes[internal], Target.view)
             if whole is not None and raw:
                 scales = _one_view([(t, sc) for t, _, sc in got], scale_shape(shapes[internal]), Target.scale_view)
-                whole = None if scales is None else (whole, scales)
+                whole = None if scales is None else Raw(whole, scales)
             if whole is not None:
                 parts[internal] = [(None, whole)]
                 continue
@@ -251,7 +258,7 @@ def _row_views(pieces: list, full: tuple[int, ...]) -> list | None:
         v = _one_view([(t, e) for t, e, _ in got], shape, Target.view)
         if v is not None and got[0][2] is not None:
             scales = _one_view([(t, sc) for t, _, sc in got], scale_shape(shape), Target.scale_view)
-            v = None if scales is None else (v, scales)
+            v = None if scales is None else Raw(v, scales)
         if v is None:
             return None
         out.append(((lo, hi), v))
