@@ -144,15 +144,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="the wire neighbour's threads (default: the trainer's publication threads on this host)")
     ap.add_argument("--omp", type=int, default=1, help="this process's intra-op threads (a role's: 1)")
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a CPU role's path (nothing staged ahead: `apply` copies from the mapping, from one view "
+                    "a served tensor (mirror) or tensor by tensor (runs, pieces)); the figure is then `apply_s`")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.omp)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     conditions = args.conditions.split(",")
     sizes = [int(x) for x in args.threads.split(",")]
     paths = args.paths.split(",")
     wire_nice = PublishOptions().wire_nice
-    model = D.random_model(args.shape, torch.bfloat16, "cuda")
+    model = D.random_model(args.shape, torch.bfloat16, args.device)
     shapes = expected_shapes(model)
     hf = state_dict_to_hf(model)
     total = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in hf.values())
@@ -172,32 +176,34 @@ def main(argv: list[str] | None = None) -> int:
               f"conditions {conditions}; neighbours {args.neighbours} threads", flush=True)
 
         mirrors = MirrorPlans()  # the engine's: made at the first version (the warm-up), reused after
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
 
         def stage(ring: pinned_ring.PinnedRing, way: str) -> tuple[float, float, float, float, float]:
             StagedVersion.PATH = way
             payload = np.memmap(path, dtype=np.uint8, mode="c")  # a new mapping, as each fetched version's
             state = PayloadTensors(spans, payload, None)
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             v = StagedVersion.of(model, state, shapes, ring=ring, mirrors=mirrors)
-            torch.cuda.current_stream().wait_event(v.ready)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.current_stream().wait_event(v.ready)
+            sync()
             seconds = time.perf_counter() - t
-            assert v.staged is not None, "no room to stage on the device"
-            held = [x for t in v.staged.values() for x in (t if isinstance(t, tuple) else (t,))]
+            assert v.staged is not None or (not cuda and way != "mirror"), "no room to stage on the device"
+            held = [x for t in (v.staged or {}).values() for x in (t if isinstance(t, tuple) else (t,))]
             one_copy = len({x.untyped_storage().data_ptr() for x in held}) == 1  # views of the payload's copy
             assert one_copy == (way == "mirror"), f"{way}: not staged by its path"
             t = time.perf_counter()
             v.apply()
-            torch.cuda.synchronize()
+            sync()
             applied = time.perf_counter() - t
-            per, spent = v.times.ring_threads, (v.times.ring_host_s, v.times.ring_host_cpu_s, v.times.ring_wait_s)
+            per, spent = v.times.ring_threads or 1, (v.times.ring_host_s, v.times.ring_host_cpu_s, v.times.ring_wait_s)
             del v, state, payload
             return seconds, spent[0] / per, spent[2] / per, spent[1] / per, applied
 
         times: dict[str, list[tuple[float, float, float, float, float]]] = {}
         for size in sizes:
-            ring = pinned_ring.PinnedRing(device, threads=size)
+            ring = pinned_ring.PinnedRing(device, threads=size) if cuda else None
             for way in paths:
                 stage(ring, way)  # warm: the allocator, the ring's threads and device buffers
             for c in conditions:
@@ -210,14 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{times[key][-1][1]:.3f} s ({times[key][-1][3]:.3f} s running), device waits "
                                   f"{times[key][-1][2]:.3f} s); applied in {times[key][-1][4]:.3f} s", flush=True)
             del ring
-        host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=cuda)  # the peer: one host-to-device copy
+        dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)  # (on the CPU: one memory copy)
         dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(3):
             dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
+        sync()
         h2d = 3 * (1 << 30) / (time.perf_counter() - t)
     finally:
         path.unlink(missing_ok=True)
@@ -228,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
 
     first = f"{paths[0]}/alone/{sizes[0]}"
     result = {
-        "benchmark": "stage_speed", "machine": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
+        "benchmark": "stage_speed", "machine": torch.cuda.get_device_name() if cuda else f"cpu-{os.cpu_count()}core",
+        "device": args.device, "cpus": os.cpu_count(),
         "shape": args.shape, "tensors": len(spans), "bytes": total, "payload_dir": str(args.dir),
         "repeats": args.repeats, "omp_threads": args.omp, "ring_threads": sizes, "paths": paths, "chunk_bytes": pinned_ring.CHUNK_BYTES,
         "neighbour_threads": args.neighbours, "wire_nice": wire_nice,
@@ -242,10 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         "over_h2d_limit": {k: round(total / v / h2d, 3) for k, v in med.items()},
         "over_alone": {k: round(med[peer(k)] / v, 3) for k, v in med.items() if peer(k) in med},
         "apply_s": {k: round(statistics.median(x[4] for x in v), 4) for k, v in times.items()},
+        "stage_and_apply_s": {k: round(statistics.median(x[0] + x[4] for x in v), 4) for k, v in times.items()},
         "over_pieces": {k: round(med[f"pieces/{k.split('/', 1)[1]}"] / v, 3) for k, v in med.items()
                         if not k.startswith("pieces/") and f"pieces/{k.split('/', 1)[1]}" in med},
         "mirror_over_runs": {k.removeprefix("mirror/"): round(med[f"runs/{k[7:]}"] / v, 3) for k, v in med.items()
                              if k.startswith("mirror/") and f"runs/{k[7:]}" in med},
+        "mirror_over_runs_with_apply": {
+            k.removeprefix("mirror/"): round(statistics.median(x[0] + x[4] for x in times[f"runs/{k[7:]}"])
+                                             / statistics.median(x[0] + x[4] for x in v), 3)
+            for k, v in times.items() if k.startswith("mirror/") and f"runs/{k[7:]}" in times},
         "first_alone_s": med.get(first),
     }
     return emit(result, args.out)
