@@ -529,11 +529,13 @@ class StagedVersion:
             engine = torch.cuda.current_stream(_device(self.model)) if self.ready is not None else None
             if engine is not None:
                 engine.wait_event(self.ready)
+            recorded: set[int] = set()
             for internal, t in self.staged.items():
                 _load(self.model, internal, t, live)
-                if engine is not None:  # its memory is not reused before these copies have read it
-                    for part in t if isinstance(t, tuple) else (t,):
-                        part.record_stream(engine)
+                for part in _tensors_of(t) if engine is not None else ():
+                    if part.untyped_storage().data_ptr() not in recorded:  # (the mirror's views: one storage)
+                        recorded.add(part.untyped_storage().data_ptr())
+                        part.record_stream(engine)  # its memory is not reused before these copies have read it
         else:
             self._apply_direct(live)
         self.staged = None
@@ -571,6 +573,13 @@ class StagedVersion:
                 _load(self.model, target.internal, pending.pop(target.internal), live)
         self._settle(pieces)
         self.state = {}
+
+
+def _tensors_of(t: torch.Tensor | tuple | Rows) -> list[torch.Tensor]:
+    """The tensors a staged value holds: itself, an (e4m3, scales) pair's, or every row range's."""
+    if isinstance(t, Rows):
+        return [x for _, _, v in t for x in _tensors_of(v)]
+    return list(t) if isinstance(t, tuple) else [t]
 
 
 def _check_served(v: StagedVersion) -> None:

@@ -164,3 +164,14 @@ def test_mirror_and_tensor_by_tensor_serve_the_same_bytes_across_precisions(tmp_
     by_mirror, by_tensor = applied(make(), version, "mirror"), applied(make(), version, "runs")
     assert set(by_mirror) == set(by_tensor)
     assert all(torch.equal(by_mirror[k].view(torch.uint8), by_tensor[k].view(torch.uint8)) for k in by_tensor)
+
+
+def test_every_tensor_a_staged_value_holds_is_found_for_the_engine_streams_record():
+    """`apply` marks each staged tensor as read on the engine's stream; a served form's `Rows` hold pairs in a list (on
+    the H100 the first version of this loop took a `Rows` for a tensor and failed)."""
+    from node.engine.weight_staging import Rows, _tensors_of
+
+    a, b, c, d = (torch.zeros(2) for _ in range(4))
+    assert _tensors_of(a) == [a] and _tensors_of((a, b)) == [a, b]
+    got = _tensors_of(Rows([(0, 1, (a, b)), (1, 2, (c, d))]))
+    assert len(got) == 4 and all(x is y for x, y in zip(got, (a, b, c, d)))
