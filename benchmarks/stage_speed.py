@@ -34,6 +34,11 @@ bytes, looked to set it there: `runs` now also makes one copy to the device a ru
 Session 33 (1x H100, `benchmarks/results/stage_speed-runs-neighbours-h100-s33.json`): alone runs 0.909 s vs pieces
 1.308 s (1.44x); beside wire encoding 1.205 vs 1.589 s; at niceness +10 1.286 vs 1.438 s (no gain from the
 niceness). The `gil` condition made one staging take 60.8 s (cut): see docs/scale.md, session 33.
+
+Session 34 (1x H100, `stage_speed-mirror-h100-s34.json`, `stage_speed-mirror-gil-wire-h100-s34.json`): alone mirror
+0.627 s vs runs 0.723 s vs pieces 1.133 s; beside wire encoding 0.801 vs 0.837 s; beside the busy thread 3.77 vs
+113.4 s; `apply_s` 7.8 ms alone on every path. On the CPU (`--device cpu`, cpu-2core, 0.52B shape): mirror 0.156 vs
+0.187 s alone, 0.602 vs 7.815 s beside the busy thread (`stage_speed-mirror-vs-runs-cpu-2core.json`).
 """
 
 from __future__ import annotations
