@@ -180,8 +180,8 @@ class Raw(NamedTuple):
 
 
 class Rows(list):
-    """A stacked expert tensor given as ranges of its rows (dim 1), each (lo, hi, value or (e4m3, scales)): a version in
-    its served form keeps each expert's gate scales between its gate and up bytes, so their rows are two views."""
+    """A stacked expert tensor given as ranges of its rows (dim 1), each (lo, hi, (e4m3, scales)): a version in its
+    served form keeps each expert's gate scales between its gate and up bytes, so their rows are two views."""
 
 
 @dataclass
@@ -246,22 +246,21 @@ class MirrorPlan:
 
 
 def _row_views(pieces: list, full: tuple[int, ...]) -> list | None:
-    """A stacked expert tensor's (rows, view or (e4m3, scales) views) per row range its pieces fill, or None."""
+    """A stacked expert tensor's (rows, e4m3 and scales views) per row range its pieces fill, or None (a tensor that
+    comes in high precision and is no single view goes tensor by tensor: an FP8 module quantises it whole)."""
     by_rows: dict[tuple[int, int], list] = {}
     for target, e, sc in pieces:
-        if target.expert is None or target.rows is None:
+        if target.expert is None or target.rows is None or sc is None:
             return None
         by_rows.setdefault(target.rows, []).append((Target(target.internal, target.expert), e, sc))
     out = []
     for (lo, hi), got in sorted(by_rows.items()):
         shape = (full[0], hi - lo, *full[2:])
-        v = _one_view([(t, e) for t, e, _ in got], shape, Target.view)
-        if v is not None and got[0][2] is not None:
-            scales = _one_view([(t, sc) for t, _, sc in got], scale_shape(shape), Target.scale_view)
-            v = None if scales is None else Raw(v, scales)
-        if v is None:
+        q = _one_view([(t, e) for t, e, _ in got], shape, Target.view)
+        scales = _one_view([(t, sc) for t, _, sc in got], scale_shape(shape), Target.scale_view)
+        if q is None or scales is None:
             return None
-        out.append(((lo, hi), v))
+        out.append(((lo, hi), Raw(q, scales)))
     return out
 
 
@@ -370,20 +369,23 @@ class StagedVersion:
                 log.warning("weights: no device memory for a delta's %d changed bytes; copied whole", len(changes.positions))
                 torch.cuda.empty_cache()
         device = _device(model)
+        staging = device.type == "cuda" and stage and v.sparse is None  # (a delta's writes need no staged copy)
+        mirror = None
+        if cls.PATH == "mirror" and (device.type == "cpu" or staging):
+            mirror = (mirrors or MirrorPlans()).get(model, v.plan, state_dict, shapes)
         if device.type == "cpu":  # the served tensors read straight from the payload's mapping, one view each
-            mirror = (mirrors or MirrorPlans()).get(model, v.plan, state_dict, shapes) if cls.PATH == "mirror" else None
             if mirror is not None:
                 v.staged = mirror.views(_payload(state_dict).base())
-        elif device.type == "cuda" and stage and v.sparse is None:  # (a delta's writes need no staged copy)
+        elif staging:
             free, _ = torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cache
-            mirror = (mirrors or MirrorPlans()).get(model, v.plan, state_dict, shapes) if cls.PATH == "mirror" else None
+            if mirror is not None and mirror.nbytes + STAGING_HEADROOM <= free:
+                v._stage_mirror(device, mirror)
+                return v
             need = _staged_bytes(model, v.plan, shapes, state_dict)
             if cls.PATH != "pieces" and (ring is None or ring.dev_bufs is None):
                 need += 2 * (ring.threads if ring is not None else HOST_THREADS) * CHUNK_BYTES  # its device buffers
-            if mirror is not None and mirror.nbytes + STAGING_HEADROOM <= free:
-                v._stage_mirror(device, mirror)
-            elif need + STAGING_HEADROOM <= free:
+            if need + STAGING_HEADROOM <= free:
                 v._stage(device)
             else:
                 log.warning("weights: no room to stage v on the device (needs %.2f GiB, %.2f GiB free): the swap "
@@ -638,28 +640,21 @@ def _load(model: CausalLM, internal: str, t: torch.Tensor | tuple[torch.Tensor, 
 
 
 def _load_rows(model: CausalLM, internal: str, rows: Rows, live: dict[str, torch.Tensor]) -> None:
-    """A stacked tensor given by row ranges: each copied into its rows where it is served as it is (a plain tensor,
-    or an FP8 module's e4m3 bytes and scales); otherwise gathered whole on the device and loaded as one value."""
+    """A stacked tensor given as (e4m3, scales) row ranges: each dequantised into its rows where the tensor is served
+    as it is, or copied into an FP8 module's e4m3 bytes and scales as they are."""
     dest = live.get(internal)
     if dest is not None and _plain(dest):
-        for lo, hi, v in rows:
-            _copy_rows(dest[:, lo:hi], dequantize(*v, dest.dtype) if isinstance(v, tuple) else v, internal)
+        for lo, hi, pair in rows:
+            _copy_rows(dest[:, lo:hi], dequantize(*pair, dest.dtype), internal)
         return
     module_name, _, local = internal.rpartition(".")
     module = model.get_submodule(module_name)
-    if all(isinstance(v, tuple) for _, _, v in rows) and isinstance(module, _QuantizedWeights):
-        q, scales = getattr(module, local), getattr(module, f"{local}_scale")
-        for lo, hi, (vq, vs) in rows:
-            _copy_rows(q[:, lo:hi], vq, internal)
-            _copy_rows(scales[:, lo // BLOCK : hi // BLOCK], vs, internal)
-        return
-    first = rows[0][2]
-    like = first[0] if isinstance(first, tuple) else first
-    whole = torch.empty(like.shape[0], max(hi for _, hi, _ in rows), *like.shape[2:],
-                        dtype=module.dtype if isinstance(module, _QuantizedWeights) else like.dtype, device=like.device)
-    for lo, hi, v in rows:
-        _copy_rows(whole[:, lo:hi], dequantize(*v, whole.dtype) if isinstance(v, tuple) else v, internal)
-    _load(model, internal, whole, live)
+    if not isinstance(module, _QuantizedWeights):
+        raise TypeError(f"{internal}: neither a served tensor nor an FP8 module's weight")
+    q, scales = getattr(module, local), getattr(module, f"{local}_scale")
+    for lo, hi, (vq, vs) in rows:
+        _copy_rows(q[:, lo:hi], vq, internal)
+        _copy_rows(scales[:, lo // BLOCK : hi // BLOCK], vs, internal)
 
 
 def _copy_rows(dest: torch.Tensor, value: torch.Tensor, internal: str) -> None:
