@@ -37,7 +37,7 @@ import torch
 from benchmarks import device_rollouts as D, emit
 from benchmarks import weak_tamper
 from verification.checks import THRESHOLDS
-from verification.pooled import POOLED, POOLED_DETAIL
+from verification.pooled import POOLED_DETAIL, bounds_for, shape_of
 
 log = logging.getLogger("bench.detection_device")
 
@@ -140,7 +140,7 @@ def report(args: argparse.Namespace, out: dict, t0: float) -> dict:
     return {"bench": "detection_device", "command": "python -m benchmarks.detection_device " + " ".join(sys.argv[1:]),
             "device": args.device, "engine": args.engine, "shape": D.shape_facts(args.shape),
             "provenance": D.provenance(args.device), "rollouts_per_case": args.rollouts, "engine_batch": args.batch,
-            "rollouts_per_submission": args.group, "pooled": {p: asdict(POOLED[p]) for p in out if p in POOLED},
+            "rollouts_per_submission": args.group, "pooled": {p: asdict(b) for p in out if (b := bounds_for(p, shape_of(D.config_of(args.shape))))},
             "seconds": round(time.perf_counter() - t0, 1),
             "honest_rejected": {p: r.get("honest") for p, r in rate.items()},
             "detection": {p: {c: v for c, v in r.items() if c != "honest"} for p, r in rate.items()},

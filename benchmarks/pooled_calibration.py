@@ -11,6 +11,11 @@ path mean)^2, so chunks of one rollout may correlate). Per precision: centre = H
 largest path mean, width = Z x the largest standard deviation. Then every case's submissions (claims
 sharing a work id) are judged by those bounds: honest ones must pass, the share of each tamper caught
 is reported. Prints one JSON line; `--out` also writes it (the record `POOLED` cites).
+
+Per served shape (`by_shape`, the record `POOLED_BY_SHAPE` cites): the same rule over one shape's honest claims
+alone (a shape the benchmarks' `SHAPES` name, keyed by `verification.pooled.shape_of`), what those bounds catch
+at that shape, and a held-out check: bounds from the submissions of even work ids judging those of odd ones.
+A submission is the claims sharing (input file, precision, path, case, work id): two files' work ids may repeat.
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from verification.pooled import (HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, POOLED, Z, Evidence, PooledBound,
-                                PooledThresholds, check_pooled)
+from verification.pooled import (HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Z, Evidence, PooledBound,
+                                PooledThresholds, check_pooled, nearest_bound, shape_of)
 
 STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_err", "chunks"),
          ("logprob_err_mean", "logprob_err", "tokens"))
 
 
 def read(paths: list[Path]) -> list[dict]:
-    """Evidence rows of JSON-lines files (gzip-compressed when named .gz)."""
-    text = (gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text() for p in paths)
-    return [json.loads(x) for t in text for x in t.splitlines() if x.strip()]
+    """Evidence rows of JSON-lines files (gzip-compressed when named .gz), each tagged with its file's name."""
+    rows = []
+    for p in paths:
+        text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
+        rows += [{**json.loads(x), "source": p.name} for x in text.splitlines() if x.strip()]
+    return rows
 
 
 def fixture_evidence(directory: Path) -> list[dict]:
@@ -98,32 +106,74 @@ def thresholds(bounds: dict) -> PooledThresholds:
     return PooledThresholds(**{k: PooledBound(v["centre"], v["width"]) for k, v in bounds.items()})
 
 
-def caught(rows: list[dict], cal: dict) -> dict:
-    """Per precision, path and case: submissions, and the share rejected: a claim failed alone (`passed_alone`
-    false), or the pooled bounds `cal` reject the rest together (as the validator forms a unit's verdict)."""
+def in_force_by_shape(names) -> dict:
+    """`verification.pooled.POOLED_BY_SHAPE` for those of the named shapes that have their own bounds, in
+    `calibrate`'s form per name."""
+    from dataclasses import asdict
+
+    own = {name: POOLED_BY_SHAPE.get(shape_key(name) or "") for name in names}
+    return {name: {p: {"bounds": asdict(t)} for p, t in b.items()} for name, b in own.items() if b}
+
+
+def caught(rows: list[dict], cal: dict, by_shape: dict | None = None) -> dict:
+    """Per precision, path and case: submissions, the share rejected (a claim failed alone, `passed_alone` false,
+    or the pooled bounds `cal` reject the rest together, as the validator forms a unit's verdict), and `nearest`:
+    the largest pooled figure over its bound among the submissions judged pooled (honest ones' margin).
+    `by_shape`: per shape name, bounds that replace `cal`'s for its rows (`in_force_by_shape`)."""
     units: dict[tuple, Evidence] = {}
     failed_alone: set[tuple] = set()
     for r in rows:
-        unit = (r["precision"], path_of(r), r["case"], r["work_id"])
+        unit = (r["precision"], path_of(r), r["case"], r.get("source"), r["work_id"], r["shape"])
         units.setdefault(unit, Evidence())  # a unit whose claims all failed alone still counts
         if not r.get("passed_alone", True):
             failed_alone.add(unit)
             continue
         units[unit].add(Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")}))
-    tally: dict = defaultdict(lambda: [0, 0])
+    tally: dict = defaultdict(lambda: [0, 0, 0.0])
     for unit, ev in units.items():
-        precision, path, case, _ = unit
-        if precision not in cal:
+        precision, path, case, _, _, shape = unit
+        mine = (by_shape or {}).get(shape, cal)
+        if precision not in mine:
             continue
-        t = {precision: thresholds(cal[precision]["bounds"])}
+        t = {precision: thresholds(mine[precision]["bounds"])}
         over = unit in failed_alone or check_pooled(ev, precision, 1, t) is not None
+        near = nearest_bound(ev, t[precision])
         cell = tally[(precision, path, case)]
         cell[0] += 1
         cell[1] += bool(over)
+        cell[2] = max(cell[2], near[1] / near[2] if near and unit not in failed_alone else 0.0)
     out: dict = defaultdict(dict)
-    for (precision, path, case), (n, k) in sorted(tally.items()):
-        out[f"{precision} {path}"][case] = {"submissions": n, "rejected": round(k / n, 4)}
+    for (precision, path, case), (n, k, near) in sorted(tally.items()):
+        out[f"{precision} {path}"][case] = {"submissions": n, "rejected": round(k / n, 4), "nearest": round(near, 3)}
     return dict(out)
+
+
+def shape_key(name: str) -> str | None:
+    """`shape_of` of a shape the benchmarks name (benchmarks/device_rollouts.py, random_checkpoint.py), or None."""
+    from benchmarks import device_rollouts, random_checkpoint
+    from node.model import ModelConfig
+
+    if name in device_rollouts.SHAPES:
+        return shape_of(device_rollouts.config_of(name))
+    if name in random_checkpoint.SHAPES:
+        return shape_of(ModelConfig(**random_checkpoint.SHAPES[name]))
+    return None
+
+
+def by_shape(rows: list[dict]) -> dict:
+    """Per named shape with honest claims: bounds from its rows alone (`calibrate`), what they catch there, and
+    bounds from its even work ids judging its odd ones (`held_out`)."""
+    out = {}
+    for name in sorted({r["shape"] for r in rows if r["case"] == "honest"}):
+        key = shape_key(name)
+        if key is None:
+            continue
+        mine = [r for r in rows if r["shape"] == name]
+        cal = calibrate(mine)
+        half = calibrate([r for r in mine if r["work_id"] % 2 == 0])
+        out[name] = {"key": key, "calibration": cal, "pooled_rejections": caught(mine, cal),
+                     "held_out": caught([r for r in mine if r["work_id"] % 2 == 1], half)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
               "claims": len(rows),
               "hardware_margin": HARDWARE_MARGIN, "z": Z, "min_chunks": MIN_CHUNKS, "min_tokens": MIN_TOKENS,
               "calibration": cal, "pooled_rejections": caught(rows, cal),
-              "pooled_rejections_in_force": caught(rows, in_force())}
+              "pooled_rejections_in_force": caught(rows, in_force(), in_force_by_shape({r["shape"] for r in rows})),
+              "by_shape": by_shape(rows)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

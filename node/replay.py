@@ -20,6 +20,7 @@ from node.model.packed import Packed, PackedKV, varlen_usable
 from node.model.qwen3_moe import CausalLM
 from node.model.routing import InvalidRoutes, RouteShape, decode_routes
 from verification.claim import SamplingSpec
+from verification.pooled import shape_of
 from verification.reference import Reference, Replay
 
 
@@ -72,6 +73,7 @@ class TorchReference(Reference):
         # dtype ("fp8-experts-bfloat16"); a plain one by its dtype's
         fp8, dtype = fp8_mode_of(any_model), str(next(any_model.parameters()).dtype).removeprefix("torch.")
         self.precision = f"fp8-{fp8}-{dtype}" if fp8 != "off" else dtype
+        self.shape = shape_of(self.config)
         self.eos_id, self.max_seq_len = eos_id, max_seq_len
         self._decode, self._tasks, self._reward = decode, tasks, reward
         device = next(any_model.parameters()).device

@@ -101,6 +101,52 @@ POOLED: dict[str, PooledThresholds] = {
 float32 base: CPU engines agree with the validator bit for bit, no GPU evidence yet) is not pooled."""
 
 
+def shape_of(config) -> str:
+    """The served architecture as `POOLED_BY_SHAPE` names it: what sets the size of honest drift (depth, widths,
+    experts), not the vocabulary or the sequence limit. `config`: a `node.model.ModelConfig`."""
+    return (f"{config.model_type}:layers={config.num_hidden_layers}:hidden={config.hidden_size}"
+            f":experts={config.num_experts}x{config.moe_intermediate_size}:top={config.num_experts_per_tok}")
+
+
+POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
+    # Honest drift grows with depth: `POOLED`'s centres come from the 48-layer shape, so at 8 layers a submission
+    # tampered with by 1% of one layer's weights' std sat below them (issue 26: 1 of 32 caught in bf16, 0 in FP8;
+    # its pooled mantissa error 1.02-1.20 ulps per chunk against honest 0.34-0.45 and a bound of 1.47). A served
+    # shape with its own honest evidence is judged by bounds from that evidence alone, by the same rule
+    # (`python -m benchmarks.pooled_calibration ... --out verification/calibration/pooled.json`, `by_shape`).
+    # Only the shapes the network runs serve, which exist only as random weights (N(0, 0.02)): a real checkpoint of
+    # an architecture here would be judged by random weights' drift, so real architectures are left to `POOLED`.
+    #
+    # The 5.2B network's model (`random:qwen3-30b-a3b-8l`: Qwen3-30B-A3B's layer, 8 layers, 128 experts): 512
+    # honest rollouts per precision of `CudaEngine` judged on the same 1x H100 (torch 2.11 cu130; sessions 28 and
+    # 33, `detection_evidence-8l-128e-*.jsonl.gz`).
+    "qwen3_moe:layers=8:hidden=2048:experts=128x768:top=8": {
+        "bfloat16": PooledThresholds(PooledBound(2.20, 4.01), PooledBound(0.473, 0.306), PooledBound(0.00538, 0.0185)),
+        "fp8-all-bfloat16": PooledThresholds(PooledBound(9.23, 9.73), PooledBound(2.42, 0.876),
+                                             PooledBound(0.0320, 0.0874)),
+        "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.55, 5.43), PooledBound(0.836, 0.370),
+                                                 PooledBound(0.00814, 0.0245)),
+    },
+    # The 0.52B network's model (`random:qwen3-moe-small`: 8 layers, hidden 1024, 32 experts): 1x H200 (torch 2.11
+    # cu130), decode batches 4, 64 and 256 (`pooled_evidence-h200.jsonl.gz`, the evidence `POOLED` also came from).
+    "qwen3_moe:layers=8:hidden=1024:experts=32x512:top=4": {
+        "bfloat16": PooledThresholds(PooledBound(2.30, 4.49), PooledBound(0.597, 0.295), PooledBound(0.00446, 0.0124)),
+        "fp8-all-bfloat16": PooledThresholds(PooledBound(8.95, 9.91), PooledBound(2.60, 1.23),
+                                             PooledBound(0.0239, 0.0648)),
+        "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.59, 5.63), PooledBound(0.968, 0.380),
+                                                 PooledBound(0.00685, 0.0178)),
+    },
+}
+"""Per served shape (`shape_of`), per precision: bounds calibrated on that shape, which replace `POOLED`'s for it
+(the record's figures rounded up: `verification/calibration/pooled.json` `by_shape`)."""
+
+
+def bounds_for(precision: str, shape: str | None = None) -> PooledThresholds | None:
+    """The pooled bounds a submission of `precision` on `shape` is judged by: the shape's own where calibrated,
+    else the precision's (`POOLED`); None: not pooled."""
+    return POOLED_BY_SHAPE.get(shape or "", {}).get(precision) or POOLED.get(precision)
+
+
 POOLED_DETAIL = "pooled over"
 """How a pooled failure's detail begins (a benchmark tells it from a claim's own failure by it)."""
 
@@ -112,25 +158,31 @@ class PooledFailure:
     severity: Severity
 
 
-def check_pooled(ev: Evidence, precision: str, rollouts: int,
-                 bounds: dict[str, PooledThresholds] | None = None) -> PooledFailure | None:
+def check_pooled(ev: Evidence, precision: str, rollouts: int, bounds: dict[str, PooledThresholds] | None = None,
+                 shape: str | None = None) -> PooledFailure | None:
     """The pooled statistic furthest past its bound, if any (None: within every bound, or not pooled).
-    `bounds`: other bounds than `POOLED` (a calibration judging evidence by its candidates)."""
-    t = (POOLED if bounds is None else bounds).get(precision)
-    if t is None or ev.chunks < MIN_CHUNKS:
+    `shape`: the served architecture (`shape_of`), for `bounds_for`; `bounds`: other bounds than those, per
+    precision (a calibration judging evidence by its candidates)."""
+    t = bounds_for(precision, shape) if bounds is None else bounds.get(precision)
+    worst = nearest_bound(ev, t) if t is not None else None
+    if worst is None or worst[1] <= worst[2]:
         return None
-    m = ev.means()
-    over = [("hidden", Reason.HIDDEN_MISMATCH, m["exp_per_chunk"], t.exp_per_chunk.at(ev.chunks), "exponent "
-             "mismatches per chunk"),
-            ("hidden", Reason.HIDDEN_MISMATCH, m["mant_err_mean"], t.mant_err_mean.at(ev.chunks), "mantissa error "
-             "per chunk")]
-    if ev.tokens >= MIN_TOKENS:
-        over.append(("logprob", Reason.LOGPROB_MISMATCH, m["logprob_err_mean"], t.logprob_err_mean.at(ev.tokens),
-                     "logprob error per token"))
-    worst = max(over, key=lambda o: o[2] / o[3])
-    _, reason, got, bound, what = worst
-    if got <= bound:
-        return None
+    reason, got, bound, what = worst
     n = ev.tokens if reason == Reason.LOGPROB_MISMATCH else ev.chunks
     return PooledFailure(reason, f"{POOLED_DETAIL} {rollouts} rollouts: {what} {got:.4f} > {bound:.4f} "
                          f"(n = {n})", graded(got / bound))
+
+
+def nearest_bound(ev: Evidence, t: PooledThresholds) -> tuple[Reason, float, float, str] | None:
+    """(reason, pooled figure, its bound, what it is) of the figure nearest its bound relative to it; None: a pool
+    too small to judge."""
+    if ev.chunks < MIN_CHUNKS:
+        return None
+    m = ev.means()
+    figures = [(Reason.HIDDEN_MISMATCH, m["exp_per_chunk"], t.exp_per_chunk.at(ev.chunks),
+                "exponent mismatches per chunk"),
+               (Reason.HIDDEN_MISMATCH, m["mant_err_mean"], t.mant_err_mean.at(ev.chunks), "mantissa error per chunk")]
+    if ev.tokens >= MIN_TOKENS:
+        figures.append((Reason.LOGPROB_MISMATCH, m["logprob_err_mean"], t.logprob_err_mean.at(ev.tokens),
+                        "logprob error per token"))
+    return max(figures, key=lambda f: f[1] / f[2])

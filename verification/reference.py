@@ -43,6 +43,9 @@ class Reference(ABC):
     """Engine precision the run prescribes: its dtype ("float32", "bfloat16"), or "fp8-<mode>-<dtype>"
     ("fp8-experts-bfloat16", ...) when it serves block-scaled FP8 weights on that base dtype; picks the
     thresholds (verification/checks.py `THRESHOLDS`)."""
+    shape: str | None = None
+    """The served architecture (`verification.pooled.shape_of`): picks a shape's own pooled bounds where they
+    were calibrated (`POOLED_BY_SHAPE`); None: the precision's."""
 
     @abstractmethod
     def manifest_hash(self, version: int) -> bytes | None:

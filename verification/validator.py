@@ -391,7 +391,7 @@ def _check_forced_routes(items: list[tuple[RolloutClaim, torch.Tensor, list]], p
 
 
 def _pool(claims: list[RolloutClaim], failures: list[Failure | None], evidence: list[Evidence],
-          precision: str) -> None:
+          precision: str, shape: str | None) -> None:
     """The pooled check of each submission (the claims sharing a work id): the claims of it that passed
     alone, their evidence summed, must pass `verification.pooled`'s bounds together, or each fails with it
     (a claim that failed alone has already failed its unit, and its figures would only blur the rest's)."""
@@ -403,7 +403,7 @@ def _pool(claims: list[RolloutClaim], failures: list[Failure | None], evidence: 
         pooled = Evidence()
         for i in members:
             pooled.add(evidence[i])
-        f = check_pooled(pooled, precision, len(members))
+        f = check_pooled(pooled, precision, len(members), shape=shape)
         if f is not None:
             for i in members:
                 failures[i] = Failure(f.reason, f.detail, severity=f.severity)
@@ -455,7 +455,7 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
         same = [i for i in mixed if (plans[i].routes is not None) == routed]
         for group in _logit_groups(same, claims, ref.vocab_size, budget) if same else []:
             _verify_mixed_group(group, claims, plans, failures, ref, evidence)
-    _pool(claims, failures, evidence, ref.precision)
+    _pool(claims, failures, evidence, ref.precision, ref.shape)
     verdicts = []
     for claim, f in zip(claims, failures):
         v = Verdict(work_id=claim.work_id, claim_digest=claim.digest(), accepted=f is None,

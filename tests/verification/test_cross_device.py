@@ -131,3 +131,17 @@ def test_a_submission_of_small_drift_passes_rollout_by_rollout_and_fails_pooled(
     pooled = verdicts[8:16]
     assert not any(v.accepted for v in pooled)
     assert {v.reason for v in pooled} == {Reason.LOGPROB_MISMATCH} and pooled[0].detail.startswith("pooled over 8")
+
+
+def test_the_validator_judges_a_served_shape_by_its_own_pooled_bounds_where_it_has_them(fx, ref, monkeypatch):
+    from verification import pooled
+
+    members = [c.model_copy(update={"work_id": 900_003}) for c in fx.claims
+               if all(c.sampled_mask) and len(c.token_ids) >= 32][:8]
+    assert ref.shape == pooled.shape_of(ref.config) and ref.shape not in pooled.POOLED_BY_SHAPE
+    assert all(v.accepted for v in judge(fx, members, ref=ref))
+    # bounds of this shape's own that no measured figure meets: the same honest submission now fails pooled
+    none_fit = pooled.PooledThresholds(*(pooled.PooledBound(1e-9, 0.0) for _ in range(3)))
+    monkeypatch.setitem(pooled.POOLED_BY_SHAPE, ref.shape, {ref.precision: none_fit})
+    verdicts = judge(fx, members, ref=ref)
+    assert not any(v.accepted for v in verdicts) and verdicts[0].detail.startswith("pooled over 8")

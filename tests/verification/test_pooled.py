@@ -4,9 +4,12 @@ the per-rollout bounds. (Its effect on real claims: tests/verification/test_cros
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
-from verification.pooled import MIN_CHUNKS, MIN_TOKENS, POOLED, Evidence, PooledBound, check_pooled
+from verification.pooled import (MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Evidence, PooledBound, bounds_for,
+                                 check_pooled, shape_of)
 from verification.reasons import Reason, Severity
 
 
@@ -53,3 +56,60 @@ def test_evidence_adds_up_and_its_means_are_per_chunk_and_per_token():
     assert a.chunks == 8 and a.tokens == 240
     assert m["exp_per_chunk"] == 12 / 8 and math.isclose(m["mant_err_mean"], (2 + 12) / 8)
     assert math.isclose(m["logprob_err_mean"], (0.4 + 4.0) / 240)
+
+
+SHAPE_8L = "qwen3_moe:layers=8:hidden=2048:experts=128x768:top=8"
+"""The 5.2B network's model (`random:qwen3-30b-a3b-8l`), which has its own pooled bounds."""
+
+
+def test_a_served_shape_with_its_own_calibration_is_judged_by_it_and_any_other_by_the_precisions():
+    from benchmarks.device_rollouts import config_of
+
+    assert shape_of(config_of("qwen3-30b-a3b-8l")) == SHAPE_8L
+    assert bounds_for("bfloat16", SHAPE_8L) is POOLED_BY_SHAPE[SHAPE_8L]["bfloat16"] != POOLED["bfloat16"]
+    # the 48-layer shape, a shape nobody calibrated, no shape: the precision's bounds; float32: not pooled anywhere
+    for shape in (shape_of(config_of("qwen3-30b-a3b-48l-e16")), "qwen3_moe:layers=3:hidden=8:experts=2x8:top=1", None):
+        assert bounds_for("bfloat16", shape) is POOLED["bfloat16"]
+    assert bounds_for("float32", SHAPE_8L) is None
+    # a submission 1% of one layer's std away at 8 layers (session 33's pooled mantissa error: 1.02-1.20 ulps per
+    # chunk over 16 chunks) passes the precision's bounds, set at 48 layers, and fails the shape's own
+    tampered = _evidence(16, 2.0, 1.02, 300, 0.004)
+    assert check_pooled(tampered, "bfloat16", 8) is None
+    f = check_pooled(tampered, "bfloat16", 8, shape=SHAPE_8L)
+    assert f is not None and f.reason == Reason.HIDDEN_MISMATCH and "mantissa" in f.detail
+
+
+def test_the_shape_bounds_in_force_are_their_record_rounded_up():
+    """`POOLED_BY_SHAPE` cites `verification/calibration/pooled.json` `by_shape`: each figure at or at most 2%
+    above the record's (rounded up, never down), and every shape in force has a record."""
+    record = json.loads((Path(__file__).parents[2] / "verification/calibration/pooled.json").read_text())["by_shape"]
+    by_key = {r["key"]: r["calibration"] for r in record.values()}
+    assert set(POOLED_BY_SHAPE) <= set(by_key)
+    for shape, per_precision in POOLED_BY_SHAPE.items():
+        for precision, t in per_precision.items():
+            cal = by_key[shape][precision]["bounds"]
+            for stat in ("exp_per_chunk", "mant_err_mean", "logprob_err_mean"):
+                for part in ("centre", "width"):
+                    got, want = getattr(getattr(t, stat), part), cal[stat][part]
+                    assert want <= got <= 1.02 * want, (shape, precision, stat, part, got, want)
+
+
+def test_honest_submissions_of_the_8_layer_shape_pass_its_bounds_and_one_tampered_layer_fails_them():
+    """Session 33's evidence (1x H100, 32 submissions of 8 per case; bounds from sessions 28 and 33's honest claims):
+    judged as the validator judges a unit, by the shape's bounds and by the precision's."""
+    from benchmarks.pooled_calibration import read
+
+    rows = read([Path(__file__).parents[2] / "benchmarks/results/detection_evidence-8l-128e-layer0-h100-s33.jsonl.gz"])
+    units: dict[tuple, Evidence] = {}
+    for r in rows:
+        assert r["passed_alone"]
+        units.setdefault((r["precision"], r["case"], r["work_id"]), Evidence()).add(
+            Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")}))
+    for precision in ("bfloat16", "fp8-all-bfloat16", "fp8-experts-bfloat16"):
+        def rejected(case, shape):
+            mine = [ev for (p, c, _), ev in units.items() if p == precision and c == case]
+            assert len(mine) == 32
+            return sum(check_pooled(ev, precision, 8, shape=shape) is not None for ev in mine)
+        assert rejected("honest", SHAPE_8L) == 0 and rejected("honest", None) == 0
+        assert rejected("noise1pct/layer0", SHAPE_8L) == 32, precision
+        assert rejected("noise1pct/layer0", None) <= 1, precision
