@@ -8,6 +8,7 @@ a caller may read a destination on its stream only after `settle` (every piece q
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,9 +18,12 @@ import torch
 
 CHUNK_BYTES = 64 << 20
 """Pinned buffer size: one shardcast shard; large tensors go through in pieces of this size."""
-HOST_THREADS = 4
-"""Host copies in flight (the ring holds twice as many pinned buffers): one thread copied 10 GB of
-payload pages into pinned memory at ~4.5 GB/s (stage_s 2.2-3.0 s on the H200 host, session 7)."""
+HOST_THREADS = min(8, max(2, len(os.sched_getaffinity(0)) // 2))
+"""Host copies in flight (the ring holds twice as many pinned buffers): half the cores this process may run on,
+2 to 8. One thread copies payload pages into pinned memory at ~4-5 GB/s, so the copies bound staging: a 10.4 GB
+version staged whole (`benchmarks.stage_speed --paths mirror`, the H200 host's 16 cores, session 35) in 0.746 s
+with 4 threads and 0.408 s with 8 (13.9 -> 25.4 GB/s; pinned H2D 52.8-55.4 GB/s); beside 12 busy wire
+threads 0.906 -> 0.711 s."""
 
 
 class RingSeconds(NamedTuple):
