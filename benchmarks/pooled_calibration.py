@@ -74,10 +74,10 @@ def moments(rows: list[dict], total: str, count: str) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
-def calibrate(rows: list[dict]) -> dict:
+def calibrate(rows: list[dict], honest_cases: tuple[str, ...] = ("honest",)) -> dict:
     honest: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if r["case"] == "honest":
+        if r["case"] in honest_cases:
             honest[r["precision"]][path_of(r)].append(r)
     out = {}
     for precision, paths in honest.items():
@@ -149,10 +149,13 @@ def caught(rows: list[dict], cal: dict, by_shape: dict | None = None) -> dict:
 
 
 def shape_key(name: str) -> str | None:
-    """`shape_of` of a shape the benchmarks name (benchmarks/device_rollouts.py, random_checkpoint.py), or None."""
+    """`shape_of` of a shape the benchmarks name (benchmarks/device_rollouts.py, random_checkpoint.py), or None;
+    a validator role's rows name the key itself (node/roles/validator.py `evidence_rows`)."""
     from benchmarks import device_rollouts, random_checkpoint
     from node.model import ModelConfig
 
+    if ":layers=" in name:
+        return name
     if name in device_rollouts.SHAPES:
         return shape_of(device_rollouts.config_of(name))
     if name in random_checkpoint.SHAPES:
@@ -160,17 +163,20 @@ def shape_key(name: str) -> str | None:
     return None
 
 
-def by_shape(rows: list[dict]) -> dict:
-    """Per named shape with honest claims: bounds from its rows alone (`calibrate`), what they catch there, and
-    bounds from its even work ids judging its odd ones (`held_out`)."""
-    out = {}
-    for name in sorted({r["shape"] for r in rows if r["case"] == "honest"}):
+def by_shape(rows: list[dict], honest_cases: tuple[str, ...] = ("honest",)) -> dict:
+    """Per served shape with honest claims: bounds from its rows alone (`calibrate`), what they catch there, and
+    bounds from its even work ids judging its odd ones (`held_out`). Rows naming one shape two ways (a benchmark's
+    name, a role's key) are one shape, reported under the first name."""
+    names: dict[str, str] = {}
+    for name in sorted({r["shape"] for r in rows if r["case"] in honest_cases}):
         key = shape_key(name)
-        if key is None:
-            continue
-        mine = [r for r in rows if r["shape"] == name]
-        cal = calibrate(mine)
-        half = calibrate([r for r in mine if r["work_id"] % 2 == 0])
+        if key is not None:
+            names.setdefault(key, name)
+    out = {}
+    for key, name in names.items():
+        mine = [r for r in rows if shape_key(r["shape"]) == key]
+        cal = calibrate(mine, honest_cases)
+        half = calibrate([r for r in mine if r["work_id"] % 2 == 0], honest_cases)
         out[name] = {"key": key, "calibration": cal, "pooled_rejections": caught(mine, cal),
                      "held_out": caught([r for r in mine if r["work_id"] % 2 == 1], half)}
     return out
@@ -182,15 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixture", type=Path, action="append", default=[],
                     help="also a cross-device fixture's claims judged here on the CPU (tests/fixtures/cross_device)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--honest", action="append", default=["honest"],
+                    help="also count claims of this case as honest (`network`: a traced validator's, of honest nodes)")
     args = ap.parse_args(argv)
     rows = read(args.evidence) + [r for d in args.fixture for r in fixture_evidence(d)]
-    cal = calibrate(rows)
+    honest = tuple(args.honest)
+    cal = calibrate(rows, honest)
     result = {"bench": "pooled_calibration", "inputs": [str(p) for p in args.evidence + args.fixture],
               "claims": len(rows),
               "hardware_margin": HARDWARE_MARGIN, "z": Z, "min_chunks": MIN_CHUNKS, "min_tokens": MIN_TOKENS,
               "calibration": cal, "pooled_rejections": caught(rows, cal),
               "pooled_rejections_in_force": caught(rows, in_force(), in_force_by_shape({r["shape"] for r in rows})),
-              "by_shape": by_shape(rows)}
+              "honest_cases": list(honest), "by_shape": by_shape(rows, honest)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

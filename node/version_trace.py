@@ -15,6 +15,8 @@ from pathlib import Path
 
 FILE = "versions.jsonl"
 ROUNDS = "rounds.jsonl"
+EVIDENCE = "evidence.jsonl"
+"""A validator's: each judged claim's pooled-check evidence (node/roles/validator.py `evidence_rows`)."""
 SWAPS = "swaps.jsonl"
 """One line per version a built-in engine put into its weights (`version`, `t_applied`, `stage_s`: staged
 on the device off the engine's thread, `apply_s`: the swap between two steps, `staged_on_device`, `bytes`, and since
@@ -46,14 +48,15 @@ class VersionTrace:
 
 
 class RoundTrace:
-    """An `on_round` hook appending each round's row to a JSON-lines file."""
+    """An `on_round` hook appending each round's row (an `on_evidence` hook: each of its rows) to a JSON-lines
+    file."""
 
     def __init__(self, path: Path):
         self.path = path
 
-    def __call__(self, row: dict) -> None:
+    def __call__(self, row: dict | list[dict]) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in (row if isinstance(row, list) else [row]))
 
 
 def install(node) -> None:
@@ -63,3 +66,5 @@ def install(node) -> None:
     if hasattr(node, "on_swapped"):
         node.on_swapped.append(VersionTrace(node.workdir / SWAPS))
     node.on_round.append(RoundTrace(node.workdir / ROUNDS))
+    if hasattr(node, "on_evidence"):
+        node.on_evidence.append(RoundTrace(node.workdir / EVIDENCE))

@@ -54,6 +54,7 @@ from protocol.work import AcceptedGroup, OpenedUnit, UnreadableUnit, sampling_se
 from shardcast.store import Store
 from verification.checks import Reason, Severity
 from verification.claim import RolloutClaim, SamplingSpec
+from verification.pooled import POOLED_DETAIL
 from verification.validator import verify_claims
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,10 @@ class ValidatorNode:
         without waiting for the model either), seconds the round waited for its turn on the model, the policy
         versions its claims name, claims of more than one version, whether it had the model alone (it switched
         versions), the garbage collector's seconds and full passes inside the round); node/version_trace.py."""
+        self.on_evidence: list = []
+        """Hooks given each round's claims' `verification.pooled.Evidence` as rows (`evidence_rows`): a traced
+        validator (`--trace-versions`) appends them to WORKDIR/evidence.jsonl, which `benchmarks.pooled_calibration`
+        reads."""
         self._round_tokens, self._round_verify_s, self._round_turn_wait_s = 0, 0.0, 0.0
         self._round_shape = {"versions": 0, "mixed": 0, "alone": False}
         self._collections = Collections()
@@ -310,10 +315,14 @@ class ValidatorNode:
             t_verify = time.time()
             self._round_turn_wait_s = t_verify - t_turn  # behind a hold reading a version in (not busy time)
             try:
-                verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines)
+                evidence: list = []
+                verdicts = await asyncio.to_thread(verify_claims, [c for _, c in flat], ref, None, self.spec.engines,
+                                                   evidence)
             finally:
                 await self._turns.leave(reader)
             self._round_verify_s = time.time() - t_verify
+            for hook in self.on_evidence:
+                hook(evidence_rows(flat, verdicts, evidence, ref, submitters))
             unjudged = set()
             for (wid, _), v in zip(flat, verdicts):
                 if v.reason == Reason.UNJUDGED:  # out of memory recomputing it: no evidence either way
@@ -370,3 +379,22 @@ def resident_model(spec: RunSpec, device: str | torch.device, state: Mapping[str
     model = blank_model(spec, device, spec.model.fp8)
     StagedVersion.of(model, state, expected_shapes(model), stage=False).apply()
     return model.eval()
+
+
+def evidence_rows(flat: list[tuple[int, RolloutClaim]], verdicts: list, evidence: list, ref: TorchReference,
+                  submitters: dict[int, str]) -> list[dict]:
+    """One row per judged claim (`verdicts`: `verify_claims`'s, in order) in `benchmarks.pooled_calibration`'s
+    form: its work id, submitter, whether it passed alone (accepted, or rejected only by its submission's pooled
+    check) and its evidence sums. `case`
+    "network": nobody here knows whether a claim was honest (a benchmark whose nodes all are says so when it
+    calibrates: `pooled_calibration --honest network`)."""
+    rows = []
+    for (wid, claim), v, ev in zip(flat, verdicts, evidence):
+        if v.reason == Reason.UNJUDGED:
+            continue
+        rows.append({"precision": ref.precision, "case": "network", "shape": ref.shape, "engine_device": claim.engine,
+                     "judge_device": str(ref.device), "batch": "network", "work_id": wid,
+                     "submitter": submitters[wid], "tokens_claimed": len(claim.token_ids),
+                     "passed_alone": v.accepted or str(v.detail).startswith(POOLED_DETAIL), **vars(ev)})
+    return rows
+

@@ -56,6 +56,10 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     # a round whose claims name two versions switches the model between them: never beside a hold (whether any
     # round does depends on when versions land against the units in flight, so it is not asserted)
     assert all(isinstance(r["alone"], bool) for r in judged) and all(r["alone"] for r in judged if r["versions"] > 1)
+    # each judged claim's pooled-check evidence, as `benchmarks.pooled_calibration` reads it
+    ev = [json.loads(x) for x in (tmp_path / "validator" / "evidence.jsonl").read_text().splitlines()]
+    assert len({r["work_id"] for r in ev}) >= 4 * 8 and all(r["passed_alone"] and r["case"] == "network" for r in ev)
+    assert all(r["chunks"] > 0 and r["tokens"] >= 0 and r["shape"].startswith("qwen3_moe:layers=") for r in ev)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["validator_verify_s"] == round(sum(r["verify_s"] for r in judged), 2)
     assert summary["validator_slowest_round"]["verify_s"] == max(r["verify_s"] for r in judged)
