@@ -111,9 +111,12 @@ def weight_latency(out: Path, n: int, rows: list[dict]) -> tuple[list[float], di
                 swap = applied.get(v)
                 if swap is not None:  # the engine's record: staged off its thread, then swapped between two steps
                     stages["swap_wait_s"].append(swap["t_applied"] - queued["t_queued"])
-                    if swap.get("t_granted") is not None:  # since session 32: queued -> leases granted -> applied
-                        stages["lease_wait_s"].append(swap["t_granted"] - queued["t_queued"])
-                        stages["admit_s"].append(swap["t_applied"] - swap["t_granted"])
+                    if "t_granted" in swap:  # since session 32: queued -> leases granted -> applied
+                        # None: applied before a lease holding it was granted (the engine had other work), so
+                        # none of the wait was the lease's, and both lists cover every swap (their medians compare)
+                        granted = max(queued["t_queued"], swap["t_granted"] or queued["t_queued"])
+                        stages["lease_wait_s"].append(granted - queued["t_queued"])
+                        stages["admit_s"].append(swap["t_applied"] - granted)
                     stages["stage_s"].append(swap.get("stage_s", 0.0))
                     if swap.get("ring_threads"):  # since session 33: the staging's ring threads, per thread
                         stages["stage_host_s"].append(swap["ring_host_s"] / swap["ring_threads"])
