@@ -103,7 +103,8 @@ def in_force() -> dict:
 
 
 def thresholds(bounds: dict) -> PooledThresholds:
-    return PooledThresholds(**{k: PooledBound(v["centre"], v["width"]) for k, v in bounds.items()})
+    return PooledThresholds(**{k: PooledBound(v["centre"], v["width"]) for k, v in bounds.items() if isinstance(v, dict)},
+                            max_positions=bounds.get("max_positions"))
 
 
 def in_force_by_shape(names) -> dict:
@@ -128,14 +129,18 @@ def caught(rows: list[dict], cal: dict, by_shape: dict | None = None) -> dict:
         if not r.get("passed_alone", True):
             failed_alone.add(unit)
             continue
-        units[unit].add(Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")}))
+        units[unit].add(Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")},
+                                 positions=r.get("positions", 0)))
     tally: dict = defaultdict(lambda: [0, 0, 0.0])
     for unit, ev in units.items():
         precision, path, case, _, _, shape = unit
-        mine = (by_shape or {}).get(shape, cal)
-        if precision not in mine:
+        own = (by_shape or {}).get(shape, {}).get(precision)
+        if own is not None and (own["bounds"].get("max_positions") or ev.positions) >= ev.positions:
+            t = {precision: thresholds(own["bounds"])}  # a shape's own, up to the length it measured
+        elif precision in cal:
+            t = {precision: thresholds(cal[precision]["bounds"])}
+        else:
             continue
-        t = {precision: thresholds(mine[precision]["bounds"])}
         over = unit in failed_alone or check_pooled(ev, precision, 1, t) is not None
         near = nearest_bound(ev, t[precision])
         cell = tally[(precision, path, case)]
@@ -177,7 +182,8 @@ def by_shape(rows: list[dict], honest_cases: tuple[str, ...] = ("honest",)) -> d
         mine = [r for r in rows if shape_key(r["shape"]) == key]
         cal = calibrate(mine, honest_cases)
         half = calibrate([r for r in mine if r["work_id"] % 2 == 0], honest_cases)
-        out[name] = {"key": key, "calibration": cal, "pooled_rejections": caught(mine, cal),
+        told = [r["positions"] for r in mine if r["case"] in honest_cases and r.get("positions")]
+        out[name] = {"key": key, "positions_max": max(told) if told else None, "calibration": cal, "pooled_rejections": caught(mine, cal),
                      "held_out": caught([r for r in mine if r["work_id"] % 2 == 1], half)}
     return out
 

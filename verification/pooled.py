@@ -34,6 +34,9 @@ class Evidence:
     """Tokens whose logprob error is summed (each version segment's largest left out: heavy tails)."""
     logprob_err: float = 0.0
     """Summed over those tokens: |claimed - recomputed| logprob (nats)."""
+    positions: int = 0
+    """The longest sequence (prompt + completion) among the claims (0: not told): a shape's own bounds hold only up
+    to the length their calibration measured (`PooledThresholds.max_positions`)."""
 
     def add(self, other: Evidence) -> None:
         self.chunks += other.chunks
@@ -41,6 +44,7 @@ class Evidence:
         self.mant_err += other.mant_err
         self.tokens += other.tokens
         self.logprob_err += other.logprob_err
+        self.positions = max(self.positions, other.positions)
 
     def means(self) -> dict[str, float]:
         """Per chunk (exponent mismatches, mantissa error) and per token (logprob error)."""
@@ -67,6 +71,10 @@ class PooledThresholds:
     exp_per_chunk: PooledBound
     mant_err_mean: PooledBound
     logprob_err_mean: PooledBound
+    max_positions: int | None = None
+    """The longest sequence (prompt + completion) the calibration measured, where the bounds are a shape's own:
+    honest drift grows along a sequence, so a longer submission is judged by the precision's bounds (`bounds_for`).
+    None: any length."""
 
 
 HARDWARE_MARGIN = 1.25
@@ -108,6 +116,12 @@ def shape_of(config) -> str:
             f":experts={config.num_experts}x{config.moe_intermediate_size}:top={config.num_experts_per_tok}")
 
 
+SHORT = 64
+"""The longest sequence the per-shape evidence measured: the benchmarks' rollouts (`detection_device`, `false_bans`)
+are the test harness's, at most 64 positions. An honest 8-submission of the 5.2B network's ~1,000-token rollouts
+crossed the 8-layer shape's exponent bound (session 35: 2.469 per chunk against 2.451 over 256 chunks), so longer
+submissions keep `POOLED` until evidence of long rollouts (a traced validator's `evidence.jsonl`) calibrates them."""
+
 POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
     # Honest drift grows with depth: `POOLED`'s centres come from the 48-layer shape, so at 8 layers a submission
     # tampered with by 1% of one layer's weights' std sat below them (issue 26: 1 of 32 caught in bf16, 0 in FP8;
@@ -121,30 +135,36 @@ POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
     # honest rollouts per precision of `CudaEngine` judged on the same 1x H100 (torch 2.11 cu130; sessions 28 and
     # 33, `detection_evidence-8l-128e-*.jsonl.gz`).
     "qwen3_moe:layers=8:hidden=2048:experts=128x768:top=8": {
-        "bfloat16": PooledThresholds(PooledBound(2.20, 4.01), PooledBound(0.473, 0.306), PooledBound(0.00538, 0.0185)),
+        "bfloat16": PooledThresholds(PooledBound(2.20, 4.01), PooledBound(0.473, 0.306), PooledBound(0.00538, 0.0185),
+                                     SHORT),
         "fp8-all-bfloat16": PooledThresholds(PooledBound(9.23, 9.73), PooledBound(2.42, 0.876),
-                                             PooledBound(0.0320, 0.0874)),
+                                             PooledBound(0.0320, 0.0874), SHORT),
         "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.55, 5.43), PooledBound(0.836, 0.370),
-                                                 PooledBound(0.00814, 0.0245)),
+                                                 PooledBound(0.00814, 0.0245), SHORT),
     },
     # The 0.52B network's model (`random:qwen3-moe-small`: 8 layers, hidden 1024, 32 experts): 1x H200 (torch 2.11
     # cu130), decode batches 4, 64 and 256 (`pooled_evidence-h200.jsonl.gz`, the evidence `POOLED` also came from).
     "qwen3_moe:layers=8:hidden=1024:experts=32x512:top=4": {
-        "bfloat16": PooledThresholds(PooledBound(2.30, 4.49), PooledBound(0.597, 0.295), PooledBound(0.00446, 0.0124)),
+        "bfloat16": PooledThresholds(PooledBound(2.30, 4.49), PooledBound(0.597, 0.295), PooledBound(0.00446, 0.0124),
+                                     SHORT),
         "fp8-all-bfloat16": PooledThresholds(PooledBound(8.95, 9.91), PooledBound(2.60, 1.23),
-                                             PooledBound(0.0239, 0.0648)),
+                                             PooledBound(0.0239, 0.0648), SHORT),
         "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.59, 5.63), PooledBound(0.968, 0.380),
-                                                 PooledBound(0.00685, 0.0178)),
+                                                 PooledBound(0.00685, 0.0178), SHORT),
     },
 }
 """Per served shape (`shape_of`), per precision: bounds calibrated on that shape, which replace `POOLED`'s for it
 (the record's figures rounded up: `verification/calibration/pooled.json` `by_shape`)."""
 
 
-def bounds_for(precision: str, shape: str | None = None) -> PooledThresholds | None:
-    """The pooled bounds a submission of `precision` on `shape` is judged by: the shape's own where calibrated,
-    else the precision's (`POOLED`); None: not pooled."""
-    return POOLED_BY_SHAPE.get(shape or "", {}).get(precision) or POOLED.get(precision)
+def bounds_for(precision: str, shape: str | None = None, positions: int = 0) -> PooledThresholds | None:
+    """The pooled bounds a submission of `precision` on `shape` whose longest sequence has `positions` positions
+    is judged by: the shape's own where calibrated up to that length, else the precision's (`POOLED`); None: not
+    pooled."""
+    own = POOLED_BY_SHAPE.get(shape or "", {}).get(precision)
+    if own is not None and (own.max_positions is None or positions <= own.max_positions):
+        return own
+    return POOLED.get(precision)
 
 
 POOLED_DETAIL = "pooled over"
@@ -163,7 +183,7 @@ def check_pooled(ev: Evidence, precision: str, rollouts: int, bounds: dict[str, 
     """The pooled statistic furthest past its bound, if any (None: within every bound, or not pooled).
     `shape`: the served architecture (`shape_of`), for `bounds_for`; `bounds`: other bounds than those, per
     precision (a calibration judging evidence by its candidates)."""
-    t = bounds_for(precision, shape) if bounds is None else bounds.get(precision)
+    t = bounds_for(precision, shape, ev.positions) if bounds is None else bounds.get(precision)
     worst = nearest_bound(ev, t) if t is not None else None
     if worst is None or worst[1] <= worst[2]:
         return None

@@ -417,7 +417,7 @@ def verify_claims(claims: list[RolloutClaim], ref: Reference, key: NodeKey | Non
     of one work id are one submission, also judged together (`_pool`); `evidence`, an empty list,
     receives what each claim's recomputation measured (benchmarks, calibration)."""
     evidence = evidence if evidence is not None else []
-    evidence[:] = [Evidence() for _ in claims]
+    evidence[:] = [Evidence(positions=len(c.prompt_ids) + len(c.token_ids)) for c in claims]
     failures: list[Failure | None] = [None] * len(claims)
     plans: list[_Plan | None] = [None] * len(claims)
     for i, claim in enumerate(claims):
