@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from verification.pooled import (HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Z, Evidence, PooledBound,
-                                PooledThresholds, check_pooled, nearest_bound, shape_of)
+                                PooledThresholds, check_pooled, nearest_bound, ratio, shape_of)
 
 STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_err", "chunks"),
          ("logprob_err_mean", "logprob_err", "tokens"))
@@ -146,7 +146,7 @@ def caught(rows: list[dict], cal: dict, by_shape: dict | None = None) -> dict:
         cell = tally[(precision, path, case)]
         cell[0] += 1
         cell[1] += bool(over)
-        cell[2] = max(cell[2], near[1] / near[2] if near and unit not in failed_alone else 0.0)
+        cell[2] = max(cell[2], ratio(near[1], near[2]) if near and unit not in failed_alone else 0.0)
     out: dict = defaultdict(dict)
     for (precision, path, case), (n, k, near) in sorted(tally.items()):
         out[f"{precision} {path}"][case] = {"submissions": n, "rejected": round(k / n, 4), "nearest": round(near, 3)}

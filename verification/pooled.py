@@ -190,7 +190,12 @@ def check_pooled(ev: Evidence, precision: str, rollouts: int, bounds: dict[str, 
     reason, got, bound, what = worst
     n = ev.tokens if reason == Reason.LOGPROB_MISMATCH else ev.chunks
     return PooledFailure(reason, f"{POOLED_DETAIL} {rollouts} rollouts: {what} {got:.4f} > {bound:.4f} "
-                         f"(n = {n})", graded(got / bound))
+                         f"(n = {n})", graded(ratio(got, bound)))
+
+
+def ratio(got: float, bound: float) -> float:
+    """`got` over `bound`; a bound of 0 (exact agreement calibrated) makes any difference infinitely far."""
+    return got / bound if bound > 0 else (math.inf if got > 0 else 0.0)
 
 
 def nearest_bound(ev: Evidence, t: PooledThresholds) -> tuple[Reason, float, float, str] | None:
@@ -205,4 +210,4 @@ def nearest_bound(ev: Evidence, t: PooledThresholds) -> tuple[Reason, float, flo
     if ev.tokens >= MIN_TOKENS:
         figures.append((Reason.LOGPROB_MISMATCH, m["logprob_err_mean"], t.logprob_err_mean.at(ev.tokens),
                         "logprob error per token"))
-    return max(figures, key=lambda f: f[1] / f[2])
+    return max(figures, key=lambda f: ratio(f[1], f[2]))

@@ -60,6 +60,12 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     ev = [json.loads(x) for x in (tmp_path / "validator" / "evidence.jsonl").read_text().splitlines()]
     assert len({r["work_id"] for r in ev}) >= 4 * 8 and all(r["passed_alone"] and r["case"] == "network" for r in ev)
     assert all(r["chunks"] > 0 and r["tokens"] >= 0 and r["shape"].startswith("qwen3_moe:layers=") for r in ev)
+    assert all(0 < r["tokens_claimed"] < r["positions"] for r in ev)  # the prompt's positions counted too
+    from benchmarks.pooled_calibration import by_shape, calibrate, caught
+    (shape,) = by_shape(ev, ("network",)).values()  # a network of honest nodes calibrates the shape it serves
+    assert shape["key"] == ev[0]["shape"] and shape["positions_max"] == max(r["positions"] for r in ev)
+    cal = calibrate(ev, ("network",))
+    assert [c["network"]["rejected"] for c in caught(ev, cal).values()] == [0.0]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["validator_verify_s"] == round(sum(r["verify_s"] for r in judged), 2)
     assert summary["validator_slowest_round"]["verify_s"] == max(r["verify_s"] for r in judged)

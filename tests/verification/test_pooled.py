@@ -121,3 +121,14 @@ def test_honest_submissions_of_the_8_layer_shape_pass_its_bounds_and_one_tampere
         assert rejected("honest", SHAPE_8L) == 0 and rejected("honest", None) == 0
         assert rejected("noise1pct/layer0", SHAPE_8L) == 32, precision
         assert rejected("noise1pct/layer0", None) <= 1, precision
+
+
+def test_a_zero_bound_passes_exact_agreement_and_fails_any_difference():
+    """A centre and width of 0 (a path that agreed exactly, as CPU float32 does) divides nothing by zero."""
+    from verification.pooled import PooledThresholds, ratio
+
+    exact = {"float32": PooledThresholds(*(PooledBound(0.0, 0.0) for _ in range(3)))}
+    assert ratio(0.0, 0.0) == 0.0 and ratio(0.1, 0.0) == math.inf
+    assert check_pooled(_evidence(8, 0, 0, 100, 0), "float32", 2, exact) is None
+    f = check_pooled(_evidence(8, 0, 0.5, 100, 0), "float32", 2, exact)
+    assert f is not None and f.reason == Reason.HIDDEN_MISMATCH and f.severity == Severity.PROOF
