@@ -69,7 +69,7 @@ def engine_for(case: str, base, fp8: str, args):
 
 def case_claims(case: str, precision: str, base, ref, args) -> list:
     """`--rollouts` claims of `case`, every `--group` consecutive ones one submission (a shared work id)."""
-    work = [(s, D.R.spec(s)) for s in range(5000, 5000 + args.rollouts)]
+    work = [(s, D.R.spec(s, max_new_tokens=args.new_tokens)) for s in range(5000, 5000 + args.rollouts)]
     eng = engine_for(case, base, D.PRECISIONS[precision][1], args)
     claims = D.claims_of(eng, work, base.config)
     eng.close()
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
     bases, refs, out = {}, {}, {p: {} for p in precisions}
     for precision in precisions:
         dtype, fp8 = D.PRECISIONS[precision]
-        bases[precision] = D.random_model(args.shape, dtype, args.device)
+        bases[precision] = D.random_model(args.shape, dtype, args.device, positions=args.max_seq)
         refs[precision] = D.judge_reference({0: bases[precision], 1: D.noisy(bases[precision], VERSION_STEP, "all",
                                                                              seed=7)}, fp8, args.device)
         assert refs[precision].precision == precision, refs[precision].precision
@@ -140,7 +140,8 @@ def report(args: argparse.Namespace, out: dict, t0: float) -> dict:
     return {"bench": "detection_device", "command": "python -m benchmarks.detection_device " + " ".join(sys.argv[1:]),
             "device": args.device, "engine": args.engine, "shape": D.shape_facts(args.shape),
             "provenance": D.provenance(args.device), "rollouts_per_case": args.rollouts, "engine_batch": args.batch,
-            "rollouts_per_submission": args.group, "pooled": {p: asdict(b) for p in out if (b := bounds_for(p, shape_of(D.config_of(args.shape))))},
+            "rollouts_per_submission": args.group, "max_seq": args.max_seq, "new_tokens": args.new_tokens,
+            "pooled": {p: asdict(b) for p in out if (b := bounds_for(p, shape_of(D.config_of(args.shape))))},
             "seconds": round(time.perf_counter() - t0, 1),
             "honest_rejected": {p: r.get("honest") for p, r in rate.items()},
             "detection": {p: {c: v for c, v in r.items() if c != "honest"} for p, r in rate.items()},
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                     "python -m benchmarks.pooled_calibration reads them)")
     ap.add_argument("--batch", type=int, default=64, help="engine batch (slots)")
     ap.add_argument("--seconds", type=float, default=170.0, help="start no case after this long (the rest: skipped)")
+    ap.add_argument("--max-seq", type=int, default=D.R.MAX_SEQ, help="sequence limit, prompt + completion (the "
+                    "harness's 64 by default; the network's rollouts run to ~1,000 tokens)")
+    ap.add_argument("--new-tokens", type=int, default=40, help="completion limit of each rollout")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if unknown := [p for p in args.precisions.split(",") if p and p not in D.PRECISIONS]:

@@ -60,9 +60,9 @@ PRECISIONS: dict[str, tuple[torch.dtype, str]] = {
 """A run's precision (the thresholds' key, verification/checks.py): (base dtype, `ModelSpec.fp8`)."""
 
 
-def config_of(shape: str) -> ModelConfig:
+def config_of(shape: str, positions: int = R.MAX_SEQ) -> ModelConfig:
     fields = {k: v for k, v in SHAPES[shape].items() if k not in ("std", "vocab")}
-    return ModelConfig(vocab_size=SHAPES[shape].get("vocab", R.TOK.vocab_size), max_position_embeddings=R.MAX_SEQ,
+    return ModelConfig(vocab_size=SHAPES[shape].get("vocab", R.TOK.vocab_size), max_position_embeddings=positions,
                        **fields)
 
 
@@ -77,11 +77,12 @@ def shape_facts(shape: str) -> dict:
             "params": params}
 
 
-def random_model(shape: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> CausalLM:
+def random_model(shape: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+                 positions: int = R.MAX_SEQ) -> CausalLM:
     """Random weights of `shape` in `dtype`, initialised where they will live (a 4.6B model never passes
-    through float32 on the host): norms 1, every other tensor N(0, std)."""
+    through float32 on the host): norms 1, every other tensor N(0, std). `positions`: its sequence limit."""
     with torch.device("meta"):
-        model = CausalLM(config_of(shape))
+        model = CausalLM(config_of(shape, positions))
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -129,12 +130,14 @@ def default_engine(device: str) -> str:
 
 def build_engine(model: CausalLM, fp8: str, device: str, max_batch: int, engine: str | None = None,
                  version: int = 0, threads: int | None = None):
-    """The inference role's engine serving a copy of `model` (policy `version`), hidden states and routed
-    experts captured. `builtin-cuda`: `CudaEngine` quantised on `device`, graphs captured for every bucket."""
+    """The inference role's engine serving a copy of `model` (policy `version`; sequences up to its
+    `max_position_embeddings`), hidden states and routed experts captured. `builtin-cuda`: `CudaEngine` quantised
+    on `device`, graphs captured for every bucket."""
     engine = engine or default_engine(device)
     if threads:
         torch.set_num_threads(threads)
-    kwargs = dict(max_batch=max_batch, max_seq_len=R.MAX_SEQ, eos_id=R.TOK.eos_id, decode=R.TOK.decode,
+    kwargs = dict(max_batch=max_batch, max_seq_len=model.config.max_position_embeddings, eos_id=R.TOK.eos_id,
+                  decode=R.TOK.decode,
                   capture_hidden=True, capture_experts=True, version=version)
     if engine == "builtin":
         from node.engine import Engine
@@ -171,7 +174,8 @@ def claims_from_completions(comps: list, work: list, cfg: ModelConfig) -> list:
 def judge_reference(policies: dict[int, CausalLM], fp8: str, device: str):
     """The validator role's `TorchReference` over `policies` (version -> base model), each copied to
     `device` and quantised there as the run prescribes."""
-    return R.reference({v: apply_fp8_mode(copy.deepcopy(m).to(device), fp8) for v, m in policies.items()})
+    return R.reference({v: apply_fp8_mode(copy.deepcopy(m).to(device), fp8) for v, m in policies.items()},
+                       max_seq_len=max(m.config.max_position_embeddings for m in policies.values()))
 
 
 def provenance(device: str) -> dict:

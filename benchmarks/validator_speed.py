@@ -55,7 +55,8 @@ def role_reference(model, device: str) -> TorchReference:
     """The validator role's reference (`ValidatorNode._judge`): one resident model, the role's budget rules."""
     prompt_ids, reward = env_oracle(R.TOK)
     policies = ResidentPolicies(copy.deepcopy(model).to(device).eval(), 0, R.manifest(0))
-    return TorchReference(policies, eos_id=R.TOK.eos_id, max_seq_len=R.MAX_SEQ, decode=R.TOK.decode,
+    return TorchReference(policies, eos_id=R.TOK.eos_id, max_seq_len=model.config.max_position_embeddings,
+                          decode=R.TOK.decode,
                           tasks=prompt_ids, reward=reward)
 
 
@@ -90,16 +91,8 @@ def completion_lengths(n: int, most: int, tail: str, seed: int = 0) -> list[int]
 
 
 def run(args: argparse.Namespace) -> dict:
-    before = R.MAX_SEQ
-    R.MAX_SEQ = max(before, args.new_tokens + 24)  # the harness's prompts fit in 24 positions (64 - its 40)
-    try:
-        return _run(args)
-    finally:
-        R.MAX_SEQ = before  # the shared harness's, for whoever runs next in this process
-
-
-def _run(args: argparse.Namespace) -> dict:
-    model = D.random_model(args.shape, getattr(torch, args.dtype), args.device)
+    positions = max(R.MAX_SEQ, args.new_tokens + 24)  # the harness's prompts fit in 24 positions (64 - its 40)
+    model = D.random_model(args.shape, getattr(torch, args.dtype), args.device, positions=positions)
     cfg = model.config
     lengths = completion_lengths(args.rollouts, args.new_tokens, args.lengths)
     work = [(s, R.spec(s, max_new_tokens=n)) for s, n in zip(range(7000, 7000 + args.rollouts), lengths)]
@@ -182,7 +175,7 @@ def _run(args: argparse.Namespace) -> dict:
         "command": "python -m benchmarks.validator_speed " + " ".join(sys.argv[1:]),
         "provenance": D.provenance(args.device), "shape": facts["name"], "params_b": round(facts["params"] / 1e9, 3),
         "vocab": cfg.vocab_size, "dtype": args.dtype, "rollouts": len(claims), "round_claims": args.round,
-        "lengths": args.lengths, "max_seq": R.MAX_SEQ,
+        "lengths": args.lengths, "max_seq": cfg.max_position_embeddings,
         "completion_tokens_p50_max": [sorted(len(c.token_ids) for c in claims)[len(claims) // 2],
                                       max(len(c.token_ids) for c in claims)],
         "group": args.group, "engine_batch": args.batch, "completion_tokens": completion_tokens,

@@ -31,10 +31,10 @@ def manifest(version: int) -> bytes:
     return hashlib.sha256(f"manifest-{version}".encode()).digest()
 
 
-def reference(policies: dict[int, CausalLM]) -> TorchReference:
+def reference(policies: dict[int, CausalLM], max_seq_len: int = MAX_SEQ) -> TorchReference:
     prompt_ids, reward = env_oracle(TOK)
     return TorchReference({v: (m, manifest(v)) for v, m in policies.items()}, eos_id=TOK.eos_id,
-                          max_seq_len=MAX_SEQ, decode=TOK.decode, tasks=prompt_ids, reward=reward)
+                          max_seq_len=max_seq_len, decode=TOK.decode, tasks=prompt_ids, reward=reward)
 
 
 def spec(seed: int, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 40) -> SamplingSpec:

@@ -172,3 +172,16 @@ def test_the_collector_clock_counts_the_collections_while_on_only():
     finally:
         c.close()
     assert c.full == 1 and c.seconds > 0
+
+
+@pytest.mark.slow  # 8 honest rollouts of up to 200 positions on the tiny shape, judged on the CPU
+def test_detection_device_runs_longer_sequences_than_the_harness_and_records_their_positions(tmp_path, capsys):
+    evidence = tmp_path / "evidence.jsonl"
+    assert detection_device.main(["--shape", "tiny", "--rollouts", "8", "--batch", "8", "--precisions", "bfloat16",
+                                  "--cases", "honest", "--max-seq", "200", "--new-tokens", "180",
+                                  "--evidence", str(evidence)]) == 0
+    r = _last_json(capsys)
+    assert r["max_seq"] == 200 and r["honest_rejected"] == {"bfloat16": 0.0}
+    rows = [json.loads(x) for x in evidence.read_text().splitlines()]
+    assert len(rows) == 8 and all(x["positions"] > x["tokens_claimed"] > 0 for x in rows)  # the prompt counted too
+    assert max(x["positions"] for x in rows) > 64 and all(x["positions"] <= 200 for x in rows)
