@@ -8,8 +8,11 @@ unit: its group of rollouts, one submitter) holds tens of chunks and hundreds of
 pooled means have a spread that falls as 1/sqrt(n), while a wrong policy shifts every one of them:
 the bound here is the honest centre with a hardware margin plus a width that shrinks with the pool.
 
+Bounds are the precision's (`POOLED`), or a served shape's own where its honest evidence calibrated them
+(`POOLED_BY_SHAPE`, for submissions no longer than that evidence's sequences: `bounds_for`).
+
 Invariant: pooling only adds rejections to claims that passed alone, and only for a precision with
-calibrated `POOLED` bounds; a precision without them is judged per rollout as before.
+calibrated bounds; a precision without them is judged per rollout as before.
 """
 
 from __future__ import annotations
