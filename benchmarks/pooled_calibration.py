@@ -28,8 +28,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from verification.pooled import (HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Z, Evidence, PooledBound,
-                                PooledThresholds, check_pooled, nearest_bound, ratio, shape_of)
+from verification.pooled import (HARDWARE_MARGIN, MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Z, Evidence,
+                                PooledBound, PooledThresholds, check_pooled, nearest_bound, ratio, shape_of)
 
 STATS = (("exp_per_chunk", "exp_mismatches", "chunks"), ("mant_err_mean", "mant_err", "chunks"),
          ("logprob_err_mean", "logprob_err", "tokens"))
@@ -103,8 +103,8 @@ def in_force() -> dict:
 
 
 def thresholds(bounds: dict) -> PooledThresholds:
-    return PooledThresholds(**{k: PooledBound(v["centre"], v["width"]) for k, v in bounds.items() if isinstance(v, dict)},
-                            max_positions=bounds.get("max_positions"))
+    stats = {k: PooledBound(v["centre"], v["width"]) for k, v in bounds.items() if isinstance(v, dict)}
+    return PooledThresholds(**stats, max_positions=bounds.get("max_positions"))
 
 
 def in_force_by_shape(names) -> dict:
@@ -183,7 +183,8 @@ def by_shape(rows: list[dict], honest_cases: tuple[str, ...] = ("honest",)) -> d
         cal = calibrate(mine, honest_cases)
         half = calibrate([r for r in mine if r["work_id"] % 2 == 0], honest_cases)
         told = [r["positions"] for r in mine if r["case"] in honest_cases and r.get("positions")]
-        out[name] = {"key": key, "positions_max": max(told) if told else None, "calibration": cal, "pooled_rejections": caught(mine, cal),
+        out[name] = {"key": key, "positions_max": max(told) if told else None,
+                     "calibration": cal, "pooled_rejections": caught(mine, cal),
                      "held_out": caught([r for r in mine if r["work_id"] % 2 == 1], half)}
     return out
 
