@@ -141,7 +141,8 @@ def report(args: argparse.Namespace, out: dict, t0: float) -> dict:
             "device": args.device, "engine": args.engine, "shape": D.shape_facts(args.shape),
             "provenance": D.provenance(args.device), "rollouts_per_case": args.rollouts, "engine_batch": args.batch,
             "rollouts_per_submission": args.group, "max_seq": args.max_seq, "new_tokens": args.new_tokens,
-            "pooled": {p: asdict(b) for p in out if (b := bounds_for(p, shape_of(D.config_of(args.shape))))},
+            "pooled": {p: asdict(b) for p in out  # the bounds its longest possible claims meet
+                       if (b := bounds_for(p, shape_of(D.config_of(args.shape)), args.max_seq))},
             "seconds": round(time.perf_counter() - t0, 1),
             "honest_rejected": {p: r.get("honest") for p, r in rate.items()},
             "detection": {p: {c: v for c, v in r.items() if c != "honest"} for p, r in rate.items()},

@@ -135,8 +135,9 @@ def caught(rows: list[dict], cal: dict, by_shape: dict | None = None) -> dict:
     for unit, ev in units.items():
         precision, path, case, _, _, shape = unit
         own = (by_shape or {}).get(shape, {}).get(precision)
-        if own is not None and (own["bounds"].get("max_positions") or ev.positions) >= ev.positions:
-            t = {precision: thresholds(own["bounds"])}  # a shape's own, up to the length it measured
+        own = thresholds(own["bounds"]) if own is not None else None
+        if own is not None and own.hold_for(ev.positions):  # a shape's own, up to the length it measured
+            t = {precision: own}
         elif precision in cal:
             t = {precision: thresholds(cal[precision]["bounds"])}
         else:

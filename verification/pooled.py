@@ -79,6 +79,11 @@ class PooledThresholds:
     honest drift grows along a sequence, so a longer submission is judged by the precision's bounds (`bounds_for`).
     None: any length."""
 
+    def hold_for(self, positions: int) -> bool:
+        """Whether a submission whose longest sequence has `positions` positions (0: not told) is within the
+        lengths these bounds were measured at."""
+        return self.max_positions is None or positions <= self.max_positions
+
 
 HARDWARE_MARGIN = 1.25
 """Centres sit this far above the worst honest path measured, for kernels nobody measured."""
@@ -165,7 +170,7 @@ def bounds_for(precision: str, shape: str | None = None, positions: int = 0) -> 
     is judged by: the shape's own where calibrated up to that length, else the precision's (`POOLED`); None: not
     pooled."""
     own = POOLED_BY_SHAPE.get(shape or "", {}).get(precision)
-    if own is not None and (own.max_positions is None or positions <= own.max_positions):
+    if own is not None and own.hold_for(positions):
         return own
     return POOLED.get(precision)
 

@@ -385,9 +385,9 @@ def evidence_rows(flat: list[tuple[int, RolloutClaim]], verdicts: list, evidence
                   submitters: dict[int, str]) -> list[dict]:
     """One row per judged claim (`verdicts`: `verify_claims`'s, in order) in `benchmarks.pooled_calibration`'s
     form: its work id, submitter, whether it passed alone (accepted, or rejected only by its submission's pooled
-    check) and its evidence sums. `case`
-    "network": nobody here knows whether a claim was honest (a benchmark whose nodes all are says so when it
-    calibrates: `pooled_calibration --honest network`)."""
+    check) and its evidence sums. `case` "network": nobody here knows whether a claim was honest (a benchmark whose
+    nodes all are says so when it calibrates: `pooled_calibration --honest network`); `engine_device`: the engine
+    the claim names."""
     rows = []
     for (wid, claim), v, ev in zip(flat, verdicts, evidence):
         if v.reason == Reason.UNJUDGED:
@@ -397,4 +397,3 @@ def evidence_rows(flat: list[tuple[int, RolloutClaim]], verdicts: list, evidence
                      "submitter": submitters[wid], "tokens_claimed": len(claim.token_ids),
                      "passed_alone": v.accepted or str(v.detail).startswith(POOLED_DETAIL), **vars(ev)})
     return rows
-
