@@ -353,11 +353,12 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
             for name in shards.names()}
 
 
-def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """The model in an HF-layout directory, filled tensor by tensor in `dtype` on the CPU; every config
+def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> CausalLM:
+    """The model in an HF-layout directory, filled tensor by tensor in `dtype` on `device`; every config
     field used or refused, every tensor present."""
     from node.model.fill import build_from_shards
 
     directory = Path(directory)
-    model, _ = build_from_shards(ModelConfig.from_file(directory / CONFIG), CheckpointShards(directory), dtype, "cpu")
+    model, _ = build_from_shards(ModelConfig.from_file(directory / CONFIG), CheckpointShards(directory), dtype, device)
     return model

@@ -249,7 +249,8 @@ class TrainerNode:
     def _resumed_or_warmed_up(self) -> Trainer:
         ckpt = self.workdir / "checkpoint"
         if (ckpt / "trainer.json").exists():
-            trainer = Trainer.load(ckpt, self.cfg, run_model=model_config(self.spec))
+            trainer = Trainer.load(ckpt, self.cfg, run_model=model_config(self.spec), device=self.device,
+                                   dtype=DTYPES[self.spec.model.dtype])
             log.info("resumed from checkpoint at step %d", trainer.step)
             return trainer
         model = fresh_model(self.spec, self.device)

@@ -91,3 +91,38 @@ def test_a_swap_a_crash_cut_is_finished_on_the_next_start(tmp_path, cut):
     want = {"after moving the previous aside": 1, "before removing the previous": 2, "while writing": 1}[cut]
     assert json.loads((ckpt / "trainer.json").read_text())["step"] == want
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
+def _resumes_where_it_trains(tmp_path, device: str, dtype: torch.dtype) -> Trainer:
+    """A trainer checkpoint resumed on `device` in `dtype` (the trainer role resumes in the run's dtype on its
+    own device): the weights, the AdamW moments and the step count beside each parameter as the optimizer keeps
+    them, and a step taken there from the saved state."""
+    trainer, batch = _trained(1)
+    ckpt = tmp_path / "checkpoint"
+    trainer.save(ckpt)
+    resumed = Trainer.load(ckpt, device=device, dtype=dtype)
+    before = _weights(resumed)
+    for p in resumed.model.parameters():
+        assert (p.device.type, p.dtype) == (device, dtype)
+        state = resumed.optimizer.state[p]
+        assert (state["exp_avg"].device.type, state["exp_avg"].dtype) == (device, dtype)
+        assert float(state["step"]) == 1.0
+    resumed.train_step(batch)
+    assert resumed.step == 2
+    for p in resumed.model.parameters():
+        assert float(resumed.optimizer.state[p]["step"]) == 2.0
+    assert any(not torch.equal(v, before[k]) for k, v in resumed.model.state_dict().items()), "the step moved nothing"
+    return resumed
+
+
+def test_a_trainer_resumes_in_the_runs_dtype(tmp_path):
+    """Before, a resumed trainer always came back on the CPU in float32, whatever the run's dtype and device."""
+    assert not _resumes_where_it_trains(tmp_path, "cpu", torch.bfloat16).fused
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_trainer_resumes_on_the_gpu_with_its_fused_optimizer(tmp_path):
+    resumed = _resumes_where_it_trains(tmp_path, "cuda", torch.bfloat16)
+    assert resumed.fused and resumed.optimizer.param_groups[0]["fused"]
+    # the fused kernel reads the step count on the device
+    assert all(resumed.optimizer.state[p]["step"].is_cuda for p in resumed.model.parameters())
