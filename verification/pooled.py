@@ -125,10 +125,14 @@ def shape_of(config) -> str:
 
 
 SHORT = 64
-"""The longest sequence the per-shape evidence measured: the benchmarks' rollouts (`detection_device`, `false_bans`)
-are the test harness's, at most 64 positions. An honest 8-submission of the 5.2B network's ~1,000-token rollouts
-crossed the 8-layer shape's exponent bound (session 35: 2.469 per chunk against 2.451 over 256 chunks), so longer
-submissions keep `POOLED` until evidence of long rollouts (a traced validator's `evidence.jsonl`) calibrates them."""
+"""The longest sequence of the test harness's rollouts (`detection_device`, `false_bans` by default): a shape whose
+evidence is only theirs is calibrated up to here. An honest 8-submission of the 5.2B network's ~1,000-token rollouts
+crossed the 8-layer shape's exponent bound calibrated on them alone (session 35: 2.469 per chunk against 2.451 over
+256 chunks): honest drift spreads wider along a long sequence, so longer submissions keep `POOLED` until evidence of
+their length calibrates them."""
+LONG_8L = 1008
+"""The longest sequence of the 8-layer shape's evidence: session 36's 1,000-token rollouts (`detection_device
+--max-seq 1100 --new-tokens 1000`, bf16 / FP8 all / FP8 experts, 1x H100) beside the harness's short ones."""
 
 POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
     # Honest drift grows with depth: `POOLED`'s centres come from the 48-layer shape, so at 8 layers a submission
@@ -139,16 +143,18 @@ POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
     # Only the shapes the network runs serve, which exist only as random weights (N(0, 0.02)): a real checkpoint of
     # an architecture here would be judged by random weights' drift, so real architectures are left to `POOLED`.
     #
-    # The 5.2B network's model (`random:qwen3-30b-a3b-8l`: Qwen3-30B-A3B's layer, 8 layers, 128 experts): 512
-    # honest rollouts per precision of `CudaEngine` judged on the same 1x H100 (torch 2.11 cu130; sessions 28 and
-    # 33, `detection_evidence-8l-128e-*.jsonl.gz`).
+    # The 5.2B network's model (`random:qwen3-30b-a3b-8l`: Qwen3-30B-A3B's layer, 8 layers, 128 experts): honest
+    # rollouts of `CudaEngine` judged on the same GPU (torch 2.11 cu130), 1,024-1,280 per precision: short ones on
+    # an H100 (sessions 28 and 33) and an H200 (session 35), 256 of 1,000 tokens on an H100 (session 36;
+    # `detection_evidence-8l-*.jsonl.gz`). The long rollouts' per-chunk spread set every width (about 2x the short
+    # ones' alone).
     "qwen3_moe:layers=8:hidden=2048:experts=128x768:top=8": {
-        "bfloat16": PooledThresholds(PooledBound(2.20, 4.01), PooledBound(0.473, 0.306), PooledBound(0.00538, 0.0185),
-                                     SHORT),
-        "fp8-all-bfloat16": PooledThresholds(PooledBound(9.23, 9.73), PooledBound(2.42, 0.876),
-                                             PooledBound(0.0320, 0.0874), SHORT),
-        "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.55, 5.43), PooledBound(0.836, 0.370),
-                                                 PooledBound(0.00814, 0.0245), SHORT),
+        "bfloat16": PooledThresholds(PooledBound(2.32, 9.19), PooledBound(0.461, 0.371), PooledBound(0.00531, 0.0182),
+                                     LONG_8L),
+        "fp8-all-bfloat16": PooledThresholds(PooledBound(8.68, 18.6), PooledBound(1.94, 2.21),
+                                             PooledBound(0.0248, 0.154), LONG_8L),
+        "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.90, 9.66), PooledBound(0.775, 0.512),
+                                                 PooledBound(0.00805, 0.0248), LONG_8L),
     },
     # The 0.52B network's model (`random:qwen3-moe-small`: 8 layers, hidden 1024, 32 experts): 1x H200 (torch 2.11
     # cu130), decode batches 4, 64 and 256 (`pooled_evidence-h200.jsonl.gz`, the evidence `POOLED` also came from).

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from verification.pooled import (MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, SHORT, Evidence, PooledBound,
+from verification.pooled import (LONG_8L, MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Evidence, PooledBound,
                                  bounds_for, check_pooled, shape_of)
 from verification.reasons import Reason, Severity
 
@@ -79,12 +79,12 @@ def test_a_served_shape_with_its_own_calibration_is_judged_by_it_and_any_other_b
     assert f is not None and f.reason == Reason.HIDDEN_MISMATCH and "mantissa" in f.detail
     # a shape's bounds hold up to the length their evidence measured: a longer submission gets the precision's
     own = POOLED_BY_SHAPE[SHAPE_8L]["bfloat16"]
-    assert own.max_positions == SHORT and bounds_for("bfloat16", SHAPE_8L, SHORT + 1) is POOLED["bfloat16"]
-    tampered.positions = SHORT
+    assert own.max_positions == LONG_8L and bounds_for("bfloat16", SHAPE_8L, LONG_8L + 1) is POOLED["bfloat16"]
+    tampered.positions = LONG_8L
     assert check_pooled(tampered, "bfloat16", 8, shape=SHAPE_8L) is not None
     longer = _evidence(16, 2.0, 1.02, 300, 0.004)
-    longer.add(Evidence(positions=SHORT + 1))
-    assert longer.positions == SHORT + 1 and check_pooled(longer, "bfloat16", 8, shape=SHAPE_8L) is None
+    longer.add(Evidence(positions=LONG_8L + 1))
+    assert longer.positions == LONG_8L + 1 and check_pooled(longer, "bfloat16", 8, shape=SHAPE_8L) is None
 
 
 def test_the_shape_bounds_in_force_are_their_record_rounded_up():
