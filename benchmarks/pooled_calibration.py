@@ -8,7 +8,8 @@ A path is (shape, engine device, judge device, engine batch); the honest claims 
 precision give, per statistic, the path's mean per chunk (token) and its per-chunk (per-token)
 standard deviation, estimated from the claims' own means (var = mean over claims of n x (claim mean -
 path mean)^2, so chunks of one rollout may correlate). Per precision: centre = HARDWARE_MARGIN x the
-largest path mean, width = Z x the largest standard deviation. Then every case's submissions (claims
+largest path mean, width = Z x the largest standard deviation, and a centre raised where an honest submission would
+still fail (`cover`: statistics far from normal). Then every case's submissions (claims
 sharing a work id) are judged by those bounds: honest ones must pass, the share of each tamper caught
 is reported. Prints one JSON line; `--out` also writes it (the record `POOLED` cites).
 
@@ -89,10 +90,44 @@ def calibrate(rows: list[dict], honest_cases: tuple[str, ...] = ("honest",)) -> 
             bounds[name] = {"centre": round(HARDWARE_MARGIN * per_path[worst_mean][name][0], 5),
                             "width": round(Z * per_path[worst_sd][name][1], 5),
                             "centre_set_by": worst_mean, "width_set_by": worst_sd}
+        cover(bounds, submissions([r for rs in paths.values() for r in rs])[0])
         out[precision] = {"bounds": bounds, "paths": {p: {k: [round(x, 5) for x in v] for k, v in m.items()}
                                                       for p, m in per_path.items()},
                           "honest_claims": {p: len(rs) for p, rs in paths.items()}}
     return out
+
+
+def cover(bounds: dict, honest: dict[tuple, Evidence]) -> None:
+    """Raise a centre, in place, to the least that passes every honest submission judged pooled: `width / sqrt(n)`
+    stands for a pooled mean's spread only where the statistic is near normal, and one that is mostly exact zeros
+    (a float32 CPU path, its engine and judge agreeing bit for bit on nearly every chunk) has submissions far out
+    in its tail. The bounds of the GPU evidence are never raised by it (their worst honest submission sits at
+    0.87 of its bound or less); "centre_set_by" then names the submission."""
+    for unit, ev in honest.items():
+        n_of = {"exp_per_chunk": ev.chunks, "mant_err_mean": ev.chunks, "logprob_err_mean": ev.tokens}
+        for name, mean in ev.means().items():
+            n, b = n_of[name], bounds[name]
+            if ev.chunks < MIN_CHUNKS or (name == "logprob_err_mean" and n < MIN_TOKENS):
+                continue  # not judged pooled (`nearest_bound`)
+            need = math.ceil((mean - b["width"] / math.sqrt(n)) * 1e5) / 1e5
+            if need > b["centre"]:
+                b["centre"], b["centre_set_by"] = need, f"the honest submission {unit[1]} work {unit[4]}"
+
+
+def submissions(rows: list[dict]) -> tuple[dict[tuple, Evidence], set[tuple]]:
+    """The claims' submissions (input file, precision, path, case, work id, shape) and their pooled evidence (of the
+    claims that passed alone), and those with a claim that failed alone."""
+    units: dict[tuple, Evidence] = {}
+    failed_alone: set[tuple] = set()
+    for r in rows:
+        unit = (r["precision"], path_of(r), r["case"], r.get("source"), r["work_id"], r["shape"])
+        units.setdefault(unit, Evidence())  # a unit whose claims all failed alone still counts
+        if not r.get("passed_alone", True):
+            failed_alone.add(unit)
+            continue
+        units[unit].add(Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")},
+                                 positions=r.get("positions", 0)))
+    return units, failed_alone
 
 
 def in_force() -> dict:
@@ -121,16 +156,7 @@ def caught(rows: list[dict], cal: dict, by_shape: dict | None = None) -> dict:
     or the pooled bounds `cal` reject the rest together, as the validator forms a unit's verdict), and `nearest`:
     the largest pooled figure over its bound among the submissions judged pooled (honest ones' margin).
     `by_shape`: per shape name, bounds that replace `cal`'s for its rows (`in_force_by_shape`)."""
-    units: dict[tuple, Evidence] = {}
-    failed_alone: set[tuple] = set()
-    for r in rows:
-        unit = (r["precision"], path_of(r), r["case"], r.get("source"), r["work_id"], r["shape"])
-        units.setdefault(unit, Evidence())  # a unit whose claims all failed alone still counts
-        if not r.get("passed_alone", True):
-            failed_alone.add(unit)
-            continue
-        units[unit].add(Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err")},
-                                 positions=r.get("positions", 0)))
+    units, failed_alone = submissions(rows)
     tally: dict = defaultdict(lambda: [0, 0, 0.0])
     for unit, ev in units.items():
         precision, path, case, _, _, shape = unit

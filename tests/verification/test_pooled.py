@@ -132,3 +132,31 @@ def test_a_zero_bound_passes_exact_agreement_and_fails_any_difference():
     assert check_pooled(_evidence(8, 0, 0, 100, 0), "float32", 2, exact) is None
     f = check_pooled(_evidence(8, 0, 0.5, 100, 0), "float32", 2, exact)
     assert f is not None and f.reason == Reason.HIDDEN_MISMATCH and f.severity == Severity.PROOF
+
+
+def test_a_calibration_passes_every_honest_submission_even_where_its_statistic_is_far_from_normal():
+    """`width / sqrt(n)` stands for a pooled mean's spread only near normality. On a path whose chunks mostly agree
+    bit for bit (a float32 CPU network: the sim's evidence), a submission holding the few that differ sat above the
+    bound its own evidence set (the sim test failed 1 run in 3). `cover` raises the centre to pass it; a submission
+    further out still fails, and evidence near normal keeps the rule's own bounds."""
+    from benchmarks.pooled_calibration import calibrate, caught
+
+    def row(work_id: int, mant_err: float, case: str = "honest") -> dict:
+        return {"precision": "float32", "case": case, "shape": "qwen3_moe:layers=2", "engine_device": "builtin",
+                "judge_device": "cpu", "batch": "network", "work_id": work_id, "passed_alone": True, "chunks": 4,
+                "exp_mismatches": 0, "mant_err": mant_err, "tokens": 0, "logprob_err": 0.0, "positions": 40}
+
+    sparse = [row(w, 0.0) for w in range(60)] + [row(60, 1.0)]  # one chunk in 244 off by an ulp
+    cal = calibrate(sparse, ("honest",))
+    b = cal["float32"]["bounds"]["mant_err_mean"]
+    assert b["centre_set_by"] == "the honest submission qwen3_moe:layers=2:builtin->cpu:bnetwork work 60"
+    assert b["centre"] + b["width"] / 2 >= 0.25  # work 60's pooled mean, 1.0 over 4 chunks
+    tampered = [row(100, 1.2, "noise")]
+    judged = caught(sparse + tampered, cal)["float32 qwen3_moe:layers=2:builtin->cpu:bnetwork"]
+    assert judged["honest"]["rejected"] == 0.0 and judged["noise"]["rejected"] == 1.0
+    # the rule alone (before `cover`) had rejected work 60: its centre was 1.25 x the path mean
+    rule_centre = round(1.25 * 1.0 / (61 * 4), 5)
+    assert rule_centre + b["width"] / 2 < 0.25
+    near_normal = [row(w, 0.3 + 0.02 * (w % 5)) for w in range(60)]
+    cal = calibrate(near_normal, ("honest",))
+    assert cal["float32"]["bounds"]["mant_err_mean"]["centre_set_by"] == "qwen3_moe:layers=2:builtin->cpu:bnetwork"
