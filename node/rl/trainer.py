@@ -90,13 +90,17 @@ def logprobs_at(model: CausalLM, batch: TrainBatch, rows: torch.Tensor, temperat
     return logp.new_zeros(b * t).index_copy(0, rows, logp).view(b, t), out
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""What PyTorch's fused AdamW takes (every parameter on a GPU in one of them, else foreach)."""
+
+
 class Trainer:
     def __init__(self, model: CausalLM, cfg: TrainerConfig = TrainerConfig()):
         self.model = apply_fp8_training(model) if cfg.fp8 else model  # in place: the same parameters and names
         self.cfg = cfg
         # fused on a GPU: one kernel reads and writes each parameter, gradient and moment once; the default
         # (foreach) makes about ten passes over them, 123 of 935 ms of a step's kernels at 1.87B (H100, s31)
-        self.fused = next(model.parameters()).device.type == "cuda"
+        self.fused = all(p.is_cuda and p.dtype in FUSED_DTYPES for p in model.parameters())
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=(0.9, 0.99), fused=self.fused)
         self.step = 0
