@@ -90,7 +90,8 @@ def step_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
     return {n: float((got[n].cpu() - want[n]).norm() / (want[n] - before[n]).norm().clamp(min=1e-30)) for n in want}
 
 
-def run_layout(dims: ParallelDims, device: str, router_replay: bool = False, micro_batch_tokens: int | None = None) -> dict:
+def run_layout(dims: ParallelDims, device: str, router_replay: bool = False, micro_batch_tokens: int | None = None,
+               foreach: bool | None = None) -> dict:
     """`micro_batch_tokens`: the parallel side in micro-batches of that many padded tokens, against the
     one-process whole-batch step (the load-balancing loss off: micro-batches share it by rows, an approximation)."""
     cfg = TrainerConfig(router_replay=router_replay, **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}))
@@ -102,7 +103,7 @@ def run_layout(dims: ParallelDims, device: str, router_replay: bool = False, mic
     started = time.perf_counter()
     groups = ParallelGroups.build(dims, device)
     model = parallelize(check_model(aux_coef=aux).to(device), groups)
-    trainer = DistributedTrainer(model, groups, cfg)
+    trainer = DistributedTrainer(model, groups, cfg, foreach=foreach)
     local = shard_batch(batch, groups).to(torch.device(device))
     loss = trainer.backward(local)
     grads = trainer.full_gradients()
@@ -116,7 +117,7 @@ def run_layout(dims: ParallelDims, device: str, router_replay: bool = False, mic
     return {"layout": dims.model_dump(), "loss": loss, "ref_loss": ref_loss,
             "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss), "grad_rel_err": worst(grads, ref_grads),
             "param_rel_err": worst(params, ref_params), "missing": sorted(set(ref_grads) - set(grads)),
-            "seconds": time.perf_counter() - started}
+            "optimizer_groups": len(trainer.optimizer.param_groups), "seconds": time.perf_counter() - started}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="the parallel side in micro-batches of this many padded tokens (load-balancing loss off)")
+    parser.add_argument("--foreach", action="store_true",
+                        help="the parallel side's AdamW on its multi-tensor path (a GPU's default) on any device")
     parser.add_argument("--out", help="rank 0 writes the results here as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for text in args.layouts.split(","):
         dims = parse_layout(text, fsdp=not args.no_fsdp, activation_checkpointing=args.activation_checkpointing)
-        result = run_layout(dims, device, args.router_replay, args.micro_batch_tokens)
+        result = run_layout(dims, device, args.router_replay, args.micro_batch_tokens, args.foreach or None)
         if dist.get_rank() == 0:
             log.info("%s: loss %.6g (one process %.6g) grad rel err %.2e param rel err %.2e", text,
                      result["loss"], result["ref_loss"], result["grad_rel_err"], result["param_rel_err"])

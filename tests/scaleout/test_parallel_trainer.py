@@ -62,6 +62,21 @@ def test_activation_checkpointing_and_ring_attention_match_one_process(tmp_path)
     _assert_matches_one_process(_torchrun(2, layouts, tmp_path / "r.json", "--activation-checkpointing"), layouts)
 
 
+def test_adamw_on_its_multi_tensor_path_a_group_a_mesh_matches_one_process(tmp_path):
+    """A GPU's AdamW default (foreach), here forced on the CPU: each parameter group holds one device mesh's
+    parameters (`mesh_groups`), and the step is the one-process step's."""
+    from node.rl.parallel.trainer import mesh_groups
+
+    layouts = "dp2-ep2,cp2"
+    results = _torchrun(2, layouts, tmp_path / "r.json", "--foreach")
+    _assert_matches_one_process(results, layouts)
+    assert [r["optimizer_groups"] for r in results] == [2, 2]  # two meshes in each layout: a group each
+    from benchmarks.parallel_parity import check_model
+
+    plain = check_model(aux_coef=0.0)  # one process, no mesh: one group
+    assert [len(g["params"]) for g in mesh_groups(plain)] == [len(list(plain.parameters()))]
+
+
 def test_without_fsdp_replicated_gradients_are_summed(tmp_path):
     layouts = "dp2-ep2,cp2"
     _assert_matches_one_process(_torchrun(2, layouts, tmp_path / "r.json", "--no-fsdp"), layouts)

@@ -143,13 +143,26 @@ def balancing_loss_share(out: ModelOutput, real: torch.Tensor | None, num_expert
     return share / len(logits)
 
 
+def mesh_groups(model: torch.nn.Module) -> list[dict]:
+    """The model's parameters as optimizer parameter groups, one a device mesh (plain tensors one group of their
+    own): expert and dense parameters live on different meshes, and DTensor refuses a multi-tensor op whose
+    tensors span meshes, so each group's multi-tensor AdamW stays on one mesh."""
+    by_mesh: dict = {}
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        key = None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+        by_mesh.setdefault(key, []).append(p)
+    return [{"params": params} for params in by_mesh.values()]
+
+
 class DistributedTrainer:
-    def __init__(self, model: CausalLM, groups: ParallelGroups, cfg: TrainerConfig = TrainerConfig(), seed: int = 0):
+    def __init__(self, model: CausalLM, groups: ParallelGroups, cfg: TrainerConfig = TrainerConfig(), seed: int = 0,
+                 foreach: bool | None = None):
+        """`foreach`: AdamW's multi-tensor path; None: PyTorch's choice (on GPUs the multi-tensor path, a kernel a
+        few dozen tensors, instead of a loop launching each parameter's update ops in turn; on the CPU the loop)."""
         self.model, self.groups, self.cfg, self.seed = model, groups, cfg, seed
-        # foreach=False: expert and dense parameters live on different meshes, and a fused
-        # multi-tensor op across meshes is refused by DTensor.
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           betas=(0.9, 0.99), foreach=False)
+        self.optimizer = torch.optim.AdamW(mesh_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=(0.9, 0.99), foreach=foreach)
         self.step = 0
 
     learning_rate = Trainer.learning_rate  # one schedule: it reads only cfg and step
