@@ -156,3 +156,13 @@ def test_the_coordinators_state_and_the_store_can_live_elsewhere_behind_the_same
     (out / "shardcast" / "r" / "payload").write_bytes(b"\0" * 1000)
     drop_stores(out)
     assert not (store / "r").exists() and (state / "log.txt").exists()
+
+
+def test_async_speedup_is_told_for_every_k_against_the_synchronous_run():
+    """`async_speedup` is the largest k's (k = 0's step over its own); `async_speedup_by_k` each k's, so a run of
+    k = 2, 1 and 0 also gives the issue's k = 1 figure; no k = 0 run (or no step): none."""
+    from benchmarks.gpu_network import speedups
+
+    runs = [{"k": 2, "step_s": 2.419}, {"k": 1, "step_s": 3.53}, {"k": 0, "step_s": 4.912}]
+    assert speedups(runs) == {1: 1.39, 2: 2.03}  # session 36's H100 runs
+    assert speedups(runs[:2]) == {} and speedups([{"k": 1, "step_s": None}, {"k": 0, "step_s": 4.0}]) == {}
