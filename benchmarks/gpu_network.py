@@ -435,6 +435,7 @@ def main() -> None:
     log.info("engine alone: %s", alone)
     last = max(runs, key=lambda r: r["k"])
     best = min(runs, key=lambda r: r["step_s"] or float("inf"))
+    by_k = speedups(runs)
     result = {
         "benchmark": "gpu_network", "machine": args.machine or _machine(), "model": args.model,
         "dtype": args.dtype, "model_params_b": _params_b(args, model_run), "task": args.task,
@@ -444,7 +445,7 @@ def main() -> None:
         "store_dir": str(args.store_dir) if args.store_dir else "OUT/shardcast (the roles' disk)",
         "store_payloads": str(args.store_payloads) if args.store_payloads else "beside the wire shards",
         "step_s": last["step_s"], "weight_latency_s": last["weight_latency_s"],
-        "async_speedup": speedups(runs).get(last["k"]), "async_speedup_by_k": speedups(runs),
+        "async_speedup": by_k.get(last["k"]), "async_speedup_by_k": by_k,
         "gen_tok_s": last["gen_tok_s"], "verify_over_generate": last["verify_over_generate"],
         "gpu_busy_share": max((g["busy_share"] for g in last["gpus"].values()), default=None),
         "trained_tok_s": last["trained_tok_s"], **alone,
