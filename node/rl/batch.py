@@ -1,4 +1,5 @@
-"""Training batches from rollouts: padded token tensors, loss masks, inference logprobs, advantages."""
+"""Training batches from rollouts: padded token tensors, loss masks, inference logprobs, advantages; cut into
+micro-batches for the trainer's forwards, right-padded rows or sequences packed end to end in one row."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from node.envs.rollout import Rollout
-from node.model.batching import GROUP_OVERHEAD_TOKENS, padded_groups, token_budget_groups
+from node.model.batching import GROUP_OVERHEAD_TOKENS, packed_groups, padded_groups, token_budget_groups
 
 
 @dataclass
@@ -19,17 +20,27 @@ class TrainBatch:
     inference_logprobs: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B, T] (the sequence's advantage on every token)
     routed_experts: torch.Tensor | None  # [B, T, n_moe_layers, k] for router replay
+    packed: tuple[int, ...] | None = None
+    """Where the batch is one row [1, N] of sequences end to end: their lengths, in order (the model attends
+    within each, `node.model.packed.Packed`; `pack_rows`); None: a row a sequence, right-padded."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def sequences(self) -> int:
+        """Its sequences: its rows, or those packed in its one row."""
+        return len(self) if self.packed is None else len(self.packed)
+
     def select(self, rows: torch.Tensor) -> "TrainBatch":
+        self._rows_only("select")
         return TrainBatch(self.input_ids[rows], self.targets[rows], self.loss_mask[rows],
                           self.inference_logprobs[rows], self.advantages[rows],
                           None if self.routed_experts is None else self.routed_experts[rows])
 
     def columns(self, n: int) -> "TrainBatch":
         """The first `n` positions of every row (right padding beyond them: causal, so the same logprobs)."""
+        self._rows_only("columns")
         return TrainBatch(self.input_ids[:, :n], self.targets[:, :n], self.loss_mask[:, :n],
                           self.inference_logprobs[:, :n], self.advantages[:, :n],
                           None if self.routed_experts is None else self.routed_experts[:, :n])
@@ -40,13 +51,18 @@ class TrainBatch:
         (a copy from pageable memory waits for the stream)."""
         return TrainBatch(*(x.to(device, non_blocking=non_blocking) for x in (
             self.input_ids, self.targets, self.loss_mask, self.inference_logprobs, self.advantages)),
-            None if self.routed_experts is None else self.routed_experts.to(device, non_blocking=non_blocking))
+            None if self.routed_experts is None else self.routed_experts.to(device, non_blocking=non_blocking),
+            self.packed)
 
     def pinned(self) -> "TrainBatch":
         """The batch in page-locked host memory (needs CUDA)."""
         return TrainBatch(*(x.pin_memory() for x in (self.input_ids, self.targets, self.loss_mask,
                                                      self.inference_logprobs, self.advantages)),
-                          None if self.routed_experts is None else self.routed_experts.pin_memory())
+                          None if self.routed_experts is None else self.routed_experts.pin_memory(), self.packed)
+
+    def _rows_only(self, what: str) -> None:
+        if self.packed is not None:
+            raise ValueError(f"{what} takes a batch of a row a sequence, not {len(self.packed)} sequences packed in one")
 
 
 def build_batch(rollouts: list[Rollout], advantages: list[float], pad_id: int = 0) -> TrainBatch:
@@ -83,16 +99,37 @@ def loss_rows(batch: TrainBatch) -> torch.Tensor:
     return batch.loss_mask.reshape(-1).nonzero().squeeze(-1)
 
 
-def micro_batches(batch: TrainBatch, tokens: int,
-                  overhead: int | None = GROUP_OVERHEAD_TOKENS) -> list[TrainBatch]:
-    """`batch` itself when its padded tokens (rows x positions) fit `tokens`; else its rows in groups of
-    similar length whose padded tokens stay within `tokens` (a row longer than that alone), chosen to pad
-    least for `overhead` tokens a group (`node.model.batching.padded_groups`; None: the fewest groups), each
-    cut after its last loss position: the pieces one forward/backward takes at a time."""
+def micro_batches(batch: TrainBatch, tokens: int, overhead: int | None = GROUP_OVERHEAD_TOKENS,
+                  pack: bool = False) -> list[TrainBatch]:
+    """The pieces one forward/backward takes at a time, each row cut after its last loss position. Padded: `batch`
+    itself when its padded tokens (rows x positions) fit `tokens`; else its rows in groups of similar length whose
+    padded tokens stay within `tokens` (a row longer than that alone), chosen to pad least for `overhead` tokens a
+    group (`node.model.batching.padded_groups`; None: the fewest groups). `pack`: its rows end to end in runs of
+    at most `tokens` tokens (`node.model.batching.packed_groups`, a longer row alone), one packed row each (`pack_rows`):
+    no padding at all (on a long-tailed RL batch most of a padded one's positions)."""
     b, t = batch.input_ids.shape
-    if b * t <= tokens:
+    if b * t <= tokens and not pack:
         return [batch]
-    last = torch.where(batch.loss_mask, torch.arange(t, device=batch.loss_mask.device), -1).max(dim=1).values
-    lengths = (last + 1).clamp(min=1).tolist()
+    lengths = row_lengths(batch)
+    if pack:
+        return [pack_rows(batch, rows, lengths) for rows in packed_groups(lengths, tokens)]
     groups = token_budget_groups(lengths, tokens) if overhead is None else padded_groups(lengths, tokens, overhead)
     return [batch.select(torch.tensor(rows)).columns(max(lengths[i] for i in rows)) for rows in groups]
+
+
+def row_lengths(batch: TrainBatch) -> list[int]:
+    """Each row's positions up to its last loss position (at least 1): what a forward of it needs (causal)."""
+    t = batch.input_ids.shape[1]
+    last = torch.where(batch.loss_mask, torch.arange(t, device=batch.loss_mask.device), -1).max(dim=1).values
+    return (last + 1).clamp(min=1).tolist()
+
+
+def pack_rows(batch: TrainBatch, rows: list[int], lengths: list[int]) -> TrainBatch:
+    """`batch`'s `rows`, each its first `lengths[row]` positions, end to end in one row [1, N] (`TrainBatch.packed`)."""
+    pick = batch.select(torch.tensor(rows))
+    n = torch.tensor([lengths[r] for r in rows], device=batch.input_ids.device)
+    keep = torch.arange(pick.input_ids.shape[1], device=n.device)[None] < n[:, None]  # row-major: rows in order
+    flat = [x[keep][None] for x in (pick.input_ids, pick.targets, pick.loss_mask, pick.inference_logprobs,
+                                    pick.advantages)]
+    experts = None if pick.routed_experts is None else pick.routed_experts[keep][None]
+    return TrainBatch(*flat, experts, tuple(lengths[r] for r in rows))

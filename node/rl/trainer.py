@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from node.model.batching import GROUP_OVERHEAD_TOKENS
 from node.model.checkpoint import InvalidCheckpoint, load_checkpoint, save_checkpoint, written_whole
 from node.model.config import ModelConfig
+from node.model.packed import Packed, varlen_usable
 from node.model.qwen3_moe import CausalLM, ModelOutput
 from node.rl.batch import TrainBatch, loss_rows, micro_batches
 from node.rl.fp8 import apply_fp8_training
@@ -59,8 +60,13 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a share of lr under cosine decay."""
     micro_batch_tokens: int = MICRO_BATCH_TOKENS
-    """Padded tokens (rows x longest row) one forward/backward takes at most: a minibatch of long
+    """Tokens one forward/backward takes at most (padded: rows x longest row): a minibatch of long
     completions is split into micro-batches whose gradients add up to the minibatch's (one optimizer step)."""
+    pack: bool | str = "auto"
+    """Micro-batches of sequences end to end in one row, no padding (`node.rl.batch.micro_batches` `pack`), each
+    sequence attending to itself. "auto": where attention over them is one variable-length flash kernel, forward
+    and backward (`node.model.packed.varlen_usable`: a GPU, 16-bit parameters); elsewhere right-padded rows
+    (the CPU's packed attention is a loop over sequences)."""
     micro_batch_overhead_tokens: int | None | str = "auto"
     """What one more micro-batch is taken to cost, in padded tokens: the rows are grouped to pad least for it
     (`node.rl.batch.micro_batches`; None: the fewest micro-batches). "auto": `GROUP_OVERHEAD_TOKENS` on the
@@ -124,14 +130,23 @@ class Trainer:
         # long-tailed micro-batch's prompts and padding were most of its rows (37,400 padded positions for 14,201
         # loss tokens)
         rows = loss_rows(batch).to(batch.input_ids.device) if rows is None else rows
-        logp, out = logprobs_at(self.model, batch, rows, self.cfg.temperature,
+        packed = None if batch.packed is None else Packed.of(batch.packed, batch.input_ids.device)
+        logp, out = logprobs_at(self.model, batch, rows, self.cfg.temperature, packed=packed,
                                 routed_experts=batch.routed_experts if replay else None)
         return logp, out.aux_loss
 
     def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """The pieces one forward and backward takes at a time (`node.rl.batch.micro_batches` by this
         config)."""
-        return micro_batches(batch, self.cfg.micro_batch_tokens, self.overhead_tokens())
+        return micro_batches(batch, self.cfg.micro_batch_tokens, self.overhead_tokens(), self.packs())
+
+    def packs(self) -> bool:
+        """Whether micro-batches are packed (`TrainerConfig.pack`, "auto" resolved by the parameters' device and
+        dtype)."""
+        if self.cfg.pack != "auto":
+            return bool(self.cfg.pack)
+        p = next(self.model.parameters())
+        return varlen_usable(p.device, p.dtype)
 
     def overhead_tokens(self) -> int | None:
         """The micro-batch overhead in force (`TrainerConfig.micro_batch_overhead_tokens`, "auto" resolved
@@ -199,7 +214,7 @@ class Trainer:
         for micro, loss_at, n_tokens in self._on_device(micros):
             logp, aux = self.logprobs(micro, rows=loss_at)
             out = policy_loss(logp, micro.inference_logprobs, micro.advantages, micro.loss_mask, self.cfg.loss)
-            tokens, rows = (1.0, 1.0) if len(micros) == 1 else (n_tokens / n_all, len(micro) / len(mb))
+            tokens, rows = (1.0, 1.0) if len(micros) == 1 else (n_tokens / n_all, micro.sequences / mb.sequences)
             (out.loss * tokens + aux_coef * aux * rows).backward()
             stats["loss"] = stats["loss"] + out.loss.detach() * tokens
             stats["masked_share"] = stats["masked_share"] + out.masked_share * tokens

@@ -183,3 +183,87 @@ def test_the_mismatch_is_the_first_minibatchs_before_any_update_without_a_pass_o
 
     assert metrics["mismatch_kl"] == pytest.approx(mismatch(first), rel=1e-5, abs=1e-8)
     assert abs(mismatch(torch.arange(len(batch))) - mismatch(first)) > 1e-4  # the whole batch's reads otherwise
+
+
+def test_a_packed_step_equals_the_padded_step_and_its_forwards_take_no_padding():
+    """`TrainerConfig.pack`: each micro-batch is one row of sequences end to end (each attending to itself), within
+    the token budget; the step's weights and figures are the padded step's, and its forwards take each sequence's
+    tokens up to its last loss position and nothing else."""
+    from node.rl.batch import row_lengths
+
+    cfg = CFG.model_copy(update={"router_aux_loss_coef": 0.0})  # the padded step's counts its padding's routes
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    batch = long_tailed_batch()
+    results = []
+    for pack in (False, True):
+        trainer = Trainer(copy.deepcopy(model), TrainerConfig(lr=1e-2, updates_per_batch=2, minibatches=2,
+                                                              router_replay=False, micro_batch_tokens=64, pack=pack))
+        assert trainer.packs() is pack
+        seen: list[tuple[int, ...]] = []
+        trainer.model.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
+        torch.manual_seed(1)  # the same minibatch permutations
+        metrics = trainer.train_step(batch)
+        results.append((trainer.model.state_dict(), metrics, seen))
+    (padded, m_padded, seen_padded), (packed, m_packed, seen_packed) = results
+    real = 2 * sum(row_lengths(batch))  # 2 updates, each over every row once
+    assert all(b == 1 for b, _ in seen_packed) and sum(n for _, n in seen_packed) == real
+    assert sum(b * n for b, n in seen_padded) > real
+    longest = max(row_lengths(batch))
+    assert all(n <= 64 or n == longest for _, n in seen_packed)
+    for name in padded:
+        torch.testing.assert_close(packed[name], padded[name], rtol=1e-5, atol=1e-6)
+    for key in ("loss", "masked_share", "mismatch_kl"):
+        assert abs(m_packed[key] - m_padded[key]) < 1e-5, key
+
+
+def test_packed_logprobs_replay_each_sequences_routes_and_equal_the_padded_ones():
+    """A packed micro-batch carries its rows' routes end to end: router replay gives each token the experts its own
+    row chose (random routes here, far from what the router would pick), as the padded batch does."""
+    from node.rl.batch import pack_rows, row_lengths
+
+    torch.manual_seed(0)
+    model = CausalLM(CFG)
+    batch = long_tailed_batch()
+    b, t = batch.input_ids.shape
+    moe_layers = sum(CFG.is_moe_layer(i) for i in range(CFG.num_hidden_layers))
+    batch.routed_experts = torch.stack([torch.randperm(CFG.num_experts)[:CFG.num_experts_per_tok]
+                                        for _ in range(b * t * moe_layers)]).view(b, t, moe_layers, -1)
+    trainer = Trainer(model, TrainerConfig(router_replay=True))
+    lengths = row_lengths(batch)
+    one = pack_rows(batch, list(range(b)), lengths)
+    assert one.packed == tuple(lengths) and one.input_ids.shape == (1, sum(lengths)) and one.sequences == b
+    with pytest.raises(ValueError, match="packed"):
+        one.select(torch.tensor([0]))
+    with torch.no_grad():
+        padded, _ = trainer.logprobs(batch)
+        packed, _ = trainer.logprobs(one)
+        free, _ = trainer.logprobs(one, replay=False)
+    keep = torch.arange(t)[None] < torch.tensor(lengths)[:, None]
+    mask = one.loss_mask[0]
+    torch.testing.assert_close(packed[0][mask], padded[keep][mask], rtol=1e-5, atol=1e-5)
+    assert (free[0][mask] - packed[0][mask]).abs().max() > 1e-3  # the replayed routes made the difference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_trainer_packs_by_default_and_its_gradients_are_the_padded_ones():
+    """On a GPU in bf16 the micro-batches are packed ("auto": one variable-length flash kernel forward and
+    backward); the loss and the gradients (one update of one minibatch, learning rate 0: the weights stay) agree
+    with the padded step's within bf16's rounding."""
+    cfg = CFG.model_copy(update={"router_aux_loss_coef": 0.0})
+    torch.manual_seed(0)
+    model = CausalLM(cfg).to("cuda", torch.bfloat16)
+    batch = long_tailed_batch()
+    results = []
+    for pack in ("auto", False):
+        trainer = Trainer(copy.deepcopy(model), TrainerConfig(lr=0.0, updates_per_batch=1, minibatches=1,
+                                                              router_replay=False, micro_batch_tokens=64, pack=pack))
+        assert trainer.packs() is (pack == "auto")
+        metrics = trainer.train_step(batch)
+        grads = torch.cat([p.grad.float().flatten() for p in trainer.model.parameters() if p.grad is not None])
+        results.append((metrics, grads))
+    (m_packed, g_packed), (m_padded, g_padded) = results
+    assert abs(m_packed["loss"] - m_padded["loss"]) < 2e-2 * max(1.0, abs(m_padded["loss"]))
+    assert g_packed.shape == g_padded.shape and g_padded.norm() > 0
+    assert torch.nn.functional.cosine_similarity(g_packed, g_padded, dim=0) > 0.99
