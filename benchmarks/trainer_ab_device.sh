@@ -7,7 +7,8 @@
 #     && rm -rf old/benchmarks/results
 #   timeout 330 bash benchmarks/trainer_ab_device.sh        (carry .whl)
 # SMALL_ONLY=1: the 0.52B shape alone (half the call); TREES="new old": the other order (the first run of a call
-# pays for compiling and autotuning Triton kernels: session 32's old-first A/B read the old forwards 2x slower)
+# pays for compiling and autotuning Triton kernels: session 32's old-first A/B read the old forwards 2x slower);
+# a tree named new-padded is this tree with --pack off (the change's packing apart from the rest of it)
 set -u
 [ -d old/node ] || { echo "no old/ tree (see the header)"; exit 2; }
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 HF_HUB_OFFLINE=1
@@ -19,8 +20,9 @@ SHAPES=("qwen3-moe-small --vocab-size 49152" "qwen3-30b-a3b-2l --vocab-size 1519
 for shape in "${SHAPES[@]}"; do
   for tree in ${TREES:-old new}; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/old
+    extra=""; [ $tree = new-padded ] && extra="--pack off"
     name=$(echo $shape | cut -d' ' -f1)-$tree
-    (cd $dir && timeout 90 env PYTHONPATH=/tmp/site:$dir python3 -m benchmarks.trainer_profile --shape $shape --steps 3) > $OUT/trainer_profile-$name.log 2>&1
+    (cd $dir && timeout 90 env PYTHONPATH=/tmp/site:$dir python3 -m benchmarks.trainer_profile --shape $shape --steps 3 $extra) > $OUT/trainer_profile-$name.log 2>&1
     echo "$name rc=$?"; tail -1 $OUT/trainer_profile-$name.log | cut -c1-900
   done
 done

@@ -98,6 +98,8 @@ def main() -> None:
     p.add_argument("--overhead-tokens", default=TrainerConfig().micro_batch_overhead_tokens,
                    help="micro-batches grouped to pad least for this cost a micro-batch (-1: the fewest micro-batches; "
                    "auto: the trainer's default, by pass and device)")
+    p.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
+                   help="micro-batches of sequences end to end (TrainerConfig.pack; auto: where varlen flash runs)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     shape = {**SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {})}
@@ -110,15 +112,16 @@ def main() -> None:
     overhead = "auto" if args.overhead_tokens == "auto" else int(args.overhead_tokens)
     overhead = None if overhead != "auto" and overhead < 0 else overhead  # -1: the fewest micro-batches
     # the recipe's defaults: updates and minibatches per step
-    trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_overhead_tokens=overhead))
+    pack = {"auto": "auto", "on": True, "off": False}[args.pack]
+    trainer = Trainer(model, TrainerConfig(lr=1e-5, micro_batch_overhead_tokens=overhead, pack=pack))
     batch = long_tail_batch(args.rows, args.prompt, args.vocab_size,
                             routes=RouteShape.of(cfg) if args.router_replay else None)
     tokens = args.rows * args.prompt + int(batch.loss_mask.sum())  # each row's prompt and completion
     micros = trainer.micro_batches(batch)
     padded = sum(m.input_ids.numel() for m in micros)
     log.info("batch: %d rows x %d positions, %d loss tokens, %d micro-batches of %d padded positions in all "
-             "(the whole batch in one minibatch; grouped for %s tokens a micro-batch)", *batch.input_ids.shape, int(batch.loss_mask.sum()),
-             len(micros), padded, overhead)
+             "(the whole batch in one minibatch; %s)", *batch.input_ids.shape, int(batch.loss_mask.sum()),
+             len(micros), padded, "packed" if trainer.packs() else f"grouped for {overhead} tokens a micro-batch")
     trainer.train_step(batch)  # warm: allocator, kernels, AdamW states
     steps = []
     for _ in range(args.steps):
@@ -142,7 +145,7 @@ def main() -> None:
               "updates_per_batch": trainer.cfg.updates_per_batch, "minibatches": trainer.cfg.minibatches,
               "rows": args.rows, "positions": int(batch.input_ids.shape[1]), "tokens": tokens,
               "overhead_tokens": overhead, "backward_overhead_tokens": trainer.overhead_tokens(),
-              "micro_batches": len(micros), "padded_positions": padded,
+              "packed": trainer.packs(), "micro_batches": len(micros), "padded_positions": padded,
               "loss_tokens": int(batch.loss_mask.sum()), "step_s": round(step_s, 3),
               "tok_s": round(tokens / step_s, 1), **{k: round(v, 3) for k, v in parts.items()},
               "phases_over_step": round(sum(parts.values()) / step_s, 3),
