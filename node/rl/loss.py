@@ -65,8 +65,16 @@ batch's would be tens of GB (256 rollouts of 1,400 tokens at 49,152: 70 GB, an H
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / T) gathered at targets: [B, T, V], [B, T] -> [B, T], as logit[target] / T minus
     the row's log-sum-exp, a few rows at a time: no float32 [B, T, V] tensor exists at once, and under
-    autograd each chunk is recomputed in the backward (checkpointed) instead of kept."""
+    autograd each chunk is recomputed in the backward (checkpointed) instead of kept. Under autograd on a GPU,
+    `node.rl.logprob_kernels.TokenLogprobs` instead (the same function, a read of the logits each way)."""
     b, t, v = logits.shape
+    if logits.is_cuda and logits.requires_grad and torch.is_grad_enabled() and temperature > 0:
+        # a trainer's forward on a GPU: one Triton pass each way, no float32 copy (node/rl/logprob_kernels.py)
+        from node.rl import logprob_kernels
+
+        if logprob_kernels.usable(logits.device, logits.dtype):
+            return logprob_kernels.TokenLogprobs.apply(logits.reshape(b * t, v), targets.reshape(b * t),
+                                                       temperature).view(b, t)
     rows = max(1, LOGPROB_CHUNK_BYTES // max(1, 4 * t * v))
     if rows >= b:
         return _chunk_logprobs(logits, targets, temperature)

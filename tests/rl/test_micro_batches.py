@@ -278,3 +278,31 @@ def test_a_gpu_trainer_packs_by_default_and_its_gradients_are_the_padded_ones():
     assert abs(m_packed["loss"] - m_padded["loss"]) < 2e-2 * max(1.0, abs(m_padded["loss"]))
     assert g_packed.shape == g_padded.shape and g_padded.norm() > 0 and m_padded["masked_share"] < 0.5
     assert torch.nn.functional.cosine_similarity(g_packed, g_padded, dim=0) > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gpu_token_logprobs_kernel_is_the_torch_function_forward_and_backward(dtype):
+    """`TokenLogprobs` (what `token_logprobs` runs under autograd on a GPU) against the chunked torch ops at Qwen3's
+    151,936 words and a temperature: the same logprobs and the same gradient of the logits."""
+    from node.rl.loss import _chunk_logprobs, token_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (3 * torch.randn(37, 151_936, generator=g, device="cuda")).to(dtype)
+    targets = torch.randint(0, 151_936, (37,), generator=g, device="cuda")
+    weights = torch.randn(37, generator=g, device="cuda")
+    got_in = logits.clone().requires_grad_()
+    got = token_logprobs(got_in[:, None], targets[:, None], 0.7)[:, 0]
+    (got * weights).sum().backward()
+    want_in = logits.clone().requires_grad_()
+    want = _chunk_logprobs(want_in, targets, 0.7)
+    (want * weights).sum().backward()
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    assert got_in.grad.dtype == dtype
+    scale = want_in.grad.float().abs().max()
+    assert (got_in.grad.float() - want_in.grad.float()).abs().max() <= 1e-2 * scale
+    assert torch.allclose(got_in.grad.float().sum(1), torch.zeros(37, device="cuda"), atol=1e-2 * float(scale))
+    from node.rl import logprob_kernels
+
+    assert logprob_kernels.usable(logits.device, dtype)  # the check the trainer's path made passed
