@@ -52,13 +52,13 @@ def sample_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B] long, logprobs [B], log-sum-exp [B]) by the seeded rule, top_p = 1; no host sync."""
     temps = temps.float().contiguous()
-    lse = row_lse(logits, temps)
+    lse = _lse(logits, temps)
     b1, i1, _ = _chunk_best(logits, temps, seeds, lse)
     tokens = i1.gather(1, b1.argmax(1, keepdim=True)).squeeze(1).long()
     return tokens, _logprob_of(logits, temps, lse, tokens), lse
 
 
-def row_lse(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+def _lse(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
     """Each row's log-sum-exp of logits / T (T <= 0: of the logits), [B] float32: per-chunk partials, reduced here."""
     b, v = logits.shape
     nc = triton.cdiv(v, CHUNK)
@@ -135,7 +135,7 @@ def replay_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
     is greedy: no scaling, no noise. `keep` (bool [N, V]): each row's nucleus, the rest never chosen."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     temps = temps.float().contiguous()
-    lse = row_lse(logits, temps)
+    lse = _lse(logits, temps)
     b1, i1, b2 = _chunk_best(logits, temps, seeds, lse, keep)
     if b1.shape[1] == 1:
         first, runner_up, token = b1[:, 0], b2[:, 0], i1[:, 0]

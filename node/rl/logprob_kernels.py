@@ -3,9 +3,9 @@
 log_softmax(logits / T)[target] of N rows of a 49k-152k-word vocabulary: in torch ops (`node.rl.loss.token_logprobs`)
 each chunk of rows is copied to float32, scaled, reduced and, checkpointed, all of it again in the backward, then the
 softmax, its scaling and the chunks' copies back: some forty bytes moved a logit. Here the forward reads each logit
-once (the seeded sampler's log-sum-exp kernel, `node.engine.sampling_kernels.row_lse`) and keeps N log-sum-exps; the
-backward reads each logit once more and writes its gradient, (1[v = target] - softmax_v) * g / T, in the logits'
-dtype. On the 1.87B shape at 151,936 words the torch ops' log-sum-exp and its backward were ~250 of ~550 ms of a
+once (a program a row: an online log-sum-exp over its words, minus its target's scaled logit) and keeps N
+log-sum-exps; the backward reads each logit once more and writes its gradient, (1[v = target] - softmax_v) * g / T,
+in the logits' dtype. On the 1.87B shape at 151,936 words the torch ops' log-sum-exp and its backward were ~250 of ~550 ms of a
 packed step's kernels (`benchmarks.trainer_profile`, H100, session 37).
 """
 
@@ -17,11 +17,34 @@ import torch
 import triton
 import triton.language as tl
 
-from node.engine.sampling_kernels import BLOCK, CHUNK, row_lse
-
 log = logging.getLogger(__name__)
 _checked: dict[tuple[str, torch.dtype], str | None] = {}
 """Per (device, dtype): why the kernels may not be used (they failed or differed from the torch ops), or None."""
+
+
+BLOCK = 2048
+"""Words a program reads at a time."""
+CHUNK = 8 * BLOCK
+"""Words a program of the backward covers (a row's gradient is cut in chunks, for more programs than rows)."""
+
+
+@triton.jit
+def _forward_kernel(x_ptr, tgt_ptr, lse_ptr, out_ptr, V, stride_x, inv_t, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    for j in range(0, V, BLOCK):
+        offs = j + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        m = m_new
+    top = tl.max(m, 0)
+    lse = top + tl.log(tl.sum(s * tl.exp(tl.where(m == float("-inf"), float("-inf"), m - top)), 0))
+    tgt = tl.load(tgt_ptr + row)
+    tl.store(lse_ptr + row, lse)
+    tl.store(out_ptr + row, tl.load(base + tgt).to(tl.float32) * inv_t - lse)
 
 
 @triton.jit
@@ -48,9 +71,12 @@ class TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         logits = logits.contiguous()
         targets = targets.contiguous()
-        temps = torch.full((logits.shape[0],), temperature, dtype=torch.float32, device=logits.device)
-        lse = row_lse(logits, temps)
-        logp = logits.gather(1, targets[:, None]).squeeze(1).float() / temperature - lse
+        n, v = logits.shape
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        if n:
+            _forward_kernel[(n,)](logits, targets, lse, logp, v, logits.stride(0), 1.0 / temperature, BLOCK=BLOCK,
+                                  num_warps=8)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
         return logp
