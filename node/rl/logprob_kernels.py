@@ -42,7 +42,7 @@ def _forward_kernel(x_ptr, tgt_ptr, lse_ptr, out_ptr, V, stride_x, inv_t, BLOCK:
         m = m_new
     top = tl.max(m, 0)
     lse = top + tl.log(tl.sum(s * tl.exp(tl.where(m == float("-inf"), float("-inf"), m - top)), 0))
-    tgt = tl.load(tgt_ptr + row)
+    tgt = tl.minimum(tl.maximum(tl.load(tgt_ptr + row), 0), V - 1)  # never a read outside the row
     tl.store(lse_ptr + row, lse)
     tl.store(out_ptr + row, tl.load(base + tgt).to(tl.float32) * inv_t - lse)
 
