@@ -6,7 +6,7 @@
 #   rm -rf old && mkdir old && git archive REF node benchmarks protocol verification shardcast | tar x -C old \
 #     && rm -rf old/benchmarks/results
 #   timeout 330 bash benchmarks/trainer_ab_device.sh        (carry .whl)
-# SMALL_ONLY=1: the 0.52B shape alone (half the call); TREES="new old": the other order (the first run of a call
+# SMALL_ONLY=1: the 0.52B shape alone (half the call), ONLY=1 the 1.87B one; TREES="new old": the other order (the first run of a call
 # pays for compiling and autotuning Triton kernels: session 32's old-first A/B read the old forwards 2x slower);
 # a tree named new-padded is this tree with --pack off (the change's packing apart from the rest of it)
 set -u
@@ -17,6 +17,7 @@ nvidia-smi -L
 timeout 120 env PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -p no:cacheprovider tests/rl/test_micro_batches.py tests/rl/test_router_replay.py > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -2 $OUT/gpu_tests.log
 SHAPES=("qwen3-moe-small --vocab-size 49152" "qwen3-30b-a3b-2l --vocab-size 151936")
 [ "${SMALL_ONLY:-0}" = 1 ] && SHAPES=("${SHAPES[0]}")
+[ -n "${ONLY:-}" ] && SHAPES=("${SHAPES[$ONLY]}")  # ONLY=1: the 151,936-word shape alone
 for shape in "${SHAPES[@]}"; do
   for tree in ${TREES:-old new}; do
     dir=$PWD; [ $tree = old ] && dir=$PWD/old
