@@ -65,8 +65,8 @@ class Packed:
 
 def _to(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`; to a GPU from page-locked memory, queued behind the stream's work (a copy from
-    pageable memory waits for the GPU, and a trainer's launch-bound step then idles while its next kernels are
-    launched)."""
+    pageable memory waits for the GPU's queue to empty, and the GPU then idles while the next kernels are launched:
+    once a packed forward in a trainer, as `Trainer._on_device` avoids for the batch itself)."""
     device = torch.device(device)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
