@@ -12,9 +12,9 @@ Per step, from the roles' own records (trainer metrics.jsonl, inference and vali
 and versions.jsonl, written by `join --trace-versions`):
 
 - trainer: the step period (`step_s`: between two publications), waiting for the batch (`wait_s`:
-  generation, verification and queueing upstream), waiting for the previous version's publication to
-  finish (`publish_wait_s`; it overlaps the batch), compute (`train_s`), publication to its announcement
-  (`publish_s`) and its wire shards after (`wire_s`);
+  generation, verification and queueing upstream), compute (`train_s`), then waiting for the previous
+  version's announcement and the wire shards of the one before it (`publish_wait_s`), publication to its
+  announcement (`publish_s`) and its wire shards after (`wire_s`, beside the next version's publication);
 - weight latency of version v: trainer step end -> the first rollout round on each inference node that
   sampled with v (the round's start, or when v was queued if the round was already running: the engine
   swaps between two decode steps), split into announce, fetch + verify, load, with the fetch's work in
@@ -63,7 +63,7 @@ def trainer_rows(out: Path) -> list[dict]:
     rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
     for i, r in enumerate(rows):
         start = r["t"] - r["step_s"]
-        r["train_s"] = r["t_trained"] - start - r["wait_s"] - r.get("publish_wait_s", 0.0)
+        r["train_s"] = r["t_trained"] - start - r["wait_s"]  # the wait for the last publication comes after
         r.setdefault("publish_s", r["t"] - r["t_trained"])
         # the step's period: publication of step s overlaps the batch of s+1, so step_s (batch request ->
         # published) overstates what each step costs; the period is the time between two publications

@@ -209,8 +209,10 @@ def by_shape(rows: list[dict], honest_cases: tuple[str, ...] = ("honest",)) -> d
         mine = [r for r in rows if shape_key(r["shape"]) == key]
         cal = calibrate(mine, honest_cases)
         half = calibrate([r for r in mine if r["work_id"] % 2 == 0], honest_cases)
-        told = [r["positions"] for r in mine if r["case"] in honest_cases and r.get("positions")]
-        out[name] = {"key": key, "positions_max": max(told) if told else None,
+        told = [(r["precision"], r["positions"]) for r in mine if r["case"] in honest_cases and r.get("positions")]
+        longest = {p: max(n for q, n in told if q == p) for p in sorted({p for p, _ in told})}
+        out[name] = {"key": key, "positions_max": max(longest.values()) if longest else None,
+                     "positions_max_by_precision": longest,
                      "calibration": cal, "pooled_rejections": caught(mine, cal),
                      "held_out": caught([r for r in mine if r["work_id"] % 2 == 1], half)}
     return out

@@ -14,7 +14,7 @@ import shutil
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +146,7 @@ def publish_stream(
     parent: int | None = None,
     options: PublishOptions | None = None,
     on_signed=None,
+    wire_after: Future | None = None,
 ) -> SignedManifest:
     """`publish` for a payload that is still being written: `tensors` is its layout (`codec.layout`),
     `filled` yields increasing byte counts n (payload[:n] is final once n is yielded). In two steps:
@@ -159,9 +160,11 @@ def publish_stream(
        `keyframe_every`), and the whole manifest is signed and listed: peers elsewhere fetch from then
        on (until then they are told the version is not here, and ask again).
     Encoding was most of a delta's publication (2.1-3.6 s of a 10 GB version on 12 threads of the H200
-    host, session 15): it no longer stands between a step's end and its announcement. Returns the whole
-    SignedManifest; retention runs after it. Same store layout, delta/keyframe rule and signature as
-    `publish`."""
+    host, session 15): it no longer stands between a step's end and its announcement. `wire_after`: the
+    publisher's previous version's step 2 (its whole manifest's Future), which this one's step 2 waits for,
+    done or failed: one version's wire shards are encoded at a time, in order, while the next version's step 1
+    goes on beside them. Returns the whole SignedManifest; retention runs after it. Same store layout,
+    delta/keyframe rule and signature as `publish`."""
     opt = options or PublishOptions()
     if opt.keyframe_every < 1:
         raise ValueError("keyframe_every must be >= 1")
@@ -169,6 +172,8 @@ def publish_stream(
         local, parent = _list_content_locked(store, key, run_id, version, tensors, payload, filled, parent, opt)
     if on_signed is not None:
         on_signed(local)
+    if wire_after is not None:
+        wait([wire_after])
     signed = _publish_wire(store, key, local.manifest, opt)
     store.retain(run_id, opt.keep_last)
     return signed

@@ -133,6 +133,11 @@ their length calibrates them."""
 LONG_8L = 1008
 """The longest sequence of the 8-layer shape's evidence: session 36's 1,000-token rollouts (`detection_device
 --max-seq 1100 --new-tokens 1000`, bf16 / FP8 all / FP8 experts, 1x H100) beside the harness's short ones."""
+NETWORK_8L_BF16 = 1230
+"""bf16's at the 8-layer shape: the 5.2B network's own rollouts on an H200 (session 38, `benchmarks.gpu_network`,
+k = 2 and 1; the traced validator's evidence, `network_evidence-5b-long-k*-h200-s38.jsonl.gz`), 625 honest
+submissions of 8 up to 1,230 positions, judged at these bounds: 0 rejected, the nearest 0.77 of a bound. They set
+no centre or width (each lies inside those set by the harness's evidence): only the length they hold to."""
 
 POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
     # Honest drift grows with depth: `POOLED`'s centres come from the 48-layer shape, so at 8 layers a submission
@@ -150,7 +155,7 @@ POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
     # ones' alone).
     "qwen3_moe:layers=8:hidden=2048:experts=128x768:top=8": {
         "bfloat16": PooledThresholds(PooledBound(2.32, 9.19), PooledBound(0.461, 0.371), PooledBound(0.00531, 0.0182),
-                                     LONG_8L),
+                                     NETWORK_8L_BF16),
         "fp8-all-bfloat16": PooledThresholds(PooledBound(8.68, 18.6), PooledBound(1.94, 2.21),
                                              PooledBound(0.0248, 0.154), LONG_8L),
         "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.90, 9.66), PooledBound(0.775, 0.512),

@@ -27,7 +27,7 @@ from node.rl.parallel.publish import publish_model
 from node.rl.parallel.trainer import minibatch_seed
 from node.rl.trainer import Trainer, TrainerConfig
 from protocol.identity import NodeKey
-from shardcast.codec import unflatten
+from shardcast.codec import decode_shard, shard_ranges, unflatten
 from shardcast.publish import PublishOptions, publish
 from shardcast.store import Store
 
@@ -56,6 +56,60 @@ def test_streamed_publication_is_shardcast_publish_of_the_hf_weights(tmp_path):
         assert [s.raw_hash for s in a.manifest.shards] == [s.raw_hash for s in b.manifest.shards]
         assert np.array_equal(streamed.payload("r", version), plain.payload("r", version))
     assert len(a.manifest.shards) > 10
+
+
+def test_the_next_version_is_listed_while_the_last_ones_wire_shards_encode_and_its_own_follow_them(
+        tmp_path, monkeypatch):
+    """A trainer's publications share one payload buffer (`PayloadBuffer`): version 2 is copied out, listed and
+    readable beside the trainer while version 1's wire shards are still being encoded; version 2's wire shards
+    wait for version 1's and are encoded after them, in order; both then fetch bit for bit as deltas."""
+    import threading
+
+    import shardcast.publish as sp
+    from node.rl.parallel.publish import PayloadBuffer, start_publish
+
+    real, order, release = sp._publish_wire, [], threading.Event()
+
+    def wire(store_, key_, local, opt):
+        if local.version == 1:  # v1's wire shards take as long as the test says
+            assert release.wait(60)
+        order.append(local.version)
+        return real(store_, key_, local, opt)
+
+    monkeypatch.setattr(sp, "_publish_wire", wire)
+    model, key, store, buffer = check_model(), NodeKey.generate(), Store(tmp_path / "s"), PayloadBuffer()
+    opts = PublishOptions(shard_size=4096, threads=2)
+    states = []
+
+    def step_and_publish(version):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1e-3 * version)
+        states.append({k: v.clone() for k, v in state_dict_to_hf(model).items()})
+        return start_publish(model, None, store, key, "r", version, version - 1 if version else None, opts, buffer)
+
+    step_and_publish(0).whole.result(timeout=60)
+    first = step_and_publish(1)
+    first.listed.result(timeout=60)
+    second = step_and_publish(2)
+    listed = second.listed.result(timeout=60)  # listed while v1's wire shards have not started
+    assert not first.whole.done() and not second.whole.done() and order == [0]
+    assert store.manifest("r", 1) is None and store.held_manifest("r", 2).manifest.manifest_hash() == \
+        listed.manifest.manifest_hash()
+    release.set()
+    whole = [first.whole.result(timeout=60), second.whole.result(timeout=60)]
+    assert order == [0, 1, 2] and [w.manifest.encoding for w in whole] == ["delta", "delta"]
+    for version, w in zip((1, 2), whole):
+        assert w.manifest.manifest_hash() == store.held_manifest("r", version).manifest.manifest_hash()
+    raw = None
+    for version in (0, 1, 2):  # what a peer elsewhere rebuilds from the wire shards alone
+        m = store.manifest("r", version).manifest
+        out = np.zeros(m.total_bytes, dtype=np.uint8)
+        for s, (a, b) in zip(m.shards, shard_ranges(m.total_bytes, m.shard_size)):
+            decode_shard(s, store.read_shard("r", version, s.index), out[a:b], None if raw is None else raw[a:b])
+        raw, rebuilt = out, unflatten(m.tensors, out)
+        for name, t in states[version].items():
+            assert torch.equal(rebuilt[name], t), name
 
 
 def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):

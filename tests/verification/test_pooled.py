@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from verification.pooled import (LONG_8L, MIN_CHUNKS, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Evidence, PooledBound,
+from verification.pooled import (LONG_8L, MIN_CHUNKS, NETWORK_8L_BF16, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Evidence, PooledBound,
                                  bounds_for, check_pooled, shape_of)
 from verification.reasons import Reason, Severity
 
@@ -79,12 +79,36 @@ def test_a_served_shape_with_its_own_calibration_is_judged_by_it_and_any_other_b
     assert f is not None and f.reason == Reason.HIDDEN_MISMATCH and "mantissa" in f.detail
     # a shape's bounds hold up to the length their evidence measured: a longer submission gets the precision's
     own = POOLED_BY_SHAPE[SHAPE_8L]["bfloat16"]
-    assert own.max_positions == LONG_8L and bounds_for("bfloat16", SHAPE_8L, LONG_8L + 1) is POOLED["bfloat16"]
-    tampered.positions = LONG_8L
+    assert own.max_positions == NETWORK_8L_BF16 and bounds_for("bfloat16", SHAPE_8L, NETWORK_8L_BF16 + 1) \
+        is POOLED["bfloat16"]
+    assert POOLED_BY_SHAPE[SHAPE_8L]["fp8-all-bfloat16"].max_positions == LONG_8L  # FP8's evidence is shorter
+    tampered.positions = NETWORK_8L_BF16
     assert check_pooled(tampered, "bfloat16", 8, shape=SHAPE_8L) is not None
     longer = _evidence(16, 2.0, 1.02, 300, 0.004)
-    longer.add(Evidence(positions=LONG_8L + 1))
-    assert longer.positions == LONG_8L + 1 and check_pooled(longer, "bfloat16", 8, shape=SHAPE_8L) is None
+    longer.add(Evidence(positions=NETWORK_8L_BF16 + 1))
+    assert longer.positions == NETWORK_8L_BF16 + 1 and check_pooled(longer, "bfloat16", 8, shape=SHAPE_8L) is None
+
+
+def test_the_5b_networks_own_honest_submissions_pass_the_shapes_bounds_at_every_length_they_reached():
+    """Session 38's 5.2B network on an H200 (bf16, k = 2 and 1; the traced validator's evidence of every claim):
+    each work unit judged as the validator judges it, by the shape's own bounds, which hold up to its longest."""
+    from benchmarks.pooled_calibration import read
+
+    results = Path(__file__).parents[2] / "benchmarks/results"
+    rows = read(sorted(results.glob("network_evidence-5b-long-k*-h200-s38.jsonl.gz")))
+    units: dict[tuple, Evidence] = {}
+    for r in rows:
+        assert r["passed_alone"] and r["precision"] == "bfloat16"
+        units.setdefault((r["source"], r["work_id"], r["shape"]), Evidence()).add(
+            Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err",
+                                          "positions")}))
+    assert len(units) > 600 and all(shape == SHAPE_8L for *_, shape in units)
+    longest = max(ev.positions for ev in units.values())
+    assert LONG_8L < longest <= NETWORK_8L_BF16
+    own = POOLED_BY_SHAPE[SHAPE_8L]["bfloat16"]
+    for ev in units.values():
+        assert bounds_for("bfloat16", SHAPE_8L, ev.positions) is own
+        assert check_pooled(ev, "bfloat16", 8, shape=SHAPE_8L) is None
 
 
 def test_the_shape_bounds_in_force_are_their_record_rounded_up():

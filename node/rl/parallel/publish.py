@@ -106,6 +106,9 @@ class PayloadBuffer:
         self.tensor: torch.Tensor | None = None
         self.busy: Future | None = None
         """The publication still reading this buffer (the next one waits for it)."""
+        self.wire: Future | None = None
+        """The last publication's whole manifest: the next one's wire shards are encoded after its, while the next
+        one is listed and announced (`publish_stream`'s `wire_after`)."""
 
     def get(self, total: int, pinned: bool) -> torch.Tensor:
         if self.busy is not None:
@@ -183,11 +186,14 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
                     event.synchronize()
                 yield n
 
+        after, sink.buffer.wire = sink.buffer.wire, sink.whole
+
         def encode():
             done, whole = sink.done, sink.whole
             try:  # `done` once the version is listed locally, `whole` once its wire shards are (retention after)
                 whole.set_result(publish_stream(sink.store, sink.key, sink.run_id, sink.version, tensors, payload,
-                                                filled(), sink.parent, sink.options, on_signed=done.set_result))
+                                                filled(), sink.parent, sink.options, on_signed=done.set_result,
+                                                wire_after=after))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiters
                 if not done.done():
                     done.set_exception(exc)
