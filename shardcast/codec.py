@@ -22,7 +22,7 @@ import zstandard
 from shardcast.errors import CorruptShard, TruncatedShard
 from shardcast.hashing import content_hash, content_hasher
 from shardcast.manifest import ShardEntry, TensorEntry
-from shardcast.sparse import decode_sparse, encode_sparse, is_sparse, sparse_count
+from shardcast.sparse import decode_sparse, encode_sparse_delta, is_sparse, sparse_count
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a relay moves bytes and never loads it
     import torch
@@ -118,9 +118,9 @@ def encode_shard(index: int, raw: np.ndarray, parent_raw: np.ndarray | None, lev
     (`shardcast.sparse`): those alone where at most SPARSE_BELOW of the words changed, else the smaller
     of the two; both decode to the same raw bytes and carry the same raw hash (`raw_hash`: already
     computed by the caller, from these bytes)."""
-    body = raw if parent_raw is None else xor_into(_scratch(len(raw)), raw, parent_raw)
-    wire = encode_sparse(body, word, level) if parent_raw is not None and sparse else None
+    wire = encode_sparse_delta(raw, parent_raw, word, level) if parent_raw is not None and sparse else None
     if wire is None or sparse_count(wire) / max(1, len(raw) // word) > SPARSE_BELOW:
+        body = raw if parent_raw is None else xor_into(_scratch(len(raw)), raw, parent_raw)
         dense = zstandard.ZstdCompressor(level=level).compress(memoryview(body))
         wire = dense if wire is None or len(dense) <= len(wire) else wire
     entry = ShardEntry(index=index, raw_size=len(raw), wire_size=len(wire), wire_hash=content_hash(wire),
