@@ -28,7 +28,9 @@ if [ "${FIXTURE:-1}" = 1 ]; then
 fi
 (cd /tmp && tar czf $OUT/extra.tgz extra)
 [ "${NET:-1}" = 1 ] || exit 0
-timeout 150 python3 -m benchmarks.gpu_preflight > $OUT/preflight.log 2>&1; tail -1 $OUT/preflight.log | cut -c1-600
+if [ "${PREFLIGHT:-1}" = 1 ]; then  # PREFLIGHT=0: a later call on a machine whose roles already started
+  timeout 150 python3 -m benchmarks.gpu_preflight > $OUT/preflight.log 2>&1; tail -1 $OUT/preflight.log | cut -c1-600
+fi
 NET=/tmp/net; rm -rf $NET
 if [ "${SHM:-0}" = 1 ]; then  # payloads and the coordinator's state on tmpfs, where it has room for a few 10 GB versions
   F=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9); echo "/dev/shm: ${F}G free"
