@@ -147,6 +147,7 @@ def publish_stream(
     options: PublishOptions | None = None,
     on_signed=None,
     wire_after: Future | None = None,
+    on_whole=None,
 ) -> SignedManifest:
     """`publish` for a payload that is still being written: `tensors` is its layout (`codec.layout`),
     `filled` yields increasing byte counts n (payload[:n] is final once n is yielded). In two steps:
@@ -163,8 +164,10 @@ def publish_stream(
     host, session 15): it no longer stands between a step's end and its announcement. `wire_after`: the
     publisher's previous version's step 2 (its whole manifest's Future), which this one's step 2 waits for,
     done or failed: one version's wire shards are encoded at a time, in order, while the next version's step 1
-    goes on beside them. Returns the whole SignedManifest; retention runs after it. Same store layout,
-    delta/keyframe rule and signature as `publish`."""
+    goes on beside them. `on_whole(signed)` is called once the whole manifest is listed, before retention (which
+    deletes older versions' files: ~0.5 s for a 10 GB payload on tmpfs, nothing the next version waits for).
+    Returns the whole SignedManifest after retention. Same store layout, delta/keyframe rule and signature as
+    `publish`."""
     opt = options or PublishOptions()
     if opt.keyframe_every < 1:
         raise ValueError("keyframe_every must be >= 1")
@@ -175,6 +178,8 @@ def publish_stream(
     if wire_after is not None:
         wait([wire_after])
     signed = _publish_wire(store, key, local.manifest, opt)
+    if on_whole is not None:
+        on_whole(signed)
     store.retain(run_id, opt.keep_last)
     return signed
 

@@ -112,6 +112,32 @@ def test_the_next_version_is_listed_while_the_last_ones_wire_shards_encode_and_i
             assert torch.equal(rebuilt[name], t), name
 
 
+def test_a_publication_is_whole_before_its_retention_runs(tmp_path, monkeypatch):
+    """Retention deletes older versions' files after a publication (a 10 GB payload on tmpfs: ~0.5 s): the whole
+    manifest is handed to its waiters first, so neither the trainer nor the next version's wire shards wait for it."""
+    import threading
+
+    from node.rl.parallel.publish import PayloadBuffer, start_publish
+
+    entered, release = threading.Event(), threading.Event()
+    real = Store.retain
+
+    def slow_retain(self, run_id, keep_last):
+        entered.set()
+        assert release.wait(60)
+        return real(self, run_id, keep_last)
+
+    monkeypatch.setattr(Store, "retain", slow_retain)
+    model, store = check_model(), Store(tmp_path / "s")
+    publishing = start_publish(model, None, store, NodeKey.generate(), "r", 0, None,
+                               PublishOptions(shard_size=4096, threads=2), PayloadBuffer())
+    assert entered.wait(60)
+    whole = publishing.whole.result(timeout=60)  # while retention is held back
+    assert whole.manifest.wire_complete and store.manifest("r", 0).manifest.manifest_hash() == \
+        whole.manifest.manifest_hash()
+    release.set()
+
+
 def test_a_gather_that_fails_midway_signs_no_version(tmp_path, monkeypatch):
     """The encoder never signs a payload whose copy did not finish: the failure reaches the caller
     and the version's waiter gets `PublicationAborted`; nothing is listed in the store."""

@@ -191,15 +191,17 @@ def stream_publish(model: torch.nn.Module, groups: ParallelGroups | None, dtype:
         def encode():
             done, whole = sink.done, sink.whole
             try:  # `done` once the version is listed locally, `whole` once its wire shards are (retention after)
-                whole.set_result(publish_stream(sink.store, sink.key, sink.run_id, sink.version, tensors, payload,
-                                                filled(), sink.parent, sink.options, on_signed=done.set_result,
-                                                wire_after=after))
+                publish_stream(sink.store, sink.key, sink.run_id, sink.version, tensors, payload, filled(), sink.parent,
+                               sink.options, on_signed=done.set_result, wire_after=after, on_whole=whole.set_result)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiters
                 if not done.done():
                     done.set_exception(exc)
+                elif not whole.done():
+                    log.warning("v%d: listed locally, then its wire shards failed: %s", sink.version, exc)
                 else:
-                    log.warning("v%d: listed locally, then its wire shards or retention failed: %s", sink.version, exc)
-                whole.set_exception(exc)
+                    log.warning("v%d: published, then retention failed: %s", sink.version, exc)
+                if not whole.done():
+                    whole.set_exception(exc)
 
         sink.buffer.busy = sink.done  # step 2 reads the stored payload, not the buffer
         threading.Thread(target=encode, name=f"publish-v{sink.version}", daemon=True).start()
