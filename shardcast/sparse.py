@@ -49,41 +49,26 @@ def _unplanes(flat: np.ndarray, n: int, dtype) -> np.ndarray:
     return np.ascontiguousarray(flat.reshape(width, n).T).view(dtype).reshape(n)
 
 
-def encode_sparse(xor: np.ndarray, word: int, level: int) -> bytes | None:
-    """Sparse wire bytes for a shard whose raw XOR parent is `xor` (uint8), or None where the
-    shard length is not a whole number of `word`-byte words."""
-    if word not in _UINT or len(xor) % word:
-        return None
-    words = xor.view(_UINT[word])
-    mask = _mask_scratch(len(words))
-    np.not_equal(words, 0, out=mask)
-    idx = np.flatnonzero(mask)  # through a mask: 2.7x faster than on the words themselves here
-    return _pack(word, idx, words[idx], len(words), level)
-
-
 def encode_sparse_delta(raw: np.ndarray, parent: np.ndarray, word: int, level: int) -> bytes | None:
-    """`encode_sparse(raw XOR parent)` without the XOR: the changed words found by comparing the two, their XOR
-    taken at those words alone. The XOR of a whole shard was a 64 MiB write and a read of it again, on publication
-    threads that share the host's memory bandwidth with every role beside them."""
+    """Sparse wire bytes for a shard whose raw bytes are `raw` and its parent's `parent` (uint8), or None where the
+    shard length is not a whole number of `word`-byte words. The changed words are found by comparing the two
+    (through a mask: 2.7x faster than on the words themselves) and their XOR taken there alone: the XOR of a whole
+    shard was a 64 MiB write and a read of it again, on publication threads that share the host's memory bandwidth
+    with every role beside them."""
     if word not in _UINT or len(raw) % word or len(parent) != len(raw):
         return None
     new, old = raw.view(_UINT[word]), parent.view(_UINT[word])
     mask = _mask_scratch(len(new))
     np.not_equal(new, old, out=mask)
     idx = np.flatnonzero(mask)
-    return _pack(word, idx, new[idx] ^ old[idx], len(new), level)
-
-
-def _pack(word: int, idx: np.ndarray, values: np.ndarray, nwords: int, level: int) -> bytes:
-    """The sparse wire bytes of the changed words at `idx` (increasing) whose XOR with the parent's is `values`."""
-    index_bytes = 4 if nwords < 2**31 else 8
+    index_bytes = 4 if len(new) < 2**31 else 8
     gaps = np.empty(len(idx), dtype=_INT[index_bytes])
     if len(idx):
         gaps[0] = idx[0] + 1
         np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
     cctx = zstandard.ZstdCompressor(level=level)
     idx_z = cctx.compress(_planes(gaps).data) if len(idx) else b""
-    val_z = cctx.compress(_planes(values).data) if len(idx) else b""
+    val_z = cctx.compress(_planes(new[idx] ^ old[idx]).data) if len(idx) else b""
     return _HEADER.pack(MAGIC, word, index_bytes, 0, len(idx), len(idx_z), len(val_z)) + idx_z + val_z
 
 
@@ -102,7 +87,7 @@ def _mask_scratch(n: int) -> np.ndarray:
 
 
 def sparse_count(wire: bytes) -> int:
-    """Changed words a sparse shard `encode_sparse` just made lists (its header's count)."""
+    """Changed words a sparse shard `encode_sparse_delta` just made lists (its header's count)."""
     return _HEADER.unpack_from(wire)[4]
 
 
@@ -161,5 +146,4 @@ def decode_sparse(index: int, wire: bytes | bytearray | memoryview, out: np.ndar
         words[idx] ^= vals
 
 
-__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse", "encode_sparse_delta", "is_sparse",
-           "sparse_count"]
+__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse_delta", "is_sparse", "sparse_count"]

@@ -62,7 +62,7 @@ def test_sparse_shard_round_trips_bit_exact_for_fp8_bf16_fp32_words(word):
 @pytest.mark.parametrize("share", [0.0001, 0.01, 0.3, 1.0])
 def test_each_delta_shard_is_sparse_below_half_changed_else_the_smaller_form_and_round_trips(sc, share):
     from shardcast.codec import SPARSE_BELOW
-    from shardcast.sparse import encode_sparse
+    from shardcast.sparse import encode_sparse_delta
 
     state = sc.make_state(0)
     moved = _few_changed(state, share)
@@ -70,7 +70,7 @@ def test_each_delta_shard_is_sparse_below_half_changed_else_the_smaller_form_and
     _, c = flatten(moved)
     entry, wire = encode_shard(0, c, p)
     _, xor_wire = encode_shard(0, c, p, sparse=False)
-    sparse_wire = encode_sparse(c ^ p, 2, 1)
+    sparse_wire = encode_sparse_delta(c, p, 2, 1)
     changed = np.count_nonzero((c ^ p).view(np.uint16)) / (len(c) // 2)
     if changed <= SPARSE_BELOW:  # sent sparse without trying zstd(XOR): and it is the smaller form here
         assert is_sparse(wire) and wire == sparse_wire and len(sparse_wire) < len(xor_wire)
