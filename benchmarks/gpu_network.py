@@ -1,6 +1,7 @@
 """The whole network on this host's GPUs, measured step by step: `primerl-node sim --device cuda`.
 
     python -m benchmarks.gpu_network [--model random:qwen3-30b-a3b-8l] [--ks 1,0] [--steps 20] [--out DIR]
+    python -m benchmarks.gpu_network --reread DIR     # the figures again from a finished run's records
 
 Its defaults on a GPU are the RL-shaped workload: the 5.2B 8-layer Qwen3-30B-A3B shape in bf16, 32 prompts x 8
 samples a step, `reverse-text-long` (heavy-tailed completions up to 1,024 tokens), k = 1 and then k = 0.
@@ -132,11 +133,11 @@ _SLOW_COMMITS = re.compile(r"coordinator store: (\d+) commits over [\d.]+ s in t
 _LEASE_MAX = re.compile(r"granting lease calls, median [\d.]+ s, max ([\d.]+) s")
 
 
-def stalls(out: Path, nodes: int, t_from: float) -> dict:
+def stalls(out: Path, nodes: int, window: tuple[float, float]) -> dict:
     """Where the network stood still, from the roles' own logs and rounds: the coordinator's commits slower than 0.2 s
     over the whole run (their fsyncs behind other writes to this host's disk; the coordinator answers nothing
-    meanwhile) and the slowest of them, the slowest granting lease call of any inference node, and the seconds after
-    `t_from` in which an inference node ran no engine step at all (no round row: no work leased), and how long the
+    meanwhile) and the slowest of them, the slowest granting lease call of any inference node, and the seconds of
+    `window` in which an inference node ran no engine step at all (no round row: no work leased), and how long the
     validator's rounds waited for their turn on its model (behind a hold reading a version in: rows since session 22)."""
     text = (out / "coordinator" / "log.txt").read_text(errors="replace") if (out / "coordinator" / "log.txt").exists() else ""
     commits = [(int(n), float(worst)) for n, worst in _SLOW_COMMITS.findall(text)]
@@ -144,10 +145,10 @@ def stalls(out: Path, nodes: int, t_from: float) -> dict:
     for i in range(nodes):
         node_log = out / f"inference-{i}" / "log.txt"
         lease_max += [float(x) for x in _LEASE_MAX.findall(node_log.read_text(errors="replace"))] if node_log.exists() else []
-        rounds = [r for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if r["t1"] > t_from]
+        rounds = [r for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if _inside(r, window)]
         for a, b in zip(rounds, rounds[1:]):
-            idle += max(0.0, b["t0"] - max(a["t1"], t_from))
-    judged = [r for r in _jsonl(out / "validator" / "rounds.jsonl") if r["t1"] > t_from]
+            idle += max(0.0, min(b["t0"], window[1]) - max(a["t1"], window[0]))
+    judged = [r for r in _jsonl(out / "validator" / "rounds.jsonl") if _inside(r, window)]
     turn_waits = [r["turn_wait_s"] for r in judged if "turn_wait_s" in r]
     return {"coordinator_slow_commits": sum(n for n, _ in commits),
             "validator_turn_wait_s": round(sum(turn_waits), 2) if turn_waits else None,
@@ -159,24 +160,60 @@ def stalls(out: Path, nodes: int, t_from: float) -> dict:
             "lease_call_max_s": max(lease_max, default=None), "node_idle_s": round(idle, 2)}
 
 
-def throughput(rounds: list[dict], t_from: float) -> tuple[float, float, float]:
-    """(tokens per busy second, busy seconds, tokens) of the rows that ended after `t_from` (a row is about
-    a second of an inference node's work, longer than a steady window of fast steps may be; a validator's
-    busy time is its recomputation, `verify_s`, without fetching versions; an inference node's the seconds
-    inside engine steps, `busy_s`)."""
-    rs = [r for r in rounds if r["t1"] > t_from]
-    busy = sum(r.get("verify_s", r.get("busy_s", r["t1"] - r["t0"])) for r in rs)
-    tokens = sum(r["tokens"] for r in rs)
+def throughput(rounds: list[dict], window: tuple[float, float]) -> tuple[float, float, float]:
+    """(tokens per busy second, busy seconds, tokens) of the rows inside `window` (a row is about a second of a
+    role's work, longer than a steady window of fast steps may be: a row that straddles an end counts for the
+    share of it inside; a validator's busy time is its recomputation, `verify_s`, without fetching versions; an
+    inference node's the seconds inside engine steps, `busy_s`)."""
+    busy = tokens = 0.0
+    for r in rounds:
+        share = _inside(r, window)
+        busy += share * r.get("verify_s", r.get("busy_s", r["t1"] - r["t0"]))
+        tokens += share * r["tokens"]
     return (tokens / busy if busy else 0.0), busy, tokens
 
 
+def _inside(row: dict, window: tuple[float, float]) -> float:
+    """The share of a round row's span [t0, t1] inside `window` (a row of no length: 1 or 0)."""
+    t0, t1 = row["t0"], row["t1"]
+    if t1 <= t0:
+        return float(window[0] < t1 <= window[1])
+    return max(0.0, min(t1, window[1]) - max(t0, window[0])) / (t1 - t0)
+
+
+def gpu_busy(path: Path, window: tuple[float, float] = (0.0, float("inf"))) -> dict[str, dict[str, float]]:
+    """Mean utilization (nvidia-smi's share of time a kernel ran) and peak memory per GPU inside `window`, from a
+    `GpuSampler` file."""
+    per: dict[str, list[tuple[float, float]]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            t, idx, util, mem = (x.strip() for x in line.split(","))
+            if window[0] <= float(t) <= window[1]:
+                per.setdefault(f"cuda:{idx}", []).append((float(util), float(mem)))
+        except ValueError:
+            continue
+    return {gpu: {"busy_share": round(statistics.mean(u for u, _ in xs) / 100, 3), "samples": len(xs),
+                  "memory_gib_max": round(max(m for _, m in xs) / 1024, 1)} for gpu, xs in per.items()}
+
+
+def memory_by_role(path: Path) -> dict[str, float]:
+    """Peak GPU memory (GiB) of each role's process, from a `GpuSampler` apps file (`time, role, MiB` lines)."""
+    peak: dict[str, float] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            _, name, mib = (x.strip() for x in line.rsplit(",", 2))
+            peak[name] = max(peak.get(name, 0.0), float(mib))
+        except ValueError:
+            continue
+    return {name: round(mib / 1024, 1) for name, mib in sorted(peak.items())}
+
+
 class GpuSampler:
-    """nvidia-smi's utilization of every GPU every 0.5 s, into a file (nothing without nvidia-smi)."""
+    """nvidia-smi's utilization of every GPU every 0.5 s into a file (`gpu_busy` reads it), and each process's
+    memory every second, named by its role, into PATH.apps.csv (`memory_by_role`); nothing without nvidia-smi."""
 
     def __init__(self, path: Path):
         self.path, self.p, self.apps = path, None, None
-        self.by_role: dict[str, float] = {}
-        """Peak GPU memory (MiB, nvidia-smi's per-process figure) of each role's process, by role name."""
         self._names: dict[str, str] = {}
 
     def __enter__(self) -> "GpuSampler":
@@ -209,7 +246,6 @@ class GpuSampler:
             try:
                 pid, mib = (x.strip() for x in line.split(","))
                 name = self._names.get(pid) or self._names.setdefault(pid, role_of(pid))
-                self.by_role[name] = max(self.by_role.get(name, 0.0), float(mib))
                 self._apps_out.write(f"{time.time():.2f}, {name}, {mib}\n")
                 self._apps_out.flush()
             except ValueError:
@@ -222,19 +258,6 @@ class GpuSampler:
                 proc.wait(10)
                 getattr(self, reader).join(5)
                 getattr(self, out).close()
-
-    def busy(self, t_from: float = 0.0) -> dict[str, dict[str, float]]:
-        """Mean utilization (nvidia-smi's share of time a kernel ran) and peak memory per GPU, from `t_from` on."""
-        per: dict[str, list[tuple[float, float]]] = {}
-        for line in self.path.read_text().splitlines() if self.path.exists() else []:
-            try:
-                t, idx, util, mem = (x.strip() for x in line.split(","))
-                if float(t) >= t_from:
-                    per.setdefault(f"cuda:{idx}", []).append((float(util), float(mem)))
-            except ValueError:
-                continue
-        return {gpu: {"busy_share": round(statistics.mean(u for u, _ in xs) / 100, 3), "samples": len(xs),
-                      "memory_gib_max": round(max(m for _, m in xs) / 1024, 1)} for gpu, xs in per.items()}
 
 
 def role_of(pid: str) -> str:
@@ -261,7 +284,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
     placement = place(args.device, args.inference_nodes)
     engine = "builtin-cuda" if args.device == "cuda" else "builtin"
     recipe = {**model_run.get("recipe", {}), "lr": args.lr, "temperature": 1.0}
-    with GpuSampler(out.with_suffix(".gpu.csv")) as gpus:
+    with GpuSampler(out.with_suffix(".gpu.csv")):
         t0 = time.time()
         summary = run_sim(out, inference_nodes=args.inference_nodes, steps=args.steps, task=args.task,
                           max_off_policy_steps=k, batch_groups=args.batch_groups, group_size=args.group_size,
@@ -271,24 +294,38 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
                           store_dir=args.store_dir / f"k{k}" if args.store_dir else None,
                           store_payloads=args.store_payloads / f"k{k}" if args.store_payloads else None)
         wall = time.time() - t0
-    rows = trainer_rows(out) if (out / "trainer" / "metrics.jsonl").exists() else []
     from benchmarks.weight_latency import host_store_bytes
 
     disk = host_store_bytes(out)  # before drop_stores: what the run's versions took on this host's disk
-    steady = rows[args.warmup:] or rows
-    lat, stages, timeline = weight_latency(out, args.inference_nodes, steady)
-    t_steady = steady[0]["t"] - steady[0]["step_s"] if steady else 0.0
-    gen = [throughput(_jsonl(out / f"inference-{i}" / "rounds.jsonl"), t_steady) for i in range(args.inference_nodes)]
-    ver = throughput(_jsonl(out / "validator" / "rounds.jsonl"), t_steady)
-    steady_wall = (steady[-1]["t"] - t_steady) if steady else 0.0
+    return {"k": k, "placement": placement.describe(), "engine": engine, "status": summary["status"],
+            **figures(out, args.inference_nodes, args.warmup, args.group_size), "wall_s": round(wall, 1),
+            "store_disk": disk, **{key: summary.get(key) for key in _AUDIT}}
+
+
+_AUDIT = ("rollouts_lost", "rollouts_duplicated", "rollouts_rejected", "max_off_policy_seen", "max_off_policy_steps",
+          "honest_banned")
+"""sim's audit of a run (its summary.json), carried into the run's figures."""
+
+
+def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
+    """A finished run's figures from its roles' own records in `out` (and the GPU sampler's files beside it).
+    Steady state is the window from the start of the first step after `warmup` to the last step's publication:
+    rounds, GPU samples and stalls outside it (the roles starting, the last checkpoint, the processes stopping)
+    count for nothing but the whole-run figures."""
+    rows = trainer_rows(out) if (out / "trainer" / "metrics.jsonl").exists() else []
+    steady = rows[warmup:] or rows
+    lat, stages, timeline = weight_latency(out, nodes, steady)
+    window = (steady[0]["t"] - steady[0]["step_s"], steady[-1]["t"]) if steady else (0.0, 0.0)
+    steady_wall = window[1] - window[0]
+    gen = [throughput(_jsonl(out / f"inference-{i}" / "rounds.jsonl"), window) for i in range(nodes)]
+    ver = throughput(_jsonl(out / "validator" / "rounds.jsonl"), window)
     gen_busy = sum(g[2] for g in gen) / sum(g[1] for g in gen) if sum(g[1] for g in gen) else 0.0
     # sequences in an inference node's engine at once (its leased groups x group size; rows since session 22)
-    in_flight = [r["in_flight_max"] * args.group_size for i in range(args.inference_nodes)
-                 for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if r["t1"] > t_steady and "in_flight_max" in r]
+    in_flight = [r["in_flight_max"] * group_size for i in range(nodes)
+                 for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if _inside(r, window) and "in_flight_max" in r]
     med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
     return {
-        "k": k, "placement": placement.describe(), "engine": engine, "status": summary["status"],
-        "steps": len(rows), "steady_steps": len(steady), "wall_s": round(wall, 1),
+        "steps": len(rows), "steady_steps": len(steady), "steady_window_s": round(steady_wall, 1),
         "step_s": med([r["period_s"] for r in steady]), "step_latency_s": med([r["step_s"] for r in steady]),
         "wait_s": med([r["wait_s"] for r in steady]),
         "publish_wait_s": med([r.get("publish_wait_s", 0.0) for r in steady]),
@@ -300,7 +337,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "wire_s": med([r["wire_s"] for r in steady if "wire_s" in r]),
         "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,
         "weight_latency_stages_s": {s: med(v) for s, v in stages.items()},
-        "store_disk": disk, "stalls": stalls(out, args.inference_nodes, t_steady),
+        "stalls": stalls(out, nodes, window),
         "gen_tok_s": round(sum(g[2] for g in gen) / steady_wall, 1) if steady_wall else None,
         "gen_tok_s_busy": round(gen_busy, 1), "verify_tok_s_busy": round(ver[0], 1),
         "node_seqs_in_flight": {"max": max(in_flight, default=None), "p50": med(in_flight)},
@@ -308,10 +345,8 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["period_s"] for r in steady), 1) if steady else None,
         "reward_per_step": [round(r["reward_mean"], 4) for r in rows],
         "reward_mean_steady": round(statistics.mean(r["reward_mean"] for r in steady), 4) if steady else None,
-        "gpus": gpus.busy(t_steady), "gpus_whole_run": gpus.busy(),
-        "gpu_memory_gib_peak_by_role": {name: round(mib / 1024, 1) for name, mib in sorted(gpus.by_role.items())},
-        **{key: summary.get(key) for key in ("rollouts_lost", "rollouts_duplicated", "rollouts_rejected",
-                                              "max_off_policy_seen", "max_off_policy_steps", "honest_banned")},
+        "gpus": gpu_busy(out.with_suffix(".gpu.csv"), window), "gpus_whole_run": gpu_busy(out.with_suffix(".gpu.csv")),
+        "gpu_memory_gib_peak_by_role": memory_by_role(out.with_suffix(".gpu.apps.csv")),
         "_rows": rows, "_timeline": timeline,
     }
 
@@ -412,8 +447,12 @@ def main() -> None:
     p.add_argument("--machine", default=None, help="recorded in the JSON (default: guessed)")
     p.add_argument("--no-engine-alone", dest="engine_alone", action="store_false",
                    help="skip the engine-alone run on the same workload (engine_alone_tok_s)")
+    p.add_argument("--reread", type=Path, default=None, metavar="DIR",
+                   help="run nothing: recompute the figures of a finished invocation's directory (its kK/ records)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if args.reread:
+        return reread(args.reread)
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_network-"))
     out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "cuda"  # the defaults on a GPU: the issue's RL-shaped workload (>= 256 rollouts a step)
@@ -433,10 +472,7 @@ def main() -> None:
         (out / f"k{k}.json").write_text(json.dumps(public, indent=2))  # kept if a later run is cut short
     alone = engine_alone(args, model_run, out / "engine-alone") if args.engine_alone else {}
     log.info("engine alone: %s", alone)
-    last = max(runs, key=lambda r: r["k"])
-    best = min(runs, key=lambda r: r["step_s"] or float("inf"))
-    by_k = speedups(runs)
-    result = {
+    header = {
         "benchmark": "gpu_network", "machine": args.machine or _machine(), "model": args.model,
         "dtype": args.dtype, "model_params_b": _params_b(args, model_run), "task": args.task,
         "inference_nodes": args.inference_nodes, "prompts_per_step": args.batch_groups, "group_size": args.group_size,
@@ -444,6 +480,18 @@ def main() -> None:
         "coordinator_state": str(args.coordinator_state) if args.coordinator_state else "OUT/coordinator (the roles' disk)",
         "store_dir": str(args.store_dir) if args.store_dir else "OUT/shardcast (the roles' disk)",
         "store_payloads": str(args.store_payloads) if args.store_payloads else "beside the wire shards",
+    }
+    report(out, summarise(header, runs, alone), runs)
+
+
+def summarise(header: dict, runs: list[dict], alone: dict) -> dict:
+    """The result: `header` (what ran, where), the largest k's figures against the engine alone (`alone`), the
+    audits of every run, and each run's own figures."""
+    last = max(runs, key=lambda r: r["k"])
+    best = min(runs, key=lambda r: r["step_s"] or float("inf"))
+    by_k = speedups(runs)
+    return {
+        **header,
         "step_s": last["step_s"], "weight_latency_s": last["weight_latency_s"],
         "async_speedup": by_k.get(last["k"]), "async_speedup_by_k": by_k,
         "gen_tok_s": last["gen_tok_s"], "verify_over_generate": last["verify_over_generate"],
@@ -458,13 +506,50 @@ def main() -> None:
         "rollouts_lost": sum(r["rollouts_lost"] or 0 for r in runs),
         "rollouts_duplicated": sum(r["rollouts_duplicated"] or 0 for r in runs),
         "off_policy_violations": sum((r["max_off_policy_seen"] or 0) > r["k"] for r in runs),
-        "fastest_k": best["k"], "load_avg": os.getloadavg()[0],
+        "fastest_k": best["k"], "load_avg": header.get("load_avg", os.getloadavg()[0]),
         "runs": [{key: v for key, v in r.items() if not key.startswith("_")} for r in runs],
     }
+
+
+def report(out: Path, result: dict, runs: list[dict]) -> None:
     (out / "result.json").write_text(json.dumps(result, indent=2))
     plot(out / "report.png", runs, result)
     print(f"report: {out / 'report.png'}", flush=True)
     print(json.dumps(result))
+
+
+_RUN_ONLY = ("k", "placement", "engine", "status", "wall_s", "store_disk", *_AUDIT)
+"""A run's figures that its directory no longer holds once the run is over (the stores are dropped, the
+processes gone): `reread` keeps them from the run's JSON."""
+
+
+def reread(out: Path) -> None:
+    """Each run's figures again from its records in `out` (a finished invocation's directory, as a device call
+    brings it back: OUT/kK/ and OUT/kK.gpu.csv beside OUT/kK.json), by this code; what the records no longer hold
+    (`_RUN_ONLY`, the engine alone, what ran where) is kept from the JSON files. The result says it was reread."""
+    runs = []
+    old = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else {}
+    order = [r["k"] for r in old.get("runs", [])]  # as they ran (a run cut short has no row there: last)
+    for path in sorted(out.glob("k*.json"), key=lambda p: order.index(int(p.stem[1:])) if int(p.stem[1:]) in order
+                       else len(order)):
+        before = json.loads(path.read_text())
+        if not (out / path.stem / "trainer" / "metrics.jsonl").exists():
+            raise SystemExit(f"{out / path.stem}: no trainer metrics to reread")
+        warmup = old.get("warmup_steps", 2)
+        run = {**before, **figures(out / path.stem, old.get("inference_nodes", 1), warmup, old.get("group_size", 8)),
+               **{key: before.get(key) for key in _RUN_ONLY}}
+        if not run["gpu_memory_gib_peak_by_role"]:  # no apps file came back: the run's own record
+            run["gpu_memory_gib_peak_by_role"] = before.get("gpu_memory_gib_peak_by_role", {})
+        runs.append(run)
+    if not runs:
+        raise SystemExit(f"{out}: no kK.json runs to reread")
+    alone = {k: v for k, v in old.items() if k.startswith("engine_alone_")}
+    header = {k: v for k, v in old.items() if k in ("benchmark", "machine", "model", "dtype", "model_params_b", "task",
+                                                    "inference_nodes", "prompts_per_step", "group_size", "steps",
+                                                    "warmup_steps", "coordinator_state", "store_dir", "store_payloads",
+                                                    "load_avg")}
+    header["reread"] = "figures recomputed from the run's records by benchmarks.gpu_network --reread"
+    report(out, summarise(header, runs, alone), runs)
 
 
 def model_of(args, out: Path) -> dict:

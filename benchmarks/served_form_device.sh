@@ -34,8 +34,8 @@ for form in ${ORDER:-served plain}; do
   echo "gpu_network $form rc=$?"; date
   cp /tmp/net-$form/result.json $OUT/result-$form.json 2>/dev/null
   cp /tmp/net-$form/report.png $OUT/report-$form.png 2>/dev/null
-  (cd /tmp/net-$form 2>/dev/null && find . \( -name '*.jsonl' -o -name 'log.txt' -o -name 'summary.json' \) \
-    -not -path '*/shardcast/*' -size -20M -print0 | tar czf $OUT/net-$form.tgz --null -T - 2>/dev/null)
+  (cd /tmp/net-$form 2>/dev/null && find . \( -name '*.json' -o -name '*.jsonl' -o -name 'log.txt' -o -name '*.csv' \) \
+    -not -path './model/*' -not -path '*/shardcast/*' -size -20M -print0 | tar czf $OUT/net-$form.tgz --null -T - 2>/dev/null)
   tail -1 $OUT/gpu_network-$form.log | cut -c1-1500
   rm -rf /tmp/net-$form
 done

@@ -84,6 +84,16 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     assert swaps and all({"t_lease_asked", "t_granted"} <= set(row) for row in swaps)
     assert any(row["t_granted"] is not None and row["t_lease_asked"] <= row["t_granted"] <= row["t_applied"]
                for row in swaps)
+    # the figures again from the records alone (as a device call brings a run back): the same, said to be reread
+    again = subprocess.run([sys.executable, "-m", "benchmarks.gpu_network", "--reread", str(tmp_path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    reread = json.loads(again.stdout.strip().splitlines()[-1])
+    assert reread["reread"] and reread["engine_alone_tok_s"] == result["engine_alone_tok_s"]
+    for key in ("step_s", "gen_tok_s", "trained_tok_s", "verify_over_generate", "weight_latency_s", "async_speedup",
+                "rollouts_lost", "store_disk"):
+        assert reread[key] == result[key], key
+    assert [r["k"] for r in reread["runs"]] == [0, 1] and reread["runs"][1]["stalls"] == result["runs"][1]["stalls"]
 
 
 @pytest.mark.slow  # a whole network of processes: runs after the fast tests
@@ -119,7 +129,7 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
                                   "refused; 98 granting lease calls, median 0.056 s, max 8.869 s\n")
     rounds = [{"t0": 0.0, "t1": 1.0}, {"t0": 1.0, "t1": 2.0}, {"t0": 5.0, "t1": 6.0}, {"t0": 6.5, "t1": 7.0}]
     (node / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
-    got = stalls(tmp_path, 1, t_from=0.0)
+    got = stalls(tmp_path, 1, (0.0, 10.0))
     assert got == {"coordinator_slow_commits": 4, "coordinator_commit_max_s": 4.37, "lease_call_max_s": 8.869,
                    "node_idle_s": 3.5, "validator_turn_wait_s": None, "validator_turn_wait_max_s": None,
                    "validator_verify_s": 0.0, "validator_slowest_round": None, "validator_gc_s": None}
@@ -127,11 +137,37 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     (tmp_path / "validator" / "rounds.jsonl").write_text("".join(
         json.dumps({"t0": t, "t1": t + 1, "turn_wait_s": w, "verify_s": v, "units": u, "mixed": m, "gc_s": g}) + "\n"
         for t, w, v, u, m, g in ((0.0, 2.0, 9.0, 64, 0, 0.0), (3.0, 0.25, 4.0, 60, 12, 0.5), (6.0, 0.5, 0.1, 64, 0, 0.25))))
-    got = stalls(tmp_path, 1, t_from=2.0)  # the rounds that ended after it
+    got = stalls(tmp_path, 1, (2.0, 10.0))  # the rounds inside the window
     assert (got["validator_turn_wait_s"], got["validator_turn_wait_max_s"]) == (0.75, 0.5)
     assert got["validator_slowest_round"] == {"turn_wait_s": 0.25, "verify_s": 4.0, "units": 60, "mixed": 12, "gc_s": 0.5}
     assert got["validator_gc_s"] == 0.75 and got["validator_verify_s"] == 4.1
-    assert stalls(tmp_path, 1, t_from=5.5)["node_idle_s"] == 0.5  # only gaps after the steady state began
+    assert stalls(tmp_path, 1, (5.5, 10.0))["node_idle_s"] == 0.5  # only gaps after the steady state began
+    assert stalls(tmp_path, 1, (0.0, 5.5))["node_idle_s"] == 3.0  # and before it ended
+    assert stalls(tmp_path, 1, (0.0, 5.5))["validator_verify_s"] == 13.0
+
+
+def test_steady_figures_count_only_what_happened_inside_the_steady_window(tmp_path):
+    """Generation, verification and the GPU's busy share are steady-state figures: the rounds and GPU samples after
+    the last steady step (the last checkpoint, the processes stopping: a minute at 5.2B) count for nothing, and a
+    round that straddles an end counts for the share of it inside. (Until session 39 everything after the window's
+    start counted, which halved the 5.2B run's busy share and doubled the 0.52B run's generation rate.)"""
+    from benchmarks.gpu_network import gpu_busy, memory_by_role, throughput
+
+    rounds = [{"t0": 9.0, "t1": 10.0, "tokens": 100, "busy_s": 1.0},   # before: nothing
+              {"t0": 10.5, "t1": 11.5, "tokens": 400, "busy_s": 0.5},  # half inside
+              {"t0": 12.0, "t1": 13.0, "tokens": 300, "busy_s": 1.0},  # inside
+              {"t0": 21.0, "t1": 22.0, "tokens": 9000, "busy_s": 1.0}]  # after: nothing
+    rate, busy, tokens = throughput(rounds, (11.0, 20.0))
+    assert (busy, tokens) == (1.25, 500.0) and rate == 400.0
+    assert throughput(rounds, (0.0, 100.0))[2] == 9800  # the whole run
+    csv = tmp_path / "k1.gpu.csv"
+    csv.write_text("".join(f"{t:.2f}, 0, {u}, {m}\n" for t, u, m in
+                           ((10.0, 0, 1000), (11.0, 80, 2048), (15.0, 60, 4096), (20.0, 100, 2048), (30.0, 0, 9216))))
+    assert gpu_busy(csv, (11.0, 20.0)) == {"cuda:0": {"busy_share": 0.8, "samples": 3, "memory_gib_max": 4.0}}
+    assert gpu_busy(csv)["cuda:0"]["samples"] == 5 and gpu_busy(tmp_path / "none.csv") == {}
+    apps = tmp_path / "k1.gpu.apps.csv"
+    apps.write_text("1.00, trainer, 2048\n2.00, pid 7 (python3), 512\n3.00, trainer, 4096\nbroken line\n")
+    assert memory_by_role(apps) == {"pid 7 (python3)": 0.5, "trainer": 4.0}
 
 
 def test_the_coordinators_state_and_the_store_can_live_elsewhere_behind_the_same_paths(tmp_path):
