@@ -15,14 +15,17 @@ from protocol.messages import LeaseGrant, RolloutGroup, RunSpec, StoredWork
 
 
 def rolled_out(spec: RunSpec, model, manifest: str, workdir: Path, works: int, task0: int = 100,
-               seed=lambda w: 7 * w + 1) -> tuple[NodeKey, list[LeaseGrant], list[RolloutGroup]]:
-    """(the node's key, its grants, the groups it rolled out for them) of `works` leases on version 0."""
+               seed=lambda w: 7 * w + 1, version: int = 0,
+               first: int = 0) -> tuple[NodeKey, list[LeaseGrant], list[RolloutGroup]]:
+    """(the node's key, its grants, the groups it rolled out for them) of `works` leases (work ids from `first`) on
+    `version`, which `model` serves."""
     key = NodeKey.generate()
     node = InferenceNode(key, spec, "", workdir)
-    node.engine = Engine(model, max_batch=8, eos_id=node.tok.eos_id, decode=node.tok.decode, capture_hidden=True)
-    node.hashes, node._newest_loaded = {0: manifest}, 0
-    grants = [LeaseGrant(work_id=w, holder=key.peer_id, policy_version=0, task_index=task0 + w, seed=seed(w),
-                         deadline=time.time() + 60) for w in range(works)]
+    node.engine = Engine(model, max_batch=8, eos_id=node.tok.eos_id, decode=node.tok.decode, capture_hidden=True,
+                         version=version)
+    node.hashes, node._newest_loaded = {version: manifest}, version
+    grants = [LeaseGrant(work_id=w, holder=key.peer_id, policy_version=version, task_index=task0 + w, seed=seed(w),
+                         deadline=time.time() + 60) for w in range(first, first + works)]
     return key, grants, node._roll_out(grants)
 
 

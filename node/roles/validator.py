@@ -3,7 +3,8 @@ all of them at `verification_rate` 1.0), sign verdicts, send them back.
 
 Invariants: every unit handed out gets exactly one verdict (one whose policy version cannot be
 fetched is offered again, and after `UNJUDGEABLE_AFTER_S` of that, while other versions were fetched,
-gets a borderline failing verdict: a strike, never a unit deferred forever); a group is valid only if every one of
+gets a borderline failing verdict: a strike, never a unit deferred forever; one whose version is still being
+fetched and held waits for the next round, and the round judges the others); a group is valid only if every one of
 its rollouts passes `verification.validator.verify_claims` against the policy version(s) that
 produced it; nothing a submission holds can crash the validator (an unreadable unit is a `malformed`
 rejection).
@@ -135,8 +136,8 @@ class ValidatorNode:
                           "verify_s": self._round_verify_s, "turn_wait_s": self._round_turn_wait_s,
                           **self._round_shape, "gc_s": self._collections.seconds - gc_s,
                           "gc_full": self._collections.full - gc_full})
-                if not verdicts:
-                    await asyncio.sleep(0.5)  # nothing judgeable yet (policy not fetchable): do not spin
+                if not verdicts:  # nothing judgeable yet (a version being held, or not fetchable): do not spin
+                    await self.until_a_hold_ends(0.5)
                     continue
                 await client.verdicts(verdicts)
         except asyncio.CancelledError:
@@ -166,8 +167,19 @@ class ValidatorNode:
                     return
             await asyncio.sleep(0.5)
 
+    def _held(self, version: int) -> bool:
+        return self.policies is not None and version in self.policies
+
+    async def until_a_hold_ends(self, timeout_s: float) -> None:
+        """Return when a hold in progress ends (its units can then be judged), or after `timeout_s`."""
+        holds = list(self._holding.values())
+        if holds:
+            await asyncio.wait(holds, timeout=timeout_s)
+        else:
+            await asyncio.sleep(timeout_s)
+
     async def _policy(self, version: int) -> None:
-        if self.policies is not None and version in self.policies:
+        if self._held(version):
             return
         task = self._holding.get(version)
         if task is None:
@@ -278,8 +290,16 @@ class ValidatorNode:
                 failed[item.work_id] = (item.submitter, f"malformed: {exc}"[:500])
                 claims.pop(item.work_id, None)
                 continue
+            needed = sorted({v for c in claims[item.work_id] for v in c.versions})
+            if any(v in self._holding and not self._held(v) for v in needed):
+                # a version still being fetched and held (seconds at 5.2B) holds back its own units, not the
+                # round's others: they come back with the next `to_verify` (session 38's 5.2B network waited
+                # 5-7 s a round here, and its inference node, out of leases, stood idle)
+                claims.pop(item.work_id)
+                skipped.add(item.work_id)
+                continue
             try:
-                for v in sorted({v for c in claims[item.work_id] for v in c.versions}):
+                for v in needed:
                     await self._policy(v)  # the coordinator refuses versions it has not announced
             except ProtocolError as exc:
                 # Maybe not the submitter's fault: no verdict now (the unit is offered again, or goes
