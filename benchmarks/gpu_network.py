@@ -289,7 +289,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
         summary = run_sim(out, inference_nodes=args.inference_nodes, steps=args.steps, task=args.task,
                           max_off_policy_steps=k, batch_groups=args.batch_groups, group_size=args.group_size,
                           timeout_s=args.timeout, recipe=recipe, model=model_run.get("model"), placement=placement,
-                          engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0},
+                          engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0}, mps=args.mps,
                           coordinator_state=args.coordinator_state / f"k{k}" if args.coordinator_state else None,
                           store_dir=args.store_dir / f"k{k}" if args.store_dir else None,
                           store_payloads=args.store_payloads / f"k{k}" if args.store_payloads else None)
@@ -443,6 +443,8 @@ def main() -> None:
     p.add_argument("--coordinator-state", type=Path, default=None,
                    help="the coordinator's state under this directory (one per k; `sim --coordinator-state`), e.g. "
                    "on tmpfs standing in for the coordinator's own machine where every role shares one disk")
+    p.add_argument("--mps", action="store_true",
+                   help="the roles share each GPU through NVIDIA's multi-process service (`sim --mps`)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--machine", default=None, help="recorded in the JSON (default: guessed)")
     p.add_argument("--no-engine-alone", dest="engine_alone", action="store_false",
@@ -480,6 +482,7 @@ def main() -> None:
         "coordinator_state": str(args.coordinator_state) if args.coordinator_state else "OUT/coordinator (the roles' disk)",
         "store_dir": str(args.store_dir) if args.store_dir else "OUT/shardcast (the roles' disk)",
         "store_payloads": str(args.store_payloads) if args.store_payloads else "beside the wire shards",
+        "mps": args.mps,
     }
     report(out, summarise(header, runs, alone), runs)
 
@@ -547,7 +550,7 @@ def reread(out: Path) -> None:
     header = {k: v for k, v in old.items() if k in ("benchmark", "machine", "model", "dtype", "model_params_b", "task",
                                                     "inference_nodes", "prompts_per_step", "group_size", "steps",
                                                     "warmup_steps", "coordinator_state", "store_dir", "store_payloads",
-                                                    "load_avg")}
+                                                    "mps", "load_avg")}
     header["reread"] = "figures recomputed from the run's records by benchmarks.gpu_network --reread"
     report(out, summarise(header, runs, alone), runs)
 

@@ -86,6 +86,9 @@ class SimConfig(BaseModel):
     store_payloads: Annotated[Path | None, Flag(metavar="DIR")] = None
     """where the shared store keeps decoded payloads (`join --store-payloads`), e.g. on tmpfs: the trainer's
     version files then never reach the disk the host's roles share (only their wire shards do)"""
+    mps: bool = False
+    """the roles on GPUs reach them through NVIDIA's multi-process service (one daemon for the sim,
+    node/sim_mps.py): their kernels share a GPU at once instead of taking turns in time slices"""
     coordinator_state: Annotated[Path | None, Flag(metavar="DIR")] = None
     """the coordinator's state directory (default OUT/coordinator; OUT/coordinator then links to it): on a host
     whose roles share one disk, a directory on another filesystem keeps the coordinator's fsyncs from waiting

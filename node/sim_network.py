@@ -17,6 +17,7 @@ from node.run_config import to_toml
 from node.sim_config import SimConfig
 from node.sim_deadline import VLLM_START_S
 from node.sim_devices import place
+from node.sim_mps import Mps
 from node.sim_procs import Proc, free_port, wait_for
 from protocol.identity import NodeKey
 
@@ -96,6 +97,8 @@ class Network:
     """Peer id -> the last time a membership view counted it alive (`node.sim.look`)."""
     ended_at: float = 0.0
     """When the sim's loop ended (the run's last step, or its stop): the membership audit's reference."""
+    mps: Mps | None = None
+    """The multi-process service daemon the roles on GPUs share (`SimConfig.mps`), stopped after them."""
 
 
 def store_of(out: Path, name: str) -> Path:
@@ -140,8 +143,22 @@ def link_elsewhere(out: Path, name: str, target: Path) -> None:
 
 
 def start_network(out: Path, cfg: SimConfig) -> Network:
-    """Keys, run.toml, the coordinator, then every member (vLLM nodes first: their start-up is long)."""
+    """Keys, run.toml, the coordinator, then every member (vLLM nodes first: their start-up is long); with
+    `cfg.mps`, the multi-process service's daemon before them all."""
     placement = cfg.placement or place("cpu", cfg.inference_nodes)
+    if not cfg.mps:
+        return _start_network(out, cfg, placement, None)
+    if not any(d.startswith("cuda") for d in (placement.trainer, placement.validator, *placement.inference)):
+        raise ValueError("sim --mps shares GPUs between the roles: it needs roles on a GPU (--device cuda)")
+    mps = Mps.start()
+    try:
+        return _start_network(out, cfg, placement, mps)
+    except BaseException:
+        mps.stop(out / "mps-log")
+        raise
+
+
+def _start_network(out: Path, cfg: SimConfig, placement, mps: Mps | None) -> Network:  # noqa: ANN001
     out.mkdir(parents=True, exist_ok=True)
     keys = {name: NodeKey.generate() for name in ["coordinator", "trainer", "validator", "relay",
                                                   *[f"inference-{i}" for i in range(cfg.inference_nodes)]]}
@@ -193,6 +210,8 @@ def start_network(out: Path, cfg: SimConfig) -> Network:
              *(["--gpu-memory-share", str(placement.inference_memory_share(i))]
                if placement.inference[i].startswith("cuda") else [])]
         procs[name] = member(name, "inference", [*extra, "--trace-versions"])  # versions.jsonl: weight latency
+    for p in procs.values() if mps is not None else ():
+        p.env.update(mps.env)
     vllm_procs = [procs[f"inference-{i}"] for i in range(cfg.vllm_nodes)]
     for p in vllm_procs:  # first, so vLLM's start-up (tens of seconds) ends before the first policy
         p.start()
@@ -206,7 +225,7 @@ def start_network(out: Path, cfg: SimConfig) -> Network:
     for p in procs.values():
         if p not in vllm_procs:
             p.start()
-    return Network(out, cfg, run, keys, coord, procs, cheater_names, t0)
+    return Network(out, cfg, run, keys, coord, procs, cheater_names, t0, mps=mps)
 
 
 def stop_network(net: Network, status: str) -> None:
@@ -225,3 +244,5 @@ def stop_network(net: Network, status: str) -> None:
     for p in sorted(procs.values(), key=lambda p: p is not procs.get("trainer")):
         p.stop()
     coord.stop()
+    if net.mps is not None:
+        net.mps.stop(net.out / "mps-log")
