@@ -2,7 +2,6 @@
 the engine then holds exactly what a copy of the whole version gives it, and where it serves another version
 than the delta's parent (or cannot place the bytes as they are) the version is copied whole instead."""
 
-import asyncio
 import copy
 
 import pytest
@@ -11,17 +10,13 @@ import torch
 from node.engine import Engine, Request, SamplingParams
 from node.engine.fp8.model import apply_fp8_mode
 from node.model import CausalLM, ModelConfig
-from node.model.served_form import ServedForm
-from node.roles.common import fetch_policy
 from node.rl.parallel.publish import publish_model
 from protocol.identity import NodeKey
-from protocol.messages import RunSpec
-from protocol.model_spec import ModelSpec
 from shardcast.publish import PublishOptions
-from shardcast.server import ShardServer
 from shardcast.store import Store
 
-PEER = "12D3KooWGzh1b2VJ2c8Nk5rQb9P9s1p7pY9yq1Qe4sXvTtF3gW8E"
+from fetched_versions import fetch_all, whole
+
 KEY = NodeKey.from_seed(b"\x0b" * 32)
 SHARDS = PublishOptions(shard_size=64 << 10)
 
@@ -36,19 +31,6 @@ def _moved(model: CausalLM, seed: int) -> CausalLM:
         rows.add_(torch.randn_like(rows) * 0.01)
         model.model.norm.weight.add_(0.01)
     return model
-
-
-def _fetch_all(trainer: Store, member: Store, fp8: str, versions: list[int]) -> dict:
-    async def main():
-        server = ShardServer(trainer)
-        port = await server.start("127.0.0.1", 0)
-        spec = RunSpec(run_id="r", coordinator=PEER, environment="reverse", trainer=KEY.peer_id,
-                       shardcast_sources=[f"http://127.0.0.1:{port}"], model=ModelSpec(fp8=fp8))
-        try:
-            return {v: await fetch_policy(spec, member, v) for v in versions}
-        finally:
-            await server.stop()
-    return asyncio.run(main())
 
 
 def _engine(model: CausalLM, fp8: str, device: str, rows: list) -> Engine:
@@ -71,13 +53,6 @@ def _served_bytes(engine: Engine) -> dict[str, torch.Tensor]:
     return {n: t.detach().reshape(-1).view(torch.uint8).cpu() for n, t in named.items()}
 
 
-def _whole(state):
-    """The same version without its delta's changes: what a copy of the whole version loads."""
-    if isinstance(state, ServedForm):
-        return ServedForm(dict(state.tensors), state.dtype)
-    return dict(state)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8", ["off", "all"])
 def test_a_delta_of_the_served_version_goes_in_as_its_changed_bytes_and_equals_a_whole_copy(tmp_path, fp8, device):
@@ -88,7 +63,7 @@ def test_a_delta_of_the_served_version_goes_in_as_its_changed_bytes_and_equals_a
     for v in (1, 2, 3):
         signed = publish_model(_moved(model, v), None, trainer, KEY, "r", v, v - 1, SHARDS, fp8=fp8)
         assert signed.manifest.encoding == "delta"
-    got = _fetch_all(trainer, Store(tmp_path / "member"), fp8, [0, 1, 2, 3])
+    got = fetch_all(trainer, Store(tmp_path / "member"), KEY, fp8, [0, 1, 2, 3])
     assert got[0].changes is None, "version 0 is whole"
     assert getattr(got[1], "changes", None) is not None and got[1].changes.parent == 0
     changed = len(got[1].changes.positions)
@@ -102,14 +77,14 @@ def test_a_delta_of_the_served_version_goes_in_as_its_changed_bytes_and_equals_a
     assert rows[-1][0] == 1 and rows[-1][1]["sparse_bytes"] == changed
     ref_rows: list = []
     ref = _engine(model, fp8, device, ref_rows)
-    assert _load(ref, _whole(got[1]), 1) == tokens1 and ref_rows[-1][1]["sparse_bytes"] == 0
+    assert _load(ref, whole(got[1]), 1) == tokens1 and ref_rows[-1][1]["sparse_bytes"] == 0
     mine, want = _served_bytes(engine), _served_bytes(ref)
     assert set(mine) == set(want) and all(torch.equal(mine[n], want[n]) for n in want), "bytes of a whole copy"
 
     # serving 1, given 3 (a delta of 2, which it never held): copied whole, and right
     _load(engine, got[3], 3)
     assert rows[-1][0] == 3 and rows[-1][1]["sparse_bytes"] == 0
-    _load(ref, _whole(got[3]), 3)
+    _load(ref, whole(got[3]), 3)
     mine, want = _served_bytes(engine), _served_bytes(ref)
     assert all(torch.equal(mine[n], want[n]) for n in want)
 
@@ -122,7 +97,7 @@ def test_a_plain_version_into_an_fp8_engine_is_copied_whole_its_bytes_being_quan
     trainer = Store(tmp_path / "trainer")
     publish_model(model, None, trainer, KEY, "r", 0, None, SHARDS)  # plain, as PRIMERL_PUBLISH_FORM=plain does
     publish_model(_moved(model, 1), None, trainer, KEY, "r", 1, 0, SHARDS)
-    got = _fetch_all(trainer, Store(tmp_path / "member"), "all", [0, 1])
+    got = fetch_all(trainer, Store(tmp_path / "member"), KEY, "all", [0, 1])
     assert got[1].changes is not None
     rows: list = []
     engine = _engine(model, "all", "cpu", rows)
@@ -150,7 +125,7 @@ def test_a_delta_that_changes_most_bytes_keeps_no_changes_and_goes_whole(tmp_pat
             p.add_(torch.randn_like(p) * 0.01)  # every weight moves: a dense step
     signed = publish_model(model, None, trainer, KEY, "r", 1, 0, SHARDS)
     assert signed.manifest.encoding == "delta"
-    got = _fetch_all(trainer, Store(tmp_path / "member"), "off", [0, 1])
+    got = fetch_all(trainer, Store(tmp_path / "member"), KEY, "off", [0, 1])
     assert got[1].changes is None and CHANGES_UP_TO < 1
     rows: list = []
     engine = _engine(model, "off", "cpu", rows)

@@ -5,7 +5,6 @@ a delta of the newest held one (or whose bytes an FP8 module quantises on arriva
 
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import pytest
@@ -14,18 +13,14 @@ import torch
 from node.engine.fp8.model import apply_fp8_mode
 from node.model import CausalLM, ModelConfig
 from node.model.checkpoint import load_hf_state_dict
-from node.model.served_form import ServedForm
-from node.roles.common import fetch_policy
 from node.roles.resident_policy import ResidentPolicies, raw_tensors
 from node.rl.parallel.publish import publish_model
 from protocol.identity import NodeKey
-from protocol.messages import RunSpec
-from protocol.model_spec import ModelSpec
 from shardcast.publish import PublishOptions
-from shardcast.server import ShardServer
 from shardcast.store import Store
 
-PEER = "12D3KooWGzh1b2VJ2c8Nk5rQb9P9s1p7pY9yq1Qe4sXvTtF3gW8E"
+from fetched_versions import fetch_all, whole
+
 KEY = NodeKey.from_seed(b"\x0c" * 32)
 SHARDS = PublishOptions(shard_size=64 << 10)
 
@@ -52,30 +47,14 @@ def _fetched(tmp_path, fp8: str, published: str, versions: int) -> dict:
         assert publish_model(_stepped(model, v), None, trainer, KEY, "r", v, v - 1, SHARDS,
                              fp8=published).manifest.encoding == "delta"
 
-    async def main():
-        server = ShardServer(trainer)
-        port = await server.start("127.0.0.1", 0)
-        spec = RunSpec(run_id="r", coordinator=PEER, environment="reverse", trainer=KEY.peer_id,
-                       shardcast_sources=[f"http://127.0.0.1:{port}"], model=ModelSpec(fp8=fp8))
-        try:
-            return {v: await fetch_policy(spec, Store(tmp_path / "validator"), v) for v in range(versions)}
-        finally:
-            await server.stop()
-    return model.config, asyncio.run(main())
-
-
-def _whole(state):
-    """The same version without its delta's changes: what the validator had to read whole before."""
-    if isinstance(state, ServedForm):
-        return ServedForm(dict(state.tensors), state.dtype)
-    return dict(state)
+    return model.config, fetch_all(trainer, Store(tmp_path / "validator"), KEY, fp8, list(range(versions)))
 
 
 def _resident(cfg: ModelConfig, state, fp8: str) -> ResidentPolicies:
     """A validator's resident model holding version 0, read in by the validator's own path (FP8 modules too)."""
     model = apply_fp8_mode(CausalLM(cfg), fp8).eval()
     first = ResidentPolicies(model, -1, b"\1" * 32)  # the model's random weights as a version before 0
-    first.commit(first.prepare(0, _whole(state), b"\0" * 32))
+    first.commit(first.prepare(0, whole(state), b"\0" * 32))
     return ResidentPolicies(model, 0, b"\0" * 32)
 
 
@@ -88,12 +67,12 @@ def test_a_delta_of_the_newest_version_is_prepared_from_its_changed_bytes_and_eq
                                                                                                    published):
     cfg, got = _fetched(tmp_path, fp8, published, 4)
     assert got[1].changes is not None and got[1].changes.parent == 0
-    sparse, whole = _resident(cfg, got[0], fp8), _resident(cfg, got[0], fp8)
-    assert _bits(sparse.model) == _bits(whole.model)
-    snapshots = {0: _bits(whole.model)}
+    sparse, full = _resident(cfg, got[0], fp8), _resident(cfg, got[0], fp8)
+    assert _bits(sparse.model) == _bits(full.model)
+    snapshots = {0: _bits(full.model)}
     for v in (1, 2, 3):
         fast = sparse.prepare(v, got[v], bytes([v]) * 32)
-        slow = whole.prepare(v, _whole(got[v]), bytes([v]) * 32)
+        slow = full.prepare(v, whole(got[v]), bytes([v]) * 32)
         assert fast.changed_bytes == len(got[v].changes.positions) and slow.changed_bytes is None
         assert set(fast.step) == set(slow.step) and fast.step, "the same tensors changed"
         for name, d in slow.step.items():
@@ -101,8 +80,8 @@ def test_a_delta_of_the_newest_version_is_prepared_from_its_changed_bytes_and_eq
             for a, b in ((mine.index, d.index), (mine.values, d.values), (mine.resident, d.resident)):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b.cpu())), name
         sparse.commit(fast)
-        whole.commit(slow)
-        snapshots[v] = _bits(whole.model)
+        full.commit(slow)
+        snapshots[v] = _bits(full.model)
         assert _bits(sparse.model) == snapshots[v]
     for v in (0, 2, 1, 3):  # any version switched to is the one the whole reads held
         assert _bits(sparse[v][0]) == snapshots[v], v
@@ -115,7 +94,7 @@ def test_a_version_that_is_not_a_delta_of_the_newest_held_one_is_read_whole(tmp_
     assert got[2].changes.parent == 1 and skipped.changed_bytes is None
     held.commit(skipped)
     ref = CausalLM(cfg).eval()
-    load_hf_state_dict(ref, _whole(got[2]))
+    load_hf_state_dict(ref, whole(got[2]))
     assert _bits(held.model) == _bits(ref)
 
 
