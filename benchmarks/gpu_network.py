@@ -290,6 +290,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
                           max_off_policy_steps=k, batch_groups=args.batch_groups, group_size=args.group_size,
                           timeout_s=args.timeout, recipe=recipe, model=model_run.get("model"), placement=placement,
                           engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0}, mps=args.mps,
+                          trainer_checkpoint_every=args.checkpoint_every,
                           coordinator_state=args.coordinator_state / f"k{k}" if args.coordinator_state else None,
                           store_dir=args.store_dir / f"k{k}" if args.store_dir else None,
                           store_payloads=args.store_payloads / f"k{k}" if args.store_payloads else None)
@@ -445,6 +446,10 @@ def main() -> None:
                    "on tmpfs standing in for the coordinator's own machine where every role shares one disk")
     p.add_argument("--mps", action="store_true",
                    help="the roles share each GPU through NVIDIA's multi-process service (`sim --mps`)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="the trainer's checkpoints (`join --checkpoint-every`; default 0: none, not even the last: the "
+                        "steady state is the measure, and writing a 5.2B trainer's 30 GB took a minute of the GPU's "
+                        "time after the last step)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--machine", default=None, help="recorded in the JSON (default: guessed)")
     p.add_argument("--no-engine-alone", dest="engine_alone", action="store_false",

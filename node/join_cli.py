@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from node.join_config import CHECKPOINT_EVERY
 from node.heap import settle_heap
 from node.launch_guard import LaunchError
 from node.spec_handout import SPEC_PROTOCOL, fetch_spec, read_spec
@@ -123,7 +124,8 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
                host: str = "127.0.0.1", vllm: list[str] | None = None, customize=None,
                device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
                store_dir: Path | None = None, store_max_gib: float | None = None,
-               memory_limit_gib: float | None = None, store_payloads: Path | None = None) -> None:
+               memory_limit_gib: float | None = None, store_payloads: Path | None = None,
+               checkpoint_every: int = CHECKPOINT_EVERY) -> None:
     """Run one role until SIGINT/SIGTERM, after its memory plan (`plan_memory`) fits. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
@@ -161,7 +163,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device,
-                           store=store, micro_batch_tokens=plan.micro_batch_tokens)
+                           store=store, micro_batch_tokens=plan.micro_batch_tokens, checkpoint_every=checkpoint_every)
     elif role == "validator":
         from node.roles.validator import ValidatorNode
         node = ValidatorNode(key, spec, bootstrap, workdir, device=device, store=store)
@@ -316,5 +318,6 @@ def _join(args: argparse.Namespace) -> int:
                      engine=engine, parallel=cfg.parallel(), host=cfg.host, vllm=cfg.vllm,
                      customize=customize, device=device, fp8=cfg.fp8, ep=ep,
                      gpu_memory_share=cfg.gpu_memory_share, store_dir=cfg.store, store_max_gib=cfg.store_max_gib,
-                     memory_limit_gib=cfg.memory_limit_gib, store_payloads=cfg.store_payloads))
+                     memory_limit_gib=cfg.memory_limit_gib, store_payloads=cfg.store_payloads,
+                     checkpoint_every=cfg.checkpoint_every))
     return 0

@@ -86,6 +86,8 @@ class SimConfig(BaseModel):
     store_payloads: Annotated[Path | None, Flag(metavar="DIR")] = None
     """where the shared store keeps decoded payloads (`join --store-payloads`), e.g. on tmpfs: the trainer's
     version files then never reach the disk the host's roles share (only their wire shards do)"""
+    trainer_checkpoint_every: Annotated[int | None, Flag(metavar="N"), Field(ge=0)] = None
+    """the trainer's `join --checkpoint-every` (None: its default; 0: no checkpoint, not even the last)"""
     mps: bool = False
     """the roles on GPUs reach them through NVIDIA's multi-process service (one daemon for the sim,
     node/sim_mps.py): their kernels share a GPU at once instead of taking turns in time slices"""

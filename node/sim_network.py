@@ -198,8 +198,9 @@ def _start_network(out: Path, cfg: SimConfig, placement, mps: Mps | None) -> Net
                         out / name / "log.txt", module="node.adversary")
         return Proc(name, argv, out / name / "log.txt", launcher)
     launcher, parallel_flags = trainer_launcher(cfg.trainer_parallel)
+    checkpoints = [] if cfg.trainer_checkpoint_every is None else ["--checkpoint-every", str(cfg.trainer_checkpoint_every)]
     procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags,
-                                                      "--device", placement.trainer], launcher),
+                                                      "--device", placement.trainer, *checkpoints], launcher),
              "validator": member("validator", "validator", ["--device", placement.validator, "--trace-versions"]),
              "relay": member("relay", "relay", ["--shardcast-port", str(relay_port)])}
     for i in range(n):

@@ -59,6 +59,7 @@ from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from node.heap import settle_heap
+from node.join_config import CHECKPOINT_EVERY
 from protocol.client import CoordinatorClient
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
@@ -73,9 +74,9 @@ from shardcast.store import Store
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_EVERY = 20
-"""Steps between trainer checkpoints (resume point after a crash); the last step is always saved, in the
-HF layout with the model's tokenizer files, so the trained model opens in transformers and vLLM."""
+# Checkpoints (`join --checkpoint-every`, default CHECKPOINT_EVERY steps) are the resume point after a crash; the
+# last step is always saved, in the HF layout with the model's tokenizer files, so the trained model opens in
+# transformers and vLLM.
 
 
 def origin_server(store: Store, spec: RunSpec, host: str, port: int) -> ShardServer:
@@ -96,10 +97,12 @@ class UnitRejected(ProtocolError):
 class TrainerNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
                  parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu", store: Store | None = None,
-                 micro_batch_tokens: int | None = None):
+                 micro_batch_tokens: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY):
         """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast);
         `micro_batch_tokens`: padded tokens one forward/backward takes (the memory plan's, node/roles/memory.py;
-        None: `TrainerConfig`'s default)."""
+        None: `TrainerConfig`'s default); `checkpoint_every`: steps between checkpoints, the last one always (0:
+        none)."""
+        self.checkpoint_every = checkpoint_every
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.device = device
         """Where the trainer's model lives (`join --device`)."""
@@ -194,7 +197,7 @@ class TrainerNode:
                            tokens=sum(u.group.n_tokens for u in items), t_asked=t0)
                 announcing, finished = await self._start_publication(client, trainer, row, metrics)
                 finishing.append(finished)
-                if step % CHECKPOINT_EVERY == 0 or step == self.steps:
+                if self.checkpoint_every and (step % self.checkpoint_every == 0 or step == self.steps):
                     while finishing:  # first: a world's ranks run one collective at a time
                         await finishing.popleft()
                     await self._checkpoint(trainer, step)
@@ -218,10 +221,13 @@ class TrainerNode:
     async def _checkpoint(self, trainer, step: int) -> None:  # noqa: ANN001 (Trainer or world.Leader)
         """Save the resume point; one that cannot be written (a full disk) is an error in the log, not the end of
         the run: the previous checkpoint stays whole, and every version trained is in the store."""
+        t0 = time.time()
         try:
             await asyncio.to_thread(trainer.save, self.workdir / "checkpoint", self.model_dir)
         except CheckpointNotWritten as exc:
             log.error("step %d: %s", step, exc)
+            return
+        log.info("step %d: checkpoint written in %.1f s", step, time.time() - t0)
 
     def _pretrained_start(self) -> Path | None:
         """The run's checkpoint directory when a world starts from it as it is: no trainer checkpoint

@@ -73,6 +73,7 @@ def test_the_trainer_roles_checkpoint_opens_in_transformers_with_its_tokenizer(t
                 **pretrained_run(str(source)))
     assert s["status"] == "done" and s["steps"] == 2, s
     ckpt = tmp_path / "run" / "trainer" / "checkpoint"
+    assert "step 2: checkpoint written in" in (tmp_path / "run" / "trainer" / "log.txt").read_text()  # the last step's
     assert json.loads((ckpt / "trainer.json").read_text())["step"] == 2  # the last step is saved
     assert trained(ckpt, source)
     assert_opens_in_transformers_as_ours(ckpt, source)
