@@ -18,7 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-from node.join_config import CHECKPOINT_EVERY
 from node.heap import settle_heap
 from node.launch_guard import LaunchError
 from node.spec_handout import SPEC_PROTOCOL, fetch_spec, read_spec
@@ -125,7 +124,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
                device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
                store_dir: Path | None = None, store_max_gib: float | None = None,
                memory_limit_gib: float | None = None, store_payloads: Path | None = None,
-               checkpoint_every: int = CHECKPOINT_EVERY) -> None:
+               checkpoint_every: int | None = None) -> None:
     """Run one role until SIGINT/SIGTERM, after its memory plan (`plan_memory`) fits. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
@@ -163,7 +162,8 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device,
-                           store=store, micro_batch_tokens=plan.micro_batch_tokens, checkpoint_every=checkpoint_every)
+                           store=store, micro_batch_tokens=plan.micro_batch_tokens,
+                           **({} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}))
     elif role == "validator":
         from node.roles.validator import ValidatorNode
         node = ValidatorNode(key, spec, bootstrap, workdir, device=device, store=store)

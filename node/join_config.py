@@ -13,9 +13,6 @@ from protocol.coordinator import RETAIN_VERSIONS
 from protocol.model_spec import FP8Mode
 from shardcast import DEFAULT_PORT
 
-CHECKPOINT_EVERY = 20
-"""Steps between trainer checkpoints by default (`join --checkpoint-every`)."""
-
 Role = Literal["inference", "trainer", "validator", "relay"]
 PARALLELISM = "parallelism (trainer: launch with torchrun, world = dp x cp; inference: --ep only)"
 
@@ -100,9 +97,10 @@ class JoinConfig(BaseModel):
     """context-parallel ranks"""
     fsdp: Annotated[bool, Flag(group=PARALLELISM)] = True
     """replicate instead of sharding"""
-    checkpoint_every: Annotated[int, Flag(metavar="N"), Field(ge=0)] = CHECKPOINT_EVERY
-    """trainer: steps between its checkpoints (the resume point after a crash; the last step is always saved);
-    0: none at all, not even the last (a benchmark's run, whose minute of writing a 5.2B checkpoint is no step)"""
+    checkpoint_every: Annotated[int | None, Flag(metavar="N"), Field(ge=0)] = None
+    """trainer: steps between its checkpoints (the resume point after a crash; the last step is always saved;
+    default node/roles/trainer.py CHECKPOINT_EVERY, 20); 0: none at all, not even the last (a benchmark's run,
+    whose minute of writing a 5.2B checkpoint is no step)"""
     activation_checkpointing: Annotated[bool, Flag(group=PARALLELISM)] = False
     """recompute each decoder layer's activations in the backward (long contexts, large batches)"""
 

@@ -59,7 +59,6 @@ from node.rl.warmup import WarmupConfig, warm_up
 from node.rl.trainer import Trainer, TrainerConfig
 from node.roles.common import environment, fresh_model, model_config, router_replay, tokenizer
 from node.heap import settle_heap
-from node.join_config import CHECKPOINT_EVERY
 from protocol.client import CoordinatorClient
 from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
@@ -74,9 +73,10 @@ from shardcast.store import Store
 
 log = logging.getLogger(__name__)
 
-# Checkpoints (`join --checkpoint-every`, default CHECKPOINT_EVERY steps) are the resume point after a crash; the
-# last step is always saved, in the HF layout with the model's tokenizer files, so the trained model opens in
-# transformers and vLLM.
+CHECKPOINT_EVERY = 20
+"""Steps between trainer checkpoints by default (`join --checkpoint-every`): the resume point after a crash; the
+last step is always saved, in the HF layout with the model's tokenizer files, so the trained model opens in
+transformers and vLLM."""
 
 
 def origin_server(store: Store, spec: RunSpec, host: str, port: int) -> ShardServer:
