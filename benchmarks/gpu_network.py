@@ -24,7 +24,11 @@ and versions.jsonl, written by `join --trace-versions`):
   payload pages into pinned buffers, `stage_host_cpu_s` of it running; `stage_dma_wait_s`: waiting for the copies to the GPU); `store_disk`:
   the bytes the run's shardcast stores took on this host, per version held (every role shares one store: `sim`'s default);
 - generation tok/s (busy and wall), verification tok/s (the validator's recomputed prompt + completion
-  tokens per second of judging), GPU busy share per GPU (nvidia-smi, sampled every 0.5 s);
+  tokens per second of judging), GPU busy share per GPU (nvidia-smi, sampled every 0.5 s); the inference
+  engine's sequences advanced per step and its step time (`engine_seqs_decoding_mean`, `engine_step_ms`);
+- steady state: from the start of the first step after `--warmup` to the last step's publication, nothing
+  before or after it (the roles starting; the processes stopping); `--reread DIR` recomputes a finished run's
+  figures from its records;
 - rollouts lost / duplicated / off-policy, from the coordinator's store (sim's audit).
 
 The peer figure is the same run at k = 0 (synchronous) in the same invocation: `async_speedup` is the
@@ -325,6 +329,11 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
     in_flight = [r["in_flight_max"] * group_size for i in range(nodes)
                  for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl") if _inside(r, window) and "in_flight_max" in r]
     med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+    # the engine's own steps inside the window (rows since session 39): how many sequences a step advanced, and
+    # how long a step took (the leased groups above count members that finished and wait for their group)
+    stepped = [(_inside(r, window), r) for i in range(nodes) for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl")
+               if "steps" in r]
+    n_steps = sum(share * r["steps"] for share, r in stepped)
     return {
         "steps": len(rows), "steady_steps": len(steady), "steady_window_s": round(steady_wall, 1),
         "step_s": med([r["period_s"] for r in steady]), "step_latency_s": med([r["step_s"] for r in steady]),
@@ -342,6 +351,9 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         "gen_tok_s": round(sum(g[2] for g in gen) / steady_wall, 1) if steady_wall else None,
         "gen_tok_s_busy": round(gen_busy, 1), "verify_tok_s_busy": round(ver[0], 1),
         "node_seqs_in_flight": {"max": max(in_flight, default=None), "p50": med(in_flight)},
+        "engine_seqs_decoding_mean": round(sum(share * r["decoding"] for share, r in stepped) / n_steps, 1)
+        if n_steps else None,
+        "engine_step_ms": round(1000 * sum(share * r["busy_s"] for share, r in stepped) / n_steps, 2) if n_steps else None,
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
         "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["period_s"] for r in steady), 1) if steady else None,
         "reward_per_step": [round(r["reward_mean"], 4) for r in rows],

@@ -353,9 +353,10 @@ class InferenceNode:
                       failed: asyncio.Future) -> None:
         """The engine's thread: admit leased groups between steps, step while anything runs, hand each
         finished group back to the event loop; every second, one activity row for `on_round` hooks
-        ({t0, t1, groups, tokens, versions, busy_s, started, in_flight_max}: `busy_s` the seconds inside engine
-        steps, `started` when each new policy version first sampled, `in_flight_max` the most leased groups in
-        the engine at once)."""
+        ({t0, t1, groups, tokens, versions, busy_s, started, in_flight_max, steps, decoding}: `busy_s` the seconds
+        inside engine steps, `started` when each new policy version first sampled, `in_flight_max` the most leased
+        groups in the engine at once, `steps` the engine steps, `decoding` the sequences they advanced, summed:
+        a group stays leased until its longest member ends, so its finished members decode nothing)."""
         groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
         row = _ActivityRow(time.time())
         last_version = getattr(self.engine, "version", None)
@@ -380,6 +381,8 @@ class InferenceNode:
                     t = time.time()
                     finished = groups.episodes.step()
                     row.busy_s += time.time() - t
+                    row.steps += 1
+                    row.decoding += len(getattr(self.engine, "running", ())) + len(finished)
                     version = getattr(self.engine, "version", None)
                     if version is not None and version != last_version:
                         row.started.setdefault(version, t)
@@ -466,7 +469,7 @@ class _ActivityRow:
 
     def __init__(self, t0: float):
         self.t0, self.busy_s, self.groups, self.tokens = t0, 0.0, 0, 0
-        self.in_flight_max = 0
+        self.in_flight_max = self.steps = self.decoding = 0
         self.versions: set[int] = set()
         self.started: dict[int, float] = {}
 
@@ -478,4 +481,5 @@ class _ActivityRow:
     def as_dict(self, t1: float) -> dict:
         return {"t0": self.t0, "t1": t1, "groups": self.groups, "tokens": self.tokens,
                 "versions": sorted(self.versions), "busy_s": self.busy_s,
-                "started": {str(v): t for v, t in self.started.items()}, "in_flight_max": self.in_flight_max}
+                "started": {str(v): t for v, t in self.started.items()}, "in_flight_max": self.in_flight_max,
+                "steps": self.steps, "decoding": self.decoding}

@@ -62,6 +62,9 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         assert run["weight_latency_s"] is not None and run["weight_latency_s"] > 0
         assert run["gen_tok_s_busy"] > 0 and run["verify_tok_s_busy"] > 0 and run["verify_over_generate"] > 0
         assert run["node_seqs_in_flight"]["max"] >= run["node_seqs_in_flight"]["p50"] > 0
+        # the engine's steps: sequences advanced per step (at most its leased groups' members) and a step's time
+        assert 0 < run["engine_seqs_decoding_mean"] <= run["node_seqs_in_flight"]["max"]
+        assert run["engine_step_ms"] > 0
         assert run["stalls"]["validator_turn_wait_max_s"] >= 0
         assert run["max_off_policy_seen"] <= run["k"]
         # the weight path's stages as the roles recorded them, and one store for the host (sim shares it)
