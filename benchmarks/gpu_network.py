@@ -409,12 +409,17 @@ def engine_alone(args, model_run: dict, out: Path) -> dict:
                 for w in range(args.batch_groups * 2) for j in range(args.group_size)]
     run_episodes(engine, env, tok, episodes[: args.group_size * 4])  # warm: first prefills, allocator
     t0 = time.time()
-    rollouts = run_episodes(engine, env, tok, episodes)
+    tally: dict = {}
+    rollouts = run_episodes(engine, env, tok, episodes, tally)
     wall = time.time() - t0
     tokens = sum(len(r.completion_ids) for r in rollouts)
     engines.close(engine)
     return {"engine_alone_tok_s": round(tokens / wall, 1), "engine_alone_slots": setup.max_batch,
-            "engine_alone_rollouts": len(rollouts), "engine_alone_tokens": tokens}
+            "engine_alone_rollouts": len(rollouts), "engine_alone_tokens": tokens,
+            # per step, as the network's `engine_seqs_decoding_mean` / `engine_step_ms` (the loop does nothing but
+            # step: its wall is the seconds inside `Episodes.step`, what the role's busy seconds count)
+            "engine_alone_seqs_decoding_mean": round(tally["decoding"] / tally["steps"], 1) if tally.get("steps") else None,
+            "engine_alone_step_ms": round(1000 * wall / tally["steps"], 2) if tally.get("steps") else None}
 
 
 def _hf_state(spec) -> dict:

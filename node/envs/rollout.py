@@ -119,15 +119,20 @@ class Episodes:
 
 
 def run_episodes(engine: Engine, env: Environment, tokenizer: Tokenizer,
-                 episodes: list[tuple[str, Task, SamplingParams]]) -> list[Rollout]:
-    """Play every (episode_id, task, params) to the end; results in input order."""
+                 episodes: list[tuple[str, Task, SamplingParams]], tally: dict | None = None) -> list[Rollout]:
+    """Play every (episode_id, task, params) to the end; results in input order. `tally`, when given, gets the
+    engine's `steps` and the sequences they advanced (`decoding`), as the inference role counts them."""
     running = Episodes(engine, env, tokenizer)
     for episode_id, task, params in episodes:
         running.add(episode_id, task, params)
     done: dict[str, Rollout] = {}
     while engine.has_work():
-        for rollout in running.step():
+        finished = running.step()
+        for rollout in finished:
             done[rollout.episode_id] = rollout
+        if tally is not None:
+            tally["steps"] = tally.get("steps", 0) + 1
+            tally["decoding"] = tally.get("decoding", 0) + len(getattr(engine, "running", ())) + len(finished)
     return [done[e[0]] for e in episodes]
 
 

@@ -80,6 +80,8 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     assert result["async_speedup"] == round(result["runs"][0]["step_s"] / result["runs"][1]["step_s"], 2)
     # the role's engine alone on the same workload, the bound the network's generation is held against
     assert result["engine_alone_tok_s"] > 0 and result["engine_alone_rollouts"] == 2 * 4 * 2
+    assert 0 < result["engine_alone_seqs_decoding_mean"] <= result["engine_alone_slots"]
+    assert result["engine_alone_step_ms"] > 0
     assert result["trained_over_engine_alone"] > 0 and result["gpu_busy_share"] is None  # no nvidia-smi here
     assert (tmp_path / "report.png").stat().st_size > 10_000 and (tmp_path / "k0.json").exists()
     # the benchmark's trainer writes no checkpoint (`--checkpoint-every 0`): the steady state is its measure
