@@ -91,6 +91,10 @@ class Episodes:
         self._live[episode_id] = (rollout, params)
         self.engine.add_request(Request(f"{episode_id}/0", rollout.prompt_ids, params))
 
+    def advanced(self, finished: list[Rollout]) -> int:
+        """Sequences the last `step` advanced: those still running and those it finished."""
+        return len(getattr(self.engine, "running", ())) + len(finished)
+
     def step(self) -> list[Rollout]:
         """One engine step; the episodes whose last turn it finished (rewarded), in completion order."""
         env, tokenizer, finished = self.env, self.tokenizer, []
@@ -132,7 +136,7 @@ def run_episodes(engine: Engine, env: Environment, tokenizer: Tokenizer,
             done[rollout.episode_id] = rollout
         if tally is not None:
             tally["steps"] = tally.get("steps", 0) + 1
-            tally["decoding"] = tally.get("decoding", 0) + len(getattr(engine, "running", ())) + len(finished)
+            tally["decoding"] = tally.get("decoding", 0) + running.advanced(finished)
     return [done[e[0]] for e in episodes]
 
 

@@ -382,7 +382,7 @@ class InferenceNode:
                     finished = groups.episodes.step()
                     row.busy_s += time.time() - t
                     row.steps += 1
-                    row.decoding += len(getattr(self.engine, "running", ())) + len(finished)
+                    row.decoding += groups.episodes.advanced(finished)
                     version = getattr(self.engine, "version", None)
                     if version is not None and version != last_version:
                         row.started.setdefault(version, t)

@@ -6,7 +6,6 @@ for nvidia-cuda-mps-control, which the H200 runs use (benchmarks/results: `gpu_n
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -61,18 +60,18 @@ def test_sim_mps_needs_roles_on_a_gpu(tmp_path):
 
 
 @pytest.mark.slow  # a network of processes: runs after the fast tests
-def test_the_sim_starts_the_daemon_before_its_roles_and_stops_it_after_them(fake_control, tmp_path):
-    import torch
-
-    from node.sim import run_sim
+def test_the_sim_starts_the_daemon_before_its_roles_gives_them_its_pipe_and_stops_it_after_them(fake_control, tmp_path):
+    from node.sim_config import SimConfig
     from node.sim_devices import Placement
+    from node.sim_network import start_network, stop_network
 
-    if torch.cuda.is_available():
-        pytest.skip("needs a machine without CUDA (the node asks for a GPU that is not there, and the sim stops)")
-    t0 = time.time()
-    s = run_sim(tmp_path, inference_nodes=1, steps=3, batch_groups=2, group_size=2, timeout_s=300, mps=True,
-                placement=Placement("cpu", "cpu", ("cuda:0",)))
-    assert s["status"] == "inference-0 exited with code 1" and time.time() - t0 < 120
-    lines = fake_control.read_text().splitlines()
-    assert lines[0] == "args:-d" and lines[-1] == "quit"  # started, then told to quit once the roles stopped
-    assert (tmp_path / "mps-log" / "control.log").exists()
+    net = start_network(tmp_path, SimConfig(inference_nodes=1, steps=3, batch_groups=2, group_size=2, timeout_s=300,
+                                            mps=True, placement=Placement("cpu", "cpu", ("cuda:0",))))
+    try:
+        pipe = net.mps.env["CUDA_MPS_PIPE_DIRECTORY"]
+        assert fake_control.read_text().splitlines() == ["args:-d", f"pipe:{pipe}"]  # before any role
+        assert all(p.env["CUDA_MPS_PIPE_DIRECTORY"] == pipe for p in net.members.values())
+    finally:
+        stop_network(net, "stopped")
+    assert fake_control.read_text().splitlines()[-1] == "quit"  # told to quit once the roles stopped
+    assert (tmp_path / "mps-log" / "control.log").exists() and not os.path.exists(pipe)
