@@ -116,25 +116,28 @@ def test_honest_vllm_rollouts_are_accepted_and_a_tampered_one_rejected(setup):
     assert not verify_claims([relabelled], _reference(models))[0].accepted
 
 
-def _running(engine) -> float:
-    """vLLM's Prometheus gauge of sequences being decoded (0 when absent)."""
+def _generated(engine) -> float:
+    """vLLM's Prometheus counter of tokens generated since it started (0 when absent)."""
     import urllib.request
 
     text = urllib.request.urlopen(f"{engine.server.url}/metrics", timeout=5).read().decode()
-    return max([float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("vllm:num_requests_running")] or [0.0])
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
 
 
 def _swap_while_running(engine, root, reqs, timeout: float = 30.0) -> dict | None:
-    """Submit `reqs`, load version 1 as soon as vLLM reports them decoding, and collect the
-    completions; None when every request finished before the gauge showed one running (a fast
-    machine can finish the batch between two polls), after which the caller tries again."""
+    """Submit `reqs`, load version 1 as soon as vLLM has generated as many tokens as there are
+    requests (its first tokens: sequences then hold tokens of version 0, so the swap lands inside
+    them; a 'running' gauge alone also counts requests still in their prefill, whose every token
+    then comes from version 1), and collect the completions; None when the batch finished first,
+    after which the caller tries again."""
+    before = _generated(engine)
     for r in reqs:
         engine.add_request(r)
     deadline = time.monotonic() + timeout
     seen = False
     while time.monotonic() < deadline and engine.has_work():
-        if _running(engine) > 0:
+        if _generated(engine) - before >= len(reqs):
             seen = True
             break
         time.sleep(0.005)
@@ -153,9 +156,9 @@ def test_weights_swap_mid_run_keeps_sequences_and_is_verifiable(setup):
         done = _swap_while_running(engine, root, reqs)
         if done is not None:
             break
-        print(f"attempt {attempt}: the batch finished before vLLM reported it running; again")
+        print(f"attempt {attempt}: the batch finished before the swap; again")
     else:
-        raise AssertionError("in 3 attempts vLLM never reported a running request before the batch finished")
+        raise AssertionError("in 3 attempts the batch finished before vLLM reported its first tokens")
     completions = [done[r.request_id] for r in reqs]
     mixed = [c for c in completions if len(set(c.versions)) == 2]
     # Some sequences ran across the swap: either kept with their KV (mixed versions) or, where
