@@ -62,6 +62,18 @@ log = logging.getLogger("benchmarks.gpu_network")
 
 LONG_TASK_MAX_SEQ = 1536
 """Sequence limit with `--task reverse-text-long` (a prompt of up to ~400 tokens + up to 1,024 new)."""
+RANDOM_MODEL_LR = {"float32": 1e-6, "bfloat16": 1e-5}
+"""The learning rate with a `random:` model, by the trainer's master dtype (the run's: one process keeps no fp32
+copy of a bf16 model): what makes a step change what an LLM RL step with an fp32 master changes (DAPO trains
+Qwen2.5-32B at a constant 1e-6). Measured on CPU with N(0, 0.02) weights and real RL steps, published in bf16
+(`python -m benchmarks.shardcast_delta --real --random qwen3-moe-tiny`, shardcast_delta-random-lr-cpu-2core.json):
+an fp32 master at 1e-6 changed 2.6, 1.7, 1.5% of the elements at steps 1-3; a bf16 master 7.8, 2.4, 2.2% at 1e-5
+(0.7% at 3e-6, its updates mostly below half a bf16 step and lost). Until session 40 these runs trained a bf16 master
+at 3e-5: 15, 7.1, 6.9% (session 38's 5.2B validator held 5.1 GB for version 1's step, 8 bytes a changed element;
+its delta versions were 150-739 MiB on the wire of 9,892 MiB, 23-37 s of encoding over 12 threads each). A random
+model learns nothing at any rate."""
+PRETRAINED_LR = 3e-5
+"""The learning rate with a pretrained model (SmolLM2 learns `reverse-text` within a run at it)."""
 
 
 def trainer_rows(out: Path) -> list[dict]:
@@ -345,6 +357,11 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         "update_s": med([r["update_s"] for r in steady if "update_s" in r]),
         # the wire shards for other hosts, after the announcement (the trainer role's rows since session 16)
         "wire_s": med([r["wire_s"] for r in steady if "wire_s" in r]),
+        # what a steady version weighs on the wire (the trainer role's rows since session 40): a delta's size says
+        # how much one step changed (the learning rate's mark; the wire shards' encoding grows with it)
+        "wire_mib_per_delta": med([r["wire_bytes"] / 2**20 for r in steady if r.get("encoding") == "delta"]),
+        "raw_over_wire_delta": med([r["raw_bytes"] / r["wire_bytes"] for r in steady
+                                    if r.get("encoding") == "delta" and r.get("wire_bytes")]),
         "weight_latency_s": med(lat), "weight_latency_max_s": round(max(lat), 3) if lat else None,
         "weight_latency_stages_s": {s: med(v) for s, v in stages.items()},
         "stalls": stalls(out, nodes, window),
@@ -450,7 +467,9 @@ def main() -> None:
     p.add_argument("--inference-nodes", type=int, default=1)
     p.add_argument("--batch-groups", type=int, default=None, help="prompts per step (default: 32 on cuda, 8 on the CPU)")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"the trainer's learning rate (default with a random: model {RANDOM_MODEL_LR} by the dtype, "
+                        f"{PRETRAINED_LR:g} otherwise)")
     p.add_argument("--fp8", choices=["off", "experts", "all"], default="off")
     p.add_argument("--timeout", type=float, default=600, help="each run's hard limit in seconds")
     p.add_argument("--store-dir", type=Path, default=None,
@@ -479,12 +498,8 @@ def main() -> None:
         return reread(args.reread)
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_network-"))
     out.mkdir(parents=True, exist_ok=True)
-    gpu = args.device == "cuda"  # the defaults on a GPU: the issue's RL-shaped workload (>= 256 rollouts a step)
-    args.model = args.model or ("random:qwen3-30b-a3b-8l" if gpu else "smollm2-135m-instruct")
-    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    args.batch_groups = args.batch_groups or (32 if gpu else 8)
+    workload_defaults(args)
     real = args.model != "tiny-moe"
-    args.task = args.task or ("reverse" if not real else "reverse-text-long" if gpu else "reverse-text")
     model_run = model_of(args, out) if real else {}
     runs = []
     for k in [int(x) for x in args.ks.split(",")]:
@@ -498,7 +513,7 @@ def main() -> None:
     log.info("engine alone: %s", alone)
     header = {
         "benchmark": "gpu_network", "machine": args.machine or _machine(), "model": args.model,
-        "dtype": args.dtype, "model_params_b": _params_b(args, model_run), "task": args.task,
+        "dtype": args.dtype, "model_params_b": _params_b(args, model_run), "task": args.task, "lr": args.lr,
         "inference_nodes": args.inference_nodes, "prompts_per_step": args.batch_groups, "group_size": args.group_size,
         "steps": args.steps, "warmup_steps": args.warmup,
         "coordinator_state": str(args.coordinator_state) if args.coordinator_state else "OUT/coordinator (the roles' disk)",
@@ -575,6 +590,20 @@ def reread(out: Path) -> None:
                                                     "mps", "load_avg")}
     header["reread"] = "figures recomputed from the run's records by benchmarks.gpu_network --reread"
     report(out, summarise(header, runs, alone), runs)
+
+
+def workload_defaults(args) -> None:
+    """What `args` leaves unsaid, filled in place: on a GPU the issue's RL-shaped workload (>= 256 rollouts a step,
+    the 8-layer 30B-A3B shape, the long-tailed task), on the CPU SmolLM2 learning `reverse-text`; the learning rate
+    by the model (`RANDOM_MODEL_LR`, `PRETRAINED_LR`)."""
+    gpu = args.device == "cuda"
+    args.model = args.model or ("random:qwen3-30b-a3b-8l" if gpu else "smollm2-135m-instruct")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.lr = args.lr or (RANDOM_MODEL_LR.get(args.dtype, RANDOM_MODEL_LR["bfloat16"]) if args.model.startswith("random:")
+                          else PRETRAINED_LR)
+    args.batch_groups = args.batch_groups or (32 if gpu else 8)
+    real = args.model != "tiny-moe"
+    args.task = args.task or ("reverse" if not real else "reverse-text-long" if gpu else "reverse-text")
 
 
 def model_of(args, out: Path) -> dict:

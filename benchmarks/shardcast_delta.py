@@ -12,7 +12,10 @@ inference engines load.
 with fp32 and bf16 masters at lr 1e-6 and 1e-5, and the tiny MoE at its recipe's lr: versions from
 real policy-gradient steps (the project's engine rolls out `reverse`, group advantages, the
 project's Trainer/AdamW); per published dtype, bytes per version as full / XOR delta / sparse
-delta and single-thread encode/decode GB/s; writes shardcast_delta-real-<machine>.json. The peer (shardcast 0.3.2) has neither compression nor deltas: it sends
+delta and single-thread encode/decode GB/s; writes shardcast_delta-real-<machine>.json.
+`--real --random SHAPE`: instead, a random model of a `benchmarks.random_checkpoint` shape (N(0, 0.02), as the GPU
+network benchmark's `random:` models) with each master dtype and learning rate: the share of its elements (all, the
+decoder layers', its bytes) one RL step changes, which sets `benchmarks.gpu_network`'s learning rate for them. The peer (shardcast 0.3.2) has neither compression nor deltas: it sends
 the file as is, so its bytes on the wire are the safetensors file's size.
 """
 
@@ -169,12 +172,21 @@ def codec_case(prev: dict, cur: dict, shard_mib: int) -> dict:
     dec_s = time.perf_counter() - t0
     assert np.array_equal(out, new), "sparse round trip is not bit-exact"
     sparse = sum(e.wire_size for e, _ in enc)
-    changed = sum(int((prev[k].contiguous().view(torch.uint8).view(-1, prev[k].element_size()) !=
-                       cur[k].contiguous().view(torch.uint8).view(-1, cur[k].element_size())).any(1).sum()) for k in cur if cur[k].numel())
+    per = {k: int((prev[k].contiguous().view(torch.uint8).view(-1, prev[k].element_size()) !=
+                   cur[k].contiguous().view(torch.uint8).view(-1, cur[k].element_size())).any(1).sum()) for k in cur if cur[k].numel()}
+    changed = sum(per.values())
     numel = sum(t.numel() for t in cur.values())
+    # the decoder layers alone: most of a large model's bytes (88% of the 8-layer 30B-A3B shape), where a small
+    # one's are mostly its embeddings, whose rows only the tokens seen move
+    layers = [k for k in per if ".layers." in k]
+    decoder = sum(per[k] for k in layers) / max(1, sum(cur[k].numel() for k in layers))
+    # the bytes a fetcher keeps as `ChangedBytes` (shardcast/fetch.py, up to CHANGES_UP_TO of the version's)
+    changed_bytes = int(np.count_nonzero(new != old))
     return {"raw_bytes": len(new), "full_wire_bytes": full, "xor_wire_bytes": xor, "sparse_wire_bytes": sparse,
             "sparse_shards": sum(is_sparse(w) for _, w in enc), "shards": len(enc), "changed_elements": changed,
-            "changed_fraction": changed / numel, "encode_s": enc_s, "decode_s": dec_s}
+            "changed_fraction": changed / numel, "changed_byte_fraction": changed_bytes / len(new),
+            "decoder_changed_fraction": decoder,
+            "encode_s": enc_s, "decode_s": dec_s}
 
 
 def real_main(args) -> None:
@@ -191,8 +203,10 @@ def real_main(args) -> None:
             else:
                 cast = [{k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in s.items()} for s in versions]
             agg: dict = {}
+            steps_changed = []
             for t in range(1, len(cast)):
                 r = codec_case(cast[t - 1], cast[t], args.shard_mib)
+                steps_changed.append(r["changed_fraction"])
                 for k, v in r.items():
                     agg[k] = agg.get(k, 0) + v
             n = len(cast) - 1
@@ -201,6 +215,9 @@ def real_main(args) -> None:
                     "xor_wire_bytes": agg["xor_wire_bytes"] // n, "sparse_wire_bytes": agg["sparse_wire_bytes"] // n,
                     "sparse_shards_share": round(agg["sparse_shards"] / agg["shards"], 3),
                     "changed_fraction": round(agg["changed_fraction"] / n, 7),
+                    "changed_byte_fraction": round(agg["changed_byte_fraction"] / n, 7),
+                    "decoder_changed_fraction": round(agg["decoder_changed_fraction"] / n, 7),
+                    "changed_fraction_per_step": [round(x, 7) for x in steps_changed],
                     "full_over_xor": round(agg["full_wire_bytes"] / agg["xor_wire_bytes"], 2),
                     "full_over_sparse": round(agg["full_wire_bytes"] / agg["sparse_wire_bytes"], 2),
                     "xor_over_sparse": round(agg["xor_wire_bytes"] / agg["sparse_wire_bytes"], 2),
@@ -209,7 +226,8 @@ def real_main(args) -> None:
             cases.append(case)
             partial = REPO / "benchmarks" / "results" / f".shardcast_delta-real-{args.machine}.partial.json" if not args.out else Path(args.out + ".partial")
             partial.write_text(json.dumps({"cases": cases}, indent=2) + "\n")  # a killed run keeps its finished cases
-            log(f"{model_name} master {master} lr {lr:g} as {dtype}: changed {case['changed_fraction']:.4%}, full/xor "
+            log(f"{model_name} master {master} lr {lr:g} as {dtype}: changed {case['changed_fraction']:.4%} (decoder "
+                f"{case['decoder_changed_fraction']:.4%}, bytes {case['changed_byte_fraction']:.4%}), full/xor "
                 f"{case['full_over_xor']}x, full/sparse {case['full_over_sparse']}x, enc {case['encode_gb_s']} GB/s, dec {case['decode_gb_s']} GB/s")
 
     try:
@@ -217,6 +235,9 @@ def real_main(args) -> None:
     except PretrainedUnavailable as exc:
         raise SystemExit(f"SmolLM2 weights unavailable: {exc}")
     tok = ChatTokenizer(hf_tok)
+    if args.random:  # a random model of a real shape, as benchmarks.gpu_network's `random:` runs train one
+        random_cases(args, tok, measure)
+        return write_real(args, cases, "what one RL step changes of a random model, by master dtype and learning rate")
     for master in args.masters.split(","):
         for lr in [float(x) for x in args.lrs.split(",")]:
             import copy
@@ -234,15 +255,42 @@ def real_main(args) -> None:
         measure("tiny-MoE (train-local recipe)", "float32", args.moe_lr, moe_versions,
                 ["bfloat16", "float32"] + [f"fp8-{m}" for m in args.served.split(",") if m], moe)
     head = [c for c in cases if c["model"].startswith("SmolLM2") and c["dtype"] == "bfloat16" and c["lr"] == 1e-6]
-    result = {"benchmark": "shardcast_delta", "mode": "real", "machine": args.machine, "task": "reverse", "shard_mib": args.shard_mib,
+    write_real(args, cases, None, {"aim_full_over_sparse_bf16_lr1e-6": 100,
+                                   "headline_full_over_sparse_bf16_lr1e-6": min((c["full_over_sparse"] for c in head),
+                                                                                default=None)})
+
+
+def write_real(args, cases: list[dict], note: str | None, extra: dict | None = None) -> None:
+    result = {"benchmark": "shardcast_delta", "mode": "real", "machine": args.machine,
+              "task": "reverse-text" if args.random else "reverse", "shard_mib": args.shard_mib,
               "steps_per_setting": args.real_steps, "rollouts_per_step": args.prompts * args.samples, "cases": cases,
-              "aim_full_over_sparse_bf16_lr1e-6": 100,
-              "headline_full_over_sparse_bf16_lr1e-6": min((c["full_over_sparse"] for c in head), default=None),
+              **(extra or {}), **({"note": note} if note else {}),
               "sparse_never_worse_than_xor": all(c["sparse_wire_bytes"] <= c["xor_wire_bytes"] for c in cases)}
     out = Path(args.out or REPO / "benchmarks" / "results" / f"shardcast_delta-real-{args.machine}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {out}")
     print(json.dumps(result))
+
+
+def random_cases(args, tok, measure) -> None:  # noqa: ANN001 (real_main's ChatTokenizer and measure)
+    """`--random SHAPE`: the shape with N(0, 0.02) weights (benchmarks/random_checkpoint.py's init, SmolLM2's
+    vocabulary), each of `--masters`, real RL steps on `reverse-text` (its LCS reward varies even for a random model, so
+    the advantages and the gradients are not zero) at each of `--lrs`, published in bf16 (and each `--served` FP8
+    form): how many elements and bytes one step changes."""
+    from benchmarks.random_checkpoint import SHAPES
+    from node.model.qwen3_moe import CausalLM, ModelConfig
+
+    for master in args.masters.split(","):
+        for lr in [float(x) for x in args.lrs.split(",")]:
+            torch.manual_seed(0)
+            model = CausalLM(ModelConfig(**SHAPES[args.random], vocab_size=len(tok.hf), max_position_embeddings=512))
+            model.reset_parameters(std=0.02)
+            model = model.to(getattr(torch, master))
+            log(f"random {args.random}, {master} master, lr {lr:g}: {args.real_steps} RL steps")
+            versions = list(rl_versions(model, tok, lr, args.real_steps, args.prompts, args.samples, task="reverse-text"))
+            measure(f"random:{args.random}", master, lr, versions,
+                    ["bfloat16"] + [f"fp8-{m}" for m in args.served.split(",") if m], model)
+            del model, versions
 
 
 def tiny_moe_versions(args) -> tuple[list[dict], torch.nn.Module]:
@@ -296,6 +344,8 @@ def main() -> None:
     ap.add_argument("--served", default="all", help="--real: FP8 modes whose served form (e4m3 + block scales) is "
                     "measured too, comma-separated ('' for none)")
     ap.add_argument("--skip-moe", action="store_true", help="--real: SmolLM2 only")
+    ap.add_argument("--random", default=None, metavar="SHAPE",
+                    help="--real: instead, a random model of this benchmarks.random_checkpoint shape at each of --lrs")
     ap.add_argument("--samples", type=int, default=4, help="--real: samples per prompt")
     args = ap.parse_args()
     if args.real:

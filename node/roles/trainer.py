@@ -324,12 +324,13 @@ class TrainerNode:
 
         async def finish() -> None:
             listed_at = await announcing
-            if publishing is not None:
-                await asyncio.wrap_future(publishing.whole)
+            whole = signed if publishing is None else await asyncio.wrap_future(publishing.whole)
             if row is None:
                 return
             now = time.time()
-            row.update(publish_s=listed_at - t, wire_s=now - listed_at, step_s=listed_at - row["t_asked"], t=listed_at)
+            row.update(publish_s=listed_at - t, wire_s=now - listed_at, step_s=listed_at - row["t_asked"], t=listed_at,
+                       encoding=whole.manifest.encoding, wire_bytes=whole.manifest.wire_bytes,
+                       raw_bytes=whole.manifest.total_bytes)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             log.info("step %d: reward %.3f, lag max %d, waited %.2fs, announced after %.2fs (wire shards %.2fs more)",

@@ -54,11 +54,14 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r["k"] for r in result["runs"]] == [0, 1] and all(r["status"] == "done" for r in result["runs"])
+    assert result["lr"] == 3e-5  # a model that learns trains at the pretrained rate; a random: one at an LLM RL step's
     assert result["rollouts_lost"] == 0 and result["rollouts_duplicated"] == 0 and result["off_policy_violations"] == 0
     for run in result["runs"]:
         assert run["steps"] == 3 and run["steady_steps"] == 2
         assert run["step_s"] > 0 and run["train_s"] > 0 and run["publish_s"] > 0 and run["wait_s"] >= 0
         assert run["wire_s"] is not None and run["wire_s"] >= 0  # the wire shards after the announcement
+        # the steady versions are deltas (a keyframe every 8): smaller on the wire than the version itself
+        assert run["wire_mib_per_delta"] > 0 and run["raw_over_wire_delta"] > 1
         assert run["weight_latency_s"] is not None and run["weight_latency_s"] > 0
         assert run["gen_tok_s_busy"] > 0 and run["verify_tok_s_busy"] > 0 and run["verify_over_generate"] > 0
         assert run["node_seqs_in_flight"]["max"] >= run["node_seqs_in_flight"]["p50"] > 0
@@ -209,3 +212,23 @@ def test_async_speedup_is_told_for_every_k_against_the_synchronous_run():
     runs = [{"k": 2, "step_s": 2.419}, {"k": 1, "step_s": 3.53}, {"k": 0, "step_s": 4.912}]
     assert speedups(runs) == {1: 1.39, 2: 2.03}  # session 36's H100 runs
     assert speedups(runs[:2]) == {} and speedups([{"k": 1, "step_s": None}, {"k": 0, "step_s": 4.0}]) == {}
+
+
+def test_a_random_model_trains_at_an_llm_rl_rate_unless_told_otherwise():
+    from argparse import Namespace
+
+    from benchmarks.gpu_network import PRETRAINED_LR, RANDOM_MODEL_LR, workload_defaults
+
+    def filled(**given):
+        args = Namespace(**{**dict(device="cuda", model=None, dtype=None, lr=None, batch_groups=None, task=None), **given})
+        workload_defaults(args)
+        return args
+
+    gpu = filled()
+    assert (gpu.model, gpu.dtype, gpu.lr, gpu.batch_groups, gpu.task) == ("random:qwen3-30b-a3b-8l", "bfloat16", 1e-5, 32,
+                                                                           "reverse-text-long")
+    # a bf16 master's step at 1e-5 changes about what an fp32 master's at an LLM RL rate (1e-6) does
+    assert RANDOM_MODEL_LR == {"float32": 1e-6, "bfloat16": 1e-5}
+    assert filled(model="random:qwen3-moe-small", dtype="float32").lr == 1e-6
+    assert filled(device="cpu").lr == PRETRAINED_LR and filled(model="tiny-moe").lr == PRETRAINED_LR
+    assert filled(lr=3e-5).lr == 3e-5  # the operator's word wins
