@@ -118,6 +118,42 @@ class ChangedBytes:
                    np.concatenate(val) if val else np.empty(0, np.uint8))
 
 
+def shard_changes(start: int, out: np.ndarray, parent_raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The payload positions (from `start`, the shard's first byte) where `out` differs from `parent_raw`, and
+    `out`'s bytes there."""
+    at = np.flatnonzero(out != parent_raw)
+    return at + start, out[at]
+
+
+def payload_changes(parent: int, tensors: list, old: np.ndarray, new: np.ndarray, shard_size: int,
+                    threads: int = DEFAULT_PARALLEL) -> ChangedBytes | None:
+    """`new`'s bytes against `old`'s (two verified payloads of one layout, `tensors`), as `ChangedBytes` of
+    `parent` (the version `old` holds), compared a shard at a time on `threads` threads; None once more than
+    `CHANGES_UP_TO` of the bytes differ (the threads stop at their next shard). For a version the store held
+    already (a trainer on this host listed it, or a member fetched it earlier): a consumer holding `parent` then
+    writes what changed instead of reading the version whole, as it would after decoding it as a delta here."""
+    if len(old) != len(new):
+        return None
+    budget, lock = [int(len(new) * CHANGES_UP_TO)], threading.Lock()
+    per_shard: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def one(i: int) -> None:
+        if budget[0] < 0:
+            return
+        a, b = i * shard_size, min((i + 1) * shard_size, len(new))
+        kept = shard_changes(a, np.asarray(new[a:b]), np.asarray(old[a:b]))
+        with lock:
+            budget[0] -= len(kept[0])
+            if budget[0] >= 0:
+                per_shard[i] = kept
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(one, range(-(-len(new) // shard_size))))
+    return ChangedBytes.of(parent, tensors, per_shard) if budget[0] >= 0 else None
+
+
 @dataclass
 class FetchedVersion:
     manifest: Manifest
@@ -234,9 +270,38 @@ class Fetcher:
         raise VersionNotFound(f"{run_id} v{version}: no source has it ({'; '.join(map(str, errors)) or 'no live sources'})")
 
     # -- the fetch ------------------------------------------------------------------------
-    async def fetch(self, run_id: str, version: int, manifest_hash: str | None = None) -> FetchedVersion:
+    async def fetch(self, run_id: str, version: int, manifest_hash: str | None = None,
+                    changes_of: int | None = None) -> FetchedVersion:
         """Fetch (or reuse) `version`, and first its delta chain back to the keyframe.
-        `manifest_hash` (from a gossip `PolicyAnnounce`) pins the exact manifest expected."""
+        `manifest_hash` (from a gossip `PolicyAnnounce`) pins the exact manifest expected. `changes_of`: a version
+        the caller holds (its newest): the result carries its bytes against that version's (`changes`) wherever
+        the store holds both payloads in one layout, not only when it was decoded here as a delta of it."""
+        got = await self._fetch(run_id, version, manifest_hash)
+        if changes_of is not None and changes_of != version and (got.changes is None or got.changes.parent != changes_of):
+            got.changes = await self._changes_against(got, changes_of)
+        return got
+
+    async def _changes_against(self, got: FetchedVersion, base: int) -> ChangedBytes | None:
+        """`got`'s bytes against version `base`'s, both held in the store (`payload_changes`), or None."""
+        m = got.manifest
+        if not self.store.payload_path(m.run_id, base).exists():
+            return None
+        async with held_async(self.store.lock(m.run_id, base), exclusive=False):  # retention waits; the mapping outlives it
+            signed = self.store.held_manifest(m.run_id, base)
+            if signed is None or not self.store.payload_path(m.run_id, base).exists():
+                return None
+            bm = signed.verified(self.trusted)
+            if bm.tensors != m.tensors or bm.total_bytes != m.total_bytes:
+                return None
+            old = self.store.payload(m.run_id, base)
+        t0 = time.perf_counter()
+        changes = await asyncio.to_thread(payload_changes, base, m.tensors, old, got.payload, m.shard_size, self.parallel)
+        log.info("%s v%d against v%d: %s in %.2f s", m.run_id, m.version, base,
+                 f"{len(changes.positions)} bytes changed" if changes is not None else
+                 f"more than {CHANGES_UP_TO:.2%} of the bytes changed", time.perf_counter() - t0)
+        return changes
+
+    async def _fetch(self, run_id: str, version: int, manifest_hash: str | None) -> FetchedVersion:
         held = await self._held(run_id, version, manifest_hash)
         if held is not None:
             return held
@@ -320,10 +385,9 @@ class Fetcher:
         def keep_changes(i: int, start: int, out: np.ndarray, parent_raw: np.ndarray) -> None:
             if budget[0] < 0:
                 return
-            at = np.flatnonzero(out != parent_raw)
-            kept = (at + start, out[at])
+            kept = shard_changes(start, out, parent_raw)
             with changed_lock:
-                budget[0] -= len(at)  # each shard is decoded once (its raw hash is checked before this)
+                budget[0] -= len(kept[0])  # each shard is decoded once (its raw hash is checked before this)
                 if budget[0] < 0:
                     changed.clear()  # too many: the consumer copies the version whole
                 else:
@@ -440,12 +504,12 @@ def read_held(store: Store, trusted: TrustedPublishers, run_id: str, version: in
 
 
 async def fetch_version(store: Store, sources: list[str], trusted: TrustedPublishers, run_id: str,
-                        version: int | None = None, **kw) -> FetchedVersion:
-    """One-shot helper: fetch `version` (default: the newest any source holds)."""
+                        version: int | None = None, changes_of: int | None = None, **kw) -> FetchedVersion:
+    """One-shot helper: fetch `version` (default: the newest any source holds); `changes_of` as `Fetcher.fetch`."""
     async with Fetcher(store, sources, trusted, **kw) as f:
         if version is None:
             held = await f.versions(run_id)
             if not held:
                 raise VersionNotFound(f"no source holds any version of {run_id}")
             version = held[-1]
-        return await f.fetch(run_id, version)
+        return await f.fetch(run_id, version, changes_of=changes_of)

@@ -137,19 +137,21 @@ async def retain_policies(spec: RunSpec, store: Store) -> None:
 async def fetch_policy(spec: RunSpec, store: Store, version: int, expect_hash: str | None = None,
                        tries: int = 20, stages: dict | None = None,
                        local: Callable[[Manifest], TensorBytes | None] | None = None,
-                       retain: bool = True) -> dict[str, torch.Tensor]:
+                       retain: bool = True, changes_of: int | None = None) -> dict[str, torch.Tensor]:
     """Version `version` of the run's policy, verified (trainer's signature, shard hashes, and the
     manifest hash the coordinator announced, when given). `stages`, when given, gets where the fetch's
     time went (`FetchedVersion.stages_s`: download, verify, decode, write; empty when the store held it).
     `local`: the member's own copy of a delta's parent (the role's `version0.LocalVersion0`). `retain`: the
     store's retention runs before the version is returned (False: the caller runs `retain_policies` once it
     has put the version to use; deleting an old 10 GB payload from tmpfs took ~0.2 s of the 5.2B node's
-    fetch, session 32)."""
+    fetch, session 32). `changes_of`: a version the caller holds, whose bytes the result's changed bytes are
+    against where the store holds both (`shardcast.fetch.Fetcher.fetch`)."""
     trusted = TrustedPublishers([spec.trainer] if spec.trainer else [])
     last: Exception | None = None
     for attempt in range(tries):
         try:
-            got = await fetch_version(store, list(spec.shardcast_sources), trusted, spec.run_id, version, local=local)
+            got = await fetch_version(store, list(spec.shardcast_sources), trusted, spec.run_id, version, local=local,
+                                      changes_of=changes_of)
             if expect_hash is not None and got.manifest.manifest_hash() != expect_hash:
                 raise ProtocolError(f"v{version}: manifest hash differs from the announced one")
             if retain:

@@ -192,7 +192,12 @@ class ValidatorNode:
         state = await local_version0(self.spec, self.store, self.hashes.get(version), self.version0) if version == 0 else None
         local = state is not None  # checked against the signed manifest's shard hashes (node/roles/version0.py)
         if state is None:
-            state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3, local=self.version0)
+            # a version newer than the resident one comes with its bytes against it where the store holds both (a
+            # trainer on this host listed it, never a delta decoded here): its step is then built from them, not
+            # from a whole read (`ResidentPolicies._step_from_changes`)
+            newest = self.policies.newest if self.policies is not None else None
+            state = await fetch_policy(self.spec, self.store, version, self.hashes.get(version), tries=3, local=self.version0,
+                                       changes_of=newest if newest is not None and version > newest else None)
         self._fetched_at = time.monotonic()
         if version not in self.hashes:
             self.hashes[version] = self.store.held_manifest(self.spec.run_id, version).manifest.manifest_hash()

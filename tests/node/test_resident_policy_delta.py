@@ -38,15 +38,21 @@ def _stepped(model: CausalLM, seed: int) -> CausalLM:
     return model
 
 
-def _fetched(tmp_path, fp8: str, published: str, versions: int) -> dict:
+def _fetched(tmp_path, fp8: str, published: str, versions: int, one_host: bool = False) -> dict:
+    """`versions` versions published by a trainer and fetched by a validator: into its own store over the wire, or
+    (`one_host`) from the trainer's store it shares (`sim`'s roles on one host), each asked against the one before."""
     torch.manual_seed(7)
     model = CausalLM(ModelConfig(vocab_size=64, hidden_size=256, moe_intermediate_size=256, head_dim=32)).eval()
     trainer = Store(tmp_path / "trainer")
     publish_model(model, None, trainer, KEY, "r", 0, None, SHARDS, fp8=published)
+    got = fetch_all(trainer, trainer, KEY, fp8, [0]) if one_host else {}
     for v in range(1, versions):
         assert publish_model(_stepped(model, v), None, trainer, KEY, "r", v, v - 1, SHARDS,
                              fp8=published).manifest.encoding == "delta"
-
+        if one_host:  # fetched as it is listed (the store's retention keeps the newest few payloads)
+            got |= fetch_all(trainer, trainer, KEY, fp8, [v], changes_of=lambda v: v - 1)
+    if one_host:
+        return model.config, got
     return model.config, fetch_all(trainer, Store(tmp_path / "validator"), KEY, fp8, list(range(versions)))
 
 
@@ -63,10 +69,28 @@ def _bits(model: torch.nn.Module) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("fp8,published", [("off", "off"), ("all", "all")])  # bf16-less CPU: float32 / served form
+@pytest.mark.parametrize("one_host", [False, True])
 def test_a_delta_of_the_newest_version_is_prepared_from_its_changed_bytes_and_equals_a_whole_read(tmp_path, fp8,
-                                                                                                   published):
-    cfg, got = _fetched(tmp_path, fp8, published, 4)
+                                                                                                   published, one_host):
+    # one_host: the version was listed in the store the validator shares with the trainer, never decoded as a delta;
+    # its changed bytes come from the two payloads the store holds
+    cfg, got = _fetched(tmp_path, fp8, published, 4, one_host)
     assert got[1].changes is not None and got[1].changes.parent == 0
+    _prepared_from_changes_as_whole_reads(cfg, got, fp8)
+
+
+def test_on_the_trainers_host_a_version_has_no_changed_bytes_unless_asked_against_a_held_one(tmp_path):
+    _, got = _fetched(tmp_path, "off", "off", 3, one_host=True)
+    assert got[0].changes is None and all(got[v].changes.parent == v - 1 for v in (1, 2))
+    host = Store(tmp_path / "trainer")
+    plain = fetch_all(host, host, KEY, "off", [2])[2]
+    assert plain.changes is None  # held, not decoded, not asked: read whole
+    again = fetch_all(host, host, KEY, "off", [2], lambda v: 1)[2]
+    assert again.changes.parent == 1 and (again.changes.positions == got[2].changes.positions).all()
+    assert fetch_all(host, host, KEY, "off", [2], lambda v: 7)[2].changes is None  # a version the store lacks
+
+
+def _prepared_from_changes_as_whole_reads(cfg: ModelConfig, got: dict, fp8: str) -> None:
     sparse, full = _resident(cfg, got[0], fp8), _resident(cfg, got[0], fp8)
     assert _bits(sparse.model) == _bits(full.model)
     snapshots = {0: _bits(full.model)}
