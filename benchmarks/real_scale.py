@@ -271,12 +271,12 @@ form at lr 1e-6 (0.25%, `benchmarks/results/shardcast_delta-real-served-cpu-2cor
 
 def changed_bytes(state, parent: int, share: float, seed: int, back=None):  # noqa: ANN001, ANN201
     """A delta of `state` (version 1 as `version1` gives it) as a fetch that decoded it against its parent finds it
-    (`shardcast.fetch.ChangedBytes` over the payload's layout): `share` of every expert weight's e4m3 bytes moved by
+    (`shardcast.changes.ChangedBytes` over the payload's layout): `share` of every expert weight's e4m3 bytes moved by
     one bit (none made a NaN), at random positions; with `back` (such a delta), the same positions put back."""
     import numpy as np
 
     from shardcast.codec import layout
-    from shardcast.fetch import ChangedBytes
+    from shardcast.changes import ChangedBytes
 
     published = state.tensors
     tensors, _ = layout(published)

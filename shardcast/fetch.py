@@ -24,6 +24,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from shardcast.changes import CHANGES_UP_TO, ChangedBytes, payload_changes, shard_changes
 from shardcast.codec import PayloadView, TensorBytes, check_wire, decode_shard, dtype_of, view_of
 from shardcast.download import download_shard, outcome_of
 from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
@@ -89,69 +90,6 @@ class PayloadTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self.entries)
-
-
-CHANGES_UP_TO = 1 / 64
-"""A delta's changed bytes are kept (`ChangedBytes`, 9 bytes each: position and value) while they are at most
-this share of the version's: 0.49 GB of changes for a 31 GB version, 6x what one RL step changed of SmolLM2's
-served form (0.25%); beyond it a whole copy costs about what the writes would."""
-
-
-@dataclass
-class ChangedBytes:
-    """Where a version fetched as a delta differs from its parent, found as its shards were decoded: the payload
-    positions of every byte that differs (sorted) and its new value. A consumer that holds exactly the parent's
-    bytes, laid out as `tensors` say, holds this version once these bytes are written (node/engine/
-    weight_staging.py `SparseWrites`): a few MB where the version is GB."""
-
-    parent: int
-    tensors: list
-    positions: np.ndarray
-    values: np.ndarray
-
-    @classmethod
-    def of(cls, parent: int, tensors: list, per_shard: dict[int, tuple[np.ndarray, np.ndarray]]) -> ChangedBytes:
-        order = sorted(per_shard)
-        pos = [per_shard[i][0] for i in order]
-        val = [per_shard[i][1] for i in order]
-        return cls(parent, tensors, np.concatenate(pos) if pos else np.empty(0, np.int64),
-                   np.concatenate(val) if val else np.empty(0, np.uint8))
-
-
-def shard_changes(start: int, out: np.ndarray, parent_raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The payload positions (from `start`, the shard's first byte) where `out` differs from `parent_raw`, and
-    `out`'s bytes there."""
-    at = np.flatnonzero(out != parent_raw)
-    return at + start, out[at]
-
-
-def payload_changes(parent: int, tensors: list, old: np.ndarray, new: np.ndarray, shard_size: int,
-                    threads: int = DEFAULT_PARALLEL) -> ChangedBytes | None:
-    """`new`'s bytes against `old`'s (two verified payloads of one layout, `tensors`), as `ChangedBytes` of
-    `parent` (the version `old` holds), compared a shard at a time on `threads` threads; None once more than
-    `CHANGES_UP_TO` of the bytes differ (the threads stop at their next shard). For a version the store held
-    already (a trainer on this host listed it, or a member fetched it earlier): a consumer holding `parent` then
-    writes what changed instead of reading the version whole, as it would after decoding it as a delta here."""
-    if len(old) != len(new):
-        return None
-    budget, lock = [int(len(new) * CHANGES_UP_TO)], threading.Lock()
-    per_shard: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def one(i: int) -> None:
-        if budget[0] < 0:
-            return
-        a, b = i * shard_size, min((i + 1) * shard_size, len(new))
-        kept = shard_changes(a, np.asarray(new[a:b]), np.asarray(old[a:b]))
-        with lock:
-            budget[0] -= len(kept[0])
-            if budget[0] >= 0:
-                per_shard[i] = kept
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        list(pool.map(one, range(-(-len(new) // shard_size))))
-    return ChangedBytes.of(parent, tensors, per_shard) if budget[0] >= 0 else None
 
 
 @dataclass

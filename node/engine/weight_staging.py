@@ -74,7 +74,7 @@ class SwapTimes:
 
 @dataclass
 class SparseWrites:
-    """A delta's changed bytes (`shardcast.fetch.ChangedBytes`) placed in the served tensors: for each served
+    """A delta's changed bytes (`shardcast.changes.ChangedBytes`) placed in the served tensors: for each served
     tensor a delta changed, the byte positions in it and their new values, on its device. Written into a model
     that serves exactly the delta's parent, they make it serve the new version (the bytes the delta did not
     change are the parent's, which it holds): a few MB written where a whole copy moves GB.

@@ -82,7 +82,7 @@ class ServedForm(IndexedTensors):
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype):
         self.tensors, self.dtype = tensors, dtype
         self.changes = getattr(tensors, "changes", None)
-        """A delta's changed bytes in the published form (shardcast.fetch.ChangedBytes), when fetched as one."""
+        """A delta's changed bytes in the published form (shardcast.changes.ChangedBytes), when fetched as one."""
         self.quantised: set[str] = set()
         self.index = {}
         heads = headers(tensors)  # a fetched payload's from its manifest: no tensor viewed

@@ -315,7 +315,7 @@ class ResidentPolicies(Mapping):
 
     def _step_from_changes(self, state: Mapping[str, torch.Tensor]) -> tuple[dict[str, TensorDelta], int] | None:
         """The step of a version fetched as a delta of the newest held one, from the delta's changed bytes alone
-        (`shardcast.fetch.ChangedBytes`, placed in the model's tensors as an engine places them: `SparseWrites`):
+        (`shardcast.changes.ChangedBytes`, placed in the model's tensors as an engine places them: `SparseWrites`):
         the model's bits at the changed elements and those bits with the new bytes written in. None where the
         version is not such a delta, or a changed byte has no byte-exact place here (a plain tensor an FP8 module
         quantises on arrival): then the version is read whole. The model holds the parent's bytes exactly (the

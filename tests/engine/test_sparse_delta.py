@@ -114,7 +114,7 @@ def test_a_plain_version_into_an_fp8_engine_is_copied_whole_its_bytes_being_quan
 def test_a_delta_that_changes_most_bytes_keeps_no_changes_and_goes_whole(tmp_path):
     """Past `CHANGES_UP_TO` of the version the fetch keeps no changed bytes (they would cost what a whole copy
     does): the engine copies the version whole, and holds it exactly."""
-    from shardcast.fetch import CHANGES_UP_TO
+    from shardcast.changes import CHANGES_UP_TO
 
     torch.manual_seed(6)
     model = CausalLM(ModelConfig(vocab_size=64, hidden_size=128, moe_intermediate_size=128, head_dim=32)).eval()

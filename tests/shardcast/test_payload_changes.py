@@ -3,7 +3,7 @@
 
 import numpy as np
 
-from shardcast.fetch import CHANGES_UP_TO, payload_changes
+from shardcast.changes import CHANGES_UP_TO, payload_changes
 
 SHARD = 4096
 
