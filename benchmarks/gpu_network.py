@@ -56,7 +56,7 @@ from pathlib import Path
 from benchmarks.gpu_network_report import plot
 from node.sim import PRETRAINED_MAX_SEQ, run_sim
 from node.sim_devices import place
-from node.version_trace import judging_summary
+from node.version_trace import FILE, judging_summary
 
 log = logging.getLogger("benchmarks.gpu_network")
 
@@ -166,12 +166,19 @@ def stalls(out: Path, nodes: int, window: tuple[float, float]) -> dict:
             idle += max(0.0, min(b["t0"], window[1]) - max(a["t1"], window[0]))
     judged = [r for r in _jsonl(out / "validator" / "rounds.jsonl") if _inside(r, window)]
     turn_waits = [r["turn_wait_s"] for r in judged if "turn_wait_s" in r]
+    # the versions the validator held inside the window (rows since session 40): how long after each was fetched,
+    # and how many had their step built from changed bytes rather than a whole read
+    holds = [r for r in _jsonl(out / "validator" / FILE) if "hold_s" in r and window[0] <= r["t_held"] <= window[1]]
     return {"coordinator_slow_commits": sum(n for n, _ in commits),
             "validator_turn_wait_s": round(sum(turn_waits), 2) if turn_waits else None,
             "validator_turn_wait_max_s": round(max(turn_waits), 2) if turn_waits else None,
             # the round that recomputed longest, as its row says what it was (rows since session 25: versions,
             # mixed claims, alone on the model, the collector's seconds), and the collector over all rounds
             **judging_summary(judged),
+            "validator_hold_s": round(statistics.median(r["hold_s"] for r in holds), 3) if holds else None,
+            "validator_hold_max_s": round(max(r["hold_s"] for r in holds), 3) if holds else None,
+            "validator_holds_from_changes": sum(r["changed_bytes"] is not None for r in holds) if holds else None,
+            "validator_holds": len(holds),
             "coordinator_commit_max_s": max((w for _, w in commits), default=None),
             "lease_call_max_s": max(lease_max, default=None), "node_idle_s": round(idle, 2)}
 

@@ -1,6 +1,8 @@
 """A node's record of its work over time, for benchmarks: WORKDIR/versions.jsonl, one line per policy
 version an inference node queued for its engine (`version`, `t_announced`, `t_fetch`, `t_fetched`,
-`t_queued`, Unix seconds; `fetch_stages_s`: the fetch's download, verify, decode and write seconds), and WORKDIR/rounds.jsonl, one line per rollout round of an inference node
+`t_queued`, Unix seconds; `fetch_stages_s`: the fetch's download, verify, decode and write seconds) or a validator
+held (`t_held`, `fetch_s`, `hold_s`, `behind_s`, `prepare_s`, `changed_bytes`: node/roles/validator.py `on_held`), and
+WORKDIR/rounds.jsonl, one line per rollout round of an inference node
 (`t0`, `t1`, `groups`, `tokens`, `versions`) or judging round of a validator (`t0`, `t1`, `units`, `tokens`, `verify_s`,
 `turn_wait_s`, and since session 25 `versions`, `mixed`, `alone`, `gc_s`, `gc_full`: node/roles/validator.py `on_round`).
 
@@ -63,6 +65,8 @@ def install(node) -> None:
     """Trace `node` (an InferenceNode or a ValidatorNode) into its workdir."""
     if hasattr(node, "on_loaded"):
         node.on_loaded.append(VersionTrace(node.workdir / FILE))
+    if hasattr(node, "on_held"):  # a validator's holds
+        node.on_held.append(VersionTrace(node.workdir / FILE))
     if hasattr(node, "on_swapped"):
         node.on_swapped.append(VersionTrace(node.workdir / SWAPS))
     node.on_round.append(RoundTrace(node.workdir / ROUNDS))

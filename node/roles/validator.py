@@ -45,7 +45,7 @@ from node.replay import TorchReference, env_oracle
 from node.roles.common import blank_model, check_version0, environment, fetch_policy, tokenizer
 from node.heap import Collections, settle_heap
 from node.roles.model_turns import ModelTurns
-from node.roles.resident_policy import ResidentPolicies
+from node.roles.resident_policy import PreparedVersion, ResidentPolicies
 from node.roles.version0 import LocalVersion0, local_version0
 from protocol.client import CoordinatorClient
 from protocol.errors import ProtocolError
@@ -99,6 +99,11 @@ class ValidatorNode:
         without waiting for the model either), seconds the round waited for its turn on the model, the policy
         versions its claims name, claims of more than one version, whether it had the model alone (it switched
         versions), the garbage collector's seconds and full passes inside the round); node/version_trace.py."""
+        self.on_held: list = []
+        """Hooks told (version, {t_held, fetch_s, hold_s, behind_s, prepare_s, changed_bytes}) once a version is held:
+        when (Unix seconds), its fetch, the hold after it, of which waiting behind other holds, and for one prepared
+        beside the judging its preparation and the changed bytes its step was built from (None: read whole; both None
+        for a version held alone); node/version_trace.py writes them to WORKDIR/versions.jsonl."""
         self.on_evidence: list = []
         """Hooks given each round's claims' `verification.pooled.Evidence` as rows (`evidence_rows`): a traced
         validator (`--trace-versions`) appends them to WORKDIR/evidence.jsonl, which `benchmarks.pooled_calibration`
@@ -206,32 +211,38 @@ class ValidatorNode:
         t_fetched = time.monotonic()
         async with self._hold_order:
             t_hold = time.monotonic()
-            await self._hold(version, state, bytes.fromhex(self.hashes[version]), local)
+            prepared = await self._hold(version, state, bytes.fromhex(self.hashes[version]), local)
         log.info("version %d: fetched in %.2f s, held %.2f s after (%.2f s behind other holds)", version,
                  t_fetched - t0, time.monotonic() - t_fetched, t_hold - t_fetched)
+        row = {"t_held": time.time(), "fetch_s": t_fetched - t0, "hold_s": time.monotonic() - t_fetched,
+               "behind_s": t_hold - t_fetched, "prepare_s": None if prepared is None else prepared.prepare_s,
+               "changed_bytes": None if prepared is None else prepared.changed_bytes}
+        for hook in self.on_held:
+            hook(version, row)
         if self.spec.model.fp8 != "off":
             log.info("version %d: recomputed with FP8 weights (%s), as the run's nodes serve it", version,
                      self.spec.model.fp8)
 
     async def _hold(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes,
-                    local: bool = False) -> None:
+                    local: bool = False) -> PreparedVersion | None:
         """The first version builds the resident model; a newer one is prepared beside the rounds that judge the
         newest (`ResidentPolicies.prepare`, a reader's turn) and read in alone (`commit`); an older one is added
         alone. Each off the event loop: building and checking a model takes seconds of CPU on a busy machine,
         and a blocked loop sends no heartbeat (the sim's validator was ejected so, issue 28). A fetched version 0
         is checked against the spec's pin first, on the high-precision tensors the trainer published, before
-        anything is loaded (a local version 0 was checked against it as its checkpoint was read)."""
+        anything is loaded (a local version 0 was checked against it as its checkpoint was read). Returns the
+        prepared version where one was committed (None: held alone, or held already)."""
         if version == 0 and not local:
             await asyncio.to_thread(check_version0, self.spec, state)
         if self.policies is not None and version in self.policies:
-            return
+            return None
         if self.policies is None or version < self.policies.newest:
             await self._turns.write()
             try:
                 await asyncio.to_thread(self._add_alone, version, state, manifest_hash)
             finally:
                 await self._turns.leave(reader=False)
-            return
+            return None
         policies = self.policies
         reader = await self._turns.enter(lambda: policies.at_newest)
         try:
@@ -253,6 +264,7 @@ class ValidatorNode:
                 await asyncio.to_thread(policies.commit, prepared)
         finally:
             await self._turns.leave(reader)
+        return prepared
 
     def _add_alone(self, version: int, state: Mapping[str, torch.Tensor], manifest_hash: bytes) -> None:
         if self.policies is None:

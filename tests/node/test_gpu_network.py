@@ -80,6 +80,8 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         # where it stood still: the node's slowest lease call is in its log, its idle seconds in its rounds
         assert run["stalls"]["lease_call_max_s"] is not None and run["stalls"]["node_idle_s"] >= 0
         assert run["stalls"]["coordinator_slow_commits"] >= 0
+        holds = run["stalls"]["validator_holds"]  # the versions the validator held inside the window, if any
+        assert holds == 0 or (run["stalls"]["validator_hold_s"] > 0 and 0 <= run["stalls"]["validator_holds_from_changes"] <= holds)
     assert result["async_speedup"] == round(result["runs"][0]["step_s"] / result["runs"][1]["step_s"], 2)
     # the role's engine alone on the same workload, the bound the network's generation is held against
     assert result["engine_alone_tok_s"] > 0 and result["engine_alone_rollouts"] == 2 * 4 * 2
@@ -142,7 +144,9 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     got = stalls(tmp_path, 1, (0.0, 10.0))
     assert got == {"coordinator_slow_commits": 4, "coordinator_commit_max_s": 4.37, "lease_call_max_s": 8.869,
                    "node_idle_s": 3.5, "validator_turn_wait_s": None, "validator_turn_wait_max_s": None,
-                   "validator_verify_s": 0.0, "validator_slowest_round": None, "validator_gc_s": None}
+                   "validator_verify_s": 0.0, "validator_slowest_round": None, "validator_gc_s": None,
+                   "validator_hold_s": None, "validator_hold_max_s": None, "validator_holds_from_changes": None,
+                   "validator_holds": 0}
     (tmp_path / "validator").mkdir()
     (tmp_path / "validator" / "rounds.jsonl").write_text("".join(
         json.dumps({"t0": t, "t1": t + 1, "turn_wait_s": w, "verify_s": v, "units": u, "mixed": m, "gc_s": g}) + "\n"
@@ -154,6 +158,13 @@ def test_stalls_are_read_from_the_coordinators_slow_commits_the_nodes_lease_call
     assert stalls(tmp_path, 1, (5.5, 10.0))["node_idle_s"] == 0.5  # only gaps after the steady state began
     assert stalls(tmp_path, 1, (0.0, 5.5))["node_idle_s"] == 3.0  # and before it ended
     assert stalls(tmp_path, 1, (0.0, 5.5))["validator_verify_s"] == 13.0
+    # the versions it held (node/version_trace.py's rows of `on_held`): inside the window, read whole or not
+    (tmp_path / "validator" / "versions.jsonl").write_text("".join(
+        json.dumps({"version": v, "t_held": t, "hold_s": h, "changed_bytes": c}) + "\n"
+        for v, t, h, c in ((1, 1.0, 7.0, None), (2, 3.0, 2.0, None), (3, 4.0, 0.5, 9000), (4, 6.0, 0.25, 4000))))
+    got = stalls(tmp_path, 1, (2.0, 10.0))
+    assert (got["validator_holds"], got["validator_holds_from_changes"]) == (3, 2)
+    assert (got["validator_hold_s"], got["validator_hold_max_s"]) == (0.5, 2.0)
 
 
 def test_steady_figures_count_only_what_happened_inside_the_steady_window(tmp_path):
