@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardcast.sparse import mask_scratch
+
 CHANGES_UP_TO = 1 / 64
 """A delta's changed bytes are kept (`ChangedBytes`, 9 bytes each: position and value) while they are at most
 this share of the version's: 0.49 GB of changes for a 31 GB version, 6x what one RL step changed of SmolLM2's
@@ -44,8 +46,11 @@ class ChangedBytes:
 
 def shard_changes(start: int, out: np.ndarray, parent_raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The payload positions (from `start`, the shard's first byte) where `out` differs from `parent_raw`, and
-    `out`'s bytes there."""
-    at = np.flatnonzero(out != parent_raw)
+    `out`'s bytes there. Compared into this thread's mask, kept between shards (a fresh 64 MiB one a shard is
+    faulted in each time: 52-114 ms a shard at 1% changed against 44 ms, cpu-2core under load)."""
+    mask = mask_scratch(len(out))
+    np.not_equal(out, parent_raw, out=mask)
+    at = np.flatnonzero(mask)
     return at + start, out[at]
 
 

@@ -58,7 +58,7 @@ def encode_sparse_delta(raw: np.ndarray, parent: np.ndarray, word: int, level: i
     if word not in _UINT or len(raw) % word or len(parent) != len(raw):
         return None
     new, old = raw.view(_UINT[word]), parent.view(_UINT[word])
-    mask = _mask_scratch(len(new))
+    mask = mask_scratch(len(new))
     np.not_equal(new, old, out=mask)
     idx = np.flatnonzero(mask)
     index_bytes = 4 if len(new) < 2**31 else 8
@@ -75,7 +75,7 @@ def encode_sparse_delta(raw: np.ndarray, parent: np.ndarray, word: int, level: i
 _SCRATCH = threading.local()
 
 
-def _mask_scratch(n: int) -> np.ndarray:
+def mask_scratch(n: int) -> np.ndarray:
     """This thread's changed-word mask of `n` entries, kept between shards: a fresh 32 MiB mask per
     64 MiB shard is allocated by mmap (glibc's ceiling for heap allocations is 32 MiB) and page-faulted
     in every time; with a publication's threads faulting and unmapping at once, two threads took 52 ms
@@ -146,4 +146,5 @@ def decode_sparse(index: int, wire: bytes | bytearray | memoryview, out: np.ndar
         words[idx] ^= vals
 
 
-__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse_delta", "is_sparse", "sparse_count"]
+__all__ = ["MAGIC", "InvalidSparseDelta", "decode_sparse", "encode_sparse_delta", "is_sparse", "mask_scratch",
+           "sparse_count"]
