@@ -215,7 +215,10 @@ class Fetcher:
         the caller holds (its newest): the result carries its bytes against that version's (`changes`) wherever
         the store holds both payloads in one layout, not only when it was decoded here as a delta of it."""
         got = await self._fetch(run_id, version, manifest_hash)
-        if changes_of is not None and changes_of != version and (got.changes is None or got.changes.parent != changes_of):
+        m = got.manifest
+        decoded_against = m.parent if got.stages_s and m.encoding == "delta" else None  # its changes were kept then
+        if changes_of is not None and changes_of not in (version, decoded_against) and (
+                got.changes is None or got.changes.parent != changes_of):
             got.changes = await self._changes_against(got, changes_of)
         return got
 

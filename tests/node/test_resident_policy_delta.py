@@ -131,3 +131,26 @@ def test_a_plain_version_into_fp8_modules_is_read_whole_its_bytes_being_quantise
     held.commit(prepared)
     ref = _resident(cfg, got[1], "all")
     assert _bits(held.model) == _bits(ref.model)
+
+
+def test_a_delta_decoded_against_the_held_version_is_not_compared_again(tmp_path, monkeypatch):
+    """Over the wire, a delta of the validator's newest version was compared with it as it was decoded: asking for its
+    changed bytes against that version compares no payloads again, even where the decoding found too many."""
+    import shardcast.fetch
+
+    def compared(*args, **kw):
+        raise AssertionError("payloads compared for a delta decoded against the same version")
+
+    torch.manual_seed(7)
+    model = CausalLM(ModelConfig(vocab_size=64, hidden_size=256, moe_intermediate_size=256, head_dim=32)).eval()
+    trainer = Store(tmp_path / "trainer")
+    publish_model(model, None, trainer, KEY, "r", 0, None, SHARDS)
+    with torch.no_grad():  # every weight moves: past the limit, the decoding keeps no changed bytes
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    assert publish_model(model, None, trainer, KEY, "r", 1, 0, SHARDS).manifest.encoding == "delta"
+    member = Store(tmp_path / "validator")
+    fetch_all(trainer, member, KEY, "off", [0])
+    monkeypatch.setattr(shardcast.fetch, "payload_changes", compared)
+    got = fetch_all(trainer, member, KEY, "off", [1], lambda v: 0)[1]
+    assert got.changes is None
