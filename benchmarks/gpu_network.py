@@ -313,7 +313,7 @@ def run_one(args, k: int, model_run: dict, out: Path) -> dict:
                           max_off_policy_steps=k, batch_groups=args.batch_groups, group_size=args.group_size,
                           timeout_s=args.timeout, recipe=recipe, model=model_run.get("model"), placement=placement,
                           engine=engine, fp8=args.fp8, run={"dead_after_missed": 10, "lease_ttl_s": 120.0}, mps=args.mps,
-                          trainer_checkpoint_every=args.checkpoint_every,
+                          trainer_checkpoint_every=args.checkpoint_every, trainer_master_float32=args.master_float32,
                           coordinator_state=args.coordinator_state / f"k{k}" if args.coordinator_state else None,
                           store_dir=args.store_dir / f"k{k}" if args.store_dir else None,
                           store_payloads=args.store_payloads / f"k{k}" if args.store_payloads else None)
@@ -489,6 +489,8 @@ def main() -> None:
                    "on tmpfs standing in for the coordinator's own machine where every role shares one disk")
     p.add_argument("--mps", action="store_true",
                    help="the roles share each GPU through NVIDIA's multi-process service (`sim --mps`)")
+    p.add_argument("--master-float32", action="store_true",
+                   help="the trainer keeps float32 weights and AdamW states and publishes in --dtype (`join --master-float32`)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="the trainer's checkpoints (`join --checkpoint-every`; default 0: none, not even the last: the "
                         "steady state is the measure, and writing a 5.2B trainer's 30 GB took a minute of the GPU's "
@@ -521,6 +523,7 @@ def main() -> None:
     header = {
         "benchmark": "gpu_network", "machine": args.machine or _machine(), "model": args.model,
         "dtype": args.dtype, "model_params_b": _params_b(args, model_run), "task": args.task, "lr": args.lr,
+        "master_dtype": "float32" if args.master_float32 else args.dtype,
         "inference_nodes": args.inference_nodes, "prompts_per_step": args.batch_groups, "group_size": args.group_size,
         "steps": args.steps, "warmup_steps": args.warmup,
         "coordinator_state": str(args.coordinator_state) if args.coordinator_state else "OUT/coordinator (the roles' disk)",
@@ -602,11 +605,12 @@ def reread(out: Path) -> None:
 def workload_defaults(args) -> None:
     """What `args` leaves unsaid, filled in place: on a GPU the issue's RL-shaped workload (>= 256 rollouts a step,
     the 8-layer 30B-A3B shape, the long-tailed task), on the CPU SmolLM2 learning `reverse-text`; the learning rate
-    by the model (`RANDOM_MODEL_LR`, `PRETRAINED_LR`)."""
+    by the model and the trainer's master dtype (`RANDOM_MODEL_LR`, `PRETRAINED_LR`)."""
     gpu = args.device == "cuda"
     args.model = args.model or ("random:qwen3-30b-a3b-8l" if gpu else "smollm2-135m-instruct")
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    args.lr = args.lr or (RANDOM_MODEL_LR.get(args.dtype, RANDOM_MODEL_LR["bfloat16"]) if args.model.startswith("random:")
+    master = "float32" if getattr(args, "master_float32", False) else args.dtype
+    args.lr = args.lr or (RANDOM_MODEL_LR.get(master, RANDOM_MODEL_LR["bfloat16"]) if args.model.startswith("random:")
                           else PRETRAINED_LR)
     args.batch_groups = args.batch_groups or (32 if gpu else 8)
     real = args.model != "tiny-moe"

@@ -124,7 +124,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
                device: str = "cpu", fp8: str | None = None, ep: int = 1, gpu_memory_share: float = 0.9,
                store_dir: Path | None = None, store_max_gib: float | None = None,
                memory_limit_gib: float | None = None, store_payloads: Path | None = None,
-               checkpoint_every: int | None = None) -> None:
+               checkpoint_every: int | None = None, master_float32: bool = False) -> None:
     """Run one role until SIGINT/SIGTERM, after its memory plan (`plan_memory`) fits. `customize(node)`: called on the role object before it runs
     (node/adversary.py makes an inference node a cheater this way). `ep`: an inference node's
     expert-parallel processes: not under torchrun, this process becomes rank 0 and starts the others."""
@@ -143,7 +143,8 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     # both before anything is allocated, one line and exit 2 each: the plan (config.json alone), then the
     # checkpoint's headers (a broken or foreign checkpoint)
     plan = None if role == "relay" else \
-        plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib)
+        plan_memory(spec, role, device, parallel=parallel, engine=engine, fp8=fp8, limit_gib=memory_limit_gib,
+                    master_float32=master_float32)
     if role != "relay":  # (a relay moves bytes: it never imports torch)
         from node.roles.common import check_checkpoint
 
@@ -162,7 +163,7 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
     elif role == "trainer":
         from node.roles.trainer import TrainerNode
         node = TrainerNode(key, spec, bootstrap, workdir, shardcast_port, parallel=parallel, host=host, device=device,
-                           store=store, micro_batch_tokens=plan.micro_batch_tokens,
+                           store=store, micro_batch_tokens=plan.micro_batch_tokens, master_float32=master_float32,
                            **({} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}))
     elif role == "validator":
         from node.roles.validator import ValidatorNode
@@ -191,14 +192,15 @@ async def join(role: str, spec_path: Path | None, bootstrap: str, key_path: Path
 
 
 def plan_memory(spec, role: str, device: str, parallel: dict | None = None, engine: str = "builtin",
-                fp8: str | None = None, limit_gib: float | None = None):
+                fp8: str | None = None, limit_gib: float | None = None, master_float32: bool = False):
     """The role's memory plan (None: a role or engine that plans none), printed next to what its device has
     free (`--memory-limit-gib` caps that); `MemoryPlanDoesNotFit` (one line, exit 2) before the role builds
     anything when it does not fit."""
     from node.engine.memory_plan import host_or_gpu_free
     from node.roles.memory import role_plan
 
-    plan = role_plan(spec, role, device, host_or_gpu_free(device, limit_gib), parallel=parallel, engine=engine, fp8=fp8)
+    plan = role_plan(spec, role, device, host_or_gpu_free(device, limit_gib), parallel=parallel, engine=engine, fp8=fp8,
+                     master_float32=master_float32)
     if plan is not None:
         print(plan.describe(), flush=True)
         plan.check()
@@ -291,8 +293,9 @@ def _join(args: argparse.Namespace) -> int:
     quiet_libp2p()
     customize = _customizer(args)
     cfg = config_from(JoinConfig, args)
-    if cfg.role != "trainer" and ((cfg.dp, cfg.cp) != (1, 1) or cfg.activation_checkpointing):
-        raise SystemExit("primerl-node join: --dp/--cp/--activation-checkpointing apply to --role trainer only")
+    if cfg.role != "trainer" and ((cfg.dp, cfg.cp) != (1, 1) or cfg.activation_checkpointing or cfg.master_float32):
+        raise SystemExit("primerl-node join: --dp/--cp/--activation-checkpointing/--master-float32 apply to --role "
+                         "trainer only")
     if cfg.role not in ("trainer", "inference") and cfg.ep != 1:
         raise SystemExit("primerl-node join: --ep applies to --role trainer or inference only")
     if cfg.role != "inference" and cfg.engine is not None:
@@ -319,5 +322,5 @@ def _join(args: argparse.Namespace) -> int:
                      customize=customize, device=device, fp8=cfg.fp8, ep=ep,
                      gpu_memory_share=cfg.gpu_memory_share, store_dir=cfg.store, store_max_gib=cfg.store_max_gib,
                      memory_limit_gib=cfg.memory_limit_gib, store_payloads=cfg.store_payloads,
-                     checkpoint_every=cfg.checkpoint_every))
+                     checkpoint_every=cfg.checkpoint_every, master_float32=cfg.master_float32))
     return 0

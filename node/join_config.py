@@ -101,6 +101,10 @@ class JoinConfig(BaseModel):
     """trainer: steps between its checkpoints (the resume point after a crash; the last step is always saved;
     default node/roles/trainer.py CHECKPOINT_EVERY, 20); 0: none at all, not even the last (a benchmark's run,
     whose minute of writing a 5.2B checkpoint is no step)"""
+    master_float32: bool = False
+    """trainer, one process: keep the weights and AdamW's states in float32 for a bfloat16 or float16 run, and
+    publish each version in the run's dtype: an update below half a bf16 step adds up instead of being lost in
+    the rounding (twice the weights' memory, and a float32 step; a trainer world keeps a float32 master anyway)"""
     activation_checkpointing: Annotated[bool, Flag(group=PARALLELISM)] = False
     """recompute each decoder layer's activations in the backward (long contexts, large batches)"""
 

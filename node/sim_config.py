@@ -88,6 +88,9 @@ class SimConfig(BaseModel):
     version files then never reach the disk the host's roles share (only their wire shards do)"""
     trainer_checkpoint_every: Annotated[int | None, Flag(metavar="N"), Field(ge=0)] = None
     """the trainer's `join --checkpoint-every` (None: its default; 0: no checkpoint, not even the last)"""
+    trainer_master_float32: bool = False
+    """the trainer's `join --master-float32`: float32 weights and AdamW states in a bf16 run, each version published
+    in bf16"""
     mps: bool = False
     """the roles on GPUs reach them through NVIDIA's multi-process service (one daemon for the sim,
     node/sim_mps.py): their kernels share a GPU at once instead of taking turns in time slices"""

@@ -199,6 +199,7 @@ def _start_network(out: Path, cfg: SimConfig, placement, mps: Mps | None) -> Net
         return Proc(name, argv, out / name / "log.txt", launcher)
     launcher, parallel_flags = trainer_launcher(cfg.trainer_parallel)
     checkpoints = [] if cfg.trainer_checkpoint_every is None else ["--checkpoint-every", str(cfg.trainer_checkpoint_every)]
+    checkpoints += ["--master-float32"] if cfg.trainer_master_float32 else []
     procs = {"trainer": member("trainer", "trainer", ["--shardcast-port", str(origin), *parallel_flags,
                                                       "--device", placement.trainer, *checkpoints], launcher),
              "validator": member("validator", "validator", ["--device", placement.validator, "--trace-versions"]),

@@ -25,16 +25,18 @@ engine's slots are this many groups."""
 
 
 def role_plan(spec: RunSpec, role: str, device: str, free_bytes: int | None = None, parallel: dict | None = None,
-              engine: str = "builtin", fp8: str | None = None) -> MemoryPlan | None:
+              engine: str = "builtin", fp8: str | None = None, master_float32: bool = False) -> MemoryPlan | None:
     """What `role` will hold on `device` for this run (None: a relay, or an engine that plans its own
-    memory, as vLLM does). `free_bytes`: what the device has (default: free now)."""
+    memory, as vLLM does). `free_bytes`: what the device has (default: free now); `master_float32`: a one-process
+    trainer that trains in float32 whatever the run's dtype (`join --master-float32`)."""
     cfg = model_config(spec)
     dtype = DTYPES[spec.model.dtype]
     free = host_or_gpu_free(device) if free_bytes is None else free_bytes
     if role == "trainer":
         p = parallel or {}
         world = p.get("dp", 1) * p.get("cp", 1)
-        return plan_trainer(cfg, dtype, device, free, TrainerConfig().micro_batch_tokens, LOGPROB_CHUNK_BYTES,
+        return plan_trainer(cfg, torch.float32 if master_float32 else dtype, device, free, TrainerConfig().micro_batch_tokens,
+                            LOGPROB_CHUNK_BYTES,
                             world=world, sharded=p.get("fsdp", True),
                             checkpointed=p.get("activation_checkpointing", False),
                             longest_row=cfg.max_position_embeddings)

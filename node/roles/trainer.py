@@ -83,14 +83,14 @@ def note_master_precision(model: torch.nn.Module, lr: float) -> str | None:
     """A warning (logged, and returned) when a one-process trainer's master weights are bf16 or fp16: AdamW's update
     (about lr an element) below half a step of that dtype vanishes in the rounding, so a run at an LLM learning rate
     keeps few of its updates (docs/shardcast.md: one step at lr 1e-6 changed 0.39% of SmolLM2's elements with a bf16
-    master, 2.9% with an fp32 one). The run's dtype decides it (float32 keeps an fp32 master; a world keeps one in
+    master, 2.9% with an fp32 one). The run's dtype decides it unless `join --master-float32` (a world keeps one in
     fp32 whatever the dtype: FSDP2's mixed precision)."""
     low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                   if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)})
     if not low:
         return None
     msg = (f"master weights in {', '.join(low)}: AdamW updates below half a {low[0]} step are lost in the rounding "
-           f"(lr {lr:g}); an fp32 master takes a run in float32, or a trainer world (FSDP2 keeps one)")
+           f"(lr {lr:g}); `join --master-float32` keeps a float32 master and publishes each version in the run's dtype")
     log.warning(msg)
     return msg
 
@@ -113,12 +113,19 @@ class UnitRejected(ProtocolError):
 class TrainerNode:
     def __init__(self, key: NodeKey, spec: RunSpec, bootstrap: str, workdir: Path, shardcast_port: int,
                  parallel: dict | None = None, host: str = "127.0.0.1", device: str = "cpu", store: Store | None = None,
-                 micro_batch_tokens: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY):
+                 micro_batch_tokens: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY,
+                 master_float32: bool = False):
         """`store`: the host's shardcast store (`join --store`; default WORKDIR/shardcast);
         `micro_batch_tokens`: padded tokens one forward/backward takes (the memory plan's, node/roles/memory.py;
         None: `TrainerConfig`'s default); `checkpoint_every`: steps between checkpoints, the last one always (0:
-        none)."""
+        none); `master_float32`: one process trains in float32 whatever the run's dtype and publishes each version
+        cast to it (`join --master-float32`; a world keeps a float32 master anyway)."""
         self.checkpoint_every = checkpoint_every
+        run_dtype = DTYPES[spec.model.dtype]
+        self.master = torch.float32 if master_float32 else run_dtype
+        """The dtype the one-process trainer's weights and AdamW states are kept in."""
+        self.published = run_dtype if self.master != run_dtype else None
+        """What each version is cast to as it is published (None: the weights' own dtype, the run's)."""
         self.key, self.spec, self.bootstrap, self.workdir = key, spec, bootstrap, workdir
         self.device = device
         """Where the trainer's model lives (`join --device`)."""
@@ -281,10 +288,10 @@ class TrainerNode:
         ckpt = self.workdir / "checkpoint"
         if (ckpt / "trainer.json").exists():
             trainer = Trainer.load(ckpt, self.cfg, run_model=model_config(self.spec), device=self.device,
-                                   dtype=DTYPES[self.spec.model.dtype])
+                                   dtype=self.master)
             log.info("resumed from checkpoint at step %d", trainer.step)
             return trainer
-        model = fresh_model(self.spec, self.device)
+        model = fresh_model(self.spec, self.device).to(self.master)  # checked in the run's dtype; float32 is exact
         warm = {"warmup_steps": 0, "warmup_greedy_reward": None}
         if self.recipe.warmup_target > 0:  # random initialisation only (a pretrained model is not re-taught)
             # a few seconds of a small model, with the CPU engine it measures greedy reward with, so on
@@ -328,7 +335,7 @@ class TrainerNode:
         if signed is None:
             publishing = await asyncio.to_thread(
                 publish_trainer_async, trainer, self.store, self.key, self.spec.run_id, v, v - 1 if v > 0 else None,
-                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4), self._published_form())
+                PublishOptions(keep_last=self.spec.max_off_policy_steps + 4), self._published_form(), self.published)
 
         async def announce() -> float:
             # announced once listed beside the trainer (roles sharing its store load it then), before the wire

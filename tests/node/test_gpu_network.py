@@ -241,5 +241,6 @@ def test_a_random_model_trains_at_an_llm_rl_rate_unless_told_otherwise():
     # a bf16 master's step at 1e-5 changes about what an fp32 master's at an LLM RL rate (1e-6) does
     assert RANDOM_MODEL_LR == {"float32": 1e-6, "bfloat16": 1e-5}
     assert filled(model="random:qwen3-moe-small", dtype="float32").lr == 1e-6
+    assert filled(master_float32=True).lr == 1e-6  # a bf16 run whose trainer keeps a float32 master
     assert filled(device="cpu").lr == PRETRAINED_LR and filled(model="tiny-moe").lr == PRETRAINED_LR
     assert filled(lr=3e-5).lr == 3e-5  # the operator's word wins

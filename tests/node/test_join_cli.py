@@ -124,7 +124,7 @@ def test_a_missing_malformed_or_other_coordinators_spec_is_one_line_and_exit_2(t
 def test_trainer_only_flags_are_refused_on_other_roles_before_anything_starts():
     from node.cli import main
 
-    for flag in (["--activation-checkpointing"], ["--dp", "2"]):
+    for flag in (["--activation-checkpointing"], ["--dp", "2"], ["--master-float32"]):
         with pytest.raises(SystemExit, match="apply to --role trainer only"):
             main(["join", "--role", "inference", "--bootstrap", "/ip4/127.0.0.1/tcp/1", *flag])
 

@@ -259,15 +259,17 @@ def publish_trainer(trainer, store: Store, key: NodeKey, run_id: str, version: i
 
 
 def publish_trainer_async(trainer, store: Store, key: NodeKey, run_id: str, version: int, parent: int | None,
-                          options: PublishOptions | None = None, fp8: FP8Mode = "off") -> Publishing:
+                          options: PublishOptions | None = None, fp8: FP8Mode = "off",
+                          dtype: torch.dtype | None = None) -> Publishing:
     """`publish_trainer` that returns once every tensor's copy out of the weights is issued: the next step
     may change the weights at once (on a GPU its kernels queue behind
     the copies on the same stream), while the version is encoded, signed and listed from the payload buffer
-    (the next publication waits for the buffer: `PayloadBuffer.get`)."""
+    (the next publication waits for the buffer: `PayloadBuffer.get`). `dtype`: a one-process trainer's version cast
+    to it as it is copied out (a float32 master of a bf16 run; a world publishes in its own run's dtype)."""
     if hasattr(trainer, "send_weights_async"):
         return trainer.send_weights_async(store, key, run_id, version, parent, options, fp8)
     buffer = _buffers.setdefault(trainer, PayloadBuffer())  # pinned once per trainer, not per version
-    return start_publish(trainer.model, None, store, key, run_id, version, parent, options, buffer, fp8=fp8)
+    return start_publish(trainer.model, None, store, key, run_id, version, parent, options, buffer, dtype=dtype, fp8=fp8)
 
 
 _buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
