@@ -4,7 +4,8 @@
     python -m benchmarks.gpu_network --reread DIR     # the figures again from a finished run's records
 
 Its defaults on a GPU are the RL-shaped workload: the 5.2B 8-layer Qwen3-30B-A3B shape in bf16, 32 prompts x 8
-samples a step, `reverse-text-long` (heavy-tailed completions up to 1,024 tokens), k = 1 and then k = 0.
+samples a step, `reverse-text-long` (heavy-tailed completions up to 1,024 tokens), k = 1 and then k = 0, the
+trainer's learning rate one whose step changes what an LLM RL step changes (`RANDOM_MODEL_LR`; since session 40).
 
 Each k in `--ks` is one run of `sim` (coordinator and relay on the CPU; trainer on GPU 0; inference
 nodes on the other GPUs with `builtin-cuda`; validator on the last GPU: node/sim_devices.py) with
@@ -15,7 +16,8 @@ and versions.jsonl, written by `join --trace-versions`):
 - trainer: the step period (`step_s`: between two publications), waiting for the batch (`wait_s`:
   generation, verification and queueing upstream), compute (`train_s`), then waiting for the previous
   version's announcement and the wire shards of the one before it (`publish_wait_s`), publication to its
-  announcement (`publish_s`) and its wire shards after (`wire_s`, beside the next version's publication);
+  announcement (`publish_s`) and its wire shards after (`wire_s`, beside the next version's publication); a
+  steady delta's size on the wire (`wire_mib_per_delta`, `raw_over_wire_delta`);
 - weight latency of version v: trainer step end -> the first rollout round on each inference node that
   sampled with v (the round's start, or when v was queued if the round was already running: the engine
   swaps between two decode steps), split into announce, fetch + verify, load, with the fetch's work in
@@ -26,6 +28,7 @@ and versions.jsonl, written by `join --trace-versions`):
 - generation tok/s (busy and wall), verification tok/s (the validator's recomputed prompt + completion
   tokens per second of judging), GPU busy share per GPU (nvidia-smi, sampled every 0.5 s); the inference
   engine's sequences advanced per step and its step time (`engine_seqs_decoding_mean`, `engine_step_ms`);
+- the validator's holds of new versions (`stalls`: `validator_hold_s`, `validator_holds_from_changes`);
 - steady state: from the start of the first step after `--warmup` to the last step's publication, nothing
   before or after it (the roles starting; the processes stopping); `--reread DIR` recomputes a finished run's
   figures from its records;
