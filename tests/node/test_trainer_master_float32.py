@@ -47,3 +47,17 @@ def test_a_float32_master_publishes_the_runs_bf16_and_keeps_what_a_bf16_master_l
     assert torch.equal(w16, theirs["lm_head.weight"])  # not one bf16 weight moved
     moved = _published(master, Store(tmp_path / "s1"), 1, role.published)["lm_head.weight"]
     assert moved.dtype == torch.bfloat16 and (moved != theirs["lm_head.weight"]).float().mean() > 0.9
+
+
+def test_a_float32_master_resumes_from_its_checkpoint_in_float32(tmp_path):
+    role = TrainerNode(KEY, SPEC, "", tmp_path / "w", 0, master_float32=True)
+    trainer = role._resumed_or_warmed_up()
+    with torch.no_grad():
+        trainer.model.lm_head.weight.add_(1e-6)  # below a bf16 step: only a float32 checkpoint keeps it
+    trainer.step = 3
+    trainer.save(tmp_path / "w" / "checkpoint")
+    again = TrainerNode(KEY, SPEC, "", tmp_path / "w", 0, master_float32=True)._resumed_or_warmed_up()
+    assert again.step == 3 and {p.dtype for p in again.model.parameters()} == {torch.float32}
+    assert torch.equal(again.model.lm_head.weight, trainer.model.lm_head.weight)
+    plain = TrainerNode(KEY, SPEC, "", tmp_path / "w", 0)._resumed_or_warmed_up()  # without it: the run's dtype
+    assert {p.dtype for p in plain.model.parameters()} == {torch.bfloat16}
