@@ -41,7 +41,10 @@ def test_one_inference_node_trains_end_to_end_through_every_role(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
     trace = [json.loads(x) for x in (tmp_path / "inference-0" / "versions.jsonl").read_text().splitlines()]
     assert trace and all(t["t_fetch"] <= t["t_fetched"] <= t["t_queued"] for t in trace)  # sim's nodes run with --trace-versions
-    assert not (tmp_path / "validator" / "versions.jsonl").exists()
+    # the validator's file holds its holds (since session 40): each version once, in order, its fetch and hold timed
+    held = [json.loads(x) for x in (tmp_path / "validator" / "versions.jsonl").read_text().splitlines()]
+    assert held and held[0]["version"] == 0 and [h["version"] for h in held] == sorted({h["version"] for h in held})
+    assert all(h["fetch_s"] >= 0 and h["hold_s"] >= 0 and "changed_bytes" in h for h in held)
     rounds = [json.loads(x) for x in (tmp_path / "inference-0" / "rounds.jsonl").read_text().splitlines()]
     # activity rows (one a second of engine work): a second in which no rollout finished counts no tokens
     assert sum(r["groups"] for r in rounds) >= 4 * 8 and all(r["t0"] <= r["t1"] for r in rounds)
