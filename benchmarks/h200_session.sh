@@ -17,7 +17,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   # TEST_FILES replaces the default set; GPU_TESTS adds to it
   timeout 300 python3 -m pytest -q -ra -p no:cacheprovider ${TEST_FILES:-tests/verification/test_judging_on_device.py \
     tests/engine/test_cuda_engine_gpu.py tests/engine/test_memory_plan.py tests/verification/test_cross_device.py \
-    tests/engine/test_sparse_delta.py tests/verification/test_mixed_many.py tests/verification/test_measure_rows.py} \
+    tests/engine/test_sparse_delta.py tests/verification/test_mixed_many.py tests/verification/test_measure_rows.py \
+    tests/node/test_resident_policy_delta.py} \
     ${GPU_TESTS:-} > $X/gpu_tests.log 2>&1; echo "gpu tests rc=$?"; tail -3 $X/gpu_tests.log
 fi
 if [ "${FIXTURE:-1}" = 1 ]; then

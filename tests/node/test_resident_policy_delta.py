@@ -56,9 +56,9 @@ def _fetched(tmp_path, fp8: str, published: str, versions: int, one_host: bool =
     return model.config, fetch_all(trainer, Store(tmp_path / "validator"), KEY, fp8, list(range(versions)))
 
 
-def _resident(cfg: ModelConfig, state, fp8: str) -> ResidentPolicies:
+def _resident(cfg: ModelConfig, state, fp8: str, device: str = "cpu") -> ResidentPolicies:
     """A validator's resident model holding version 0, read in by the validator's own path (FP8 modules too)."""
-    model = apply_fp8_mode(CausalLM(cfg), fp8).eval()
+    model = apply_fp8_mode(CausalLM(cfg), fp8).eval().to(device)
     first = ResidentPolicies(model, -1, b"\1" * 32)  # the model's random weights as a version before 0
     first.commit(first.prepare(0, whole(state), b"\0" * 32))
     return ResidentPolicies(model, 0, b"\0" * 32)
@@ -79,6 +79,15 @@ def test_a_delta_of_the_newest_version_is_prepared_from_its_changed_bytes_and_eq
     _prepared_from_changes_as_whole_reads(cfg, got, fp8)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the validator's model on a GPU")
+@pytest.mark.parametrize("fp8,published", [("off", "off"), ("all", "all")])
+def test_on_a_gpu_a_version_listed_beside_the_validator_is_prepared_from_its_changed_bytes(tmp_path, fp8, published):
+    # the one-host network's path on its device: the step built on the GPU from the compared payloads, the whole
+    # read through the pinned ring, both to the same bits
+    cfg, got = _fetched(tmp_path, fp8, published, 4, one_host=True)
+    _prepared_from_changes_as_whole_reads(cfg, got, fp8, "cuda")
+
+
 def test_on_the_trainers_host_a_version_has_no_changed_bytes_unless_asked_against_a_held_one(tmp_path):
     _, got = _fetched(tmp_path, "off", "off", 3, one_host=True)
     assert got[0].changes is None and all(got[v].changes.parent == v - 1 for v in (1, 2))
@@ -90,8 +99,8 @@ def test_on_the_trainers_host_a_version_has_no_changed_bytes_unless_asked_agains
     assert fetch_all(host, host, KEY, "off", [2], lambda v: 7)[2].changes is None  # a version the store lacks
 
 
-def _prepared_from_changes_as_whole_reads(cfg: ModelConfig, got: dict, fp8: str) -> None:
-    sparse, full = _resident(cfg, got[0], fp8), _resident(cfg, got[0], fp8)
+def _prepared_from_changes_as_whole_reads(cfg: ModelConfig, got: dict, fp8: str, device: str = "cpu") -> None:
+    sparse, full = _resident(cfg, got[0], fp8, device), _resident(cfg, got[0], fp8, device)
     assert _bits(sparse.model) == _bits(full.model)
     snapshots = {0: _bits(full.model)}
     for v in (1, 2, 3):
