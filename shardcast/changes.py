@@ -54,6 +54,36 @@ def shard_changes(start: int, out: np.ndarray, parent_raw: np.ndarray) -> tuple[
     return at + start, out[at]
 
 
+class ChangeTally:
+    """The changed bytes of a version's shards as threads find them, kept while their total stays within
+    `CHANGES_UP_TO` of the version's `total_bytes`; past it, none (`over`, and `changes` gives None)."""
+
+    def __init__(self, total_bytes: int):
+        self._left = int(total_bytes * CHANGES_UP_TO)
+        self._per_shard: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def over(self) -> bool:
+        """Whether more than the limit changed (a thread may skip what is left)."""
+        return self._left < 0
+
+    def compare(self, i: int, start: int, out: np.ndarray, parent_raw: np.ndarray) -> None:
+        """Shard `i` (its first byte at payload offset `start`): `out`'s bytes against its parent's. Each shard once."""
+        if self.over:
+            return
+        kept = shard_changes(start, out, parent_raw)
+        with self._lock:
+            self._left -= len(kept[0])
+            if self.over:
+                self._per_shard.clear()  # too many: the consumer copies the version whole
+            else:
+                self._per_shard[i] = kept
+
+    def changes(self, parent: int, tensors: list) -> ChangedBytes | None:
+        return None if self.over else ChangedBytes.of(parent, tensors, self._per_shard)
+
+
 def payload_changes(parent: int, tensors: list, old: np.ndarray, new: np.ndarray, shard_size: int,
                     threads: int = 8) -> ChangedBytes | None:
     """`new`'s bytes against `old`'s (two verified payloads of one layout, `tensors`), as `ChangedBytes` of
@@ -63,19 +93,13 @@ def payload_changes(parent: int, tensors: list, old: np.ndarray, new: np.ndarray
     writes what changed instead of reading the version whole, as it would after decoding it as a delta here."""
     if len(old) != len(new):
         return None
-    budget, lock = [int(len(new) * CHANGES_UP_TO)], threading.Lock()
-    per_shard: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    tally = ChangeTally(len(new))
 
     def one(i: int) -> None:
-        if budget[0] < 0:
-            return
         a, b = i * shard_size, min((i + 1) * shard_size, len(new))
-        kept = shard_changes(a, np.asarray(new[a:b]), np.asarray(old[a:b]))
-        with lock:
-            budget[0] -= len(kept[0])
-            if budget[0] >= 0:
-                per_shard[i] = kept
+        if not tally.over:
+            tally.compare(i, a, np.asarray(new[a:b]), np.asarray(old[a:b]))
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         list(pool.map(one, range(-(-len(new) // shard_size))))
-    return ChangedBytes.of(parent, tensors, per_shard) if budget[0] >= 0 else None
+    return tally.changes(parent, tensors)

@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -24,7 +23,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from shardcast.changes import CHANGES_UP_TO, ChangedBytes, payload_changes, shard_changes
+from shardcast.changes import CHANGES_UP_TO, ChangedBytes, ChangeTally, payload_changes
 from shardcast.codec import PayloadView, TensorBytes, check_wire, decode_shard, dtype_of, view_of
 from shardcast.download import download_shard, outcome_of
 from shardcast.errors import (CorruptShard, FetchFailed, InvalidManifest, InvalidSignature, ShardcastError, SourceUnavailable,
@@ -301,9 +300,7 @@ class Fetcher:
         max_raw = max((e.raw_size for e in m.shards), default=0)
         max_wire = max((e.wire_size for e in m.shards), default=0)
         t_start, spent = time.perf_counter(), Counter()  # Counter updates of distinct keys: fine under the GIL
-        changed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        budget = [int(m.total_bytes * CHANGES_UP_TO)]  # changed bytes still kept (< 0: too many, none kept)
-        changed_lock = threading.Lock()  # the decoding threads'
+        tally = ChangeTally(m.total_bytes)  # the delta's changed bytes, as the decoding threads find them
 
         def verify_into_payload(i: int, wire: bytes | memoryview, scratch: np.ndarray) -> None:
             # Both hashes pass before the decoded range is written. Decoded into `scratch` (reused,
@@ -316,23 +313,12 @@ class Fetcher:
             parent_raw = None if parent is None else np.asarray(parent[start : start + e.raw_size])
             decode_shard(e, wire, out, parent_raw)
             if parent_raw is not None:
-                keep_changes(i, start, out, parent_raw)
+                tally.compare(i, start, out, parent_raw)  # each shard is decoded once (its raw hash checked before)
             t2 = time.perf_counter()
             payload.write(start, out)
             spent["verify_s"] += t1 - t0
             spent["decode_s"] += t2 - t1
             spent["write_s"] += time.perf_counter() - t2
-
-        def keep_changes(i: int, start: int, out: np.ndarray, parent_raw: np.ndarray) -> None:
-            if budget[0] < 0:
-                return
-            kept = shard_changes(start, out, parent_raw)
-            with changed_lock:
-                budget[0] -= len(kept[0])  # each shard is decoded once (its raw hash is checked before this)
-                if budget[0] < 0:
-                    changed.clear()  # too many: the consumer copies the version whole
-                else:
-                    changed[i] = kept
 
         def accept(i: int, wire: memoryview, scratch: np.ndarray) -> None:
             verify_into_payload(i, wire, scratch)
@@ -426,7 +412,7 @@ class Fetcher:
                  ", ".join(f"{s.url}={s.bytes_received / 2**20:.0f}MiB" for s in self.pool.sources))
         stages = {k: round(v, 4) for k, v in spent.items()}
         stages["wall_s"] = round(time.perf_counter() - t_start, 4)
-        changes = None if parent is None or budget[0] < 0 else ChangedBytes.of(m.parent, m.tensors, changed)
+        changes = None if parent is None else tally.changes(m.parent, m.tensors)
         return FetchedVersion(m, verified, downloaded, stages, files=self.store.payload_files(m), changes=changes)
 
 def _check_announced(m: Manifest, manifest_hash: str | None) -> None:

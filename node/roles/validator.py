@@ -212,9 +212,10 @@ class ValidatorNode:
         async with self._hold_order:
             t_hold = time.monotonic()
             prepared = await self._hold(version, state, bytes.fromhex(self.hashes[version]), local)
+        hold_s = time.monotonic() - t_fetched
         log.info("version %d: fetched in %.2f s, held %.2f s after (%.2f s behind other holds)", version,
-                 t_fetched - t0, time.monotonic() - t_fetched, t_hold - t_fetched)
-        row = {"t_held": time.time(), "fetch_s": t_fetched - t0, "hold_s": time.monotonic() - t_fetched,
+                 t_fetched - t0, hold_s, t_hold - t_fetched)
+        row = {"t_held": time.time(), "fetch_s": t_fetched - t0, "hold_s": hold_s,
                "behind_s": t_hold - t_fetched, "prepare_s": None if prepared is None else prepared.prepare_s,
                "changed_bytes": None if prepared is None else prepared.changed_bytes}
         for hook in self.on_held:
