@@ -356,6 +356,11 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
     stepped = [(_inside(r, window), r) for i in range(nodes) for r in _jsonl(out / f"inference-{i}" / "rounds.jsonl")
                if "steps" in r]
     n_steps = sum(share * r["steps"] for share, r in stepped)
+    # each role's rate per trained token while it worked (the completions the validator judged, since session 41;
+    # the trainer's update): what `summarise`'s serial ceiling adds up
+    judged = [(_inside(r, window), r) for r in _jsonl(out / "validator" / "rounds.jsonl") if "completion_tokens" in r]
+    judged_tokens = sum(share * r["completion_tokens"] for share, r in judged)
+    updated = [r for r in steady if r.get("update_s")]
     return {
         "steps": len(rows), "steady_steps": len(steady), "steady_window_s": round(steady_wall, 1),
         "step_s": med([r["period_s"] for r in steady]), "step_latency_s": med([r["step_s"] for r in steady]),
@@ -382,6 +387,10 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         if n_steps else None,
         "engine_step_ms": round(1000 * sum(share * r["busy_s"] for share, r in stepped) / n_steps, 2) if n_steps else None,
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
+        "verify_completion_tok_s_busy": round(judged_tokens / sum(share * r["verify_s"] for share, r in judged), 1)
+        if judged_tokens else None,
+        "train_tok_s_busy": round(sum(r["tokens"] for r in updated) / sum(r["update_s"] for r in updated), 1)
+        if updated else None,
         "trained_tok_s": round(sum(r["tokens"] for r in steady) / sum(r["period_s"] for r in steady), 1) if steady else None,
         "reward_per_step": [round(r["reward_mean"], 4) for r in rows],
         "reward_mean_steady": round(statistics.mean(r["reward_mean"] for r in steady), 4) if steady else None,
@@ -552,6 +561,7 @@ def summarise(header: dict, runs: list[dict], alone: dict) -> dict:
         "trained_tok_s": last["trained_tok_s"], **alone,
         "trained_over_engine_alone": round(last["trained_tok_s"] / alone["engine_alone_tok_s"], 3)
         if alone.get("engine_alone_tok_s") and last["trained_tok_s"] else None,
+        **serial_ceiling(last, alone.get("engine_alone_tok_s")),
         "weight_latency_max_s": last["weight_latency_max_s"], "weight_latency_stages_s": last["weight_latency_stages_s"],
         "store_disk": last["store_disk"],
         "rollouts_rejected": sum(r["rollouts_rejected"] or 0 for r in runs),
@@ -562,6 +572,22 @@ def summarise(header: dict, runs: list[dict], alone: dict) -> dict:
         "fastest_k": best["k"], "load_avg": header.get("load_avg", os.getloadavg()[0]),
         "runs": [{key: v for key, v in r.items() if not key.startswith("_")} for r in runs],
     }
+
+
+def serial_ceiling(run: dict, alone_tok_s: float | None) -> dict:
+    """What one GPU could train if its roles' work ran back to back with no gap: per trained token, generating it at
+    the engine alone's rate, judging it at the validator's rate while it worked in this run (its completion tokens
+    per second of recomputation) and training on it at the trainer's (tokens per second of update). The rates in the
+    run are measured beside the other roles (time slices of one GPU), so this is the ceiling of the work as it ran,
+    not of the hardware: `trained_over_engine_alone` cannot pass `serial_ceiling_over_engine_alone` without the roles'
+    kernels overlapping or getting faster, and `trained_over_serial_ceiling` is the share of it the network reached
+    (the rest: the GPU idle)."""
+    rates = (alone_tok_s, run.get("verify_completion_tok_s_busy"), run.get("train_tok_s_busy"))
+    if not all(rates):
+        return {"serial_ceiling_tok_s": None}
+    ceiling = 1.0 / sum(1.0 / r for r in rates)
+    return {"serial_ceiling_tok_s": round(ceiling, 1), "serial_ceiling_over_engine_alone": round(ceiling / rates[0], 3),
+            "trained_over_serial_ceiling": round(run["trained_tok_s"] / ceiling, 3) if run.get("trained_tok_s") else None}
 
 
 def report(out: Path, result: dict, runs: list[dict]) -> None:

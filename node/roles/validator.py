@@ -94,11 +94,12 @@ class ValidatorNode:
         """The versions this validator can judge (None until the first is fetched)."""
         self.judged = self.rejected = 0
         self.on_round: list = []
-        """Hooks told each judging round ({t0, t1, units, tokens, verify_s, turn_wait_s, versions, mixed, alone, gc_s,
-        gc_full}: tokens recomputed, seconds spent recomputing them (without fetching versions; since session 22
-        without waiting for the model either), seconds the round waited for its turn on the model, the policy
-        versions its claims name, claims of more than one version, whether it had the model alone (it switched
-        versions), the garbage collector's seconds and full passes inside the round); node/version_trace.py."""
+        """Hooks told each judging round ({t0, t1, units, tokens, completion_tokens, verify_s, turn_wait_s, versions,
+        mixed, alone, gc_s, gc_full}: tokens recomputed (prompts' and completions'), of them the completions', seconds
+        spent recomputing them (without fetching versions; since session 22 without waiting for the model either),
+        seconds the round waited for its turn on the model, the policy versions its claims name, claims of more than one
+        version, whether it had the model alone (it switched versions), the garbage collector's seconds and full passes
+        inside the round); node/version_trace.py."""
         self.on_held: list = []
         """Hooks told (version, {t_held, fetch_s, hold_s, behind_s, prepare_s, changed_bytes}) once a version is held:
         when (Unix seconds), its fetch, the hold after it, of which waiting behind other holds, and for one prepared
@@ -109,6 +110,7 @@ class ValidatorNode:
         validator (`--trace-versions`) appends them to WORKDIR/evidence.jsonl, which `benchmarks.pooled_calibration`
         reads."""
         self._round_tokens, self._round_verify_s, self._round_turn_wait_s = 0, 0.0, 0.0
+        self._round_completion_tokens = 0
         self._round_shape = {"versions": 0, "mixed": 0, "alone": False}
         self._collections = Collections()
         """The collector's seconds and full passes, counted while `run` runs (a round's row says its share)."""
@@ -138,7 +140,8 @@ class ValidatorNode:
                 verdicts = await self._judge(items)
                 for hook in self.on_round if verdicts else ():
                     hook({"t0": t0, "t1": time.time(), "units": len(verdicts), "tokens": self._round_tokens,
-                          "verify_s": self._round_verify_s, "turn_wait_s": self._round_turn_wait_s,
+                          "completion_tokens": self._round_completion_tokens, "verify_s": self._round_verify_s,
+                          "turn_wait_s": self._round_turn_wait_s,
                           **self._round_shape, "gc_s": self._collections.seconds - gc_s,
                           "gc_full": self._collections.full - gc_full})
                 if not verdicts:  # nothing judgeable yet (a version being held, or not fetchable): do not spin
@@ -336,6 +339,7 @@ class ValidatorNode:
                 claims.pop(item.work_id, None)
         flat = [(wid, c) for wid, cs in claims.items() for c in cs]
         self._round_tokens = sum(len(c.prompt_ids) + len(c.token_ids) for _, c in flat)
+        self._round_completion_tokens = sum(len(c.token_ids) for _, c in flat)
         self._round_verify_s = self._round_turn_wait_s = 0.0
         self._round_shape = {"versions": 0, "mixed": 0, "alone": False}  # nothing recomputed: no shape
         if flat:
