@@ -386,6 +386,10 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         "engine_seqs_decoding_mean": round(sum(share * r["decoding"] for share, r in stepped) / n_steps, 1)
         if n_steps else None,
         "engine_step_ms": round(1000 * sum(share * r["busy_s"] for share, r in stepped) / n_steps, 2) if n_steps else None,
+        # of a step, the engine thread's CPU time (rows since session 41): the rest it waited, on the GPU the roles
+        # share or for its process's interpreter lock
+        "engine_step_cpu_ms": round(1000 * sum(share * r["cpu_s"] for share, r in stepped if "cpu_s" in r) / n_steps, 2)
+        if n_steps and all("cpu_s" in r for _, r in stepped) else None,
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
         "verify_completion_tok_s_busy": round(judged_tokens / sum(share * r["verify_s"] for share, r in judged), 1)
         if judged_tokens else None,
@@ -455,7 +459,8 @@ def engine_alone(args, model_run: dict, out: Path) -> dict:
             # per step, as the network's `engine_seqs_decoding_mean` / `engine_step_ms` (the loop does nothing but
             # step: its wall is the seconds inside `Episodes.step`, what the role's busy seconds count)
             "engine_alone_seqs_decoding_mean": round(tally["decoding"] / tally["steps"], 1) if tally.get("steps") else None,
-            "engine_alone_step_ms": round(1000 * wall / tally["steps"], 2) if tally.get("steps") else None}
+            "engine_alone_step_ms": round(1000 * wall / tally["steps"], 2) if tally.get("steps") else None,
+            "engine_alone_step_cpu_ms": round(1000 * tally["cpu_s"] / tally["steps"], 2) if tally.get("steps") else None}
 
 
 def _hf_state(spec) -> dict:

@@ -7,6 +7,7 @@ decoding; new episodes join between any two steps (`Episodes`). Tool tokens are 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -125,13 +126,17 @@ class Episodes:
 def run_episodes(engine: Engine, env: Environment, tokenizer: Tokenizer,
                  episodes: list[tuple[str, Task, SamplingParams]], tally: dict | None = None) -> list[Rollout]:
     """Play every (episode_id, task, params) to the end; results in input order. `tally`, when given, gets the
-    engine's `steps` and the sequences they advanced (`decoding`), as the inference role counts them."""
+    engine's `steps`, the sequences they advanced (`decoding`) and the thread's CPU seconds inside them (`cpu_s`), as
+    the inference role counts them."""
     running = Episodes(engine, env, tokenizer)
     for episode_id, task, params in episodes:
         running.add(episode_id, task, params)
     done: dict[str, Rollout] = {}
     while engine.has_work():
+        cpu = time.thread_time()
         finished = running.step()
+        if tally is not None:
+            tally["cpu_s"] = tally.get("cpu_s", 0.0) + time.thread_time() - cpu
         for rollout in finished:
             done[rollout.episode_id] = rollout
         if tally is not None:

@@ -353,8 +353,9 @@ class InferenceNode:
                       failed: asyncio.Future) -> None:
         """The engine's thread: admit leased groups between steps, step while anything runs, hand each
         finished group back to the event loop; every second, one activity row for `on_round` hooks
-        ({t0, t1, groups, tokens, versions, busy_s, started, in_flight_max, steps, decoding}: `busy_s` the seconds
-        inside engine steps, `started` when each new policy version first sampled, `in_flight_max` the most leased
+        ({t0, t1, groups, tokens, versions, busy_s, cpu_s, started, in_flight_max, steps, decoding}: `busy_s` the
+        seconds inside engine steps, `cpu_s` of them the thread's CPU time (the rest it waited: on the GPU, or for
+        the interpreter's lock while the role's other threads ran), `started` when each new policy version first sampled, `in_flight_max` the most leased
         groups in the engine at once, `steps` the engine steps, `decoding` the sequences they advanced, summed:
         a group stays leased until its longest member ends, so its finished members decode nothing)."""
         groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
@@ -378,9 +379,10 @@ class InferenceNode:
                         grants = None
                 row.in_flight_max = max(row.in_flight_max, len(groups))
                 if self.engine.has_work():
-                    t = time.time()
+                    t, cpu = time.time(), time.thread_time()
                     finished = groups.episodes.step()
                     row.busy_s += time.time() - t
+                    row.cpu_s += time.thread_time() - cpu
                     row.steps += 1
                     row.decoding += groups.episodes.advanced(finished)
                     version = getattr(self.engine, "version", None)
@@ -468,7 +470,7 @@ class _ActivityRow:
     """The engine thread's tally over about a second of work (one `on_round` row)."""
 
     def __init__(self, t0: float):
-        self.t0, self.busy_s, self.groups, self.tokens = t0, 0.0, 0, 0
+        self.t0, self.busy_s, self.cpu_s, self.groups, self.tokens = t0, 0.0, 0.0, 0, 0
         self.in_flight_max = self.steps = self.decoding = 0
         self.versions: set[int] = set()
         self.started: dict[int, float] = {}
@@ -480,6 +482,6 @@ class _ActivityRow:
 
     def as_dict(self, t1: float) -> dict:
         return {"t0": self.t0, "t1": t1, "groups": self.groups, "tokens": self.tokens,
-                "versions": sorted(self.versions), "busy_s": self.busy_s,
+                "versions": sorted(self.versions), "busy_s": self.busy_s, "cpu_s": self.cpu_s,
                 "started": {str(v): t for v, t in self.started.items()}, "in_flight_max": self.in_flight_max,
                 "steps": self.steps, "decoding": self.decoding}

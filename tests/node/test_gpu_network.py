@@ -67,7 +67,7 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         assert run["node_seqs_in_flight"]["max"] >= run["node_seqs_in_flight"]["p50"] > 0
         # the engine's steps: sequences advanced per step (at most its leased groups' members) and a step's time
         assert 0 < run["engine_seqs_decoding_mean"] <= run["node_seqs_in_flight"]["max"]
-        assert run["engine_step_ms"] > 0
+        assert run["engine_step_ms"] > 0 and 0 < run["engine_step_cpu_ms"] <= run["engine_step_ms"] * 1.05
         assert run["stalls"]["validator_turn_wait_max_s"] >= 0
         assert run["max_off_policy_seen"] <= run["k"]
         # the weight path's stages as the roles recorded them, and one store for the host (sim shares it)
@@ -86,7 +86,7 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     # the role's engine alone on the same workload, the bound the network's generation is held against
     assert result["engine_alone_tok_s"] > 0 and result["engine_alone_rollouts"] == 2 * 4 * 2
     assert 0 < result["engine_alone_seqs_decoding_mean"] <= result["engine_alone_slots"]
-    assert result["engine_alone_step_ms"] > 0
+    assert result["engine_alone_step_ms"] > 0 and 0 < result["engine_alone_step_cpu_ms"] <= result["engine_alone_step_ms"] * 1.05
     assert result["trained_over_engine_alone"] > 0 and result["gpu_busy_share"] is None  # no nvidia-smi here
     # each role's rate per trained token while it worked, and what they allow back to back
     last = result["runs"][-1]
