@@ -386,8 +386,8 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         "engine_seqs_decoding_mean": round(sum(share * r["decoding"] for share, r in stepped) / n_steps, 1)
         if n_steps else None,
         "engine_step_ms": round(1000 * sum(share * r["busy_s"] for share, r in stepped) / n_steps, 2) if n_steps else None,
-        # of a step, the engine thread's CPU time (rows since session 41): the rest it waited, on the GPU the roles
-        # share or for its process's interpreter lock
+        # of a step, the engine thread's CPU time (rows since session 41): the rest it waited for its process's
+        # interpreter lock or for a core (a CUDA synchronisation spins: waiting on the GPU counts as CPU time)
         "engine_step_cpu_ms": round(1000 * sum(share * r["cpu_s"] for share, r in stepped if "cpu_s" in r) / n_steps, 2)
         if n_steps and all("cpu_s" in r for _, r in stepped) else None,
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,

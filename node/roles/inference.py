@@ -354,8 +354,9 @@ class InferenceNode:
         """The engine's thread: admit leased groups between steps, step while anything runs, hand each
         finished group back to the event loop; every second, one activity row for `on_round` hooks
         ({t0, t1, groups, tokens, versions, busy_s, cpu_s, started, in_flight_max, steps, decoding}: `busy_s` the
-        seconds inside engine steps, `cpu_s` of them the thread's CPU time (the rest it waited: on the GPU, or for
-        the interpreter's lock while the role's other threads ran), `started` when each new policy version first sampled, `in_flight_max` the most leased
+        seconds inside engine steps, `cpu_s` of them the thread's CPU time (the rest it waited for the interpreter's
+        lock while the role's other threads ran, or for a core; a CUDA synchronisation spins, so a wait on the GPU
+        counts as CPU time), `started` when each new policy version first sampled, `in_flight_max` the most leased
         groups in the engine at once, `steps` the engine steps, `decoding` the sequences they advanced, summed:
         a group stays leased until its longest member ends, so its finished members decode nothing)."""
         groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
