@@ -139,6 +139,15 @@ k = 2 and 1; the traced validator's evidence, `network_evidence-5b-long-k*-h200-
 submissions of 8 up to 1,230 positions, judged at these bounds: 0 rejected, the nearest 0.77 of a bound. They set
 no centre or width (each lies inside those set by the harness's evidence): only the length they hold to."""
 
+NETWORK_SMALL_FP8_ALL = 339
+"""FP8 all's at the 0.52B network's shape: that network's own rollouts on an H100 (session 41, `benchmarks.gpu_network
+--fp8 all`, versions in their served form, k = 2; the traced validator's evidence,
+`network_evidence-small-fp8-served-k2-h100-s41.jsonl.gz`), 265 honest submissions of 8 up to 339 positions, judged by
+the shape's bounds: 0 rejected, the nearest 0.55 of a bound. They set no centre or width: calibrated with them, their
+longer claims' wider per-chunk spread (mantissa 0.46 ulps against 0.24-0.31 in the harness's 64-position ones) would
+widen the shape's widths by half and halve what they catch of one layer 1% off (0.94 -> 0.47 of its submissions), for
+submissions that pass the narrower bounds already; they say only how long a sequence those bounds hold to."""
+
 POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
     # Honest drift grows with depth: `POOLED`'s centres come from the 48-layer shape, so at 8 layers a submission
     # tampered with by 1% of one layer's weights' std sat below them (issue 26: 1 of 32 caught in bf16, 0 in FP8;
@@ -162,12 +171,13 @@ POOLED_BY_SHAPE: dict[str, dict[str, PooledThresholds]] = {
                                                  PooledBound(0.00805, 0.0248), LONG_8L),
     },
     # The 0.52B network's model (`random:qwen3-moe-small`: 8 layers, hidden 1024, 32 experts): 1x H200 (torch 2.11
-    # cu130), decode batches 4, 64 and 256 (`pooled_evidence-h200.jsonl.gz`, the evidence `POOLED` also came from).
+    # cu130), decode batches 4, 64 and 256 (`pooled_evidence-h200.jsonl.gz`, the evidence `POOLED` also came from);
+    # FP8 all's held to the network's lengths by its own evidence (`NETWORK_SMALL_FP8_ALL`).
     "qwen3_moe:layers=8:hidden=1024:experts=32x512:top=4": {
         "bfloat16": PooledThresholds(PooledBound(2.30, 4.49), PooledBound(0.597, 0.295), PooledBound(0.00446, 0.0124),
                                      SHORT),
         "fp8-all-bfloat16": PooledThresholds(PooledBound(8.95, 9.91), PooledBound(2.60, 1.23),
-                                             PooledBound(0.0239, 0.0648), SHORT),
+                                             PooledBound(0.0239, 0.0648), NETWORK_SMALL_FP8_ALL),
         "fp8-experts-bfloat16": PooledThresholds(PooledBound(3.59, 5.63), PooledBound(0.968, 0.380),
                                                  PooledBound(0.00685, 0.0178), SHORT),
     },

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from verification.pooled import (LONG_8L, MIN_CHUNKS, NETWORK_8L_BF16, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Evidence, PooledBound,
+from verification.pooled import (LONG_8L, MIN_CHUNKS, NETWORK_8L_BF16, NETWORK_SMALL_FP8_ALL, SHORT, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Evidence, PooledBound,
                                  bounds_for, check_pooled, shape_of)
 from verification.reasons import Reason, Severity
 
@@ -109,6 +109,34 @@ def test_the_5b_networks_own_honest_submissions_pass_the_shapes_bounds_at_every_
     for ev in units.values():
         assert bounds_for("bfloat16", SHAPE_8L, ev.positions) is own
         assert check_pooled(ev, "bfloat16", 8, shape=SHAPE_8L) is None
+
+
+def test_the_small_networks_own_fp8_submissions_pass_the_shapes_bounds_at_every_length_they_reached():
+    """Session 41's 0.52B network on an H100 (FP8 all, served form, k = 2; the traced validator's evidence): each work
+    unit judged as the validator judges it, by the shape's own bounds, which hold up to its longest sequence; one
+    position longer, the precision's."""
+    from benchmarks.pooled_calibration import read
+
+    shape = "qwen3_moe:layers=8:hidden=1024:experts=32x512:top=4"
+    rows = read([Path(__file__).parents[2] / "benchmarks/results/network_evidence-small-fp8-served-k2-h100-s41.jsonl.gz"])
+    units: dict[tuple, Evidence] = {}
+    for r in rows:
+        assert r["passed_alone"] and r["precision"] == "fp8-all-bfloat16" and r["shape"] == shape
+        units.setdefault((r["work_id"], r["submitter"]), Evidence()).add(
+            Evidence(**{k: r[k] for k in ("chunks", "exp_mismatches", "mant_err", "tokens", "logprob_err",
+                                          "positions")}))
+    assert len(units) > 250
+    assert SHORT < max(ev.positions for ev in units.values()) == NETWORK_SMALL_FP8_ALL
+    own = POOLED_BY_SHAPE[shape]["fp8-all-bfloat16"]
+    assert bounds_for("fp8-all-bfloat16", shape, NETWORK_SMALL_FP8_ALL + 1) is POOLED["fp8-all-bfloat16"]
+    for ev in units.values():
+        assert bounds_for("fp8-all-bfloat16", shape, ev.positions) is own
+        assert check_pooled(ev, "fp8-all-bfloat16", 8, shape=shape) is None
+    # and they still fail the longest unit with its mantissa error at twice the bound's centre
+    tampered = max(units.values(), key=lambda ev: ev.chunks)
+    tampered = Evidence(tampered.chunks, tampered.exp_mismatches, tampered.chunks * 2.0 * own.mant_err_mean.centre,
+                        tampered.tokens, tampered.logprob_err, tampered.positions)
+    assert check_pooled(tampered, "fp8-all-bfloat16", 8, shape=shape) is not None
 
 
 def test_the_shape_bounds_in_force_are_their_record_rounded_up():
