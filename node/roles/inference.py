@@ -73,10 +73,11 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
 SWITCH_INTERVAL_S = 0.0005
 """The inference role's interpreter switch interval (Python's default: 5 ms). The engine's thread lets go of the
 interpreter's lock at every CUDA call that may wait; while the role's event loop runs Python (libp2p, submissions,
-leases), the engine gets the lock back only when the loop's thread is made to drop it, after this interval: a probe
-on cpu-2core (a thread waiting 0.3 ms then running 0.1 ms of Python, beside a pure-Python thread) stepped in 5.6 ms
-at 5 ms and 1.09 ms at 0.5 ms (0.44 ms alone); session 41's 0.52B network, 1x H100: the engine's step 28.2 ms, of
-which its thread ran 17.7 ms. `PRIMERL_SWITCH_INTERVAL_S` sets another (the A/B's peer: 0.005)."""
+leases), the engine gets the lock back only when the loop's thread is made to drop it, after this interval:
+`python -m benchmarks.gil_switch` (a stand-in step waiting 0.3 ms then running 0.1 ms of Python, beside a pure-Python
+thread; cpu-2core) stepped in 5.55 ms at 5 ms and 1.09 ms at 0.5 ms (0.42 ms alone). Session 41's 0.52B network on
+an H100 (at 5 ms): the engine's step 28.2 ms, of which its thread ran 17.7 ms. `PRIMERL_SWITCH_INTERVAL_S` sets
+another (the A/B's peer: 0.005)."""
 
 
 class InferenceNode:
