@@ -67,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for ms in (float(x) for x in args.intervals_ms.split(",")):
             sys.setswitchinterval(ms / 1000)
-            rows[f"{ms:g}"] = {"alone_ms": round(step_ms(args.steps, args.wait_ms / 1000, args.work_iters, False), 3),
-                               "beside_python_ms": round(step_ms(args.steps, args.wait_ms / 1000, args.work_iters, True),
-                                                         3)}
+            rows[f"{ms:g}"] = {which: round(step_ms(args.steps, args.wait_ms / 1000, args.work_iters, beside), 3)
+                               for which, beside in (("alone_ms", False), ("beside_python_ms", True))}
     finally:
         sys.setswitchinterval(default)
     base = rows.get("5", {}).get("beside_python_ms")

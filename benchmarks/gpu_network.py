@@ -388,7 +388,7 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         "engine_step_ms": round(1000 * sum(share * r["busy_s"] for share, r in stepped) / n_steps, 2) if n_steps else None,
         # of a step, the engine thread's CPU time (rows since session 41): the rest it waited for its process's
         # interpreter lock or for a core (a CUDA synchronisation spins: waiting on the GPU counts as CPU time)
-        "engine_step_cpu_ms": round(1000 * sum(share * r["cpu_s"] for share, r in stepped if "cpu_s" in r) / n_steps, 2)
+        "engine_step_cpu_ms": round(1000 * sum(share * r["cpu_s"] for share, r in stepped) / n_steps, 2)
         if n_steps and all("cpu_s" in r for _, r in stepped) else None,
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
         "verify_completion_tok_s_busy": round(judged_tokens / sum(share * r["verify_s"] for share, r in judged), 1)
@@ -460,7 +460,8 @@ def engine_alone(args, model_run: dict, out: Path) -> dict:
             # step: its wall is the seconds inside `Episodes.step`, what the role's busy seconds count)
             "engine_alone_seqs_decoding_mean": round(tally["decoding"] / tally["steps"], 1) if tally.get("steps") else None,
             "engine_alone_step_ms": round(1000 * wall / tally["steps"], 2) if tally.get("steps") else None,
-            "engine_alone_step_cpu_ms": round(1000 * tally["cpu_s"] / tally["steps"], 2) if tally.get("steps") else None}
+            "engine_alone_step_cpu_ms": round(1000 * tally["cpu_s"] / tally["steps"], 2) if tally.get("steps")
+            else None}
 
 
 def _hf_state(spec) -> dict:
@@ -507,7 +508,8 @@ def main() -> None:
     p.add_argument("--mps", action="store_true",
                    help="the roles share each GPU through NVIDIA's multi-process service (`sim --mps`)")
     p.add_argument("--master-float32", action="store_true",
-                   help="the trainer keeps float32 weights and AdamW states and publishes in --dtype (`join --master-float32`)")
+                   help="the trainer keeps float32 weights and AdamW states and publishes in --dtype "
+                        "(`join --master-float32`)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="the trainer's checkpoints (`join --checkpoint-every`; default 0: none, not even the last: the "
                         "steady state is the measure, and writing a 5.2B trainer's 30 GB took a minute of the GPU's "
@@ -629,8 +631,8 @@ def reread(out: Path) -> None:
         raise SystemExit(f"{out}: no kK.json runs to reread")
     alone = {k: v for k, v in old.items() if k.startswith("engine_alone_")}
     header = {k: v for k, v in old.items() if k in ("benchmark", "machine", "model", "dtype", "model_params_b", "task",
-                                                    "lr", "master_dtype", "inference_nodes", "prompts_per_step", "group_size", "steps",
-                                                    "warmup_steps", "coordinator_state", "store_dir", "store_payloads",
+                                                    "lr", "master_dtype", "inference_nodes", "prompts_per_step",
+                                                    "group_size", "steps", "warmup_steps", "coordinator_state", "store_dir", "store_payloads",
                                                     "mps", "load_avg")}
     header["reread"] = "figures recomputed from the run's records by benchmarks.gpu_network --reread"
     report(out, summarise(header, runs, alone), runs)

@@ -67,8 +67,8 @@ class JoinConfig(BaseModel):
     """inference engine (default: builtin, or builtin-ep with --ep N > 1; node/engine/registry.py)"""
     trace_versions: bool = False
     """inference: append when each policy version was announced, fetched and queued to WORKDIR/versions.jsonl
-    (validator: when each was held, after how long, from what); inference and validator: each round's times and tokens to WORKDIR/rounds.jsonl (node/version_trace.py;
-    benchmarks weight_latency and gpu_network)"""
+    (validator: when each was held, after how long, from what); inference and validator: each round's times and
+    tokens to WORKDIR/rounds.jsonl (node/version_trace.py; benchmarks weight_latency and gpu_network)"""
     vllm: Annotated[list[str], Flag(metavar="KEY=VALUE")] = []
     """with --engine vllm: a vLLM setting (contrib/vllm/settings.py VLLMSettings field), repeatable, e.g.
     --vllm data_parallel=8 --vllm quantization=fp8"""

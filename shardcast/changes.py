@@ -26,9 +26,9 @@ served form (0.25%); beyond it a whole copy costs about what the writes would.""
 @dataclass
 class ChangedBytes:
     """Where a version differs from its parent (found as its shards were decoded as a delta of it, or by comparing
-    the two payloads): the payload positions of every byte that differs (sorted) and its new value. A consumer that holds exactly the parent's
-    bytes, laid out as `tensors` say, holds this version once these bytes are written (node/engine/
-    weight_staging.py `SparseWrites`): a few MB where the version is GB."""
+    the two payloads): the payload positions of every byte that differs (sorted) and its new value. A consumer that
+    holds exactly the parent's bytes, laid out as `tensors` say, holds this version once these bytes are written
+    (node/engine/weight_staging.py `SparseWrites`): a few MB where the version is GB."""
 
     parent: int
     tensors: list

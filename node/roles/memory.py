@@ -35,8 +35,8 @@ def role_plan(spec: RunSpec, role: str, device: str, free_bytes: int | None = No
     if role == "trainer":
         p = parallel or {}
         world = p.get("dp", 1) * p.get("cp", 1)
-        return plan_trainer(cfg, torch.float32 if master_float32 else dtype, device, free, TrainerConfig().micro_batch_tokens,
-                            LOGPROB_CHUNK_BYTES,
+        return plan_trainer(cfg, torch.float32 if master_float32 else dtype, device, free,
+                            TrainerConfig().micro_batch_tokens, LOGPROB_CHUNK_BYTES,
                             world=world, sharded=p.get("fsdp", True),
                             checkpointed=p.get("activation_checkpointing", False),
                             longest_row=cfg.max_position_embeddings)

@@ -8,8 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from verification.pooled import (LONG_8L, MIN_CHUNKS, NETWORK_8L_BF16, NETWORK_SMALL_FP8_ALL, SHORT, MIN_TOKENS, POOLED, POOLED_BY_SHAPE, Evidence, PooledBound,
-                                 bounds_for, check_pooled, shape_of)
+from verification.pooled import (LONG_8L, MIN_CHUNKS, NETWORK_8L_BF16, NETWORK_SMALL_FP8_ALL, SHORT, MIN_TOKENS,
+                                 POOLED, POOLED_BY_SHAPE, Evidence, PooledBound, bounds_for, check_pooled, shape_of)
 from verification.reasons import Reason, Severity
 
 
