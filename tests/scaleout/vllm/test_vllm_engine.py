@@ -133,6 +133,8 @@ def _swap_while_running(engine, root, reqs, timeout: float = 30.0) -> dict | Non
     running sequence (under CI's load the counter was read after a whole 150-token batch, and once
     between sequences: some all version 0, the rest all version 1), after which the caller tries again;
     an adapter that keeps no sequence across a swap fails every attempt."""
+    if engine.version != 0:  # an attempt before this one swapped: back to version 0, or nothing could span the swap
+        engine.load_weights(root / "v0", version=0)
     before, reruns = _generated(engine), engine.reruns
     for r in reqs:
         engine.add_request(r)
