@@ -207,6 +207,27 @@ def _inside(row: dict, window: tuple[float, float]) -> float:
     return max(0.0, min(t1, window[1]) - max(t0, window[0])) / (t1 - t0)
 
 
+def thread_shares(stepped: list[tuple[float, dict]], top: int = 8) -> dict[str, dict[str, float]] | None:
+    """The inference role's threads over the steady window (rows' `threads` laps since session 42:
+    node/thread_cpu.py): per thread family, its seconds on a core (`cpu`) and ready but waiting for one (`runq`),
+    each a share of the laps' wall time; the `top` families by CPU. A share above 1 is several threads. None
+    where no row carries laps (older rows, or no /proc)."""
+    wall, families = 0.0, {}
+    for share, r in stepped:
+        lap = r.get("threads")
+        if not share or not lap:
+            continue
+        wall += share * lap["wall_s"]
+        for name, f in lap["families"].items():
+            acc = families.setdefault(name, [0.0, 0.0])
+            acc[0] += share * f["cpu_s"]
+            acc[1] += share * f["runq_s"]
+    if not wall:
+        return None
+    ranked = sorted(families.items(), key=lambda kv: -kv[1][0])[:top]
+    return {name: {"cpu": round(cpu / wall, 3), "runq": round(runq / wall, 3)} for name, (cpu, runq) in ranked}
+
+
 def gpu_busy(path: Path, window: tuple[float, float] = (0.0, float("inf"))) -> dict[str, dict[str, float]]:
     """Mean utilization (nvidia-smi's share of time a kernel ran) and peak memory per GPU inside `window`, from a
     `GpuSampler` file."""
@@ -390,6 +411,8 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         # interpreter lock or for a core (a CUDA synchronisation spins: waiting on the GPU counts as CPU time)
         "engine_step_cpu_ms": round(1000 * sum(share * r["cpu_s"] for share, r in stepped) / n_steps, 2)
         if n_steps and all("cpu_s" in r for _, r in stepped) else None,
+        # who else ran in the inference role's process (the engine thread's lock holders): CPU and run-queue shares
+        "inference_threads": thread_shares(stepped),
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
         "verify_completion_tok_s_busy": round(judged_tokens / sum(share * r["verify_s"] for share, r in judged), 1)
         if judged_tokens else None,

@@ -54,6 +54,7 @@ from protocol.errors import ProtocolError, Refused
 from protocol.identity import NodeKey
 from protocol.client import CoordinatorClient
 from protocol.messages import LeaseGrant, PolicyAnnounce, RolloutGroup, RunSpec
+from node.thread_cpu import ThreadMonitor
 from shardcast.store import Store
 from verification.proof import prove_rollouts
 
@@ -131,6 +132,8 @@ class InferenceNode:
         self.engine_settings = engines.check(engine, self.engine_setup)
         """The engine's checked settings (a bad `--vllm` option fails here, before anything starts)."""
         self.submitted = self.refused = 0
+        self._threads: ThreadMonitor | None = None
+        """While serving with `on_round` hooks: the process's threads' CPU, each activity row's `threads`."""
         self.lease_s: collections.deque[float] = collections.deque(maxlen=10_000)
         """Seconds of the last lease calls that returned grants (the coordinator's round trip), for the stop line."""
         self.on_loaded: list[Callable[[int, dict], None]] = []
@@ -302,6 +305,7 @@ class InferenceNode:
         failed: asyncio.Future = loop.create_future()
         driver = threading.Thread(target=self._drive_engine, args=(loop, halt, client, failed),
                                   name="engine", daemon=True)
+        self._threads = ThreadMonitor().start() if self.on_round else None  # whose CPU the engine thread waits on
         driver.start()
         try:
             while not stop.is_set() and not failed.done():
@@ -311,6 +315,8 @@ class InferenceNode:
         finally:
             halt.set()
             await asyncio.to_thread(driver.join)
+            if self._threads is not None:
+                self._threads.stop()
             for task in list(self._waiting):
                 task.cancel()
 
@@ -370,7 +376,9 @@ class InferenceNode:
         lock while the role's other threads ran, or for a core; a CUDA synchronisation spins, so a wait on the GPU
         counts as CPU time), `started` when each new policy version first sampled, `in_flight_max` the most leased
         groups in the engine at once, `steps` the engine steps, `decoding` the sequences they advanced, summed:
-        a group stays leased until its longest member ends, so its finished members decode nothing)."""
+        a group stays leased until its longest member ends, so its finished members decode nothing), and `threads`, the
+        process's threads' CPU and run-queue seconds by family over about the last second (node/thread_cpu.py: who
+        held the lock or the cores while this thread waited; None where no lap was ready)."""
         groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
         row = _ActivityRow(time.time())
         last_version = getattr(self.engine, "version", None)
@@ -417,6 +425,7 @@ class InferenceNode:
     def _emit(self, loop: asyncio.AbstractEventLoop, row: "_ActivityRow") -> "_ActivityRow":
         if self.on_round and (row.busy_s > 0 or row.groups):
             done = row.as_dict(time.time())
+            done["threads"] = self._threads.take() if self._threads is not None else None
             loop.call_soon_threadsafe(lambda: [hook(done) for hook in self.on_round])
         return _ActivityRow(time.time())
 

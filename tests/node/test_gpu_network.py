@@ -68,6 +68,8 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         # the engine's steps: sequences advanced per step (at most its leased groups' members) and a step's time
         assert 0 < run["engine_seqs_decoding_mean"] <= run["node_seqs_in_flight"]["max"]
         assert run["engine_step_ms"] > 0 and 0 < run["engine_step_cpu_ms"] <= run["engine_step_ms"] * 1.05
+        # the inference process's threads beside the engine's: the engine's own thread among them, on a core
+        assert run["inference_threads"]["engine"]["cpu"] > 0 and "MainThread" in run["inference_threads"]
         assert run["stalls"]["validator_turn_wait_max_s"] >= 0
         assert run["max_off_policy_seen"] <= run["k"]
         # the weight path's stages as the roles recorded them, and one store for the host (sim shares it)
