@@ -1,6 +1,7 @@
 """What the interpreter's switch interval costs a thread that waits outside the interpreter's lock, beside a thread
-that runs Python: the inference role's engine thread beside its event loop (node/roles/inference.py
-`SWITCH_INTERVAL_S`).
+that runs Python: the inference role's engine thread beside its event loop. In the 0.52B network (session 42, one
+H100) 0.5 ms gained nothing over Python's 5 ms, so the role keeps the default (`PRIMERL_SWITCH_INTERVAL_S` sets
+another for an experiment; docs/scale.md "Session 42").
 
     python -m benchmarks.gil_switch [--steps 200] [--wait-ms 0.3] [--work-iters 2000] [--out FILE]
 

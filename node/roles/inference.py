@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -71,14 +72,8 @@ def tool_wait(work_seed: int, median_s: float, alpha: float = 1.5) -> float:
     return min(xm * random.Random(work_seed).paretovariate(alpha), 20 * median_s)
 
 
-SWITCH_INTERVAL_S = 0.0005
-"""The inference role's interpreter switch interval (Python's default: 5 ms). The engine's thread lets go of the
-interpreter's lock at every CUDA call that may wait; while the role's event loop runs Python (libp2p, submissions,
-leases), the engine gets the lock back only when the loop's thread is made to drop it, after this interval:
-`python -m benchmarks.gil_switch` (a stand-in step waiting 0.3 ms then running 0.1 ms of Python, beside a pure-Python
-thread; cpu-2core) stepped in 5.55 ms at 5 ms and 1.09 ms at 0.5 ms (0.42 ms alone). Session 41's 0.52B network on
-an H100 (at 5 ms): the engine's step 28.2 ms, of which its thread ran 17.7 ms. `PRIMERL_SWITCH_INTERVAL_S` sets
-another (the A/B's peer: 0.005)."""
+PROVERS = 4
+"""Threads that prove finished groups (`prove`: their CPU is its own family in the activity rows' `threads`)."""
 
 
 class InferenceNode:
@@ -159,11 +154,16 @@ class InferenceNode:
         self._waiting: set[asyncio.Task] = set()
         self._loading = asyncio.Lock()  # one version applied at a time, never an older after a newer
         self._engine_start: asyncio.Task | None = None
+        self._prover: ThreadPoolExecutor | None = None
+        """While serving: the threads that prove finished groups (`PROVERS`)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.engine_setup.ep > 1 and int(os.environ.get("RANK", "0")) > 0:
             return await self._follow_rank_0()
-        sys.setswitchinterval(float(os.environ.get("PRIMERL_SWITCH_INTERVAL_S", SWITCH_INTERVAL_S)))
+        if os.environ.get("PRIMERL_SWITCH_INTERVAL_S"):
+            # an experiment's knob only: Python's 5 ms switch interval served the 0.52B network best (session 42: an
+            # A/B on one H100, trained 7,165 tok/s at 5 ms against 6,479 and 4,998 at 0.5 ms; docs/scale.md)
+            sys.setswitchinterval(float(os.environ["PRIMERL_SWITCH_INTERVAL_S"]))
         # The engine starts while the node joins and fetches (a vLLM server takes tens of seconds).
         self._engine_start = asyncio.create_task(asyncio.to_thread(engines.build, self.engine_name, self.engine_setup))
         try:
@@ -306,6 +306,7 @@ class InferenceNode:
         driver = threading.Thread(target=self._drive_engine, args=(loop, halt, client, failed),
                                   name="engine", daemon=True)
         self._threads = ThreadMonitor().start() if self.on_round else None  # whose CPU the engine thread waits on
+        self._prover = ThreadPoolExecutor(max_workers=PROVERS, thread_name_prefix="prove")
         driver.start()
         try:
             while not stop.is_set() and not failed.done():
@@ -319,6 +320,8 @@ class InferenceNode:
                 self._threads.stop()
             for task in list(self._waiting):
                 task.cancel()
+            self._prover.shutdown(wait=False, cancel_futures=True)
+            self._prover = None  # a group the engine handed back while stopping is not proved
 
     async def _lease_more(self, client: CoordinatorClient) -> None:
         room = self._capacity_groups() - self._in_flight
@@ -433,7 +436,7 @@ class InferenceNode:
         """On the loop: a leased group left the engine (finished, or dropped as cancelled)."""
         self._in_flight -= 1
         self._room.set()
-        if rollouts is None:
+        if rollouts is None or self._prover is None:
             return
         task = asyncio.create_task(self._complete(client, grant, rollouts))
         self._waiting.add(task)
@@ -441,7 +444,7 @@ class InferenceNode:
 
     async def _complete(self, client: CoordinatorClient, grant: LeaseGrant, rollouts: list[Rollout]) -> None:
         """Prove a finished group (off the engine's thread), let hooks see it, wait for its tools, submit."""
-        group = await asyncio.to_thread(self._group_of, grant, rollouts)
+        group = await asyncio.get_running_loop().run_in_executor(self._prover, self._group_of, grant, rollouts)
         groups = [group]
         for hook in self.before_submit:
             groups = hook(groups, self._newest_loaded)
