@@ -207,6 +207,22 @@ def _inside(row: dict, window: tuple[float, float]) -> float:
     return max(0.0, min(t1, window[1]) - max(t0, window[0])) / (t1 - t0)
 
 
+def phase_ms(stepped: list[tuple[float, dict]], n_steps: float) -> dict[str, dict[str, float]] | None:
+    """Per engine step, each phase's wall and CPU milliseconds (rows' `phases` since session 42: node/engine/core.py
+    `EngineCore.phases`; `finish` counts inside `decode` or `prefill`), weighted by each row's share of the window.
+    Wall minus CPU is what the phase waited for the interpreter's lock, a sleeping call or a core. None without any."""
+    sums: dict[str, list[float]] = {}
+    for share, r in stepped:
+        for name, (wall, cpu, _) in (r.get("phases") or {}).items():
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += share * wall
+            acc[1] += share * cpu
+    if not sums or not n_steps:
+        return None
+    return {name: {"wall": round(1000 * w / n_steps, 3), "cpu": round(1000 * c / n_steps, 3)}
+            for name, (w, c) in sorted(sums.items())}
+
+
 def thread_shares(stepped: list[tuple[float, dict]], top: int = 8) -> dict[str, dict[str, float]] | None:
     """The inference role's threads over the steady window (rows' `threads` laps since session 42:
     node/thread_cpu.py): per thread family, its seconds on a core (`cpu`) and ready but waiting for one (`runq`),
@@ -413,6 +429,8 @@ def figures(out: Path, nodes: int, warmup: int, group_size: int) -> dict:
         if n_steps and all("cpu_s" in r for _, r in stepped) else None,
         # who else ran in the inference role's process (the engine thread's lock holders): CPU and run-queue shares
         "inference_threads": thread_shares(stepped),
+        # of a step, the engine's phases (swap, prefill, decode, finish) on the wall and on the thread's CPU
+        "engine_phases_ms": phase_ms(stepped, n_steps),
         "verify_over_generate": round(ver[0] / gen_busy, 2) if gen_busy else None,
         "verify_completion_tok_s_busy": round(judged_tokens / sum(share * r["verify_s"] for share, r in judged), 1)
         if judged_tokens else None,
@@ -471,11 +489,13 @@ def engine_alone(args, model_run: dict, out: Path) -> dict:
     episodes = [(f"{w}-{j}", env.sample_task(10_000 + w), SamplingParams(temperature=1.0, seed=sampling_seed(w, j)))
                 for w in range(args.batch_groups * 2) for j in range(args.group_size)]
     run_episodes(engine, env, tok, episodes[: args.group_size * 4])  # warm: first prefills, allocator
+    engine.phases.take()
     t0 = time.time()
     tally: dict = {}
     rollouts = run_episodes(engine, env, tok, episodes, tally)
     wall = time.time() - t0
     tokens = sum(len(r.completion_ids) for r in rollouts)
+    phases = engine.phases.take()
     engines.close(engine)
     return {"engine_alone_tok_s": round(tokens / wall, 1), "engine_alone_slots": setup.max_batch,
             "engine_alone_rollouts": len(rollouts), "engine_alone_tokens": tokens,
@@ -484,7 +504,8 @@ def engine_alone(args, model_run: dict, out: Path) -> dict:
             "engine_alone_seqs_decoding_mean": round(tally["decoding"] / tally["steps"], 1) if tally.get("steps") else None,
             "engine_alone_step_ms": round(1000 * wall / tally["steps"], 2) if tally.get("steps") else None,
             "engine_alone_step_cpu_ms": round(1000 * tally["cpu_s"] / tally["steps"], 2) if tally.get("steps")
-            else None}
+            else None,
+            "engine_alone_phases_ms": phase_ms([(1.0, {"phases": phases})], tally.get("steps", 0))}
 
 
 def _hf_state(spec) -> dict:

@@ -100,12 +100,26 @@ class ThreadClock:
                              for k, v in sorted(out.items())}}
 
 
-class ThreadMonitor:
-    """A daemon thread that laps a `ThreadClock` every `period_s` and keeps the newest lap for `take`. Its own
-    thread, not the measured one's: each /proc read releases and takes the interpreter lock again, and on a busy
-    interpreter each take can wait a switch interval (~40 reads a lap)."""
+def merged(a: dict | None, b: dict) -> dict:
+    """Two laps as one (their walls and each family's seconds added; a family's thread count the larger)."""
+    if not a:
+        return b
+    families = {k: dict(v) for k, v in a["families"].items()}
+    for k, v in b["families"].items():
+        f = families.setdefault(k, {"cpu_s": 0.0, "runq_s": 0.0, "threads": 0})
+        f["cpu_s"] = round(f["cpu_s"] + v["cpu_s"], 4)
+        f["runq_s"] = round(f["runq_s"] + v["runq_s"], 4)
+        f["threads"] = max(f["threads"], v["threads"])
+    return {"wall_s": round(a["wall_s"] + b["wall_s"], 4), "families": dict(sorted(families.items()))}
 
-    def __init__(self, period_s: float = 1.0) -> None:
+
+class ThreadMonitor:
+    """A daemon thread that laps a `ThreadClock` every `period_s` and adds the laps up until `take`. Its own
+    thread, not the measured one's: each /proc read releases and takes the interpreter lock again, and on a busy
+    interpreter each take can wait a switch interval (~40 reads a lap). Laps shorter than the taker's period
+    give each take at least one."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
         self.period_s = period_s
         self._latest: dict | None = None
         self._handing = threading.Lock()
@@ -123,13 +137,45 @@ class ThreadMonitor:
         while not self._halt.wait(self.period_s):
             lap = clock.lap()
             with self._handing:
-                self._latest = lap
+                self._latest = merged(self._latest, lap)
 
     def take(self) -> dict | None:
-        """The newest lap not taken yet (None: none since the last take)."""
+        """The laps since the last take, added up (None: none ended since)."""
         with self._handing:
             lap, self._latest = self._latest, None
         return lap
 
     def stop(self) -> None:
         self._halt.set()
+
+
+class PhaseClock:
+    """Wall and CPU seconds of one thread's named phases (an engine step's swap, prefill, decode, finish), summed until
+    `take`. Wall minus CPU is what the phase waited: for the interpreter's lock, on a sleeping call (a pageable copy, a
+    lock), or for a core; a phase nested in another counts in both."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list[float]] = {}
+
+    def __call__(self, name: str) -> "_Phase":
+        return _Phase(self._sums.setdefault(name, [0.0, 0.0, 0]))
+
+    def take(self) -> dict[str, list[float]]:
+        """{phase: [wall_s, cpu_s, times]} since the last take."""
+        sums, self._sums = self._sums, {}
+        return {k: [round(v[0], 5), round(v[1], 5), v[2]] for k, v in sums.items()}
+
+
+class _Phase:
+    __slots__ = ("acc", "t", "c")
+
+    def __init__(self, acc: list) -> None:
+        self.acc = acc
+
+    def __enter__(self) -> None:
+        self.t, self.c = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc) -> None:
+        self.acc[0] += time.perf_counter() - self.t
+        self.acc[1] += time.thread_time() - self.c
+        self.acc[2] += 1

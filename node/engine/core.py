@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from node.engine.sampling import SamplingParams
+from node.thread_cpu import PhaseClock
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -155,6 +156,9 @@ class EngineCore(RequestQueue):
         self.decode = decode
         self.running: dict[int, SlotSequence] = {}
         self._free = list(range(max_batch - 1, -1, -1))
+        self.phases = PhaseClock()
+        """Wall and CPU seconds of each step's phases (swap, prefill, decode, finish: a finished sequence's
+        completion, inside decode or prefill), for the inference role's activity rows (`phases`)."""
 
     # ---- what a backend supplies ----------------------------------------------------------
     def _prefill(self, seqs: list[SlotSequence]) -> list[Completion]:
@@ -179,7 +183,8 @@ class EngineCore(RequestQueue):
     # ---- the loop ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Completion]:
-        self._apply_pending()
+        with self.phases("swap"):
+            self._apply_pending()
         # ascending slots let the cache read a contiguous block instead of gathering rows
         decoding = sorted(self.running.values(), key=lambda s: s.slot)
         return self._run(self._admit(), decoding)
@@ -210,9 +215,11 @@ class EngineCore(RequestQueue):
         """This step's forwards: the admitted requests' prefill, then the running sequences' decode."""
         finished: list[Completion] = []
         if admitted:
-            finished += self._prefill(admitted)
+            with self.phases("prefill"):
+                finished += self._prefill(admitted)
         if decoding:
-            finished += self._decode(decoding)
+            with self.phases("decode"):
+                finished += self._decode(decoding)
         return finished
 
     def _advance(self, seqs: list[SlotSequence], tokens: list[int]) -> list[Completion]:
@@ -244,4 +251,5 @@ class EngineCore(RequestQueue):
     def _finish(self, s: SlotSequence, reason: FinishReason) -> Completion:
         del self.running[s.slot]
         self._free.append(s.slot)
-        return self._completion(s, reason)
+        with self.phases("finish"):
+            return self._completion(s, reason)

@@ -381,7 +381,8 @@ class InferenceNode:
         groups in the engine at once, `steps` the engine steps, `decoding` the sequences they advanced, summed:
         a group stays leased until its longest member ends, so its finished members decode nothing), and `threads`, the
         process's threads' CPU and run-queue seconds by family over about the last second (node/thread_cpu.py: who
-        held the lock or the cores while this thread waited; None where no lap was ready)."""
+        held the lock or the cores while this thread waited; None where no lap was ready), and `phases`, the engine
+        steps' {swap, prefill, decode, finish: [wall_s, cpu_s, times]} (built-in engines; None for others)."""
         groups = LeasedGroups(Episodes(self.engine, self.env, self.tok), self.spec.group_size, self.recipe.temperature)
         row = _ActivityRow(time.time())
         last_version = getattr(self.engine, "version", None)
@@ -429,6 +430,8 @@ class InferenceNode:
         if self.on_round and (row.busy_s > 0 or row.groups):
             done = row.as_dict(time.time())
             done["threads"] = self._threads.take() if self._threads is not None else None
+            phases = getattr(self.engine, "phases", None)  # the built-in engines' (node/engine/core.py)
+            done["phases"] = phases.take() if phases is not None else None
             loop.call_soon_threadsafe(lambda: [hook(done) for hook in self.on_round])
         return _ActivityRow(time.time())
 

@@ -70,6 +70,10 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
         assert run["engine_step_ms"] > 0 and 0 < run["engine_step_cpu_ms"] <= run["engine_step_ms"] * 1.05
         # the inference process's threads beside the engine's: the engine's own thread among them, on a core
         assert run["inference_threads"]["engine"]["cpu"] > 0 and "MainThread" in run["inference_threads"]
+        # the engine's step by phase: decoding every step, each phase's CPU within its wall time
+        phases = run["engine_phases_ms"]
+        assert phases["decode"]["wall"] > 0 and phases["prefill"]["wall"] > 0 and "finish" in phases
+        assert all(0 <= p["cpu"] <= p["wall"] * 1.05 + 0.01 for p in phases.values())
         assert run["stalls"]["validator_turn_wait_max_s"] >= 0
         assert run["max_off_policy_seen"] <= run["k"]
         # the weight path's stages as the roles recorded them, and one store for the host (sim shares it)
@@ -89,6 +93,7 @@ def test_gpu_network_benchmark_runs_the_network_at_two_ks_and_accounts_every_sta
     assert result["engine_alone_tok_s"] > 0 and result["engine_alone_rollouts"] == 2 * 4 * 2
     assert 0 < result["engine_alone_seqs_decoding_mean"] <= result["engine_alone_slots"]
     assert result["engine_alone_step_ms"] > 0 and 0 < result["engine_alone_step_cpu_ms"] <= result["engine_alone_step_ms"] * 1.05
+    assert 0 < result["engine_alone_phases_ms"]["decode"]["wall"] <= result["engine_alone_step_ms"] * 1.05
     assert result["trained_over_engine_alone"] > 0 and result["gpu_busy_share"] is None  # no nvidia-smi here
     # each role's rate per trained token while it worked, and what they allow back to back
     last = result["runs"][-1]

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from benchmarks.gpu_network import thread_shares
-from node.thread_cpu import ThreadClock, ThreadMonitor, family
+from benchmarks.gpu_network import phase_ms, thread_shares
+from node.thread_cpu import PhaseClock, ThreadClock, ThreadMonitor, family, merged
 
 pytestmark = pytest.mark.skipif(not ThreadClock().available, reason="no /proc/self/task here")
 
@@ -70,3 +70,35 @@ def test_thread_shares_weigh_each_lap_by_its_rows_share_of_the_window():
                       "MainThread": {"cpu": round(0.3 / 1.5, 3), "runq": 0.0}}
     assert list(shares) == ["engine", "MainThread"]  # by CPU, the largest first
     assert thread_shares([(1.0, {}), (1.0, {"threads": None})]) is None
+
+
+def test_a_phase_clock_sums_wall_and_cpu_per_phase_until_taken():
+    clock = PhaseClock()
+    done = threading.Event()
+    threading.Thread(target=lambda: (time.sleep(0), done.set())).start()
+    with clock("wait"):
+        assert done.wait(30)  # sleeps on an event: wall, little CPU
+    for _ in range(3):
+        with clock("work"):
+            sum(i * i for i in range(200_000))  # a fixed amount of CPU work
+    got = clock.take()
+    assert got["work"][2] == 3 and got["wait"][2] == 1
+    assert got["work"][1] > 0 and got["work"][0] >= got["work"][1] * 0.9
+    assert clock.take() == {}  # taken: counted again from zero
+
+
+def test_phase_ms_weighs_rows_by_their_share_and_divides_by_the_steps():
+    rows = [(1.0, {"phases": {"decode": [0.02, 0.01, 4], "prefill": [0.004, 0.004, 1]}}),
+            (0.5, {"phases": {"decode": [0.04, 0.02, 8]}}), (1.0, {"phases": None}), (1.0, {})]
+    got = phase_ms(rows, 8)  # 4 + 0.5 x 8 steps
+    assert got == {"decode": {"wall": 5.0, "cpu": 2.5}, "prefill": {"wall": 0.5, "cpu": 0.5}}
+    assert phase_ms([(1.0, {})], 3) is None and phase_ms(rows, 0) is None
+
+
+def test_laps_add_up_until_taken():
+    a = {"wall_s": 0.25, "families": {"engine": {"cpu_s": 0.1, "runq_s": 0.01, "threads": 1}}}
+    b = {"wall_s": 0.25, "families": {"engine": {"cpu_s": 0.2, "runq_s": 0.0, "threads": 1},
+                                      "prove": {"cpu_s": 0.05, "runq_s": 0.0, "threads": 4}}}
+    assert merged(None, a) == a
+    assert merged(a, b) == {"wall_s": 0.5, "families": {"engine": {"cpu_s": 0.3, "runq_s": 0.01, "threads": 1},
+                                                       "prove": {"cpu_s": 0.05, "runq_s": 0.0, "threads": 4}}}
