@@ -224,15 +224,15 @@ class EngineCore(RequestQueue):
 
     def _advance(self, seqs: list[SlotSequence], tokens: list[int]) -> list[Completion]:
         """Append each sequence's sampled token under the current version; finish those that stop."""
-        finished = []
+        ending: list[tuple[SlotSequence, FinishReason]] = []
         for s, tok in zip(seqs, tokens):
             s.tokens.append(tok)
             s.versions.append(self.version)
             reason = self._finish_reason(s, tok)
             if reason is not None:
-                finished.append(self._finish(s, reason))
+                ending.append((s, reason))
         self.tokens_generated += len(seqs)
-        return finished
+        return self._finish(ending) if ending else []
 
     def _finish_reason(self, s: SlotSequence, tok: int) -> FinishReason | None:
         p = s.request.params
@@ -248,8 +248,13 @@ class EngineCore(RequestQueue):
             return "length"
         return None
 
-    def _finish(self, s: SlotSequence, reason: FinishReason) -> Completion:
-        del self.running[s.slot]
-        self._free.append(s.slot)
+    def _finish(self, ending: list[tuple[SlotSequence, FinishReason]]) -> list[Completion]:
+        for s, _ in ending:
+            del self.running[s.slot]
+            self._free.append(s.slot)
         with self.phases("finish"):
-            return self._completion(s, reason)
+            return self._completions(ending)
+
+    def _completions(self, ending: list[tuple[SlotSequence, FinishReason]]) -> list[Completion]:
+        """The step's finished sequences as completions, in order (a backend may read them back together)."""
+        return [self._completion(s, reason) for s, reason in ending]

@@ -4,9 +4,12 @@ math as `CausalLM.forward`) but shaped for serving:
 - `decode_step`: one token per row, rows at any mix of lengths; the KV write and the attention
   read cache slot slots[b] up to position pos[b] on the device (`attention.decode_attention`), so
   the step has fixed shapes and no host synchronisation and can be captured in a CUDA graph.
+- `prefill_packed`: prompts end to end in one row, no padding (`node.model.packed`: flash attention's
+  variable-length kernel on a GPU); each token's keys and values written to its own slot and position.
 - `prefill_chunk`: a right-padded [B, T] chunk of prompts; the first chunk attends causally to
-  its own keys (flash attention), later chunks of a long prompt read the cache with a mask.
-Both start each layer with the model's own attention prelude (`Attention.qkv`, `rotated_qkv`), so
+  its own keys (flash attention), later chunks of a long prompt read the cache with a mask (the engine's
+  way for a prompt longer than its prefill budget).
+All start each layer with the model's own attention prelude (`Attention.qkv`, `rotated_qkv`), so
 a change to attention is one edit. Neither computes logits: the caller applies the LM head to the rows it samples from, which at a
 151,936-token vocabulary is most of the cost of a prefill that computed all of them.
 Quantised (FP8) projections and experts plug in as modules, as in the model.
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from node.engine.attention import decode_attention
 from node.model.cache import KVCache
 from node.model.moe import FUSED_COMBINE, MoEBlock
+from node.model.packed import Packed, packed_attention
 from node.model.qwen3_moe import FUSED_ROPE, CausalLM, RMSNorm, rope, rope_tables
 from node.model.rope import inv_frequencies
 
@@ -102,6 +106,28 @@ def _decode_step(model: CausalLM, cache: KVCache, ids: torch.Tensor, pos: torch.
         x = x + _mlp(layer, _norm(layer.post_attention_layernorm, x), routes)
     hidden = _norm(model.model.norm, x)
     return hidden, torch.stack(routes, dim=1) if routes else None
+
+
+def prefill_packed(model: CausalLM, ids: torch.Tensor, packed: Packed, cache: KVCache, slots: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [1, N]: whole prompts end to end (`packed`), each from position 0; token j's keys and values go to
+    (slots[j], positions[j]) of `cache` (both [N]). Every row is a real token: a padded chunk of prompts of a
+    heavy-tailed length computed its longest member's length for each (the RL task's prompts: 44 tokens mean, 207
+    the longest). Returns (final hidden [1, N, H], routes [1, N, n_moe, k] | None)."""
+    with fused_kernels(FUSED and ids.is_cuda):
+        n = ids.shape[1]
+        x = model.model.embed_tokens(ids)
+        cos, sin = rope_tables(positions[None], inv_frequencies(model.config, x.device), x.dtype)
+        flat = slots * cache.max_len + positions
+        routes: list[torch.Tensor] = []
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.rotated_qkv(_norm(layer.input_layernorm, x), (cos, sin), _norm)
+            cache.write_rows(i, flat, k, v)
+            o = packed_attention(q, k, v, packed)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+            x = x + _mlp(layer, _norm(layer.post_attention_layernorm, x), routes)
+        return _norm(model.model.norm, x), torch.stack([r.view(1, n, -1) for r in routes], dim=2) if routes else None
 
 
 def prefill_chunk(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,

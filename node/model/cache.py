@@ -24,7 +24,11 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store k/v ([B, Hkv, T, D]) at `positions` ([B, T]) of `slots` ([B])."""
-        flat = (slots[:, None] * self.max_len + positions).reshape(-1)
+        self.write_rows(layer, (slots[:, None] * self.max_len + positions).reshape(-1), k_new, v_new)
+
+    def write_rows(self, layer: int, flat: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store k/v ([B, Hkv, T, D], rows in B-major order) at flat cache rows `flat` ([B * T]: slot * max_len +
+        position): a packed prefill's tokens, each of its own slot."""
         for cache, new in ((self.k[layer], k_new), (self.v[layer], v_new)):
             cache.view(-1, *cache.shape[2:]).index_copy_(0, flat, new.transpose(1, 2).reshape(-1, *cache.shape[2:]))
 

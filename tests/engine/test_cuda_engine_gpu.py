@@ -177,7 +177,8 @@ def test_deepgemm_masked_matches_triton_grouped():
     assert not deepgemm_shape(torch.empty(8, 256, 128))  # K = 128: falls back to Triton
 
 
-def test_fused_rms_norm_matches_module():
+@torch.inference_mode()  # the module's serving math (under autograd on a GPU it takes PyTorch's fused kernel since
+def test_fused_rms_norm_matches_module():  # session 37, which rounds once: 74% of values equal, not 98%)
     from node.engine.norm_kernels import rms_norm
     from node.model.qwen3_moe import RMSNorm
 
