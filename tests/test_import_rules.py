@@ -32,7 +32,7 @@ NODE_LAYERS: dict[str, set[str]] = {
     "envs": {"model", "engine", "plugins"},           # tasks, and the rollout driver that runs them on an engine
     "rl": {"model", "fp8", "distributed", "envs", "recipe"},  # training: never engine, never a role
     "roles": {"model", "fp8", "distributed", "engine", "envs", "rl", "recipe", "replay", "stop_signals", "plugins",
-              "heap"},
+              "heap", "thread_cpu"},
 }
 """Inside `node`: which other parts of node each subpackage may import (docs/architecture.md). Model at
 the bottom, engine and rl above it (each blind to the other: what both need is in fp8 and distributed),

@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from node.engine.sampling import SamplingParams
-from node.thread_cpu import PhaseClock
+from node.engine.phases import PhaseClock
 
 FinishReason = Literal["eos", "stop", "length"]
 

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from benchmarks.gpu_network import phase_ms, thread_shares
-from node.thread_cpu import PhaseClock, ThreadClock, ThreadMonitor, family, merged
+from node.engine.phases import PhaseClock
+from node.thread_cpu import ThreadClock, ThreadMonitor, family, merged
 
 pytestmark = pytest.mark.skipif(not ThreadClock().available, reason="no /proc/self/task here")
 

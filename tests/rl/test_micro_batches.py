@@ -213,8 +213,9 @@ def test_a_packed_step_equals_the_padded_step_and_its_forwards_take_no_padding()
     assert all(n <= 64 or n == longest for _, n in seen_packed)
     moved = sum(float((padded[n] - p).abs().max()) for n, p in model.state_dict().items())
     assert moved > 1e-3  # the step learned (near-policy logprobs: the trust region kept its tokens)
-    for name in padded:  # AdamW's first steps move a weight by about lr = 1e-2 whatever its gradient's size
-        torch.testing.assert_close(packed[name], padded[name], rtol=1e-4, atol=1e-5)
+    for name in padded:  # AdamW's first steps move a weight by about lr = 1e-2 whatever its gradient's size; the sums
+        # of a packed and a padded forward round differently (on one AMD EPYC host one of 4,096 weights was 1.05e-5 apart)
+        torch.testing.assert_close(packed[name], padded[name], rtol=1e-4, atol=5e-5)
     for key in ("loss", "masked_share", "mismatch_kl"):
         assert abs(m_packed[key] - m_padded[key]) < 1e-5, key
 
