@@ -147,4 +147,3 @@ class ThreadMonitor:
 
     def stop(self) -> None:
         self._halt.set()
-
