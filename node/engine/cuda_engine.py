@@ -40,7 +40,7 @@ from node.engine.weight_staging import MirrorPlans, StagedVersion
 from node.engine.weights import WeightsMismatch, expected_shapes
 from node.model.batching import right_pad, token_budget_groups
 from node.model.cache import KVCache
-from node.model.packed import Packed
+from node.model.packed import Packed, to_device
 from node.model.qwen3_moe import CausalLM
 
 if TYPE_CHECKING:
@@ -181,8 +181,8 @@ class CudaEngine(EngineCore):
                 done += self._prefill_group([seqs[i] for i in group])
         group = [s for s, _ in done]
         hidden = torch.stack([h for _, h in done])
-        slots = torch.tensor([s.slot for s in group], device=self.device)
-        plen = torch.tensor([len(s.request.prompt_ids) for s in group], device=self.device)
+        slots = to_device(torch.tensor([s.slot for s in group]), self.device)
+        plen = to_device(torch.tensor([len(s.request.prompt_ids) for s in group]), self.device)
         logits = self.model.lm_head(hidden)
         self.state.sample_first(slots, plen, logits, hidden, [s.request.params.top_p for s in group])
         return self._advance(group, self.state.last_tok[slots].tolist())
@@ -191,9 +191,10 @@ class CudaEngine(EngineCore):
         """The prompts end to end in one forward, no padding (`forward.prefill_packed`)."""
         lens = [len(s.request.prompt_ids) for s in seqs]
         packed = Packed.of(lens, self.device)
-        ids = torch.tensor([t for s in seqs for t in s.request.prompt_ids])[None].to(self.device, non_blocking=True)
+        # from page-locked memory, queued behind the decode step in flight (a pageable copy would wait for it)
+        ids = to_device(torch.tensor([t for s in seqs for t in s.request.prompt_ids])[None], self.device)
         positions = packed.positions(self.device)[0]
-        slots = torch.repeat_interleave(torch.tensor([s.slot for s in seqs]), torch.tensor(lens)).to(self.device)
+        slots = to_device(torch.repeat_interleave(torch.tensor([s.slot for s in seqs]), torch.tensor(lens)), self.device)
         hidden, routes = prefill_packed(self.model, ids, packed, self.cache, slots, positions)
         if routes is not None and self.capture_experts:
             self.state.routes[slots, positions] = routes[0].to(self.state.routes.dtype)

@@ -48,7 +48,7 @@ class Packed:
             raise ValueError(f"packed sequences need one token each at least, got lengths {list(lengths)[:8]}")
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-        return cls(tuple(lengths), _to(cu, device), max(lengths))
+        return cls(tuple(lengths), to_device(cu, device), max(lengths))
 
     @property
     def tokens(self) -> int:
@@ -60,10 +60,10 @@ class Packed:
         first = torch.cumsum(lens, 0) - lens
         if self.starts is not None:
             first = first - torch.tensor(self.starts)
-        return _to((torch.arange(self.tokens) - torch.repeat_interleave(first, lens))[None], device)
+        return to_device((torch.arange(self.tokens) - torch.repeat_interleave(first, lens))[None], device)
 
 
-def _to(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`; to a GPU from page-locked memory, queued behind the stream's work (a copy from
     pageable memory waits for the GPU's queue to empty, and the GPU then idles while the next kernels are launched:
     once a packed forward in a trainer, as `Trainer._on_device` avoids for the batch itself)."""
