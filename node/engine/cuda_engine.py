@@ -74,9 +74,11 @@ class CudaEngine(EngineCore):
                  eos_id: int = 2, decode=None, capture_hidden: bool = False,  # noqa: ANN001
                  capture_experts: bool = False, version: int = 0, *, fp8: bool | str = False,
                  use_graphs: bool | None = None, prefill_tokens: int = 8192, admit_batch: int | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None, pack_prefill: bool = True):
         """`device`/`dtype`: move the model there first (on CUDA, bf16 unless `dtype` says otherwise);
-        None serves it where it is. `fp8`: True/'all' (decoder projections and experts) or 'experts'."""
+        None serves it where it is. `fp8`: True/'all' (decoder projections and experts) or 'experts'.
+        `pack_prefill`: admitted prompts end to end (False: right-padded groups, the way before session 42, kept as
+        `benchmarks.engine_prefill`'s peer)."""
         cfg = model.config
         super().__init__(max_batch, max_seq_len or cfg.max_position_embeddings, eos_id, decode, version)
         _use_device(device if device is not None else next(model.parameters()).device)
@@ -97,6 +99,7 @@ class CudaEngine(EngineCore):
             raise ValueError(f"CUDA graphs need a bf16 (or FP8) model on a CUDA device, not {param.dtype} on {self.device}")
         self.use_graphs = capturable if use_graphs is None else use_graphs
         self.prefill_tokens = prefill_tokens
+        self.pack_prefill = pack_prefill
         self.admit_batch = admit_batch or max(1, max_batch // 8)
         """While sequences are decoding, waiting requests are admitted once this many slots are free
         (or all of them fit): one batched prefill instead of one eager prefill per finished sequence."""
@@ -175,7 +178,7 @@ class CudaEngine(EngineCore):
         done: list[tuple[SlotSequence, torch.Tensor]] = []  # (sequence, its last prompt row's hidden)
         lens = [len(s.request.prompt_ids) for s in seqs]
         for group in token_budget_groups(lens, self.prefill_tokens):
-            if sum(lens[i] for i in group) <= self.prefill_tokens:
+            if self.pack_prefill and sum(lens[i] for i in group) <= self.prefill_tokens:
                 done += self._prefill_packed([seqs[i] for i in group])
             else:  # one prompt longer than the budget: in chunks that read the cache
                 done += self._prefill_group([seqs[i] for i in group])

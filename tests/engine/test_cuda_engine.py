@@ -59,6 +59,26 @@ def test_chunked_prefill_matches_one_pass():
     assert_same(got, ref)
 
 
+def test_packed_prefill_matches_padded_groups_and_writes_each_prompt_to_its_own_slot():
+    # prompts of unequal lengths admitted together: packed end to end (the default) and right-padded (the peer)
+    model = tiny(2)
+    reqs = [Request(str(i), p, SamplingParams(temperature=0.9, max_new_tokens=5, seed=i))
+            for i, p in enumerate(prompts(9, 4, 2, 30))]
+    runs = {pack: CudaEngine(copy.deepcopy(model), max_batch=9, eos_id=-1, capture_hidden=True, capture_experts=True,
+                             pack_prefill=pack) for pack in (True, False)}
+    got = {pack: engine.generate(reqs) for pack, engine in runs.items()}
+    assert_same(got[True], got[False])
+    assert len({len(r.prompt_ids) for r in reqs}) > 3  # the padded engine padded them
+    # every slot's cached keys, up to its last written position, are the same both ways (a packed row written to
+    # another slot or position would not be; past it the padded engine leaves its padding's keys)
+    for slot in range(9):
+        n = int(runs[True].state.pos[slot])
+        assert n == int(runs[False].state.pos[slot]) and n > 2
+        for layer in range(model.config.num_hidden_layers):
+            assert torch.allclose(runs[True].cache.k[layer][slot, :n], runs[False].cache.k[layer][slot, :n], atol=1e-5)
+            assert torch.allclose(runs[True].cache.v[layer][slot, :n], runs[False].cache.v[layer][slot, :n], atol=1e-5)
+
+
 def test_eos_and_stop_and_length_limit():
     model = tiny(2)
     reqs = requests(6)
