@@ -15,6 +15,7 @@ with one JSON line.
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig(**{**SHAPES[shape], "vocab_size": max(SHAPES[shape].get("vocab_size", 0), 49_152)})
     model = CausalLM(cfg).eval()
     dtype = torch.bfloat16 if cuda else torch.float32
-    engines = {pack: CudaEngine(model if pack else _copy(model), max_batch=max(args.rows, 8), max_seq_len=2048,
+    engines = {pack: CudaEngine(model if pack else copy.deepcopy(model), max_batch=max(args.rows, 8), max_seq_len=2048,
                                 device=args.device, dtype=dtype, pack_prefill=pack, use_graphs=False)
                for pack in (True, False)}
     seconds: dict[bool, list[float]] = {True: [], False: []}
@@ -94,12 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         "packed_tok_s": round(sum(lens) / packed_s, 1), "padded_over_packed": round(padded_s / packed_s, 3),
         "padded_tokens_over_real": round(padded / sum(lens), 3),
     }, args.out)
-
-
-def _copy(model: CausalLM) -> CausalLM:
-    import copy
-
-    return copy.deepcopy(model)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,8 @@ class ThreadMonitor:
         self.period_s = period_s
         self._latest: dict | None = None
         self._handing = threading.Lock()
+        self.lapped = threading.Event()
+        """Set at the first lap (a caller may wait for one)."""
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="thread-clock", daemon=True)
 
@@ -138,6 +140,7 @@ class ThreadMonitor:
             lap = clock.lap()
             with self._handing:
                 self._latest = merged(self._latest, lap)
+            self.lapped.set()
 
     def take(self) -> dict | None:
         """The laps since the last take, added up (None: none ended since)."""

@@ -260,9 +260,6 @@ class CudaEngine(EngineCore):
             for b in sorted(self.buckets, reverse=True):
                 self._graphs.ensure(b)
 
-    def _completion(self, s: SlotSequence, reason: FinishReason) -> Completion:
-        return self._completions([(s, reason)])[0]
-
     def _completions(self, ending: list[tuple[SlotSequence, FinishReason]]) -> list[Completion]:
         """A step's finished sequences read back together: their log-probabilities (and routes) gathered on the
         device and copied to the host once, not one wait on the device per sequence (in the network, where the GPU
